@@ -1,0 +1,37 @@
+"""hf_memstack: activation checkpointing, mixed precision, torch.compile and FSDP for any
+Hugging Face model, applied in the order the field recommends, verified and measured.
+
+    from hf_memstack import prepare_model
+    model = prepare_model(model, "bf16+ckpt")
+"""
+
+from .blocks import Blocks, find_blocks
+from .memory import StepMemory, format_bytes, measure_step, parse_bytes
+from .policy import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError
+from .prepare import MemstackRecord, describe, prepare_model
+from .step import forward_loss, train_step
+from .verify import VerifyReport, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LADDER",
+    "Blocks",
+    "CheckpointingConfig",
+    "CompileConfig",
+    "FSDPConfig",
+    "MemoryPolicy",
+    "MemstackRecord",
+    "PolicyError",
+    "StepMemory",
+    "VerifyReport",
+    "describe",
+    "find_blocks",
+    "format_bytes",
+    "forward_loss",
+    "measure_step",
+    "parse_bytes",
+    "prepare_model",
+    "train_step",
+    "verify",
+]

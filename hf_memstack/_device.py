@@ -1,0 +1,19 @@
+"""Where a model lives (private helpers shared by the modules that need it)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall time and allocator peaks are complete."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,114 @@
+"""Find the repeated transformer blocks of any model: the unit that checkpointing wraps,
+regional compile compiles once, and FSDP shards.
+
+One place, three sources, in order:
+1. an explicit override (class names),
+2. the model's ``_no_split_modules`` classes that repeat (BERT also lists its embeddings there),
+3. the largest ``nn.ModuleList`` / ``nn.Sequential`` whose children are all of one class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["Blocks", "find_blocks"]
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """The blocks found: the modules themselves, their qualified names, and where they came from."""
+
+    modules: tuple[nn.Module, ...]
+    names: tuple[str, ...]
+    class_names: tuple[str, ...]
+    source: str
+    """``override``, ``_no_split_modules`` or ``largest ModuleList``."""
+
+    def __len__(self) -> int:
+        return len(self.modules)
+
+
+def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) -> Blocks:
+    """Return the repeated blocks of ``model``.
+
+    Args:
+        model: any ``nn.Module``; Transformers models are searched through ``_no_split_modules``.
+        block_classes: class names that override detection, e.g. ``["LlamaDecoderLayer"]``.
+
+    Raises:
+        ValueError: no blocks can be found (or the override names no module of the model); the
+            message lists candidate class names and how to pass ``block_classes``.
+    """
+    named = list(model.named_modules())
+    if block_classes:
+        wanted = set(block_classes)
+        hits = [(n, m) for n, m in named if type(m).__name__ in wanted and m is not model]
+        hits = _outermost(hits)
+        if not hits:
+            raise ValueError(
+                f"policy.checkpointing.block_classes={list(block_classes)!r} names no module of "
+                f"{type(model).__name__}; candidates: {_candidates(model)}. Pass the class name of the "
+                "repeated layer, e.g. MemoryPolicy(checkpointing={'mode': 'full', 'block_classes': ['MyBlock']})"
+            )
+        return _make(hits, "override")
+
+    no_split = getattr(model, "_no_split_modules", None) or ()
+    if no_split:
+        wanted = set(no_split)
+        hits = [(n, m) for n, m in named if type(m).__name__ in wanted and m is not model]
+        counts: dict[str, int] = {}
+        for _, m in hits:
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        repeated = [(n, m) for n, m in hits if counts[type(m).__name__] >= 2]
+        repeated = _outermost(repeated)
+        if repeated:
+            return _make(repeated, "_no_split_modules")
+
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2:
+            continue
+        kinds = {type(c) for _, c in children}
+        # Leaf layers (Linear, Dropout) are not blocks: a block has submodules of its own.
+        if len(kinds) == 1 and any(True for _ in children[0][1].children()):
+            if len(children) > len(best):
+                prefix = f"{name}." if name else ""
+                best = [(prefix + n, c) for n, c in children]
+    if best:
+        return _make(best, "largest ModuleList")
+
+    raise ValueError(
+        f"cannot find repeated blocks in {type(model).__name__}: it has no `_no_split_modules` that repeat and "
+        f"no ModuleList/Sequential of identical modules. Candidates: {_candidates(model)}. Pass the block "
+        "class name: MemoryPolicy(checkpointing={'mode': 'full', 'block_classes': ['MyBlock']})"
+    )
+
+
+def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop matches nested inside another match (a block class used inside a block)."""
+    names = [n for n, _ in hits]
+    return [(n, m) for n, m in hits if not any(n != o and n.startswith(o + ".") for o in names)]
+
+
+def _make(hits: list[tuple[str, nn.Module]], source: str) -> Blocks:
+    return Blocks(
+        modules=tuple(m for _, m in hits),
+        names=tuple(n for n, _ in hits),
+        class_names=tuple(dict.fromkeys(type(m).__name__ for _, m in hits)),
+        source=source,
+    )
+
+
+def _candidates(model: nn.Module, limit: int = 8) -> str:
+    counts: dict[str, int] = {}
+    for _, m in model.named_modules():
+        if m is not model and any(True for _ in m.children()):
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return ", ".join(f"{k} (x{v})" for k, v in top) or "none (the model has no submodules with children)"

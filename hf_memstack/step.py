@@ -1,0 +1,71 @@
+"""One training step, written once and shared by the memory meter, verify, the batch-size
+finder and the benchmarks, so that all of them measure the same thing a user's loop does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LossFn", "forward_loss", "train_step"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(outputs, batch) -> scalar loss``, for models that do not return ``outputs.loss``."""
+
+
+def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """Run the forward and return the scalar loss.
+
+    A mapping batch is passed as keyword arguments (``model(**batch)``), a tuple/list as positional
+    arguments, anything else as the single argument. Without ``loss_fn`` the model must return a
+    ``loss`` (Transformers models do when the batch holds ``labels``).
+
+    Raises:
+        ValueError: no ``loss_fn`` and the outputs carry no loss.
+    """
+    if isinstance(batch, Mapping):
+        outputs = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        outputs = model(*batch)
+    else:
+        outputs = model(batch)
+    if loss_fn is not None:
+        return loss_fn(outputs, batch)
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"{type(model).__name__} returned no loss for this batch: put `labels` in the batch for a "
+            "Transformers model, or pass loss_fn=lambda outputs, batch: ... that returns a scalar"
+        )
+    return loss
+
+
+def train_step(
+    model: nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> float:
+    """Forward, backward and (when ``optimizer`` is given) an optimizer step; returns the loss.
+
+    With a ``grad_scaler`` (fp16) the loss is scaled, and the step skips on inf/nan gradients.
+    Gradients are freed with ``zero_grad(set_to_none=True)`` after the step, as a training loop does.
+    """
+    loss = forward_loss(model, batch, loss_fn)
+    if grad_scaler is not None:
+        grad_scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    if optimizer is not None:
+        if grad_scaler is not None:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            optimizer.step()
+        # Free the gradients as soon as they are used: this memory is not needed until the next backward.
+        optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
