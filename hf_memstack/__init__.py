@@ -5,6 +5,7 @@ Hugging Face model, applied in the order the field recommends, verified and meas
     model = prepare_model(model, "bf16+ckpt")
 """
 
+from .batch_size import BatchSizeResult, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
 from .memory import StepMemory, format_bytes, measure_step, parse_bytes
 from .policy import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LADDER",
+    "BatchSizeResult",
     "Blocks",
     "CheckpointingConfig",
     "CompileConfig",
@@ -23,9 +25,11 @@ __all__ = [
     "MemoryPolicy",
     "MemstackRecord",
     "PolicyError",
+    "Probe",
     "StepMemory",
     "VerifyReport",
     "describe",
+    "find_batch_size",
     "find_blocks",
     "format_bytes",
     "forward_loss",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -17,3 +20,11 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall time and allocator peaks are complete."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def preserved_rng(device: torch.device) -> Iterator[None]:
+    """Restore the CPU RNG (and the device's, on CUDA) on exit: measuring must not shift a run's randomness."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        yield

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ._device import device_of
 from .blocks import Blocks
 from .policy import CheckpointingConfig
 
@@ -39,9 +40,15 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     Returns a record: ``method`` (``transformers`` / ``torch-wrapper``), ``checkpointed`` (block indices).
     """
     if cfg.mode == "none":
-        return {"method": "none", "checkpointed": []}
+        return {"method": "none", "checkpointed": [], "note": ""}
     every_n = cfg.every_n if cfg.mode == "every_n" else 1
     offload = cfg.mode == "offload"
+    note = ""
+    if offload and device_of(model).type == "cpu":
+        # The saved inputs already live in host memory; Transformers 5.24 would still ask for pinned
+        # memory and fail on a host without an accelerator. Full checkpointing is the same thing here.
+        offload = False
+        note = "offload skipped: the model is on the CPU, its activations are already in host memory"
     ckpt_kwargs = {"use_reentrant": cfg.use_reentrant}
 
     if uses_transformers_checkpointing(model, cfg):
@@ -52,7 +59,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
         n = len(blocks) if blocks is not None else 0
-        return {"method": "transformers", "checkpointed": [i for i in range(n) if i % every_n == 0]}
+        return {"method": "transformers", "checkpointed": [i for i in range(n) if i % every_n == 0], "note": note}
 
     if blocks is None:
         raise ValueError("apply_checkpointing needs the model's blocks for the PyTorch wrapper fallback")
@@ -71,7 +78,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     if cfg.use_reentrant and hasattr(model, "enable_input_require_grads"):
         # Reentrant checkpointing drops gradients when no input of the block requires grad.
         model.enable_input_require_grads()
-    return {"method": "torch-wrapper", "checkpointed": checkpointed}
+    return {"method": "torch-wrapper", "checkpointed": checkpointed, "note": note}
 
 
 def _offloaded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:

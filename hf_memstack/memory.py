@@ -11,13 +11,14 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ._device import device_of, synchronize
-from .step import LossFn, train_step
+from .step import LossFn, backward, forward_loss, optimizer_step, train_step
 
 __all__ = ["StepMemory", "format_bytes", "measure_step", "parse_bytes"]
 
@@ -43,6 +44,13 @@ class StepMemory:
     device: str
     method: str
     """``memtracker`` (+``cuda-allocator`` peak) or ``fallback``."""
+    forward_backward_peak: int = 0
+    """Peak of the forward + backward alone: grows linearly with the batch size."""
+    saved_activations: int = 0
+    """Activation bytes alive at the end of the forward - what the backward needs, and what
+    checkpointing shrinks (0 when a custom ``step_fn`` hides the phases)."""
+    peak_phase: str = "forward+backward"
+    """Where the step peaked: ``forward+backward`` or ``optimizer`` (the step's fixed cost)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +84,7 @@ def parse_bytes(value: int | float | str, *, field: str = "budget") -> int:
     elif isinstance(value, str):
         import re
 
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
         unit = m.group(2).lower() if m else ""
         if not m or (unit and unit not in _UNITS):
             raise ValueError(
@@ -100,6 +108,7 @@ def measure_step(
     grad_scaler: torch.amp.GradScaler | None = None,
     warmup: bool | None = None,
     timed: bool = True,
+    step_fn: Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any] | None = None,
 ) -> StepMemory:
     """Run a real training step (it updates the model, like any step) and measure its memory.
 
@@ -112,46 +121,73 @@ def measure_step(
         warmup: run one step first so the optimizer state exists and the measured step is a
             steady-state one. ``None``: only when the optimizer has no state yet.
         timed: also time one untracked step (the tracker slows the tracked one down).
+        step_fn: ``step_fn(model, batch, optimizer)`` replaces :func:`train_step` (e.g. to measure
+            a hand-written loop the same way); ``loss_fn`` and ``grad_scaler`` are then unused.
 
     Returns:
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
     """
-    step_kwargs = {"loss_fn": loss_fn, "grad_scaler": grad_scaler}
+    phases: list[Callable[[], Any]] | None = None
+    if step_fn is None:
+        def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+            return train_step(m, b, o, loss_fn=loss_fn, grad_scaler=grad_scaler)
+
+        # Split so the tracker can read what the forward left for the backward, and the
+        # forward+backward peak before the optimizer step.
+        held: dict[str, torch.Tensor] = {}
+        phases = [lambda: held.update(loss=forward_loss(model, batch, loss_fn)),
+                  lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
+                  lambda: optimizer_step(optimizer, grad_scaler=grad_scaler)]
     if warmup is None:
         warmup = optimizer is not None and not optimizer.state
     if warmup:
-        train_step(model, batch, optimizer, **step_kwargs)
+        step_fn(model, batch, optimizer)
     device = device_of(model)
     seconds = None
     if timed:
         synchronize(device)
         start = time.perf_counter()
-        train_step(model, batch, optimizer, **step_kwargs)
+        step_fn(model, batch, optimizer)
         synchronize(device)
         seconds = time.perf_counter() - start
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    breakdown, method = _track(model, optimizer, lambda: train_step(model, batch, optimizer, **step_kwargs))
+    breakdown, method = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
     peak = breakdown.pop("total")
+    fwd_bwd = breakdown.pop("backward_peak")
+    saved = breakdown.pop("forward_activations")
     if device.type == "cuda":
         synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device))
         method += "+cuda-allocator"
-    return StepMemory(peak_bytes=int(peak), step_seconds=seconds, device=str(device), method=method, **breakdown)
+    return StepMemory(peak_bytes=int(peak), step_seconds=seconds, device=str(device), method=method,
+                      forward_backward_peak=int(fwd_bwd), saved_activations=int(saved),
+                      peak_phase="optimizer" if phases and peak > fwd_bwd else "forward+backward", **breakdown)
 
 
-def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Any) -> tuple[dict[str, Any], str]:
-    """Run ``step`` under PyTorch's MemTracker; return the category bytes at the peak."""
+def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> tuple[dict[str, Any], str]:
+    """Run the step's phases under PyTorch's MemTracker; return the category bytes at the peak,
+    the total, the activation bytes alive after the first phase (the forward) and the peak
+    reached by the end of the second (the backward). A single phase is the whole step."""
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
     except ImportError:  # private API: it may move; fall back to counting what outlives the step
-        return _fallback(model, optimizer, step), "fallback"
+        return _fallback(model, optimizer, phases), "fallback"
     tracker = MemTracker()
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+    forward_activations = backward_peak = 0
     with tracker:
-        step()
+        for i, phase in enumerate(phases):
+            phase()
+            if i == 0 and len(phases) > 1:
+                forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
+            if i == min(1, len(phases) - 1):
+                backward_peak = _category(tracker.get_tracker_snapshot("peak"), "total")
+                if device_of(model).type == "cuda":
+                    synchronize(device_of(model))
+                    backward_peak = max(backward_peak, torch.cuda.max_memory_allocated(device_of(model)))
     snapshot = tracker.get_tracker_snapshot("peak")
     per_cat: dict[str, int] = {}
     total = 0
@@ -169,11 +205,18 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Any)
         "optimizer": per_cat.get("opt", 0),
         "activations": per_cat.get("act", 0),
         "temporaries": per_cat.get("temp", 0),
-        "other": per_cat.get("oth", 0)
+        "other": per_cat.get("oth", 0),
+        "forward_activations": forward_activations,
+        "backward_peak": backward_peak,
     }, "memtracker"
 
 
-def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: Any) -> dict[str, Any]:
+def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
+    """Bytes of one category (``act``, ``total``, ...) summed over devices."""
+    return sum(int(v) for dev in snapshot.values() for k, v in dev.items() if str(k).lower().rsplit(".", 1)[-1] == name)
+
+
+def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> dict[str, Any]:
     """Without MemTracker: model states from their storages, activations from saved-for-backward bytes."""
     saved = 0
 
@@ -183,13 +226,15 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: A
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
+        for phase in phases:
+            phase()
     params = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     grads = params if any(p.requires_grad for p in model.parameters()) else 0
     opt = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return {"total": params + grads + opt + saved, "parameters": params, "gradients": grads, "optimizer": opt,
-            "activations": saved, "temporaries": 0, "other": 0}
+    total = params + grads + opt + saved
+    return {"total": total, "parameters": params, "gradients": grads, "optimizer": opt,
+            "activations": saved, "temporaries": 0, "other": 0, "forward_activations": saved, "backward_peak": total}
 

@@ -37,6 +37,8 @@ class MemstackRecord:
     compile: CompileStats
     fsdp: dict[str, Any] | None
     prepare_seconds: float
+    kv_cache_disabled: bool = False
+    """``model.config.use_cache`` was turned off: training never reads the KV cache."""
 
     def describe(self) -> str:
         lines = [f"hf_memstack policy: {self.policy.to_string()}"]
@@ -47,7 +49,8 @@ class MemstackRecord:
             lines.append(f"  blocks: {len(self.blocks)} x {'/'.join(self.blocks.class_names)} (from {self.blocks.source})")
         ck = self.checkpointing
         if ck["method"] != "none":
-            lines.append(f"  checkpointing: {self.policy.checkpointing.mode} via {ck['method']}, blocks {ck['checkpointed']}")
+            lines.append(f"  checkpointing: {self.policy.checkpointing.mode} via {ck['method']}, blocks {ck['checkpointed']}"
+                         + (f" ({ck['note']})" if ck["note"] else ""))
         else:
             lines.append("  checkpointing: off")
         co = self.policy.compile
@@ -57,6 +60,8 @@ class MemstackRecord:
         else:
             lines.append("  compile: off")
         lines.append(f"  fsdp: {self.fsdp}" if self.fsdp else "  fsdp: off")
+        if self.kv_cache_disabled:
+            lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
         lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
         return "\n".join(lines)
 
@@ -122,6 +127,12 @@ def prepare_model(
             stacklevel=2,
         )
 
+    # Training never reads the KV cache: building it costs memory and, under compile, a recompile
+    # of the first block. Transformers only turns it off in checkpointed layers.
+    kv_cache_disabled = bool(getattr(getattr(model, "config", None), "use_cache", False))
+    if kv_cache_disabled:
+        model.config.use_cache = False
+
     # The order matters (torchtitan's and Accelerate's FSDP2 order):
     # 1. checkpointing first, so compile and FSDP wrap the checkpointed blocks: a recompute then
     #    re-runs the compiled block, and FSDP's all-gather stays outside the checkpoint (else every
@@ -157,6 +168,7 @@ def prepare_model(
         compile=compile_stats,
         fsdp=fsdp,
         prepare_seconds=time.perf_counter() - start,
+        kv_cache_disabled=kv_cache_disabled,
     )
     return model
 

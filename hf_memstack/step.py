@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LossFn", "forward_loss", "train_step"]
+__all__ = ["LossFn", "backward", "forward_loss", "optimizer_step", "train_step"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, batch) -> scalar loss``, for models that do not return ``outputs.loss``."""
@@ -56,16 +56,27 @@ def train_step(
     Gradients are freed with ``zero_grad(set_to_none=True)`` after the step, as a training loop does.
     """
     loss = forward_loss(model, batch, loss_fn)
+    backward(loss, grad_scaler=grad_scaler)
+    optimizer_step(optimizer, grad_scaler=grad_scaler)
+    return float(loss.detach())
+
+
+def backward(loss: torch.Tensor, *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """Backward from ``loss`` (scaled first for fp16)."""
     if grad_scaler is not None:
         grad_scaler.scale(loss).backward()
     else:
         loss.backward()
-    if optimizer is not None:
-        if grad_scaler is not None:
-            grad_scaler.step(optimizer)
-            grad_scaler.update()
-        else:
-            optimizer.step()
-        # Free the gradients as soon as they are used: this memory is not needed until the next backward.
-        optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer | None, *, grad_scaler: torch.amp.GradScaler | None = None) -> None:
+    """The last part of :func:`train_step`: step (through the scaler for fp16) and free the gradients."""
+    if optimizer is None:
+        return
+    if grad_scaler is not None:
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+    else:
+        optimizer.step()
+    # Free the gradients as soon as they are used: this memory is not needed until the next backward.
+    optimizer.zero_grad(set_to_none=True)

@@ -8,13 +8,13 @@ matmuls, trainable parameters that never get gradients. This module observes eac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._device import device_of, preserved_rng
 from .prepare import MemstackRecord
 from .step import LossFn, forward_loss
 
@@ -72,7 +72,7 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
-    with _preserved_rng():
+    with preserved_rng(device_of(model)):
         for p in params:
             p.grad = None
         # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
@@ -88,16 +88,21 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
             for p in params:
                 p.grad = None
             before = record.compile.graph_calls
+            breaks_before = dict(_graph_breaks())
             forward_loss(model, batch, loss_fn).backward()
             report.compiled_calls = record.compile.graph_calls - before
+            breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items() if v > breaks_before.get(k, 0)}
             n = len(record.compile.regions)
-            report.checks.append(Check(
-                "compile",
-                report.compiled_calls >= n,
-                f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
-                f"({record.compile.graphs_compiled} graph(s) compiled so far)"
-                + ("" if report.compiled_calls >= n else ": the compiled code did not run; the model ran eager"),
-            ))
+            # Each region's forward is at least one compiled call; fewer means a region ran eager.
+            ok = report.compiled_calls >= n
+            detail = (f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
+                      f"({record.compile.graphs_compiled} graph(s) compiled so far)")
+            if not ok:
+                detail += ": some compiled code did not run, part of the model ran eager"
+            if breaks:
+                reasons = "; ".join(f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3])
+                detail += f"; graph breaks: {reasons}"
+            report.checks.append(Check("compile", ok, detail))
     for p, g in zip(params, saved_grads):
         p.grad = g
     if raise_on_failure and not report.ok:
@@ -201,8 +206,8 @@ def _check_gradients(report: VerifyReport, model: nn.Module, params: list[torch.
     report.checks.append(Check("gradients", ok, detail))
 
 
-@contextlib.contextmanager
-def _preserved_rng() -> Iterator[None]:
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
+def _graph_breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
+

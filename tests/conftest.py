@@ -1,0 +1,57 @@
+"""Fixtures: each tiny architecture saved once through save_pretrained, then loaded fresh per
+test through the real from_pretrained path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny import PlainStack, configs, model_class  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pretrained_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each tiny architecture saved once with save_pretrained (safetensors)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    out = {}
+    for arch, cfg in configs().items():
+        torch.manual_seed(0)
+        model = model_class(arch)(cfg)
+        model.save_pretrained(root / arch)
+        out[arch] = root / arch
+    return out
+
+
+@pytest.fixture
+def load_model(pretrained_dirs: dict[str, Path]) -> Callable[[str], nn.Module]:
+    """``load_model(arch)``: a fresh fp32 model from its saved directory, in train mode."""
+
+    def load(arch: str) -> nn.Module:
+        if arch == "plain":
+            torch.manual_seed(0)
+            return PlainStack().train()
+        model = model_class(arch).from_pretrained(pretrained_dirs[arch], dtype=torch.float32)
+        return model.train()
+
+    return load
+
+
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Dynamo's caches and its per-function recompile limit are process-wide: without a reset,
+    compiles from earlier tests pile up until a shared frame falls back to eager."""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()

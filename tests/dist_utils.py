@@ -1,0 +1,51 @@
+"""Run a function on N CPU processes in a gloo group, with a timeout on the group and on the
+whole run, so a distributed bug fails the test instead of hanging CI."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    import torch.distributed as dist
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result = ("ok", fn(rank, world, *args))
+    except BaseException:  # noqa: BLE001 - shipped back to the test, which re-raises
+        result = ("error", traceback.format_exc())
+    finally:
+        Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float = 180) -> list[Any]:
+    """``fn(rank, world, *args)`` on each rank; returns each rank's result or raises with its traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = str(Path(tmp) / "init")
+        ctx = mp.start_processes(_worker, args=(world, init_file, tmp, fn, args), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"distributed test did not finish within {timeout} s")
+        results = []
+        for rank in range(world):
+            status, value = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results.append(value)
+        return results

@@ -1,0 +1,53 @@
+import pytest
+import torch
+from tiny import make_batch
+
+from hf_memstack import format_bytes, measure_step, parse_bytes, prepare_model
+
+
+def _param_bytes(model):
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def test_categories_and_determinism(load_model):
+    model = prepare_model(load_model("llama"), "fp32")
+    opt = torch.optim.AdamW(model.parameters())
+    batch = make_batch("llama", batch_size=4, seq=32)
+    first = measure_step(model, batch, opt)  # warms the optimizer state up first
+    second = measure_step(model, batch, opt)
+    fields = ("peak_bytes", "parameters", "gradients", "optimizer", "activations", "temporaries", "other")
+    assert [getattr(first, f) for f in fields] == [getattr(second, f) for f in fields]
+    assert first.parameters == _param_bytes(model)
+    # AdamW keeps two fp32 moments per parameter (plus a step counter each).
+    assert first.optimizer >= 2 * sum(p.numel() * 4 for p in model.parameters())
+    assert first.activations > 0 and first.step_seconds > 0
+    assert first.peak_bytes == sum(getattr(first, f) for f in fields[1:])
+    assert first.method == "memtracker"
+
+
+def test_no_optimizer_means_no_optimizer_bytes(load_model):
+    m = measure_step(prepare_model(load_model("gpt2"), "fp32"), make_batch("gpt2"), timed=False)
+    assert m.optimizer == 0 and m.step_seconds is None
+
+
+def test_checkpointing_cuts_activation_peak(load_model):
+    batch = make_batch("llama", batch_size=8, seq=64)
+    plain = measure_step(prepare_model(load_model("llama"), "bf16"), batch, timed=False)
+    ckpt = measure_step(prepare_model(load_model("llama"), "bf16+ckpt"), batch, timed=False)
+    assert ckpt.peak_bytes < plain.peak_bytes
+    # What the forward leaves for the backward: only the blocks' inputs under full checkpointing.
+    assert ckpt.saved_activations < 0.4 * plain.saved_activations
+    assert plain.forward_backward_peak <= plain.peak_bytes
+
+
+def test_parse_and_format_bytes():
+    assert parse_bytes("20GiB") == 20 * 2**30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    assert parse_bytes(1024) == 1024
+    assert format_bytes(1536) == "1.50 KiB"
+    with pytest.raises(ValueError, match=r"budget='20 parsecs' is not a size.*'20GiB'"):
+        parse_bytes("20 parsecs")
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_bytes("-3GiB")
+    with pytest.raises(TypeError, match="budget=True"):
+        parse_bytes(True)
