@@ -7,7 +7,9 @@ Hugging Face model, applied in the order the field recommends, verified and meas
 
 from .batch_size import BatchSizeResult, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
-from .memory import StepMemory, format_bytes, measure_step, parse_bytes
+from .estimate import MemoryEstimate, estimate_memory
+from .memory import StepMemory, format_bytes, measure_step, model_state_bytes, parse_bytes
+from .planner import Plan, plan_policy
 from .policy import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError
 from .prepare import MemstackRecord, describe, prepare_model
 from .step import forward_loss, train_step
@@ -23,18 +25,23 @@ __all__ = [
     "CompileConfig",
     "FSDPConfig",
     "MemoryPolicy",
+    "MemoryEstimate",
     "MemstackRecord",
+    "Plan",
     "PolicyError",
     "Probe",
     "StepMemory",
     "VerifyReport",
     "describe",
+    "estimate_memory",
     "find_batch_size",
     "find_blocks",
     "format_bytes",
     "forward_loss",
     "measure_step",
+    "model_state_bytes",
     "parse_bytes",
+    "plan_policy",
     "prepare_model",
     "train_step",
     "verify",

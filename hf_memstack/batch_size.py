@@ -167,12 +167,13 @@ def find_batch_size(
             f"training needs about {format_bytes(4 * param_bytes)} before activations (parameters, gradients, AdamW state). "
             f"{_next_rung(model, weights_dominate=True)}"
         )
-    record = getattr(model, "memstack", None)
+    # Through a DDP wrapper (Accelerate's prepare), the record is on the wrapped module.
+    record = getattr(model, "memstack", None) or getattr(getattr(model, "module", None), "memstack", None)
     grad_scaler = getattr(record, "grad_scaler", None)
     compiled = bool(record is not None and record.compile.regions)
     searcher = _Search(model, make_batch, optimizer if mode == "train" else None, loss_fn, grad_scaler, budget_bytes,
                        mode, world, compiled, max_batch_size)
-    key, signature = _cache_key(model, optimizer, searcher.signature, mode, budget_bytes, world, device)
+    key, signature = _cache_key(model, record, optimizer, searcher.signature, mode, budget_bytes, world, device)
     cache_file = Path(cache_dir or DEFAULT_CACHE_DIR) / "batch_size" / f"{key}.json" if cache else None
 
     was_training = model.training
@@ -465,13 +466,13 @@ def _apply_global_batch(result: BatchSizeResult, global_batch: int, world: int) 
             f"steps give {result.grad_accum * per_step}" + (f"; batch size {exact} with {global_batch // (exact * world)} steps matches exactly" if exact else ""))
 
 
-def _cache_key(model: nn.Module, optimizer: Any, signature: Any, mode: str, budget: int, world: int, device: torch.device) -> tuple[str, dict[str, Any]]:
+def _cache_key(model: nn.Module, record: Any, optimizer: Any, signature: Any, mode: str, budget: int, world: int,
+               device: torch.device) -> tuple[str, dict[str, Any]]:
     import transformers
 
     from . import __version__
 
-    config = getattr(model, "config", None)
-    record = getattr(model, "memstack", None)
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     sig = {
         "model": config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else
         [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],

@@ -13,7 +13,7 @@ from .blocks import Blocks
 from .policy import FSDPConfig
 from .precision import ResolvedPrecision
 
-__all__ = ["apply_fsdp", "check_fsdp_launch"]
+__all__ = ["apply_fsdp", "check_fsdp_launch", "load_sharded_checkpoint", "save_pretrained_full", "save_sharded_checkpoint"]
 
 _HOW_TO_LAUNCH = (
     "launch with several processes, e.g. `torchrun --nproc_per_node 2 train.py` or "
@@ -23,12 +23,23 @@ _HOW_TO_LAUNCH = (
 )
 
 
-def check_fsdp_launch(cfg: FSDPConfig) -> None:
-    """Raise RuntimeError when FSDP is asked for without an initialised process group."""
+def check_fsdp_launch(cfg: FSDPConfig, policy: dict[str, Any] | None = None) -> None:
+    """Raise RuntimeError when FSDP is asked for without an initialised process group, or when the
+    ranks were given different policies (checked with one small all-gather, before any sharding
+    collective could wait forever on a rank that shards differently)."""
     if cfg.mode == "none":
         return
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}")
+    if policy is not None:
+        policies: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(policies, policy)
+        differing = [r for r, p in enumerate(policies) if p != policies[0]]
+        if differing:
+            raise RuntimeError(
+                f"the ranks were given different memory policies: rank 0 has {policies[0]}, rank(s) {differing} have "
+                f"{[policies[r] for r in differing]}; pass the same policy on every rank (e.g. from one config file)"
+            )
     if cfg.mode == "hybrid_shard":
         local = _local_world_size()
         if dist.get_world_size() % local:
@@ -46,7 +57,6 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: 
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    check_fsdp_launch(cfg)
     reshard = cfg.reshard_after_forward
     if reshard is None:
         reshard = cfg.mode != "shard_grad_op"
@@ -78,3 +88,40 @@ def _mesh(cfg: FSDPConfig, device_type: str) -> Any:
         local = _local_world_size()
         return init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+
+def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -> None:
+    """Gather the full state dict on rank 0 (in CPU memory) and write it with ``save_pretrained``
+    (safetensors), loadable by ``from_pretrained`` in one process. Call it on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        original = type(model)
+        # FSDP2 swaps the class for a generated `FSDP<Class>`: save under the model's own class name.
+        model.__class__ = next(c for c in original.__mro__ if not c.__name__.startswith("FSDP"))
+        try:
+            model.save_pretrained(save_directory, state_dict=state, safe_serialization=True, **kwargs)
+        finally:
+            model.__class__ = original
+    dist.barrier()
+
+
+def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str) -> None:
+    """Each rank writes its own shards of the model and optimizer (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
+
+
+def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str) -> None:
+    """Load what :func:`save_sharded_checkpoint` wrote into an already sharded model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

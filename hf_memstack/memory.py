@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from torch import nn
 from ._device import device_of, synchronize
 from .step import LossFn, backward, forward_loss, optimizer_step, train_step
 
-__all__ = ["StepMemory", "format_bytes", "measure_step", "parse_bytes"]
+__all__ = ["StepMemory", "format_bytes", "measure_step", "model_state_bytes", "parse_bytes"]
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -97,6 +98,21 @@ def parse_bytes(value: int | float | str, *, field: str = "budget") -> int:
     if n <= 0:
         raise ValueError(f"{field}={value!r} must be positive, e.g. '20GiB'")
     return n
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of parameters (and buffers), gradients and optimizer state, as they are now;
+    under FSDP only the local shards count."""
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
+        return local.numel() * local.element_size()
+
+    params = sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    opt = 0
+    if optimizer is not None:
+        opt = sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+    return {"parameters": params, "gradients": grads, "optimizer": opt}
 
 
 def measure_step(
@@ -178,7 +194,9 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
     tracker = MemTracker()
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     forward_activations = backward_peak = 0
-    with tracker:
+    with tracker, warnings.catch_warnings():
+        # MemTracker's module tracker warns for modules freed before their backward hook runs.
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
         for i, phase in enumerate(phases):
             phase()
             if i == 0 and len(phases) > 1:

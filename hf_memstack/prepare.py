@@ -110,7 +110,7 @@ def prepare_model(
     if accelerator is not None:
         check_accelerator_precision(precision, accelerator)
     check_backend(policy.compile)
-    check_fsdp_launch(policy.fsdp)
+    check_fsdp_launch(policy.fsdp, policy.to_dict())
     ck = policy.checkpointing
     needs_blocks = (
         (ck.mode != "none" and not uses_transformers_checkpointing(model, ck))

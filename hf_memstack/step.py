@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["LossFn", "backward", "forward_loss", "optimizer_step", "train_step"]
 
@@ -58,6 +59,8 @@ def train_step(
     loss = forward_loss(model, batch, loss_fn)
     backward(loss, grad_scaler=grad_scaler)
     optimizer_step(optimizer, grad_scaler=grad_scaler)
+    if isinstance(loss, FakeTensor):  # traced by the estimator: shapes only, no value
+        return float("nan")
     return float(loss.detach())
 
 

@@ -60,10 +60,10 @@ class FinetuneConfig:
     global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step over all devices (sets gradient accumulation)"})
     memory_budget: str | None = field(default=None, metadata={"help": "for --batch-size auto: bytes or '20GiB' (required on CPU; CUDA: free memory)"})
     seq_len: int = field(default=64, metadata={"help": "maximum tokens per sample (checked against the model's limit)"})
-    epochs: float = field(default=2.0, metadata={"help": "passes over the training data (ignored when --max-steps > 0)"})
+    epochs: float = field(default=3.0, metadata={"help": "passes over the training data (ignored when --max-steps > 0)"})
     max_steps: int = field(default=0, metadata={"help": "optimizer steps to run; 0: from --epochs"})
     stop_after: int = field(default=0, metadata={"help": "stop after this many steps without finishing, as if preempted (resume later with --resume-from)"})
-    lr: float = field(default=5e-5, metadata={"help": "peak learning rate (AdamW)"})
+    lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and norms)"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warm-up"})
     lr_scheduler: str = field(default="linear", metadata={"help": "transformers scheduler name: linear, cosine, constant_with_warmup, ..."})
@@ -420,6 +420,8 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
 
     # The Accelerator owns the process group, device placement, autocast and fp16's GradScaler.
     accelerator = Accelerator(
+        # Accelerate only treats torchrun's processes as a gloo group on CPU when told it is on CPU.
+        cpu=device_type == "cpu",
         mixed_precision=ACCELERATE_NAMES[precision.name],
         log_with=cfg.report_to,
         project_dir=str(out),
@@ -458,6 +460,13 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     except (RuntimeError, TypeError):
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
 
+    # The model and optimizer go through Accelerate now, so the batch-size probes run under the
+    # same autocast (and DDP) as training; FSDP2-sharded models must not be wrapped again.
+    if policy.fsdp.mode == "none":
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        optimizer = accelerator.prepare(optimizer)
+
     # Batch size: given, or found from measured steps at the longest sequence of the run.
     world = accelerator.num_processes
     state = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "batch_size": None, "grad_accum": 1}
@@ -469,10 +478,11 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     elif cfg.batch_size == "auto":
         longest = min(cfg.seq_len, max(len(x) for x in train_ds["input_ids"]))
         pad = collate(tokenizer, pad_to=longest)
-        found = find_batch_size(
-            model, lambda n: pad([train_ds[i % len(train_ds)] for i in range(n)]), optimizer,
-            budget=cfg.memory_budget, global_batch_size=cfg.global_batch_size, step_fn=None,
-        )
+
+        def make_batch(n: int) -> dict[str, torch.Tensor]:
+            return {k: v.to(accelerator.device) for k, v in pad([train_ds[i % len(train_ds)] for i in range(n)]).items()}
+
+        found = find_batch_size(model, make_batch, optimizer, budget=cfg.memory_budget, global_batch_size=cfg.global_batch_size)
         log(found.summary())
         batch_size = found.batch_size
     else:
@@ -495,10 +505,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    if policy.fsdp.mode == "none":
-        model, optimizer, train_dl, val_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, val_dl, scheduler)
-    else:  # already sharded with FSDP2: Accelerate must not wrap it again (e.g. in DDP)
-        optimizer, train_dl, val_dl, scheduler = accelerator.prepare(optimizer, train_dl, val_dl, scheduler)
+    train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
     if resume_dir is not None:
         try:
             accelerator.load_state(str(resume_dir))

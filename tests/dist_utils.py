@@ -28,6 +28,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, fn: Callable[..
         result = ("error", traceback.format_exc())
     finally:
         Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+        # Leave together: a rank tearing gloo down while its peer is still in a collective aborts.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -148,7 +148,7 @@ def _fails(recipe, argv, fragment, capsys):
 def test_bad_config_reports_everything_before_loading(recipe, tmp_path, capsys):
     out = tmp_path / "never"
     err = _fails(recipe, ["--dataset", str(tmp_path / "missing.jsonl"), "--batch-size", "0", "--policy", "bf16+turbo",
-                          "--seq-len", "-1", "--output-dir", str(out)], "missing.jsonl: no such file", capsys)
+                          "--seq-len", "-1", "--output-dir", str(out)], "missing.jsonl': no such file", capsys)
     assert "--batch-size='0'" in err and "unknown token 'turbo'" in err and "--seq-len=-1" in err
     assert not out.exists()
 

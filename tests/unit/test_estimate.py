@@ -1,0 +1,99 @@
+import pytest
+import torch
+from tiny import make_batch
+
+from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model
+
+POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2"]
+BATCHES = [1, 2, 4]
+
+
+def _measured(load_model, arch, policy, batch, seq=16):
+    model = prepare_model(load_model(arch), policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return measure_step(model, make_batch(arch, batch_size=batch, seq=seq), opt, timed=False)
+
+
+@pytest.mark.parametrize("arch, task", [("llama", "causal-lm"), ("gpt2", "causal-lm"), ("bert", "classification")])
+def test_estimate_within_ten_percent_of_the_meter(load_model, pretrained_dirs, arch, task):
+    errors = {}
+    for policy in POLICIES:
+        for batch in BATCHES:
+            est = estimate_memory(pretrained_dirs[arch], policy, batch_size=batch, seq_len=16, task=task)
+            real = _measured(load_model, arch, policy, batch)
+            errors[(policy, batch)] = est.peak_bytes / real.peak_bytes - 1
+            assert est.parameters == real.parameters
+    assert all(abs(e) <= 0.10 for e in errors.values()), errors
+
+
+def test_breakdown_counts_frozen_parameters_and_shards(pretrained_dirs):
+    full = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=2, seq_len=16)
+    assert full.trainable_parameters == full.total_parameters
+    assert full.optimizer >= 2 * 4 * full.trainable_parameters  # two fp32 AdamW moments
+    sharded = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+fsdp", batch_size=2, seq_len=16, world_size=4)
+    unsharded = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=2, seq_len=16)
+    assert sharded.optimizer <= unsharded.optimizer / 4 + 1 and sharded.gradients <= unsharded.gradients / 4 + 1
+    sgd = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=2, seq_len=16, optimizer="sgd")
+    assert sgd.optimizer == 0
+
+
+def test_checkpointing_shrinks_the_estimated_activations(pretrained_dirs):
+    plain = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=8, seq_len=64)
+    ckpt = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=8, seq_len=64)
+    assert ckpt.activations < 0.5 * plain.activations and ckpt.peak_bytes < plain.peak_bytes
+
+
+def test_planner_generous_budget_picks_plain_mixed_precision(pretrained_dirs):
+    plan = plan_policy(pretrained_dirs["llama"], budget="8GiB", seq_len=32, batch_size=4, device="cpu")
+    assert plan.fits and plan.policy.to_string() == "bf16"
+    assert len(plan.rows) == 1 and "compile" in plan.suggestions[0]
+
+
+def test_planner_checkpoints_when_activations_dominate(pretrained_dirs):
+    plain = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=16, seq_len=64)
+    ckpt = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=16, seq_len=64)
+    budget = int((plain.peak_bytes + ckpt.peak_bytes) / 2 / 0.9)
+    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=64, batch_size=16, device="cpu")
+    assert plan.fits and plan.policy.checkpointing.mode != "none"
+    assert not plan.rows[0].fits and plan.rows[-1].fits
+
+
+def test_planner_shards_when_model_states_exceed_the_budget(pretrained_dirs):
+    one = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=1, seq_len=16)
+    states = one.parameters + one.gradients + one.optimizer
+    budget = int(states * 0.8)
+    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, world_size=8, margin=0.0, device="cpu")
+    assert plan.fits and plan.policy.fsdp.mode == "full_shard", plan.table()
+
+
+def test_planner_nothing_fits_says_by_how_much(pretrained_dirs):
+    plan = plan_policy(pretrained_dirs["llama"], budget="200KiB", seq_len=16, batch_size=4, device="cpu")
+    assert not plan.fits and plan.shortfall_bytes > 0
+    text = plan.table()
+    assert "nothing fits" in text and "more ranks" in text and "gradient accumulation" in text
+
+
+def test_planner_max_batch(pretrained_dirs):
+    plan = plan_policy(pretrained_dirs["llama"], budget="64MiB", seq_len=32, batch_size="max", device="cpu")
+    assert plan.fits and plan.batch_size >= 2
+    est = estimate_memory(pretrained_dirs["llama"], plan.policy, batch_size=plan.batch_size, seq_len=32)
+    assert est.peak_bytes <= 64 * 2**20 * 0.9 * 1.05
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"batch_size": -1}, "batch_size=-1 must be a positive integer"),
+        ({"seq_len": 4096}, "seq_len=4096 is above the model's limit of 64"),
+        ({"optimizer": "lion"}, "optimizer='lion' is not one of"),
+    ],
+)
+def test_estimate_bad_input(pretrained_dirs, kwargs, fragment):
+    args = {"batch_size": 1, "seq_len": 16, **kwargs}
+    with pytest.raises(ValueError, match=fragment):
+        estimate_memory(pretrained_dirs["llama"], "bf16", **args)
+
+
+def test_unknown_model_offline_is_a_clear_error():
+    with pytest.raises(ValueError, match="not a local directory with a config.json and not in the local Hugging Face cache"):
+        estimate_memory("no-such-org/no-such-model", "bf16", batch_size=1, seq_len=16)
