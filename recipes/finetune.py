@@ -55,7 +55,8 @@ class FinetuneConfig:
     response_field: str | None = field(default=None, metadata={"help": "response column (with --prompt-field)"})
     label_field: str = field(default="label", metadata={"help": "label column for classification"})
     packing: bool = field(default=False, metadata={"help": "causal-lm plain text: concatenate texts into full --seq-len blocks"})
-    policy: str = field(default="auto", metadata={"help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto"})
+    policy: str = field(default="auto", metadata={"help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
+                                                          "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"})
     batch_size: str = field(default="32", metadata={"help": "per-device micro-batch size, or 'auto' (the memory-aware finder)"})
     global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step over all devices (sets gradient accumulation)"})
     memory_budget: str | None = field(default=None, metadata={"help": "for --batch-size auto: bytes or '20GiB' (required on CPU; CUDA: free memory)"})
@@ -75,6 +76,7 @@ class FinetuneConfig:
     resume_from: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint directory to continue from"})
     output_dir: str = field(default="outputs/finetune", metadata={"help": "where the config, checkpoints, final model and report go"})
     overwrite: bool = field(default=False, metadata={"help": "replace an output directory that holds a different run"})
+    memory_plot: bool = field(default=False, metadata={"help": "write memory.png: the first step's memory breakdown and the peak memory at each logged step (needs matplotlib)"})
     report_to: str | None = field(default=None, metadata={"help": "Accelerate trackers: tensorboard, wandb, ... (when installed)"})
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
     seed: int = field(default=0, metadata={"help": "seed for data order, initialisation and dropout"})
@@ -339,6 +341,21 @@ def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int)
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 
+def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str) -> tuple[Any, str]:
+    """--policy as given; or, for 'auto' with --memory-budget, the planner's cheapest rung that fits
+    (returned with the planner's table)."""
+    from hf_memstack import MemoryPolicy, plan_policy
+
+    if cfg.policy != "auto" or not cfg.memory_budget:
+        return MemoryPolicy.coerce(cfg.policy), ""
+    batch: Any = int(cfg.batch_size) if cfg.batch_size.isdigit() else "max"
+    plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
+                       world_size=int(os.environ.get("WORLD_SIZE", "1")), task=task)
+    if not plan.fits:
+        raise RecipeError(f"--policy auto: nothing fits --memory-budget {cfg.memory_budget}:\n{plan.table()}")
+    return plan.policy, plan.table()
+
+
 # ----------------------------------------------------------------------------- 4. run
 def check_output_dir(cfg: FinetuneConfig, out: Path) -> None:
     """Refuse to mix two runs in one directory (unless --overwrite) before anything is written."""
@@ -393,6 +410,36 @@ def save_checkpoint(accelerator: Any, out: Path, state: dict, keep_last: int) ->
     accelerator.wait_for_everyone()
 
 
+def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
+    """A picture of where the memory went: the first step's breakdown, and peak memory over the run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--memory-plot needs matplotlib: pip install 'hf_memstack[plot]'", file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    if first_step is not None:
+        cats = ["parameters", "gradients", "optimizer", "activations", "temporaries"]
+        bottom = 0.0
+        for cat in cats:
+            value = getattr(first_step, cat) / 2**20
+            a.bar(["first step (meter)"], [value], bottom=bottom, label=cat)
+            bottom += value
+        a.set_ylabel("MiB at the step's peak")
+        a.legend(fontsize=8)
+    else:
+        a.text(0.5, 0.5, "the meter runs on CPU, eager, unsharded runs", ha="center")
+    b.plot([h["step"] for h in history], [h["peak_memory_mib"] for h in history], marker="o")
+    b.set_xlabel("optimizer step")
+    b.set_ylabel("peak memory MiB")
+    fig.suptitle(f"{report['model']} [{report['policy']}] batch {report['batch_size']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         return run(parse_config(argv))
@@ -406,14 +453,17 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     from accelerate.utils import DataLoaderConfiguration, set_seed
     from transformers import get_scheduler
 
-    from hf_memstack import MemoryPolicy, describe, find_batch_size, measure_step, prepare_model
+    from hf_memstack import describe, find_batch_size, measure_step, prepare_model
     from hf_memstack.precision import ACCELERATE_NAMES, resolve_precision
 
     validate(cfg)
     out = Path(cfg.output_dir)
     check_output_dir(cfg, out)
-    policy = MemoryPolicy.coerce(cfg.policy)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # Data before the model: a wrong field name fails in seconds, not after a download.
+    model_path = resolve_model_path(cfg.model)
+    train_raw, val_raw, task = load_raw_data(cfg)
+    policy, plan_table = choose_policy(cfg, model_path, task, device_type)
     precision = resolve_precision(policy.precision, device_type)
     if precision.name == "fp16" and device_type == "cpu":
         raise RecipeError("--policy with fp16 needs a GPU (Accelerate refuses fp16 on CPU); use bf16 or fp32 here")
@@ -429,10 +479,8 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     )
     set_seed(cfg.seed)
     log = accelerator.print
-
-    # Data before the model: a wrong field name fails in seconds, not after a download.
-    model_path = resolve_model_path(cfg.model)
-    train_raw, val_raw, task = load_raw_data(cfg)
+    if plan_table:
+        log(f"memory plan for {cfg.memory_budget} per device:\n{plan_table}")
     tokenizer = load_tokenizer(cfg, model_path)
     with accelerator.main_process_first():
         train_ds, val_ds, num_labels = tokenize(train_raw, val_raw, task, tokenizer, cfg)
@@ -554,7 +602,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     model.train()
     bar = tqdm(total=total_steps, initial=state["step"], disable=not accelerator.is_local_main_process, desc="train")
     history, metrics = [], {}
-    meter_peak = None
+    meter_peak = first_step = None
     tokens = samples = 0
     window_start = run_start = time.perf_counter()
     running_loss, running_n = 0.0, 0
@@ -566,7 +614,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
             if meter_peak is None and device_type == "cpu" and policy.compile.mode == "none" and policy.fsdp.mode == "none":
                 # The first micro-step runs under the memory meter: peak bytes by category, once.
                 m = measure_step(model, batch, None, warmup=False, timed=False, step_fn=lambda _m, b, _o: micro_step(b))
-                meter_peak = m.peak_bytes
+                meter_peak, first_step = m.peak_bytes, m
                 loss = torch.tensor(float("nan"))
                 log(f"memory meter, first step: {m.summary()}")
             else:
@@ -631,6 +679,8 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     }
     if accelerator.is_main_process:
         (out / "report.json").write_text(json.dumps(report, indent=2))
+        if cfg.memory_plot:
+            plot_memory(out / "memory.png", first_step, history, report)
         log(f"done in {seconds:.0f} s: {state['step']} steps, batch {batch_size} x {grad_accum} accumulation x {world} process(es); "
             f"loss {report['first_logged_loss']:.4f} -> {report['last_logged_loss']:.4f}; "
             + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()) + f"; model and report in {out}")

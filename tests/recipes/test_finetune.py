@@ -73,8 +73,9 @@ def test_saved_model_loads_and_reproduces_eval(recipe, tiny_lm, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    report = recipe.main(lm_args(tiny_lm, out, "--max-steps", "8"))
+    report = recipe.main(lm_args(tiny_lm, out, "--max-steps", "8", "--memory-plot"))
     assert report["last_logged_loss"] < report["first_logged_loss"]
+    assert (out / "memory.png").stat().st_size > 1000
     model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     # Recompute the validation loss with the reloaded model: it must equal the recipe's own.
     cfg = recipe.parse_config(lm_args(tiny_lm, out))
@@ -131,6 +132,18 @@ def test_batch_size_auto_with_global_batch(recipe, tiny_lm, tmp_path):
                                  "--global-batch-size", "64", "--max-steps", "2"))
     bs, acc = report["batch_size"], report["grad_accum"]
     assert 1 <= bs and acc == -(-64 // bs)
+
+
+def test_policy_auto_with_budget_uses_the_planner(recipe, tiny_lm, tmp_path, capsys):
+    args = [a for a in lm_args(tiny_lm, tmp_path / "plan", "--max-steps", "2") if a != "fp32"]
+    args[args.index("--policy") + 1:args.index("--policy") + 1] = ["auto"]
+    report = recipe.main([*args, "--memory-budget", "1GiB"])
+    assert report["policy"] == "bf16"  # generous: plain mixed precision on this CPU
+    assert "choose: bf16" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        recipe.main([*args, "--memory-budget", "64KiB", "--output-dir", str(tmp_path / "tiny")])
+    assert e.value.code == 2 and "nothing fits --memory-budget 64KiB" in capsys.readouterr().err
+    assert not (tmp_path / "tiny").exists()
 
 
 # ----------------------------------------------------------------------------- bad input

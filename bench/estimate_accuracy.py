@@ -1,0 +1,76 @@
+"""The estimator against the memory meter: for each architecture x policy x batch size, the
+estimated peak (from the config, on fake tensors) and the peak measured on a real step, and the
+error. The same script runs on a GPU, where the measured side is the CUDA allocator's peak.
+
+    python bench/estimate_accuracy.py                 # small configs, a few minutes on 2 CPU cores
+    python bench/estimate_accuracy.py --hidden 512 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from _common import machine
+
+from hf_memstack import estimate_memory, measure_step, prepare_model
+
+POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2"]
+
+
+def configs(hidden: int, layers: int, vocab: int) -> dict:
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    heads = max(1, hidden // 64)
+    return {
+        "llama": (LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=max(1, heads // 2), vocab_size=vocab, bos_token_id=1, eos_token_id=2), "causal-lm"),
+        "gpt2": (GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, bos_token_id=1, eos_token_id=2), "causal-lm"),
+        "bert": (BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=hidden * 4,
+                            vocab_size=vocab, num_labels=4), "classification"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "estimate_accuracy.json"))
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, (cfg, task) in configs(args.hidden, args.layers, args.vocab).items():
+            cfg.save_pretrained(Path(tmp) / arch)  # the estimator reads a local directory, as a user passes one
+            auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+            for policy in POLICIES:
+                for b in map(int, args.batches.split(",")):
+                    est = estimate_memory(Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task)
+                    torch.manual_seed(0)
+                    model = prepare_model(auto.from_config(cfg).to(device).train(), policy)
+                    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                    ids = torch.randint(3, args.vocab, (b, args.seq), device=device)
+                    labels = ids if task == "causal-lm" else torch.zeros(b, dtype=torch.long, device=device)
+                    real = measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
+                    rows.append({"arch": arch, "policy": policy, "batch": b, "estimate": est.peak_bytes, "measured": real.peak_bytes,
+                                 "error": est.peak_bytes / real.peak_bytes - 1})
+                    print(f"{arch:6s} {policy:12s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                          f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%", flush=True)
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"\nmachine: {machine()}; hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}")
+    print(f"{len(rows)} cells; worst |error| {worst * 100:.1f}%; within ±10%: {sum(abs(r['error']) <= 0.10 for r in rows)}/{len(rows)}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
