@@ -79,7 +79,7 @@ def main() -> None:
             model, opt = fresh()
             start = time.perf_counter()
             result = find_batch_size(model, make_batch, opt, budget=budget, cache=use_cache, cache_dir=cache_dir)
-            rows.append({"finder": name, "found": result.batch_size, "steps": result.steps_run,
+            rows.append({"finder": name, "found": result.batch_size, "steps": result.steps_run, "attempts": result.steps_run,
                          "seconds": time.perf_counter() - start, "probes": [p.batch_size for p in result.probes]})
             print(result.summary(), flush=True)
 
@@ -100,16 +100,17 @@ def main() -> None:
         start = time.perf_counter()
         found = train()
         rows.append({"finder": f"accelerate find_executable_batch_size (start {start_size})", "found": found,
-                     "steps": len(attempts), "seconds": time.perf_counter() - start, "probes": attempts})
+                     "steps": sum(a <= true_max for a in attempts), "attempts": len(attempts),
+                     "seconds": time.perf_counter() - start, "probes": attempts})
 
     ours = next(r for r in rows if r["finder"] == "hf_memstack (cold)")
     print(f"\nmachine: {machine()}")
     print(f"job: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, policy {args.policy}, "
           f"AdamW; budget {budget / 2**20:.0f} MiB; true maximum {true_max}\n")
-    print("| finder | found | found / true max | real steps | wall s | time vs hf_memstack cold |")
-    print("|---|---|---|---|---|---|")
+    print("| finder | found | found / true max | attempts | real steps run | wall s | time vs hf_memstack cold |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['finder']} | {r['found']} | {r['found'] / true_max:.2f} | {r['steps']} | {r['seconds']:.1f} | "
+        print(f"| {r['finder']} | {r['found']} | {r['found'] / true_max:.2f} | {r['attempts']} | {r['steps']} | {r['seconds']:.1f} | "
               f"{r['seconds'] / ours['seconds']:.2f}x |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -178,16 +178,18 @@ def find_batch_size(
 
     was_training = model.training
     with _Snapshot(model, optimizer, scheduler, grad_scaler), preserved_rng(device):
-        if mode == "eval":
-            model.eval()
-        result = None
-        if cache_file is not None and cache_file.is_file():
-            result = searcher.from_cache(json.loads(cache_file.read_text()))
+        try:
+            if mode == "eval":
+                model.eval()
+            result = None
+            if cache_file is not None and cache_file.is_file():
+                result = searcher.from_cache(json.loads(cache_file.read_text()))
+                if result is None:
+                    cache_file.unlink(missing_ok=True)
             if result is None:
-                cache_file.unlink(missing_ok=True)
-        if result is None:
-            result = searcher.search(probe_size)
-        model.train(was_training)
+                result = searcher.search(probe_size)
+        finally:
+            model.train(was_training)
     result.cache_file = str(cache_file) if cache_file else None
     if cache_file is not None and not result.cache_hit and (world == 1 or dist.get_rank() == 0):
         cache_file.parent.mkdir(parents=True, exist_ok=True)

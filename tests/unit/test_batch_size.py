@@ -96,6 +96,9 @@ def test_oom_everywhere_is_a_clear_error():
     with pytest.raises(ValueError, match=r"cannot hold one train step at batch size 1.*out of memory.*ckpt"):
         find_batch_size(model, lambda n: make_batch("plain", batch_size=n), torch.optim.AdamW(model.parameters()),
                         budget="8GiB", cache=False)
+    with pytest.raises(ValueError, match=r"cannot hold one eval step"):
+        find_batch_size(model, lambda n: make_batch("plain", batch_size=n), budget="8GiB", mode="eval", cache=False)
+    assert model.training  # eval probing switched the mode; the failure switched it back
 
 
 def test_eval_size_is_separate_and_larger(load_model):

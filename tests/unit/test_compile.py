@@ -29,7 +29,7 @@ def test_compiled_loss_matches_eager(load_model):
     assert compiled.memstack.compile.graph_calls > 0
 
 
-def test_verify_detects_compiled_model_running_eager(load_model):
+def test_compile_counter_counts_only_compiled_calls(load_model):
     model = prepare_model(load_model("llama"), _policy("compile:regional"))
     # Run the model under a stance that skips compiled code: the record shows no compiled calls.
     with torch.compiler.set_stance("force_eager"):
