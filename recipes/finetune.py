@@ -151,7 +151,12 @@ def validate(cfg: FinetuneConfig) -> None:
         problems.append("--prompt-field and --response-field go together; give both or neither")
     if cfg.policy != "auto":
         try:
-            MemoryPolicy.coerce(cfg.policy)
+            if MemoryPolicy.coerce(cfg.policy).fsdp.mode != "none" and (cfg.save_every or cfg.resume_from):
+                # Accelerate saves the optimizer it prepared from rank 0 only, which is wrong for
+                # FSDP2 shards; until the recipe writes sharded checkpoints, refuse rather than save badly.
+                problems.append(f"--policy={cfg.policy!r} with --save-every/--resume-from: resumable checkpoints under an "
+                                "FSDP policy are not supported by the recipe yet; drop --save-every/--resume-from, or use "
+                                "hf_memstack.fsdp.save_sharded_checkpoint in your own loop")
         except (PolicyError, FileNotFoundError, TypeError) as e:
             problems.append(f"--policy={cfg.policy!r}: {e}")
     if cfg.batch_size != "auto" and not (cfg.batch_size.isdigit() and int(cfg.batch_size) > 0):
@@ -666,11 +671,17 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     metrics = evaluate()
     log("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
     model_dir = out / "model"
-    state_dict = accelerator.get_state_dict(model)
+    if policy.fsdp.mode != "none":
+        # Sharded by FSDP2 here, not by Accelerate: gather the full state on rank 0 ourselves.
+        from hf_memstack.fsdp import save_pretrained_full
+
+        save_pretrained_full(model, str(model_dir))
+    else:
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(model_dir, state_dict=state_dict, safe_serialization=True)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(model_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(model_dir)
     seconds = time.perf_counter() - run_start
     report = {
