@@ -151,12 +151,7 @@ def validate(cfg: FinetuneConfig) -> None:
         problems.append("--prompt-field and --response-field go together; give both or neither")
     if cfg.policy != "auto":
         try:
-            if MemoryPolicy.coerce(cfg.policy).fsdp.mode != "none" and (cfg.save_every or cfg.resume_from):
-                # Accelerate saves the optimizer it prepared from rank 0 only, which is wrong for
-                # FSDP2 shards; until the recipe writes sharded checkpoints, refuse rather than save badly.
-                problems.append(f"--policy={cfg.policy!r} with --save-every/--resume-from: resumable checkpoints under an "
-                                "FSDP policy are not supported by the recipe yet; drop --save-every/--resume-from, or use "
-                                "hf_memstack.fsdp.save_sharded_checkpoint in your own loop")
+            MemoryPolicy.coerce(cfg.policy)
         except (PolicyError, FileNotFoundError, TypeError) as e:
             problems.append(f"--policy={cfg.policy!r}: {e}")
     if cfg.batch_size != "auto" and not (cfg.batch_size.isdigit() and int(cfg.batch_size) > 0):
@@ -395,15 +390,24 @@ def find_checkpoint(out: Path, resume_from: str) -> Path:
     return path
 
 
-def save_checkpoint(accelerator: Any, out: Path, state: dict, keep_last: int) -> None:
+def save_checkpoint(accelerator: Any, out: Path, state: dict, keep_last: int, sharded: tuple | None = None) -> None:
     """accelerator.save_state into a temporary folder, then rename: a crash mid-save leaves the
-    previous checkpoint intact and no half-written one that looks complete."""
+    previous checkpoint intact and no half-written one that looks complete. ``sharded`` is
+    (model, optimizer, scheduler) kept outside Accelerate under FSDP2: each rank writes its own
+    shards of the model and optimizer, rank 0 the scheduler."""
     final = out / "checkpoints" / f"step-{state['step']:07d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if sharded is not None:
+        from hf_memstack.fsdp import save_sharded_checkpoint
+
+        save_sharded_checkpoint(sharded[0], sharded[1], str(tmp / "sharded"))
+        if accelerator.is_main_process:
+            torch.save(sharded[2].state_dict(), tmp / "scheduler_sharded_run.pt")
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         if final.exists():
@@ -515,10 +519,11 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
 
     # The model and optimizer go through Accelerate now, so the batch-size probes run under the
     # same autocast (and DDP) as training; FSDP2-sharded models must not be wrapped again.
-    if policy.fsdp.mode == "none":
+    sharded = policy.fsdp.mode != "none"
+    if not sharded:
         model, optimizer = accelerator.prepare(model, optimizer)
-    else:
-        optimizer = accelerator.prepare(optimizer)
+    # Under FSDP2 the model, optimizer and scheduler stay out of Accelerate: it would save and load
+    # the optimizer from rank 0 only, which is wrong for shards. Their checkpoints are sharded (DCP).
 
     # Batch size: given, or found from measured steps at the longest sequence of the run.
     world = accelerator.num_processes
@@ -561,10 +566,18 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
+    if sharded:
+        train_dl, val_dl = accelerator.prepare(train_dl, val_dl)
+    else:
+        train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
     if resume_dir is not None:
         try:
             accelerator.load_state(str(resume_dir))
+            if sharded:
+                from hf_memstack.fsdp import load_sharded_checkpoint
+
+                load_sharded_checkpoint(model, optimizer, str(resume_dir / "sharded"))
+                scheduler.load_state_dict(torch.load(resume_dir / "scheduler_sharded_run.pt", weights_only=True))
         except Exception as e:  # a truncated or foreign file: say which checkpoint and stop
             raise RecipeError(f"--resume-from {resume_dir}: the checkpoint is corrupted or incomplete "
                               f"({type(e).__name__}: {str(e)[:200]}); resume from an earlier one or start again") from None
@@ -598,10 +611,12 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
             accelerator.backward(loss)
             if accelerator.sync_gradients and cfg.grad_clip > 0:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            # Free the gradients as soon as they are used (set_to_none): they are not needed until the next backward.
-            optimizer.zero_grad(set_to_none=True)
+            # Accelerate's wrappers skip these between accumulation steps; unwrapped (FSDP2), we do.
+            if accelerator.sync_gradients or not sharded:
+                optimizer.step()
+                scheduler.step()
+                # Free the gradients as soon as they are used (set_to_none): they are not needed until the next backward.
+                optimizer.zero_grad(set_to_none=True)
         return loss
 
     # ------------------------------------------------------------------------- train loop
@@ -655,7 +670,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
                 accelerator.log(metrics, step=state["step"])
                 log(f"step {state['step']}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
             if cfg.save_every and state["step"] % cfg.save_every == 0:
-                save_checkpoint(accelerator, out, state, cfg.keep_last)
+                save_checkpoint(accelerator, out, state, cfg.keep_last, sharded=(model, optimizer, scheduler) if sharded else None)
             if state["step"] >= stop_at:
                 break
         else:

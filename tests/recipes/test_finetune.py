@@ -257,8 +257,25 @@ def test_torchrun_two_processes_with_fsdp_policy(tiny_lm, tmp_path):
 
 
 
-def test_fsdp_policy_refuses_checkpoints_it_cannot_write_yet(recipe, tiny_lm, tmp_path, capsys):
-    out = tmp_path / "out"
-    _fails(recipe, lm_args(tiny_lm, out, "--policy", "bf16+fsdp", "--save-every", "2"),
-           "resumable checkpoints under an FSDP policy are not supported by the recipe yet", capsys)
-    assert not out.exists()
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_resume_equals_uninterrupted(tiny_lm, tmp_path):
+    from safetensors.torch import load_file
+
+    # 6 steps of batch 4 x 2 ranks with 2 accumulation steps (global batch 16), saved at step 3.
+    common = ["--max-steps", "6", "--save-every", "3", "--policy", "fp32+fsdp", "--batch-size", "4", "--global-batch-size", "16"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(RECIPE)]
+    _launch([*run, *lm_args(tiny_lm, tmp_path / "full", *common)], tmp_path / "full")
+    cut = tmp_path / "cut"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    first = subprocess.run([*run, *lm_args(tiny_lm, cut, *common, "--stop-after", "3")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (cut / "checkpoints" / "step-0000003" / "sharded").is_dir()
+    report = _launch([*run, *lm_args(tiny_lm, cut, *common, "--resume-from", "latest")], cut)
+    assert report["grad_accum"] == 2 and report["steps"] == 6
+    full, resumed = load_file(tmp_path / "full" / "model" / "model.safetensors"), load_file(cut / "model" / "model.safetensors")
+    assert full.keys() == resumed.keys()
+    for k in full:
+        assert torch.allclose(full[k], resumed[k], atol=1e-6), k
