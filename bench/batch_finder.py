@@ -40,7 +40,6 @@ def main() -> None:
     budget = parse_bytes(args.budget)
 
     base = prepare_model(reference_model(args.layers, args.hidden, vocab=args.vocab).to(device), args.policy)
-    base_opt = torch.optim.AdamW(base.parameters(), lr=1e-5)
 
     def make_batch(n: int) -> dict:
         return reference_batch(n, args.seq, vocab=args.vocab, device=device)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import machine, median, reference_batch, reference_model, sync, timed
+from _common import machine, median, reference_batch, reference_model, timed
 
 from hf_memstack import measure_step, prepare_model, train_step
 

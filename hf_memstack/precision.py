@@ -131,6 +131,5 @@ def apply_precision(model: nn.Module, precision: ResolvedPrecision) -> None:
             outputs = original(*args, **kwargs)
         return convert_to_fp32(outputs)
 
-    model._memstack_original_forward = original  # type: ignore[assignment]
     model.forward = types.MethodType(autocast_forward, model)  # type: ignore[method-assign]
 

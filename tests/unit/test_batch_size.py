@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from tiny import VOCAB, PlainStack, make_batch
+from tiny import PlainStack, make_batch
 
 from hf_memstack import find_batch_size, measure_step, prepare_model
 
