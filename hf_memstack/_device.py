@@ -16,6 +16,18 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def shard_device() -> torch.device:
+    """The device FSDP2 shards onto in this process: its GPU when the process group runs NCCL
+    (``LOCAL_RANK``'s, as torchrun and Accelerate set it), else the CPU (gloo)."""
+    import os
+
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so that wall time and allocator peaks are complete."""
     if device.type == "cuda":

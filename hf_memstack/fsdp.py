@@ -13,7 +13,16 @@ from .blocks import Blocks
 from .policy import FSDPConfig
 from .precision import ResolvedPrecision
 
-__all__ = ["apply_fsdp", "check_fsdp_launch", "load_sharded_checkpoint", "save_pretrained_full", "save_sharded_checkpoint"]
+__all__ = [
+    "accelerate_fsdp_plugin",
+    "apply_fsdp",
+    "check_accelerate_fsdp",
+    "check_fsdp_launch",
+    "from_pretrained_for_fsdp",
+    "load_sharded_checkpoint",
+    "save_pretrained_full",
+    "save_sharded_checkpoint",
+]
 
 _HOW_TO_LAUNCH = (
     "launch with several processes, e.g. `torchrun --nproc_per_node 2 train.py` or "
@@ -23,23 +32,40 @@ _HOW_TO_LAUNCH = (
 )
 
 
-def check_fsdp_launch(cfg: FSDPConfig, policy: dict[str, Any] | None = None) -> None:
+def check_fsdp_launch(cfg: FSDPConfig, policy: dict[str, Any] | None = None, model: nn.Module | None = None) -> bool:
     """Raise RuntimeError when FSDP is asked for without an initialised process group, or when the
-    ranks were given different policies (checked with one small all-gather, before any sharding
-    collective could wait forever on a rank that shards differently)."""
+    ranks were given different policies or different models (checked with one small all-gather,
+    before any sharding collective could wait forever on a rank that shards differently).
+
+    Returns:
+        True when some rank holds ``model`` on the meta device (see :func:`from_pretrained_for_fsdp`):
+        rank 0's weights are then broadcast into every rank's shards after sharding.
+    """
     if cfg.mode == "none":
-        return
+        return False
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}")
-    if policy is not None:
-        policies: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(policies, policy)
-        differing = [r for r, p in enumerate(policies) if p != policies[0]]
-        if differing:
+    mine = {"policy": policy, "model": _signature(model), "meta": model is not None and _on_meta(model)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differing = [r for r, e in enumerate(everyone) if e["policy"] != everyone[0]["policy"]]
+    if differing:
+        raise RuntimeError(
+            f"the ranks were given different memory policies: rank 0 has {everyone[0]['policy']}, rank(s) {differing} have "
+            f"{[everyone[r]['policy'] for r in differing]}; pass the same policy on every rank (e.g. from one config file)"
+        )
+    for r, e in enumerate(everyone):
+        if e["model"] != everyone[0]["model"]:
+            first = next((a, b) for a, b in zip(everyone[0]["model"] + [None], e["model"] + [None]) if a != b)
             raise RuntimeError(
-                f"the ranks were given different memory policies: rank 0 has {policies[0]}, rank(s) {differing} have "
-                f"{[policies[r] for r in differing]}; pass the same policy on every rank (e.g. from one config file)"
+                f"rank {r} holds a different model from rank 0 (first difference: rank 0 has {first[0]}, rank {r} has "
+                f"{first[1]}; entries are (name, shape, dtype)): load the same checkpoint with the same dtype on every rank"
             )
+    if everyone[0]["meta"]:
+        raise RuntimeError(
+            "rank 0's model is on the meta device: under FSDP, rank 0 must hold the real weights, which it broadcasts "
+            "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp"
+        )
     if cfg.mode == "hybrid_shard":
         local = _local_world_size()
         if dist.get_world_size() % local:
@@ -47,22 +73,36 @@ def check_fsdp_launch(cfg: FSDPConfig, policy: dict[str, Any] | None = None) -> 
                 f"policy.fsdp.mode='hybrid_shard': world size {dist.get_world_size()} is not a multiple of the "
                 f"processes per node ({local}); use mode='full_shard'"
             )
+    return any(e["meta"] for e in everyone)
 
 
-def apply_fsdp(model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: ResolvedPrecision) -> dict[str, Any]:
+def _signature(model: nn.Module | None) -> list[tuple[str, tuple[int, ...], str]]:
+    if model is None:
+        return []
+    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def apply_fsdp(
+    model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: ResolvedPrecision, broadcast_from_rank0: bool = False
+) -> dict[str, Any]:
     """Shard ``model`` in place with ``fully_shard``: each block, then the root.
 
     Parameters are gathered in the policy's dtype for compute (bf16/fp16) while gradients are
-    reduced in fp32; the sharded master parameters stay fp32.
+    reduced in fp32; the sharded master parameters stay fp32. With ``broadcast_from_rank0`` (some
+    rank built the model on the meta device), rank 0's weights fill every rank's shards afterwards.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    reshard = cfg.reshard_after_forward
-    if reshard is None:
-        reshard = cfg.mode != "shard_grad_op"
-    mp = MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
+    reshard = _reshard_after_forward(cfg)
+    mp = _mixed_precision_policy(precision)
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     mesh = _mesh(cfg, precision.device_type)
+    # Rank 0 keeps references to its full tensors through sharding: they are what it broadcasts.
+    full_state = _clean_state_dict(model) if broadcast_from_rank0 and dist.get_rank() == 0 else None
     for name, _ in zip(blocks.names, blocks.modules):
         # Shard what runs: a checkpoint wrapper or compiled module replaced the block in its parent.
         parent_name, _, child = name.rpartition(".")
@@ -71,7 +111,157 @@ def apply_fsdp(model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: 
     # The root keeps the embeddings and head; it is not resharded after forward because its
     # parameters are needed again at the start of backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
-    return {"mode": cfg.mode, "world_size": dist.get_world_size(), "reshard_after_forward": reshard, "cpu_offload": cfg.cpu_offload}
+    if broadcast_from_rank0:
+        _load_from_rank0(model, full_state, device=mesh.device_type)
+    return {"mode": cfg.mode, "by": "hf_memstack (fully_shard)", "world_size": dist.get_world_size(), "reshard_after_forward": reshard,
+            "cpu_offload": cfg.cpu_offload, "weights_from": "rank 0 broadcast" if broadcast_from_rank0 else "each rank"}
+
+
+def _reshard_after_forward(cfg: FSDPConfig) -> bool:
+    # shard_grad_op (ZeRO-2) keeps the gathered parameters from forward to backward.
+    return cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.mode != "shard_grad_op"
+
+
+def _mixed_precision_policy(precision: ResolvedPrecision) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # Compute in the policy's dtype, reduce gradients in fp32: summing bf16 gradients over many
+    # ranks loses precision (Accelerate's default FSDP2 policy reduces in the compute dtype).
+    return MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
+
+
+def accelerate_fsdp_plugin(policy: Any, model: nn.Module) -> Any:
+    """Accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2)`` built from the policy, for
+    ``Accelerator(fsdp_plugin=...)`` on GPUs: ``accelerator.prepare`` then shards the same blocks,
+    with the same mixed precision (fp32 gradient reduction), offload and resharding as
+    :func:`apply_fsdp`, and Accelerate's ``backward``, ``clip_grad_norm_`` and ``save_state`` (sharded)
+    work as usual. Checkpointing stays with ``prepare_model`` (Transformers' own), so the plugin's
+    ``activation_checkpointing`` is off.
+
+    Raises:
+        ValueError: the policy has no fsdp, asks for hybrid_shard (use torchrun and the direct path),
+            or the model's blocks cannot be found.
+    """
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from .blocks import find_blocks
+    from .policy import MemoryPolicy
+    from .precision import resolve_precision
+
+    policy = MemoryPolicy.coerce(policy)
+    cfg = policy.fsdp
+    if cfg.mode == "none":
+        raise ValueError("policy.fsdp.mode='none': an FSDP plugin needs a sharding policy, e.g. 'bf16+ckpt+fsdp'")
+    if cfg.mode == "hybrid_shard":
+        raise ValueError(
+            "policy.fsdp.mode='hybrid_shard' is not built into an Accelerate plugin here (Accelerate needs a "
+            "ParallelismConfig for it); launch with torchrun so prepare_model shards directly, or use 'fsdp' (full_shard)"
+        )
+    blocks = find_blocks(model, policy.checkpointing.block_classes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(blocks.class_names),
+        reshard_after_forward=_reshard_after_forward(cfg),
+        mixed_precision_policy=_mixed_precision_policy(resolve_precision(policy.precision, device)),
+        cpu_offload=cfg.cpu_offload,
+        state_dict_type="SHARDED_STATE_DICT",
+        activation_checkpointing=False,
+        cpu_ram_efficient_loading=False,
+    )
+
+
+def check_accelerate_fsdp(policy: Any, accelerator: Any) -> bool:
+    """True when ``accelerator`` will shard the model itself (Accelerate's FSDP); then its plugin
+    must be FSDP2 and agree with the policy.
+
+    Raises:
+        ValueError: the Accelerator shards but the policy has no fsdp, or its plugin disagrees.
+    """
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if accelerator is None or accelerator.distributed_type != DistributedType.FSDP:
+        return False
+    plugin = accelerator.state.fsdp_plugin
+    fix = "build the plugin from the policy: Accelerator(fsdp_plugin=hf_memstack.accelerate_fsdp_plugin(policy, model))"
+    if policy.fsdp.mode == "none":
+        raise ValueError(
+            "the Accelerator shards the model with FSDP (an FSDP launch config or plugin) but policy.fsdp.mode='none'; "
+            "add fsdp to the policy (e.g. 'bf16+ckpt+fsdp') so checkpointing and compile are placed inside the shards, "
+            "or launch with a DDP config (recipes/configs/multi-gpu-ddp.yaml)"
+        )
+    problems = []
+    if plugin.fsdp_version != 2:
+        problems.append(f"fsdp_version={plugin.fsdp_version} (hf_memstack composes with FSDP2 only: fsdp_version: 2)")
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy) != policy.fsdp.cpu_offload:
+        problems.append(f"cpu_offload={type(plugin.cpu_offload).__name__} but policy.fsdp.cpu_offload={policy.fsdp.cpu_offload}")
+    if plugin.fsdp_version == 2 and plugin.reshard_after_forward != _reshard_after_forward(policy.fsdp):
+        problems.append(f"reshard_after_forward={plugin.reshard_after_forward} but policy.fsdp gives {_reshard_after_forward(policy.fsdp)}")
+    if problems:
+        raise ValueError(f"the Accelerator's FSDP plugin disagrees with the policy: {'; '.join(problems)}; {fix}")
+    return True
+
+
+def _clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict under the names PyTorch's distributed state-dict API uses: without the
+    ``_orig_mod.`` (compile) and ``_checkpoint_wrapped_module.`` (checkpoint wrapper) segments."""
+    drop = {"_orig_mod", "_checkpoint_wrapped_module"}
+    return {".".join(p for p in k.split(".") if p not in drop): v for k, v in model.state_dict().items()}
+
+
+def _load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: str) -> None:
+    """Fill each rank's shards from rank 0's full state dict, one tensor at a time (PyTorch's
+    ``broadcast_from_rank0``), then the non-persistent buffers, which no state dict carries
+    (rotary ``inv_freq``: meta on the other ranks, and recomputing them needs each model's code)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    for module in model.modules():
+        for leaf, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[leaf] = torch.empty_like(buf, device=device)
+    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for module in model.modules():
+        for leaf in sorted(module._non_persistent_buffers_set):
+            buf = module._buffers.get(leaf)
+            if buf is not None:
+                dist.broadcast(buf, src=0)
+
+
+def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -> nn.Module:
+    """Load a pretrained model for FSDP without a full copy on every rank.
+
+    Rank 0 calls ``model_class.from_pretrained(pretrained, **kwargs)``; every other rank builds the
+    same architecture, in rank 0's dtype, on the meta device (no memory). ``prepare_model`` with an
+    ``fsdp`` policy then broadcasts rank 0's weights into each rank's shards. Call it on every rank,
+    after the process group is initialised; without one it is plain ``from_pretrained``.
+
+    ``model_class`` is an ``AutoModelFor*`` class or a model class.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model_class.from_pretrained(pretrained, **kwargs)
+    model = model_class.from_pretrained(pretrained, **kwargs) if dist.get_rank() == 0 else None
+    # The other ranks build in the dtype rank 0 loaded ("auto" may have picked the checkpoint's).
+    dtype_name = [next((str(p.dtype) for p in model.parameters()), "torch.float32") if model is not None else None]
+    dist.broadcast_object_list(dtype_name, src=0)
+    if model is not None:
+        return model
+    from transformers import AutoConfig
+
+    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "revision", "dtype", "torch_dtype")}
+    config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained, **config_kwargs)
+    model_kwargs.pop("config", None)
+    # Only what shapes the architecture carries over to the config (num_labels, attn_implementation).
+    attn = model_kwargs.pop("attn_implementation", None)
+    config.update({k: v for k, v in model_kwargs.items() if hasattr(config, k)})
+    extra = {"attn_implementation": attn} if attn else {}
+    dtype = getattr(torch, dtype_name[0].removeprefix("torch."))
+    with torch.device("meta"):
+        if hasattr(model_class, "_model_mapping"):  # an AutoModelFor* class
+            return model_class.from_config(config, dtype=dtype, trust_remote_code=kwargs.get("trust_remote_code", False), **extra)
+        return model_class._from_config(config, dtype=dtype, **extra)
 
 
 def _local_world_size() -> int:

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._device import device_of
+from ._device import device_of, shard_device
 from .blocks import Blocks, find_blocks
 from .checkpointing import apply_checkpointing, uses_transformers_checkpointing
 from .compile import CompileStats, apply_compile, check_backend
-from .fsdp import apply_fsdp, check_fsdp_launch
+from .fsdp import apply_fsdp, check_accelerate_fsdp, check_fsdp_launch
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 
@@ -80,7 +80,11 @@ def prepare_model(
             or ``+``-joined features), a dict, or a YAML path. ``None`` means fp32.
         accelerator: an ``accelerate.Accelerator`` the model will go through. Its
             ``mixed_precision`` must match the policy; ``accelerator.prepare(model)`` then applies
-            autocast (and fp16's GradScaler) and this function does not.
+            autocast (and fp16's GradScaler) and this function does not. If the Accelerator
+            shards (Accelerate's FSDP, e.g. ``fsdp_plugin=accelerate_fsdp_plugin(policy, model)``),
+            ``accelerator.prepare`` shards too; its plugin must be FSDP2 and agree with the policy.
+            Under an fsdp policy with an Accelerator that does not shard (CPU, torchrun), this
+            function shards and autocasts, and the model must not go through ``accelerator.prepare``.
 
     Returns:
         The same model, with ``model.memstack`` (:class:`MemstackRecord`) saying what was applied.
@@ -106,11 +110,19 @@ def prepare_model(
         )
 
     # Pre-flight: everything that can fail is checked before the model is touched.
-    precision = resolve_precision(policy.precision, device_of(model))
+    # Under FSDP the ranks first agree on the policy and the model (one all-gather), and the model
+    # runs where fully_shard moves it (this rank's GPU, or the CPU under gloo), not where it loaded.
+    broadcast_from_rank0 = check_fsdp_launch(policy.fsdp, policy.to_dict(), model)
+    sharded_by_accelerate = check_accelerate_fsdp(policy, accelerator)
+    if broadcast_from_rank0 and sharded_by_accelerate:
+        raise ValueError(
+            "a rank holds the model on the meta device, but the Accelerator shards it (Accelerate's FSDP loads "
+            "weights its own way): load the model with from_pretrained on every rank, or launch with torchrun"
+        )
+    precision = resolve_precision(policy.precision, shard_device() if policy.fsdp.mode != "none" else device_of(model))
     if accelerator is not None:
         check_accelerator_precision(precision, accelerator)
     check_backend(policy.compile)
-    check_fsdp_launch(policy.fsdp, policy.to_dict())
     ck = policy.checkpointing
     needs_blocks = (
         (ck.mode != "none" and not uses_transformers_checkpointing(model, ck))
@@ -140,23 +152,30 @@ def prepare_model(
     checkpointing = apply_checkpointing(model, ck, blocks=blocks)
     # 2. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
+    #    An Accelerator applies it in accelerator.prepare, except to a model sharded here, which
+    #    does not go through accelerator.prepare.
     autocast_by = "none"
     if precision.mixed:
-        if accelerator is None:
+        if accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate):
             apply_precision(model, precision)
             autocast_by = "hf_memstack"
         else:
             autocast_by = "accelerator.prepare"
     # 3. compile, per block or whole, after checkpointing and before sharding.
     compile_stats = apply_compile(model, policy.compile, blocks=blocks)
-    # 4. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root.
+    # 4. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root; or
+    #    accelerator.prepare does, with the plugin built from this policy (accelerate_fsdp_plugin).
     fsdp = None
-    if policy.fsdp.mode != "none":
+    if sharded_by_accelerate:
+        fsdp = {"mode": policy.fsdp.mode, "by": "accelerator.prepare (Accelerate's FSDP2 plugin)"}
+    elif policy.fsdp.mode != "none":
         assert blocks is not None
-        fsdp = apply_fsdp(model, policy.fsdp, blocks=blocks, precision=precision)
+        fsdp = apply_fsdp(model, policy.fsdp, blocks=blocks, precision=precision, broadcast_from_rank0=broadcast_from_rank0)
 
+    # fp16 needs a loss scaler. On FSDP2's sharded gradients (DTensors) torch.amp.GradScaler's
+    # inf check is reduced over the mesh, so every rank skips the same steps (tested on 2 ranks).
     grad_scaler = None
-    if precision.name == "fp16" and accelerator is None:
+    if precision.name == "fp16" and autocast_by == "hf_memstack":
         grad_scaler = torch.amp.GradScaler(precision.device_type)
     model.memstack = MemstackRecord(  # type: ignore[assignment]
         policy=policy,

@@ -324,8 +324,15 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
     return tok
 
 
-def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int) -> Any:
+def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int, *, rank0_only: bool = False,
+               skeleton: bool = False) -> Any:
+    """The pretrained model in fp32 (mixed precision computes in bf16/fp16 from fp32 master weights).
+    ``rank0_only``: only rank 0 reads the weights, the other ranks build on the meta device and get
+    their shards by broadcast in prepare_model. ``skeleton``: the architecture on the meta device,
+    no weights (to build Accelerate's FSDP plugin before the Accelerator exists)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hf_memstack import from_pretrained_for_fsdp
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
@@ -335,10 +342,16 @@ def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and cfg.seq_len > limit:
         raise RecipeError(f"--seq-len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; use --seq-len {limit} or less")
+    auto_class = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    if skeleton:
+        with torch.device("meta"):
+            return auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code)
     kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "dtype": torch.float32, "use_safetensors": None}
     if task == "classification":
-        return AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=num_labels, **kwargs)
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+        kwargs["num_labels"] = num_labels
+    if rank0_only:
+        return from_pretrained_for_fsdp(auto_class, model_path, **kwargs)
+    return auto_class.from_pretrained(model_path, **kwargs)
 
 
 def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str) -> tuple[Any, str]:
@@ -477,11 +490,33 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     if precision.name == "fp16" and device_type == "cpu":
         raise RecipeError("--policy with fp16 needs a GPU (Accelerate refuses fp16 on CPU); use bf16 or fp32 here")
 
+    # FSDP: on GPUs through Accelerate's FSDP2 plugin, built from the policy, so that its prepare,
+    # backward, clipping and save_state handle the shards. On CPU (Accelerate 1.15 has no CPU
+    # FSDP) and for hybrid_shard (its plugin needs a ParallelismConfig), prepare_model shards with
+    # fully_shard and this recipe handles the shards itself.
+    fsdp_by = "none"
+    if policy.fsdp.mode != "none":
+        fsdp_by = "accelerate" if device_type == "cuda" and policy.fsdp.mode != "hybrid_shard" else "hf_memstack"
+    if fsdp_by == "hf_memstack" and precision.name == "fp16":
+        raise RecipeError("--policy with fp16 and fsdp:hybrid_shard: Accelerate's loss scaler does not reach an optimizer "
+                          "it has not prepared; use bf16, or fsdp (full_shard) through Accelerate's plugin")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and fsdp_by == "none":
+        raise RecipeError(
+            f"launched with an Accelerate FSDP config but --policy={policy.to_string()!r} has no fsdp; add it "
+            "(e.g. --policy bf16+ckpt+fsdp) or launch with recipes/configs/multi-gpu-ddp.yaml"
+        )
+    fsdp_plugin = None
+    if fsdp_by == "accelerate":
+        from hf_memstack import accelerate_fsdp_plugin
+
+        fsdp_plugin = accelerate_fsdp_plugin(policy, load_model(cfg, model_path, task, 2, skeleton=True))
+
     # The Accelerator owns the process group, device placement, autocast and fp16's GradScaler.
     accelerator = Accelerator(
         # Accelerate only treats torchrun's processes as a gloo group on CPU when told it is on CPU.
         cpu=device_type == "cpu",
         mixed_precision=ACCELERATE_NAMES[precision.name],
+        fsdp_plugin=fsdp_plugin,
         log_with=cfg.report_to,
         project_dir=str(out),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=device_type == "cuda"),
@@ -493,7 +528,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg, model_path)
     with accelerator.main_process_first():
         train_ds, val_ds, num_labels = tokenize(train_raw, val_raw, task, tokenizer, cfg)
-    model = load_model(cfg, model_path, task, num_labels)
+    model = load_model(cfg, model_path, task, num_labels, rank0_only=fsdp_by == "hf_memstack")
 
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -503,8 +538,10 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
         (out / "run_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     log(f"resolved config:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
 
-    # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare.
-    if policy.fsdp.mode == "none":
+    # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
+    # on the CPU FSDP path, where prepare_model shards and autocasts). Sharded models are moved
+    # to their device by fully_shard, shard by shard.
+    if fsdp_by == "none":
         model.to(accelerator.device)
     model = prepare_model(model, policy, accelerator=accelerator)
     log(describe(model))
@@ -517,13 +554,14 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     except (RuntimeError, TypeError):
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
 
-    # The model and optimizer go through Accelerate now, so the batch-size probes run under the
-    # same autocast (and DDP) as training; FSDP2-sharded models must not be wrapped again.
-    sharded = policy.fsdp.mode != "none"
+    # The model and optimizer go through Accelerate now (together: under its FSDP2 it shards the
+    # model and points the optimizer at the shards), so the batch-size probes run under the same
+    # autocast (and DDP/FSDP) as training. A model sharded by prepare_model must not be wrapped again.
+    sharded = fsdp_by == "hf_memstack"
     if not sharded:
         model, optimizer = accelerator.prepare(model, optimizer)
-    # Under FSDP2 the model, optimizer and scheduler stay out of Accelerate: it would save and load
-    # the optimizer from rank 0 only, which is wrong for shards. Their checkpoints are sharded (DCP).
+    # Sharded here, the model, optimizer and scheduler stay out of Accelerate: without its FSDP it
+    # would save and load the optimizer from rank 0 only, wrong for shards. Their checkpoints are DCP shards.
 
     # Batch size: given, or found from measured steps at the longest sequence of the run.
     world = accelerator.num_processes
@@ -688,8 +726,8 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     model_dir = out / "model"
     if policy.fsdp.mode != "none":
-        # Sharded by FSDP2 here, not by Accelerate: gather the full state on rank 0 ourselves.
-        from hf_memstack.fsdp import save_pretrained_full
+        # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
+        from hf_memstack import save_pretrained_full
 
         save_pretrained_full(model, str(model_dir))
     else:
@@ -701,7 +739,8 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     seconds = time.perf_counter() - run_start
     report = {
         "task": task, "model": cfg.model, "policy": policy.to_string(), "precision": precision.name,
-        "batch_size": batch_size, "grad_accum": grad_accum, "world_size": world, "steps": state["step"],
+        "batch_size": batch_size, "grad_accum": grad_accum, "world_size": world,
+        "fsdp": accelerator.unwrap_model(model).memstack.fsdp, "steps": state["step"],
         "seconds": seconds, "peak_memory_bytes": (torch.cuda.max_memory_allocated() if device_type == "cuda" else meter_peak),
         "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,
         "final_metrics": metrics, "history": history, "model_dir": str(model_dir),

@@ -46,6 +46,16 @@ def load_model(pretrained_dirs: dict[str, Path]) -> Callable[[str], nn.Module]:
 
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA GPU: skipped, with the reason, on machines without one (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (bench/gpu_check.sh runs these on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Dynamo's caches and its per-function recompile limit are process-wide: without a reset,

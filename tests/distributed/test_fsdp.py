@@ -174,3 +174,150 @@ def test_inconsistent_policies_fail_on_every_rank_without_hanging():
 def test_blocks_not_found_under_fsdp():
     for kind, message in run_ranks(_bad, "no_blocks", timeout=120):
         assert kind == "ValueError" and "block_classes" in message
+
+
+def _from_rank0(rank, world, directory, policy):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_memstack import from_pretrained_for_fsdp, prepare_model
+
+    model = from_pretrained_for_fsdp(AutoModelForCausalLM, directory)
+    on_meta = all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+    model = prepare_model(model, policy)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        logits = model.eval()(**_batch(0)).logits
+    # Training continues from the broadcast weights in step on both ranks.
+    model.train()
+    losses = _train(model, rank, world, 2)[0]
+    dist.barrier()
+    return on_meta, local / total, logits, losses, model.memstack.fsdp["weights_from"]
+
+
+@pytest.mark.parametrize("arch, policy", [("llama", "fp32+fsdp"), ("gpt2", "bf16+ckpt+fsdp")])
+def test_rank0_loads_and_broadcasts_the_others_start_on_meta(tmp_path, arch, policy):
+    """Only rank 0 reads the weights; rank 1 builds on the meta device and gets its shards (and the
+    rotary buffers no state dict carries) by broadcast: both then compute what one process does."""
+    from tiny import configs, model_class
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model_class(arch)(configs()[arch]).save_pretrained(tmp_path / "m")
+    results = run_ranks(_from_rank0, str(tmp_path / "m"), policy)
+    alone = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    with torch.no_grad():
+        reference = alone(**_batch(0)).logits
+    (meta0, frac0, logits0, losses0, how0), (meta1, frac1, logits1, losses1, how1) = results
+    assert (meta0, meta1) == (False, True)
+    assert how0 == how1 == "rank 0 broadcast"
+    assert frac0 <= 0.55 and frac1 <= 0.55
+    tol = 1e-5 if policy.startswith("fp32") else 5e-2
+    assert torch.allclose(logits0, reference, atol=tol) and torch.allclose(logits1, reference, atol=tol)
+    assert losses0 == losses1 and losses0[1] < losses0[0]
+
+
+def _meta_on_rank0(rank, world, directory):
+    from transformers import AutoModelForCausalLM
+
+    from hf_memstack import prepare_model
+
+    if rank == 0:
+        with torch.device("meta"):
+            model = _model()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory)
+    try:
+        prepare_model(model, "fsdp")
+    except RuntimeError as e:
+        return str(e), any(not p.is_meta and type(p).__name__ == "DTensor" for p in model.parameters())
+    return "", None
+
+
+def test_rank0_on_meta_is_a_clear_error_on_every_rank(tmp_path):
+    _model().save_pretrained(tmp_path / "m")
+    for message, sharded in run_ranks(_meta_on_rank0, str(tmp_path / "m"), timeout=120):
+        assert "rank 0's model is on the meta device" in message and "from_pretrained_for_fsdp" in message
+        assert sharded is False
+
+
+def _different_models(rank, world):
+    from hf_memstack import prepare_model
+
+    model = _model()
+    if rank == 1:
+        model = model.to(torch.bfloat16)
+    try:
+        prepare_model(model, "fp32+fsdp")
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_different_models_across_ranks_fail_before_sharding():
+    for message in run_ranks(_different_models, timeout=120):
+        assert "rank 1 holds a different model from rank 0" in message and "bfloat16" in message
+
+
+def _fp16_steps(rank, world):
+    import warnings
+
+    from hf_memstack import prepare_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on CPU: slow, fine for testing the loop
+        model = prepare_model(_model(), "fp16+fsdp")
+    scaler = model.memstack.grad_scaler
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = GLOBAL_BATCH // world
+    record = []
+    for step in range(3):
+        loss = model(**_batch(step, rank * per, (rank + 1) * per)).loss
+        scaler.scale(loss).backward()
+        if step == 1 and rank == 1:  # an overflow in one rank's gradient shard only
+            next(p for p in model.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("inf")
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+        record.append((changed, float(scaler.get_scale()), float(loss)))
+    return type(scaler).__name__, record
+
+
+def test_fp16_scaler_skips_the_same_steps_on_every_rank():
+    """An inf in rank 1's gradient shard makes both ranks skip that step and halve the scale: a
+    rank-local check would let rank 0 step alone and the shards drift apart."""
+    (kind0, rec0), (kind1, rec1) = run_ranks(_fp16_steps)
+    assert kind0 == kind1 == "GradScaler"
+    assert [r[:2] for r in rec0] == [r[:2] for r in rec1]
+    (step0, scale0, _), (step1, scale1, _), (step2, scale2, _) = rec0
+    assert (step0, step1, step2) == (True, False, True)
+    assert scale1 == scale0 / 2 == scale2
+
+
+def _clipped(rank, world, max_norm):
+    from hf_memstack import prepare_model
+
+    model = prepare_model(_model(), "fp32+fsdp" if world > 1 else "fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = GLOBAL_BATCH // world
+    norms = []
+    for step in range(3):
+        model(**_batch(step, rank * per, (rank + 1) * per)).loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms, [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+
+def test_gradient_clipping_uses_the_norm_over_all_shards():
+    (norms0, params0), (norms1, _) = run_ranks(_clipped, 0.5)
+    alone_norms, alone_params = _clipped(0, 1, 0.5)
+    assert norms0 == norms1
+    assert norms0 == pytest.approx(alone_norms, rel=1e-5)
+    assert min(norms0) > 0.5  # the clip was active on every step
+    for a, b in zip(params0, alone_params):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -250,6 +250,8 @@ def test_torchrun_two_processes_with_fsdp_policy(tiny_lm, tmp_path):
     report = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(RECIPE),
                       *lm_args(tiny_lm, out, "--max-steps", "6", "--policy", "fp32+ckpt+fsdp")], out)
     assert report["world_size"] == 2 and report["policy"] == "fp32+ckpt+fsdp:full_shard"
+    # On CPU prepare_model shards (Accelerate 1.15 has no CPU FSDP); only rank 0 read the weights.
+    assert report["fsdp"]["by"] == "hf_memstack (fully_shard)" and report["fsdp"]["weights_from"] == "rank 0 broadcast"
     assert report["last_logged_loss"] < report["first_logged_loss"]
     # The full model was gathered from both ranks and loads in one process.
     model = AutoModelForCausalLM.from_pretrained(out / "model")
@@ -279,3 +281,29 @@ def test_fsdp_resume_equals_uninterrupted(tiny_lm, tmp_path):
     assert full.keys() == resumed.keys()
     for k in full:
         assert torch.allclose(full[k], resumed[k], atol=1e-6), k
+
+
+def test_fsdp_launch_config_without_fsdp_policy(recipe, tiny_lm, tmp_path, capsys, monkeypatch):
+    # What `accelerate launch --config_file recipes/configs/fsdp.yaml` puts in the environment.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    out = tmp_path / "out"
+    with pytest.raises(recipe.RecipeError, match=r"Accelerate FSDP config but --policy='bf16\+ckpt' has no fsdp"):
+        recipe.main(lm_args(tiny_lm, out, "--policy", "bf16+ckpt"))
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_accelerate_launch_fsdp_plugin_on_gpu(tiny_lm, tmp_path):
+    """On a GPU the recipe shards through Accelerate's FSDP2 plugin built from the policy: its
+    prepare, backward, clipping and (sharded) save_state run; the saved model loads in one process."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    report = _launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/configs/fsdp.yaml"),
+                      "--num_processes", "1", str(RECIPE),
+                      *lm_args(tiny_lm, out, "--max-steps", "6", "--save-every", "3", "--policy", "bf16+ckpt+fsdp")], out)
+    assert report["fsdp"]["by"].startswith("accelerator.prepare")
+    assert report["last_logged_loss"] < report["first_logged_loss"]
+    assert (out / "checkpoints" / "step-0000006").is_dir()
+    assert type(AutoModelForCausalLM.from_pretrained(out / "model")).__name__ == "LlamaForCausalLM"

@@ -1,0 +1,129 @@
+"""FSDP2 on 2 CPU processes (gloo), in one run: what each rank holds.
+
+1. Loading: every rank calling ``from_pretrained`` against ``from_pretrained_for_fsdp`` (rank 0
+   reads the weights; the others build on the meta device and get their shards by broadcast).
+   Per rank: the peak resident-memory growth (ru_maxrss) from before loading to after sharding,
+   and the wall time.
+2. One training step per policy, measured by the meter on each rank: parameters, gradients and
+   optimizer state per rank against one unsharded process, and the step's peak.
+
+    python bench/fsdp.py                       # Llama 8 layers, h=1024, vocab 32000 (~170M params)
+    python bench/fsdp.py --layers 4 --hidden 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from _common import machine, reference_batch, reference_model
+
+POLICIES = ("fp32+fsdp", "bf16+fsdp", "bf16+ckpt+fsdp")
+
+
+def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_memstack import from_pretrained_for_fsdp, measure_step, prepare_model
+    from hf_memstack.memory import model_state_bytes
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if job["load"] == "rank 0 + broadcast":
+        model = from_pretrained_for_fsdp(AutoModelForCausalLM, job["model_dir"], dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+    model = prepare_model(model.train(), job["policy"])
+    dist.barrier()
+    result = {"load_seconds": time.perf_counter() - start,
+              "load_peak_rss_growth": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}
+    if job.get("step"):
+        per = job["batch"] // world
+        batch = {k: v[rank * per:(rank + 1) * per] for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        m = measure_step(model, batch, opt, timed=True)
+        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, activations=m.activations, step_seconds=m.step_seconds)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(job: dict, world: int = 2, timeout: float = 900) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_rank, args=(world, str(Path(tmp) / "init"), tmp, job), nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{job} did not finish in {timeout} s")
+        return [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=4, help="global batch (split over the 2 ranks)")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fsdp.json"))
+    args = ap.parse_args()
+    from hf_memstack import measure_step, prepare_model
+    from hf_memstack.memory import format_bytes, model_state_bytes
+
+    rows: dict = {"machine": machine(), "args": vars(args)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = reference_model(args.layers, args.hidden, args.vocab)
+        n_params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(tmp)
+        # The unsharded reference: one process, the same global batch.
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        alone = {}
+        for policy in POLICIES:
+            m = reference_model(args.layers, args.hidden, args.vocab)
+            m = prepare_model(m, policy.replace("+fsdp", ""))
+            o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+            s = measure_step(m, reference_batch(args.batch, args.seq, args.vocab), o, timed=False)
+            alone[policy] = {**model_state_bytes(m, o), "peak": s.peak_bytes}
+        del model, opt
+
+        print(f"{machine()}\nLlama {args.layers} layers, h={args.hidden}, vocab {args.vocab}: {n_params / 1e6:.0f}M parameters "
+              f"({format_bytes(4 * n_params)} fp32); 2 ranks, global batch {args.batch} x seq {args.seq}\n")
+        print("| loading | rank | peak RSS growth, load + shard | seconds |\n|---|---|---|---|")
+        rows["loading"] = {}
+        for load in ("every rank from_pretrained", "rank 0 + broadcast"):
+            ranks = _run({"load": load, "model_dir": tmp, "policy": "fp32+fsdp"})
+            rows["loading"][load] = ranks
+            for r, res in enumerate(ranks):
+                print(f"| {load} | {r} | {format_bytes(res['load_peak_rss_growth'])} | {res['load_seconds']:.1f} |")
+
+        print("\n| policy | params+grads+optimizer per rank | vs one process | step peak per rank | vs one process |\n|---|---|---|---|---|")
+        rows["steps"] = {}
+        for policy in POLICIES:
+            ranks = _run({"load": "rank 0 + broadcast", "model_dir": tmp, "policy": policy, "step": True,
+                          "batch": args.batch, "seq": args.seq, "vocab": args.vocab})
+            rows["steps"][policy] = {"ranks": ranks, "one_process": alone[policy]}
+            r0, a = ranks[0], alone[policy]
+            states, states_alone = (r0["parameters"] + r0["gradients"] + r0["optimizer"]), (a["parameters"] + a["gradients"] + a["optimizer"])
+            print(f"| {policy} | {format_bytes(states)} | {states / states_alone:.2f} | {format_bytes(r0['peak'])} | {r0['peak'] / a['peak']:.2f} |")
+    out = Path(args.out)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()
