@@ -17,9 +17,9 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,7 +40,11 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> Non
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
+    # ru_maxrss survives exec (a spawned child starts with its parent's peak): reset the kernel's
+    # high-water mark (VmHWM) instead and read it back after sharding.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
     start = time.perf_counter()
     if job["load"] == "rank 0 + broadcast":
         model = from_pretrained_for_fsdp(AutoModelForCausalLM, job["model_dir"], dtype=torch.float32)
@@ -49,16 +53,21 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> Non
     model = prepare_model(model.train(), job["policy"])
     dist.barrier()
     result = {"load_seconds": time.perf_counter() - start,
-              "load_peak_rss_growth": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024}
+              "load_peak_rss_growth": _status_bytes("VmHWM") - before, "rss_after": _status_bytes("VmRSS") - before}
     if job.get("step"):
         per = job["batch"] // world
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         m = measure_step(model, batch, opt, timed=True)
-        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, activations=m.activations, step_seconds=m.step_seconds)
+        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations, step_seconds=m.step_seconds)
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _status_bytes(field: str) -> int:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def _run(job: dict, world: int = 2, timeout: float = 900) -> list[dict]:
@@ -78,7 +87,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--batch", type=int, default=4, help="global batch (split over the 2 ranks)")
+    ap.add_argument("--batch", type=int, default=8, help="global batch (split over the 2 ranks)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fsdp.json"))
     args = ap.parse_args()
@@ -98,20 +107,20 @@ def main() -> None:
             m = prepare_model(m, policy.replace("+fsdp", ""))
             o = torch.optim.AdamW(m.parameters(), lr=1e-4)
             s = measure_step(m, reference_batch(args.batch, args.seq, args.vocab), o, timed=False)
-            alone[policy] = {**model_state_bytes(m, o), "peak": s.peak_bytes}
+            alone[policy] = {**model_state_bytes(m, o), "peak": s.peak_bytes, "saved_activations": s.saved_activations}
         del model, opt
 
         print(f"{machine()}\nLlama {args.layers} layers, h={args.hidden}, vocab {args.vocab}: {n_params / 1e6:.0f}M parameters "
               f"({format_bytes(4 * n_params)} fp32); 2 ranks, global batch {args.batch} x seq {args.seq}\n")
-        print("| loading | rank | peak RSS growth, load + shard | seconds |\n|---|---|---|---|")
+        print("| loading | rank | peak RSS growth, load + shard | RSS growth after | seconds |\n|---|---|---|---|---|")
         rows["loading"] = {}
         for load in ("every rank from_pretrained", "rank 0 + broadcast"):
             ranks = _run({"load": load, "model_dir": tmp, "policy": "fp32+fsdp"})
             rows["loading"][load] = ranks
             for r, res in enumerate(ranks):
-                print(f"| {load} | {r} | {format_bytes(res['load_peak_rss_growth'])} | {res['load_seconds']:.1f} |")
+                print(f"| {load} | {r} | {format_bytes(res['load_peak_rss_growth'])} | {format_bytes(res['rss_after'])} | {res['load_seconds']:.1f} |")
 
-        print("\n| policy | params+grads+optimizer per rank | vs one process | step peak per rank | vs one process |\n|---|---|---|---|---|")
+        print("\n| policy | params+grads+optimizer per rank | vs one process | activations after forward per rank | step peak per rank (phase) | vs one process |\n|---|---|---|---|---|---|")
         rows["steps"] = {}
         for policy in POLICIES:
             ranks = _run({"load": "rank 0 + broadcast", "model_dir": tmp, "policy": policy, "step": True,
@@ -119,7 +128,7 @@ def main() -> None:
             rows["steps"][policy] = {"ranks": ranks, "one_process": alone[policy]}
             r0, a = ranks[0], alone[policy]
             states, states_alone = (r0["parameters"] + r0["gradients"] + r0["optimizer"]), (a["parameters"] + a["gradients"] + a["optimizer"])
-            print(f"| {policy} | {format_bytes(states)} | {states / states_alone:.2f} | {format_bytes(r0['peak'])} | {r0['peak'] / a['peak']:.2f} |")
+            print(f"| {policy} | {format_bytes(states)} | {states / states_alone:.2f} | {format_bytes(r0['saved_activations'])} | {format_bytes(r0['peak'])} ({r0['peak_phase']}) | {r0['peak'] / a['peak']:.2f} |")
     out = Path(args.out)
     out.write_text(json.dumps(rows, indent=2))
     print(f"\nwritten to {out}")
