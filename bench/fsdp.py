@@ -14,32 +14,29 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
+import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from _common import machine, reference_batch, reference_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dist_utils import run_ranks  # noqa: E402
 
 POLICIES = ("fp32+fsdp", "bf16+fsdp", "bf16+ckpt+fsdp")
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> None:
-    import torch.distributed as dist
+def _rank(rank: int, world: int, job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_memstack import from_pretrained_for_fsdp, measure_step, prepare_model
     from hf_memstack.memory import model_state_bytes
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
     # ru_maxrss survives exec (a spawned child starts with its parent's peak): reset the kernel's
     # high-water mark (VmHWM) instead and read it back after sharding.
@@ -51,7 +48,7 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> Non
     else:
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     model = prepare_model(model.train(), job["policy"])
-    dist.barrier()
+    torch.distributed.barrier()
     result = {"load_seconds": time.perf_counter() - start,
               "load_peak_rss_growth": _status_bytes("VmHWM") - before, "rss_after": _status_bytes("VmRSS") - before}
     if job.get("step"):
@@ -59,10 +56,9 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, job: dict) -> Non
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         m = measure_step(model, batch, opt, timed=True)
-        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations, step_seconds=m.step_seconds)
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations,
+                      step_seconds=m.step_seconds)
+    return result
 
 
 def _status_bytes(field: str) -> int:
@@ -70,16 +66,9 @@ def _status_bytes(field: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def _run(job: dict, world: int = 2, timeout: float = 900) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_rank, args=(world, str(Path(tmp) / "init"), tmp, job), nprocs=world, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{job} did not finish in {timeout} s")
-        return [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
+def _run(job: dict) -> list[dict]:
+    # The tests' launcher: a gloo group with a timeout on every collective and a deadline on the run.
+    return run_ranks(_rank, job, world=2, timeout=900)
 
 
 def main() -> None:
