@@ -249,18 +249,16 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
         return model
     from transformers import AutoConfig
 
-    config_kwargs = {k: kwargs[k] for k in ("trust_remote_code", "revision") if k in kwargs}
-    model_kwargs = {k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "revision", "dtype", "torch_dtype")}
-    config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained, **config_kwargs)
-    model_kwargs.pop("config", None)
-    # Only what shapes the architecture carries over to the config (num_labels, attn_implementation).
-    attn = model_kwargs.pop("attn_implementation", None)
-    config.update({k: v for k, v in model_kwargs.items() if hasattr(config, k)})
-    extra = {"attn_implementation": attn} if attn else {}
+    trust = kwargs.get("trust_remote_code", False)
+    config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained, trust_remote_code=trust, revision=kwargs.get("revision"))
+    # Loading options (dtype: rank 0's, revision, use_safetensors...) do not go to the config;
+    # those that shape the architecture (num_labels, ...) go to the config, as from_pretrained does.
+    config.update({k: v for k, v in kwargs.items() if k not in ("config", "attn_implementation", "dtype", "torch_dtype") and hasattr(config, k)})
+    extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
     dtype = getattr(torch, dtype_name[0].removeprefix("torch."))
     with torch.device("meta"):
         if hasattr(model_class, "_model_mapping"):  # an AutoModelFor* class
-            return model_class.from_config(config, dtype=dtype, trust_remote_code=kwargs.get("trust_remote_code", False), **extra)
+            return model_class.from_config(config, dtype=dtype, trust_remote_code=trust, **extra)
         return model_class._from_config(config, dtype=dtype, **extra)
 
 
