@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -34,7 +35,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from hf_memstack import from_pretrained_for_fsdp, measure_step, prepare_model
-    from hf_memstack.memory import model_state_bytes
+    from hf_memstack import model_state_bytes
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, job: dict) -> dict:
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         m = measure_step(model, batch, opt, timed=True)
-        result.update(model_state_bytes(model, opt), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations,
+        result.update(dataclasses.asdict(model_state_bytes(model, opt)), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations,
                       step_seconds=m.step_seconds)
     return result
 
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fsdp.json"))
     args = ap.parse_args()
     from hf_memstack import measure_step, prepare_model
-    from hf_memstack.memory import format_bytes, model_state_bytes
+    from hf_memstack import format_bytes, model_state_bytes
 
     rows: dict = {"machine": machine(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +97,7 @@ def main() -> None:
             m = prepare_model(m, policy.replace("+fsdp", ""))
             o = torch.optim.AdamW(m.parameters(), lr=1e-4)
             s = measure_step(m, reference_batch(args.batch, args.seq, args.vocab), o, timed=False)
-            alone[policy] = {**model_state_bytes(m, o), "peak": s.peak_bytes, "saved_activations": s.saved_activations}
+            alone[policy] = {**dataclasses.asdict(model_state_bytes(m, o)), "peak": s.peak_bytes, "saved_activations": s.saved_activations}
         del model, opt
 
         print(f"{machine()}\nLlama {args.layers} layers, h={args.hidden}, vocab {args.vocab}: {n_params / 1e6:.0f}M parameters "

@@ -5,34 +5,42 @@ Hugging Face model, applied in the order the field recommends, verified and meas
     model = prepare_model(model, "bf16+ckpt")
 """
 
+from ._version import __version__
+from .accounting import ModelStateBytes, model_state_bytes, tensor_bytes
 from .batch_size import BatchSizeResult, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
+from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .estimate import MemoryEstimate, estimate_memory
 from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
-from .memory import StepMemory, format_bytes, measure_step, model_state_bytes, parse_bytes
+from .ladder import LADDER
+from .memory import StepMemory, measure_step
 from .planner import Plan, plan_policy
-from .policy import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError
-from .prepare import MemstackRecord, describe, prepare_model
+from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy
+from .prepare import describe, prepare_model
+from .record import MemstackRecord, record_of, unwrap_model
+from .sizes import format_bytes, parse_bytes
 from .step import forward_loss, train_step
 from .verify import VerifyReport, verify
-
-__version__ = "0.1.0"
 
 __all__ = [
     "LADDER",
     "BatchSizeResult",
     "Blocks",
+    "BudgetTooSmallError",
     "CheckpointingConfig",
     "CompileConfig",
+    "DistributedMismatchError",
     "FSDPConfig",
-    "MemoryPolicy",
     "MemoryEstimate",
+    "MemoryPolicy",
     "MemstackRecord",
+    "ModelStateBytes",
     "Plan",
     "PolicyError",
     "Probe",
     "StepMemory",
     "VerifyReport",
+    "__version__",
     "accelerate_fsdp_plugin",
     "describe",
     "estimate_memory",
@@ -46,7 +54,10 @@ __all__ = [
     "parse_bytes",
     "plan_policy",
     "prepare_model",
+    "record_of",
     "save_pretrained_full",
+    "tensor_bytes",
     "train_step",
+    "unwrap_model",
     "verify",
 ]

@@ -27,7 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ._device import device_of, preserved_rng
-from .memory import format_bytes, measure_step, parse_bytes
+from .errors import BudgetTooSmallError
+from .memory import measure_step
+from .accounting import model_state_bytes, optimizer_state_bytes
+from .record import record_of
+from .sizes import format_bytes, parse_bytes
 from .step import LossFn
 
 __all__ = ["BatchSizeResult", "Probe", "find_batch_size"]
@@ -160,15 +164,15 @@ def find_batch_size(
     device = device_of(model)
     budget_bytes = _resolve_budget(budget, device)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    param_bytes = model_state_bytes(model).parameters
     if param_bytes >= budget_bytes:
-        raise ValueError(
+        raise BudgetTooSmallError(
             f"budget={format_bytes(budget_bytes)} is smaller than the model's parameters alone ({format_bytes(param_bytes)}); "
             f"training needs about {format_bytes(4 * param_bytes)} before activations (parameters, gradients, AdamW state). "
-            f"{_next_rung(model, weights_dominate=True)}"
+            f"{_next_rung(model, weights_dominate=True)}", budget_bytes=budget_bytes, needed_bytes=4 * param_bytes,
         )
-    # Through a DDP wrapper (Accelerate's prepare), the record is on the wrapped module.
-    record = getattr(model, "memstack", None) or getattr(getattr(model, "module", None), "memstack", None)
+    # Through a DDP, PEFT or compile wrapper (Accelerate's prepare), the record is on the wrapped module.
+    record = record_of(model)
     grad_scaler = getattr(record, "grad_scaler", None)
     compiled = bool(record is not None and record.compile.regions)
     searcher = _Search(model, make_batch, optimizer if mode == "train" else None, loss_fn, grad_scaler, budget_bytes,
@@ -255,7 +259,7 @@ class _Search:
             if self.optimizer is not None and not self.had_optimizer_state:
                 # The first step creates the optimizer state after its backward: count it there too,
                 # as it will be in every later step.
-                fb += _optimizer_state_bytes(self.optimizer)
+                fb += optimizer_state_bytes(self.optimizer)
                 peak = max(peak, fb)
                 self.had_optimizer_state = True
         fits = _agree_all(not oom and peak is not None and peak <= self.budget, self.world)
@@ -278,7 +282,7 @@ class _Search:
             p = max(1, p // 2)
             first = self.run(p, "probe")
         if not first.fits:
-            raise ValueError(self._too_small_message(first))
+            raise BudgetTooSmallError(self._too_small_message(first), budget_bytes=self.budget, needed_bytes=first.peak_bytes)
         q = min(2 * p, self.max_batch_size)
         if q == p:
             return self._result(first, {})
@@ -366,17 +370,12 @@ class _Search:
 
 
 def _next_rung(model: nn.Module, *, weights_dominate: bool) -> str:
-    record = getattr(model, "memstack", None)
-    policy = getattr(record, "policy", None)
-    if policy is None:
+    from .ladder import next_rung
+
+    record = record_of(model)
+    if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."
-    if not weights_dominate and policy.checkpointing.mode == "none":
-        return f"Next rung of the ladder: add activation checkpointing ('{policy.to_string()}+ckpt')."
-    if policy.fsdp.mode == "none":
-        return "Next rung of the ladder: shard the model with FSDP over several devices (policy 'fsdp'), or a larger budget."
-    if not policy.fsdp.cpu_offload:
-        return "Next rung of the ladder: FSDP with CPU offload ('bf16+ckpt+fsdp:offload'), or more ranks."
-    return "Nothing left on the ladder: more ranks, a shorter sequence or a smaller model."
+    return next_rung(record.policy, num_blocks=len(record.blocks or ()), weights_dominate=weights_dominate)
 
 
 def _resolve_budget(budget: int | str | None, device: torch.device) -> int:
@@ -430,10 +429,6 @@ def _mark_batch_dynamic(batch: Any) -> None:
         torch._dynamo.mark_dynamic(t, 0)
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-
-
 def _agree_all(ok: bool, world: int) -> bool:
     """True only if every rank says True (an all-reduce of the minimum: nobody waits on a failed rank)."""
     if world == 1:
@@ -472,7 +467,7 @@ def _cache_key(model: nn.Module, record: Any, optimizer: Any, signature: Any, mo
                device: torch.device) -> tuple[str, dict[str, Any]]:
     import transformers
 
-    from . import __version__
+    from ._version import __version__
 
     config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)
     sig = {

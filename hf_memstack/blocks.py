@@ -10,25 +10,43 @@ One place, three sources, in order:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
 
 __all__ = ["Blocks", "find_blocks"]
 
 
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """The blocks found: the modules themselves, their qualified names, and where they came from."""
+BlockSource = Literal["override", "_no_split_modules", "largest ModuleList"]
 
-    modules: tuple[nn.Module, ...]
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Blocks:
+    """The repeated blocks of a model, by qualified name under ``root``."""
+
+    root: nn.Module = field(repr=False, compare=False)
+    """The module the names are relative to (the model that was searched)."""
     names: tuple[str, ...]
+    """Qualified names of the blocks under ``root``, in execution order."""
     class_names: tuple[str, ...]
-    source: str
-    """``override``, ``_no_split_modules`` or ``largest ModuleList``."""
+    """The blocks' class names, as found (before FSDP2 renames the classes it shards)."""
+    source: BlockSource
+    """How they were found: an explicit override, the model's ``_no_split_modules``, or the
+    largest ``ModuleList``/``Sequential`` of one class."""
 
     def __len__(self) -> int:
-        return len(self.modules)
+        return len(self.names)
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The blocks as they are now under ``root`` (whatever replaced one in its parent included)."""
+        return tuple(self.root.get_submodule(name) for name in self.names)
+
+    def replace(self, index: int, module: nn.Module) -> None:
+        """Put ``module`` where block ``index`` is, in its parent."""
+        parent_name, _, child = self.names[index].rpartition(".")
+        setattr(self.root.get_submodule(parent_name) if parent_name else self.root, child, module)
 
 
 def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) -> Blocks:
@@ -53,7 +71,7 @@ def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) ->
                 f"{type(model).__name__}; candidates: {_candidates(model)}. Pass the class name of the "
                 "repeated layer, e.g. MemoryPolicy(checkpointing={'mode': 'full', 'block_classes': ['MyBlock']})"
             )
-        return _make(hits, "override")
+        return _make(model, hits, "override")
 
     no_split = getattr(model, "_no_split_modules", None) or ()
     if no_split:
@@ -65,7 +83,7 @@ def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) ->
         repeated = [(n, m) for n, m in hits if counts[type(m).__name__] >= 2]
         repeated = _outermost(repeated)
         if repeated:
-            return _make(repeated, "_no_split_modules")
+            return _make(model, repeated, "_no_split_modules")
 
     best: list[tuple[str, nn.Module]] = []
     for name, module in named:
@@ -81,7 +99,7 @@ def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) ->
                 prefix = f"{name}." if name else ""
                 best = [(prefix + n, c) for n, c in children]
     if best:
-        return _make(best, "largest ModuleList")
+        return _make(model, best, "largest ModuleList")
 
     raise ValueError(
         f"cannot find repeated blocks in {type(model).__name__}: it has no `_no_split_modules` that repeat and "
@@ -96,9 +114,9 @@ def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]
     return [(n, m) for n, m in hits if not any(n != o and n.startswith(o + ".") for o in names)]
 
 
-def _make(hits: list[tuple[str, nn.Module]], source: str) -> Blocks:
+def _make(root: nn.Module, hits: list[tuple[str, nn.Module]], source: BlockSource) -> Blocks:
     return Blocks(
-        modules=tuple(m for _, m in hits),
+        root=root,
         names=tuple(n for n, _ in hits),
         class_names=tuple(dict.fromkeys(type(m).__name__ for _, m in hits)),
         source=source,

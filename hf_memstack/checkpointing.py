@@ -1,46 +1,85 @@
 """apply_checkpointing: activation checkpointing through the model's own Transformers API, or
-PyTorch's checkpoint wrapper around the repeated blocks when the model has none."""
+PyTorch's non-reentrant ``torch.utils.checkpoint`` around each repeated block when the model has
+none (or when the blocks are named explicitly)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ._device import device_of
+from ._wrappers import CheckpointedForward
 from .blocks import Blocks
 from .policy import CheckpointingConfig
 
-__all__ = ["apply_checkpointing", "uses_transformers_checkpointing"]
+__all__ = [
+    "CheckpointingGuard",
+    "CheckpointingResult",
+    "apply_checkpointing",
+    "check_checkpointing",
+    "install_checkpointing_guard",
+    "uses_transformers_checkpointing",
+]
+
+CheckpointingMethod = Literal["none", "transformers", "torch"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointingResult:
+    """What :func:`apply_checkpointing` did."""
+
+    method: CheckpointingMethod
+    """``transformers`` (the model's ``activation_checkpointing_enable``), ``torch``
+    (``torch.utils.checkpoint`` around each block's forward) or ``none``."""
+    checkpointed: tuple[int, ...] = ()
+    """Indices of the checkpointed blocks (0, n, 2n, ... for every n-th)."""
+    note: str = ""
+    """Why something asked for was adjusted (e.g. offload on the CPU)."""
 
 
 def uses_transformers_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -> bool:
-    """True when the model's own Transformers API can apply ``cfg`` (else the PyTorch wrapper is used)."""
+    """True when the model's own Transformers API can apply ``cfg`` (else PyTorch's checkpoint is used)."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         return False
     if cfg.block_classes is not None:
-        return False  # an explicit block override is honoured with the wrapper
+        return False  # an explicit block override is honoured block by block
     if hasattr(model, "activation_checkpointing_enable"):
         return True
     # transformers < 5 has only `gradient_checkpointing_enable`, without every_n_layers / offload.
     return hasattr(model, "gradient_checkpointing_enable") and cfg.mode == "full"
 
 
-def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: Blocks | None) -> dict[str, Any]:
+def check_checkpointing(model: nn.Module, cfg: CheckpointingConfig) -> None:
+    """Raise before the model is touched when ``cfg`` cannot work on ``model``.
+
+    Raises:
+        ValueError: ``use_reentrant=True`` where PyTorch's checkpoint would be used: the reentrant
+            implementation passes no keyword arguments to the block and drops the gradients of a
+            block whose inputs do not require grad (frozen embeddings, LoRA), so it is refused.
+    """
+    if cfg.mode != "none" and cfg.use_reentrant and not uses_transformers_checkpointing(model, cfg):
+        raise ValueError(
+            f"policy.checkpointing.use_reentrant=True: {type(model).__name__} is checkpointed block by block with "
+            "torch.utils.checkpoint (it has no Transformers checkpointing API, or block_classes was given), where only "
+            "the non-reentrant implementation is used (reentrant checkpointing drops keyword arguments and the gradients "
+            "of frozen inputs). Set use_reentrant=False"
+        )
+
+
+def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: Blocks | None) -> CheckpointingResult:
     """Enable activation checkpointing on ``model`` in place.
 
     Transformers models use ``activation_checkpointing_enable`` (5.x; ``gradient_checkpointing_enable``
     on older versions), which also disables the KV cache in checkpointed layers and makes the input
-    embeddings' output require grad (frozen embeddings / PEFT). Other models get PyTorch's
-    non-reentrant ``checkpoint_wrapper`` around each block (``blocks`` must then be given).
-
-    Returns a record: ``method`` (``transformers`` / ``torch-wrapper``), ``checkpointed`` (block indices).
+    embeddings' output require grad (frozen embeddings / PEFT). Other models (and explicit
+    ``block_classes``) get ``torch.utils.checkpoint`` around each block's forward, installed on the
+    instance so that module names and state-dict keys do not change (PEFT adapters save as usual).
     """
     if cfg.mode == "none":
-        return {"method": "none", "checkpointed": [], "note": ""}
+        return CheckpointingResult(method="none")
     every_n = cfg.every_n if cfg.mode == "every_n" else 1
     offload = cfg.mode == "offload"
     note = ""
@@ -49,43 +88,89 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
         # memory and fail on a host without an accelerator. Full checkpointing is the same thing here.
         offload = False
         note = "offload skipped: the model is on the CPU, its activations are already in host memory"
-    ckpt_kwargs = {"use_reentrant": cfg.use_reentrant}
+    # Same choice as Transformers' every_n_layers: blocks 0, n, 2n, ...
+    chosen = tuple(i for i in range(len(blocks) if blocks is not None else 0) if i % every_n == 0)
 
     if uses_transformers_checkpointing(model, cfg):
+        kwargs = {"use_reentrant": cfg.use_reentrant}
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(
-                activation_checkpointing_kwargs=ckpt_kwargs, every_n_layers=every_n, offload=offload
-            )
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n, offload=offload)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=ckpt_kwargs)
-        n = len(blocks) if blocks is not None else 0
-        return {"method": "transformers", "checkpointed": [i for i in range(n) if i % every_n == 0], "note": note}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return CheckpointingResult(method="transformers", checkpointed=chosen, note=note)
 
     if blocks is None:
-        raise ValueError("apply_checkpointing needs the model's blocks for the PyTorch wrapper fallback")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    checkpoint_fn = _offloaded_checkpoint if offload else checkpoint
-    checkpointed = []
-    for i, (name, block) in enumerate(zip(blocks.names, blocks.modules)):
-        # Same choice as Transformers' every_n_layers: blocks 0, n, 2n, ...
-        if i % every_n:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn, **ckpt_kwargs))
-        checkpointed.append(i)
-    if cfg.use_reentrant and hasattr(model, "enable_input_require_grads"):
-        # Reentrant checkpointing drops gradients when no input of the block requires grad.
-        model.enable_input_require_grads()
-    return {"method": "torch-wrapper", "checkpointed": checkpointed, "note": note}
+        raise ValueError("apply_checkpointing needs the model's blocks (hf_memstack.find_blocks(model))")
+    for i in chosen:
+        block = blocks.modules[i]
+        block.forward = CheckpointedForward(block, offload=offload)  # type: ignore[method-assign]
+    return CheckpointingResult(method="torch", checkpointed=chosen, note=note)
 
 
-def _offloaded_checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
-    """Checkpoint whose saved block inputs live in (pinned, when a GPU exists) host memory."""
-    pin = torch.cuda.is_available()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "pin_memory requires a GPU" on CPU-only hosts
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
-            return checkpoint(function, *args, **kwargs)
 
+@dataclass(frozen=True, slots=True)
+class _Applied:
+    """Checkpointing as it runs on a prepared model, in the terms of Transformers' API."""
+
+    every_n_layers: int | None
+    """None: no checkpointing."""
+    offload: bool
+    checkpoint_kwargs: tuple[tuple[str, Any], ...]
+
+
+class CheckpointingGuard:
+    """Stands in for a prepared model's ``activation_checkpointing_enable`` and
+    ``gradient_checkpointing_enable``: a later call (``TrainingArguments(gradient_checkpointing=True)``,
+    a PEFT helper, user code) that asks for what the policy already applied changes nothing and
+    says so; one that asks for something else is refused, instead of silently replacing the
+    policy's checkpointing while ``model.memstack`` still describes the old one."""
+
+    def __init__(self, name: str, applied: _Applied, policy: str) -> None:
+        self.name = name
+        self.applied = applied
+        self.policy = policy
+
+    def __call__(self, checkpointing_kwargs: dict[str, Any] | None = None, every_n_layers: int = 1, offload: bool = False,
+                 **kwargs: Any) -> None:
+        checkpointing_kwargs = kwargs.pop("activation_checkpointing_kwargs", kwargs.pop("gradient_checkpointing_kwargs", checkpointing_kwargs))
+        if kwargs:
+            raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(kwargs)}")
+        requested = _Applied(every_n_layers, offload, _normalised(checkpointing_kwargs))
+        if requested == self.applied:
+            warnings.warn(
+                f"{self.name}() on a model prepared by hf_memstack with policy {self.policy!r}: the policy already applies "
+                "this checkpointing, nothing changed (with transformers.Trainer, leave gradient_checkpointing=False)",
+                stacklevel=2,
+            )
+            return
+        now = "no checkpointing" if self.applied.every_n_layers is None else (
+            f"every_n_layers={self.applied.every_n_layers}, offload={self.applied.offload}, kwargs={dict(self.applied.checkpoint_kwargs)}")
+        raise RuntimeError(
+            f"{self.name}(every_n_layers={every_n_layers}, offload={offload}, kwargs={dict(requested.checkpoint_kwargs)}) would "
+            f"replace the checkpointing of this model's hf_memstack policy {self.policy!r} ({now}). Checkpointing is set by "
+            "the policy: with transformers.Trainer set TrainingArguments(gradient_checkpointing=False) (hf_memstack's "
+            "training_arguments() does), or prepare a fresh model with the checkpointing you want (e.g. 'bf16+ckpt')"
+        )
+
+
+def install_checkpointing_guard(model: nn.Module, cfg: CheckpointingConfig, result: CheckpointingResult, policy: str) -> bool:
+    """Put :class:`CheckpointingGuard` in place of the model's Transformers checkpointing methods
+    (on the instance). Returns False for models without them."""
+    names = [n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable") if hasattr(model, n)]
+    if not names or not getattr(model, "supports_gradient_checkpointing", False):
+        return False
+    if result.method == "none":
+        applied = _Applied(None, False, ())
+    else:
+        every_n = cfg.every_n if cfg.mode == "every_n" else 1
+        offload = cfg.mode == "offload" and not result.note
+        applied = _Applied(every_n, offload, _normalised({"use_reentrant": cfg.use_reentrant}))
+    for name in names:
+        setattr(model, name, CheckpointingGuard(name, applied, policy))
+    return True
+
+
+def _normalised(kwargs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    # Transformers' default when no kwargs are given is non-reentrant checkpointing.
+    merged = {"use_reentrant": False, **(kwargs or {})}
+    return tuple(sorted(merged.items()))

@@ -100,9 +100,6 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, *, blocks: Blocks | None
         if blocks is None:
             raise ValueError("regional compile needs the model's blocks")
         for name, block in zip(blocks.names, blocks.modules):
-            # The checkpoint wrapper, where used, replaced the block in its parent: compile what runs.
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            getattr(parent, child).compile(**kwargs)
+            block.compile(**kwargs)
             stats.regions.append(name)
     return stats

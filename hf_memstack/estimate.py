@@ -13,7 +13,9 @@ by the ranks, plus one block's gathered parameters).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,30 +23,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from .memory import StepMemory, format_bytes, measure_step
+from .accounting import tensor_bytes
+from .memory import StepMemory, measure_step
 from .policy import MemoryPolicy
+from .sizes import format_bytes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "load_config"]
+__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "estimate_memory", "load_config", "peft_config_from"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryEstimate:
     """The estimated peak of one training step (bytes, per rank), by category."""
 
     model: str
+    """The model as given (path or id), or the config's name."""
     policy: str
+    """The policy estimated, as a string."""
     batch_size: int
     seq_len: int
     world_size: int
     parameters: int
+    """Parameters and buffers, frozen ones included (FSDP: this rank's shards plus one gathered block)."""
     gradients: int
+    """Gradients of the trainable parameters."""
     optimizer: int
+    """Optimizer state of the trainable parameters."""
     activations: int
     """Activations alive at the end of the forward (what the backward needs)."""
     temporaries: int
     """The rest of the peak: transient buffers, logits and their gradients at the peak."""
     peak_bytes: int
+    """The step's estimated peak on one rank."""
     peak_phase: str
+    """``forward+backward`` or ``optimizer``: where the step peaks."""
+    forward_backward_peak: int
+    """The peak of the forward + backward alone (grows about linearly with the batch)."""
     trainable_parameters: int
     total_parameters: int
     notes: tuple[str, ...] = ()
@@ -63,7 +76,8 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
     local cache. Nothing is downloaded, so an unknown id fails at once instead of hanging offline.
 
     Raises:
-        ValueError: not a directory with a config.json and not in the local Hugging Face cache.
+        ValueError: not a directory with a config.json and not in the local Hugging Face cache; or
+            its config.json is not valid JSON, has no ``model_type``, or describes an invalid model.
     """
     from transformers import AutoConfig, PretrainedConfig
 
@@ -71,13 +85,52 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
         return model
     if isinstance(model, nn.Module):
         return model.config
+    path = Path(str(model)).expanduser()
+    if path.is_dir():
+        _check_config_file(path)
     try:
-        return AutoConfig.from_pretrained(str(model), local_files_only=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+        return AutoConfig.from_pretrained(str(path) if path.is_dir() else str(model), local_files_only=True,
+                                          trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if path.is_dir():
+            raise ValueError(f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:240]}); fix the file or pass another model") from None
         raise ValueError(
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
         ) from None
+
+
+def _check_config_file(path: Path) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"model={str(path)!r} is a directory without a config.json; pass a directory written by save_pretrained")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"model={str(path)!r}: {config} is not valid JSON ({e}); fix or re-download it") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ValueError(f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
+                         "add it (e.g. \"model_type\": \"llama\") or re-save the model with save_pretrained")
+
+
+def check_seq_len(config: Any, seq_len: int) -> None:
+    """Raise ValueError when ``seq_len`` is not positive or above the model's position limit."""
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less")
+
+
+def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False) -> nn.Module:
+    """The model of ``config`` for ``task`` (fp32, random weights), with PEFT adapters when given.
+
+    Raises:
+        ValueError: the config describes an invalid model, or the PEFT config matches no module.
+    """
+    net = _build(config, task, trust_remote_code)
+    return _apply_peft(net, peft_config) if peft_config is not None else net
 
 
 def estimate_memory(
@@ -88,7 +141,7 @@ def estimate_memory(
     seq_len: int,
     world_size: int = 1,
     optimizer: str = "adamw",
-    trainable: str | Any = "all",
+    trainable: Any = "all",
     task: str = "causal-lm",
     trust_remote_code: bool = False,
 ) -> MemoryEstimate:
@@ -101,11 +154,16 @@ def estimate_memory(
         seq_len: tokens per sample.
         world_size: ranks sharing the model under an FSDP policy.
         optimizer: ``adamw`` (two fp32 moments per trainable parameter) or ``sgd`` (none).
-        trainable: ``all``, or a PEFT config (its adapters are added and only they train).
+        trainable: what trains: ``"all"``; ``"lora"`` (LoRA r=8, alpha=16 on every linear layer
+            but the output head); a PEFT config (e.g. ``LoraConfig(...)``); or a dict of
+            ``LoraConfig`` fields (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``). Frozen
+            parameters count as parameters, with no gradient and no optimizer state.
         task: ``causal-lm`` or ``classification`` (which head the config gets).
 
     Raises:
-        ValueError: bad sizes, an unknown model, or a policy the model cannot use.
+        ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
+            policy the model cannot use.
+        TypeError: ``trainable`` of a type that is none of the above.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -116,23 +174,21 @@ def estimate_memory(
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
+    if task not in ("causal-lm", "classification"):
+        raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
+    peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
     policy = MemoryPolicy.coerce(policy)
-    if policy.fsdp.mode == "none" and world_size > 1:
-        notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"]
-    else:
-        notes = []
+    notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"] if (
+        policy.fsdp.mode == "none" and world_size > 1) else []
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and seq_len > limit:
-        raise ValueError(f"seq_len={seq_len} is above the model's limit of {limit} positions")
+    check_seq_len(config, seq_len)
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        net = _build(config, task, trust_remote_code)
-        if trainable != "all":
-            net = _apply_peft(net, trainable)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    net = _fake_model(config, task, peft_config, trust_remote_code, mode)
+    with mode:
         net.train()
         prepare_model(net, traced)
         params = [p for p in net.parameters() if p.requires_grad]
@@ -144,14 +200,73 @@ def estimate_memory(
     return _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
 
 
+def peft_config_from(trainable: Any) -> Any | None:
+    """``trainable`` as a PEFT config (None for ``"all"``).
+
+    Raises:
+        TypeError: not ``"all"``, ``"lora"``, a PEFT config or a dict.
+        ValueError: a dict with fields ``LoraConfig`` does not have, or bad values.
+    """
+    if isinstance(trainable, str) and trainable == "all":
+        return None
+    allowed = "'all', 'lora', a PEFT config such as peft.LoraConfig(r=8, target_modules=['q_proj', 'v_proj']), or a dict of LoraConfig fields"
+    if isinstance(trainable, str) and trainable != "lora":
+        raise ValueError(f"trainable={trainable!r} is not one of {allowed}")
+    if not isinstance(trainable, (str, dict)) and not type(trainable).__module__.startswith("peft."):
+        raise TypeError(f"trainable={trainable!r} ({type(trainable).__name__}) must be {allowed}")
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ValueError(f"trainable={trainable!r} needs PEFT: pip install peft") from None
+    if trainable == "lora":
+        return LoraConfig(**DEFAULT_LORA)
+    if isinstance(trainable, dict):
+        try:
+            return LoraConfig(**{**DEFAULT_LORA, **trainable})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"trainable={trainable!r} is not a valid LoraConfig ({e}); allowed fields are LoraConfig's, "
+                             "e.g. {'r': 16, 'lora_alpha': 32, 'target_modules': ['q_proj', 'v_proj']}") from None
+    return trainable
+
+
+# LoRA's common defaults (PEFT's own r=8), on every linear layer but the output head.
+DEFAULT_LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def _fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any) -> nn.Module:
+    """The model built on the meta device (PEFT adapters added there), then given fake tensors:
+    shapes and dtypes, no storage. Built on meta first because ``Module.to()`` (which PEFT calls
+    on its new adapters) cannot swap fake parameters; tied parameters stay tied."""
+    with torch.device("meta"):
+        net = build_model(config, task, peft_config, trust_remote_code=trust_remote_code)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            fakes[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if parameter else new
+        return fakes[id(t)]
+
+    for module in net.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = fake(p, True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = fake(b, False)
+    return net
+
+
 def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, config: Any, batch: int, seq: int,
               trainable: int, total: int, notes: list[str], model: Any) -> MemoryEstimate:
     params, grads, opt = m.parameters, m.gradients, m.optimizer
     # What the peak holds beyond the model states: activations and temporaries (logits, their gradients, buffers).
     rest = max(0, m.peak_bytes - params - grads - opt)
+    fb_rest = max(0, m.forward_backward_peak - params - grads - opt)
     if policy.fsdp.mode != "none" and world > 1:
         # Sharded states; plus the parameters of the block being computed, gathered in full.
-        block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in _blocks_or_empty(net)), default=0)
+        block = max((sum(tensor_bytes(p) for p in b.parameters()) for b in _blocks_or_empty(net)), default=0)
         params, grads, opt = params // world + 2 * block, grads // world, opt // world
         if policy.fsdp.cpu_offload:
             notes.append("fsdp cpu_offload: sharded parameters, gradients and optimizer state live in host memory")
@@ -161,7 +276,7 @@ def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, c
         model=str(model) if isinstance(model, (str, Path)) else name, policy=policy.to_string(), batch_size=batch, seq_len=seq,
         world_size=world, parameters=params, gradients=grads, optimizer=opt, activations=min(m.saved_activations, rest),
         temporaries=rest - min(m.saved_activations, rest), peak_bytes=params + grads + opt + rest, peak_phase=m.peak_phase,
-        trainable_parameters=trainable, total_parameters=total, notes=tuple(notes),
+        forward_backward_peak=params + grads + opt + fb_rest, trainable_parameters=trainable, total_parameters=total, notes=tuple(notes),
     )
 
 
@@ -177,20 +292,28 @@ def _blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
 def _build(config: Any, task: str, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    if task not in ("causal-lm", "classification"):
-        raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     try:
         return auto.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
     except ValueError as e:
-        raise ValueError(f"{type(config).__name__} has no {task} model in Transformers ({e}); pass task='classification' "
-                         "or 'causal-lm' to match the model") from None
+        if "Unrecognized configuration class" in str(e):
+            raise ValueError(f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
+                             "or 'causal-lm' to match the model") from None
+        raise ValueError(f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config") from None
+    except (RuntimeError, TypeError, AssertionError) as e:
+        raise ValueError(f"{type(config).__name__} does not describe a model Transformers can build "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:240]}); fix its config") from None
 
 
 def _apply_peft(net: nn.Module, peft_config: Any) -> nn.Module:
     from peft import get_peft_model  # optional: only when a PEFT config is given
 
-    return get_peft_model(net, peft_config)
+    try:
+        return get_peft_model(net, copy.deepcopy(peft_config))
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
+                         f"its linear layers are named {names}: pass target_modules from those") from None
 
 
 def _batch(config: Any, task: str, batch: int, seq: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,8 @@ with a mixed-precision policy derived from the memory policy's precision."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -14,12 +15,15 @@ from .policy import FSDPConfig
 from .precision import ResolvedPrecision
 
 __all__ = [
+    "FSDPResult",
     "accelerate_fsdp_plugin",
     "apply_fsdp",
+    "agree_before_sharding",
     "check_accelerate_fsdp",
-    "check_fsdp_launch",
+    "check_hybrid_shard",
     "from_pretrained_for_fsdp",
     "load_sharded_checkpoint",
+    "require_process_group",
     "save_pretrained_full",
     "save_sharded_checkpoint",
 ]
@@ -32,48 +36,101 @@ _HOW_TO_LAUNCH = (
 )
 
 
-def check_fsdp_launch(cfg: FSDPConfig, policy: dict[str, Any] | None = None, model: nn.Module | None = None) -> bool:
-    """Raise RuntimeError when FSDP is asked for without an initialised process group, or when the
-    ranks were given different policies or different models (checked with one small all-gather,
-    before any sharding collective could wait forever on a rank that shards differently).
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FSDPResult:
+    """How the model was sharded."""
+
+    mode: str
+    """The policy's ``fsdp.mode``."""
+    by: Literal["fully_shard", "accelerator.prepare"]
+    """``fully_shard`` (hf_memstack sharded it) or ``accelerator.prepare`` (Accelerate's FSDP2 plugin will)."""
+    world_size: int = 1
+    reshard_after_forward: bool | None = None
+    cpu_offload: bool = False
+    weights_from: Literal["each rank", "rank 0 broadcast", "accelerate"] = "each rank"
+    """Where the weights in the shards came from."""
+
+    def describe(self) -> str:
+        if self.by == "accelerator.prepare":
+            return f"{self.mode} by accelerator.prepare (Accelerate's FSDP2 plugin)"
+        return (f"{self.mode} by fully_shard over {self.world_size} ranks, reshard_after_forward={self.reshard_after_forward}, "
+                f"cpu_offload={self.cpu_offload}, weights from {self.weights_from}")
+
+
+def require_process_group(cfg: FSDPConfig) -> None:
+    """Raise RuntimeError when FSDP is asked for without an initialised process group."""
+    if cfg.mode != "none" and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}")
+
+
+@dataclass(frozen=True, slots=True)
+class _RankReport:
+    """What one rank tells the others before sharding (one all-gather)."""
+
+    error: str | None
+    """This rank's pre-flight error (type and message), or None."""
+    policy: dict[str, Any] | None
+    model: list[tuple[str, tuple[int, ...], str]]
+    """(name, shape, dtype) of every parameter."""
+    meta: bool
+    """This rank holds the model on the meta device (from_pretrained_for_fsdp)."""
+
+
+def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None, local_error: BaseException | None) -> bool:
+    """The ranks agree, with one all-gather, that every rank passed its pre-flight checks and holds
+    the same policy and the same model, before any sharding collective could wait forever on a rank
+    that failed or shards differently. Every rank raises if any rank failed or differs.
 
     Returns:
         True when some rank holds ``model`` on the meta device (see :func:`from_pretrained_for_fsdp`):
         rank 0's weights are then broadcast into every rank's shards after sharding.
+
+    Raises:
+        The rank's own pre-flight error on the rank that failed; :class:`DistributedMismatchError`
+        on every other rank (naming the failed rank and its error), and on every rank when the
+        policies or models differ, or rank 0 is on the meta device.
     """
-    if cfg.mode == "none":
-        return False
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}")
-    mine = {"policy": policy, "model": _signature(model), "meta": model is not None and _on_meta(model)}
+    from .errors import DistributedMismatchError
+
+    error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+    mine = _RankReport(error, policy, _signature(model), model is not None and _on_meta(model))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    differing = [r for r, e in enumerate(everyone) if e["policy"] != everyone[0]["policy"]]
+    failed = tuple(r for r, e in enumerate(everyone) if e.error is not None)
+    if local_error is not None:
+        raise local_error
+    if failed:
+        raise DistributedMismatchError(
+            f"prepare_model failed on rank(s) {list(failed)} before sharding, so no rank shards: "
+            + "; ".join(f"rank {r}: {everyone[r].error}" for r in failed), failed_ranks=failed)
+    differing = tuple(r for r, e in enumerate(everyone) if e.policy != everyone[0].policy)
     if differing:
-        raise RuntimeError(
-            f"the ranks were given different memory policies: rank 0 has {everyone[0]['policy']}, rank(s) {differing} have "
-            f"{[everyone[r]['policy'] for r in differing]}; pass the same policy on every rank (e.g. from one config file)"
-        )
+        raise DistributedMismatchError(
+            f"the ranks were given different memory policies: rank 0 has {everyone[0].policy}, rank(s) {list(differing)} have "
+            f"{[everyone[r].policy for r in differing]}; pass the same policy on every rank (e.g. from one config file)",
+            failed_ranks=differing)
     for r, e in enumerate(everyone):
-        if e["model"] != everyone[0]["model"]:
-            first = next((a, b) for a, b in zip(everyone[0]["model"] + [None], e["model"] + [None]) if a != b)
-            raise RuntimeError(
+        if e.model != everyone[0].model:
+            first = next((a, b) for a, b in zip([*everyone[0].model, None], [*e.model, None]) if a != b)
+            raise DistributedMismatchError(
                 f"rank {r} holds a different model from rank 0 (first difference: rank 0 has {first[0]}, rank {r} has "
-                f"{first[1]}; entries are (name, shape, dtype)): load the same checkpoint with the same dtype on every rank"
-            )
-    if everyone[0]["meta"]:
-        raise RuntimeError(
+                f"{first[1]}; entries are (name, shape, dtype)): load the same checkpoint with the same dtype on every rank",
+                failed_ranks=(r,))
+    if everyone[0].meta:
+        raise DistributedMismatchError(
             "rank 0's model is on the meta device: under FSDP, rank 0 must hold the real weights, which it broadcasts "
-            "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp"
+            "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp",
+            failed_ranks=(0,))
+    return any(e.meta for e in everyone)
+
+
+def check_hybrid_shard(cfg: FSDPConfig) -> None:
+    """Raise ValueError when hybrid sharding cannot split this world into nodes."""
+    if cfg.mode == "hybrid_shard" and dist.get_world_size() % _local_world_size():
+        raise ValueError(
+            f"policy.fsdp.mode='hybrid_shard': world size {dist.get_world_size()} is not a multiple of the "
+            f"processes per node ({_local_world_size()}); use mode='full_shard'"
         )
-    if cfg.mode == "hybrid_shard":
-        local = _local_world_size()
-        if dist.get_world_size() % local:
-            raise RuntimeError(
-                f"policy.fsdp.mode='hybrid_shard': world size {dist.get_world_size()} is not a multiple of the "
-                f"processes per node ({local}); use mode='full_shard'"
-            )
-    return any(e["meta"] for e in everyone)
 
 
 def _signature(model: nn.Module | None) -> list[tuple[str, tuple[int, ...], str]]:
@@ -88,7 +145,7 @@ def _on_meta(model: nn.Module) -> bool:
 
 def apply_fsdp(
     model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: ResolvedPrecision, broadcast_from_rank0: bool = False
-) -> dict[str, Any]:
+) -> FSDPResult:
     """Shard ``model`` in place with ``fully_shard``: each block, then the root.
 
     Parameters are gathered in the policy's dtype for compute (bf16/fp16) while gradients are
@@ -102,19 +159,16 @@ def apply_fsdp(
     offload = CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy()
     mesh = _mesh(cfg, precision.device_type)
     # Rank 0 keeps references to its full tensors through sharding: they are what it broadcasts.
-    full_state = _clean_state_dict(model) if broadcast_from_rank0 and dist.get_rank() == 0 else None
-    for name, _ in zip(blocks.names, blocks.modules):
-        # Shard what runs: a checkpoint wrapper or compiled module replaced the block in its parent.
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        fully_shard(getattr(parent, child), mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
+    full_state = model.state_dict() if broadcast_from_rank0 and dist.get_rank() == 0 else None
+    for block in blocks.modules:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root keeps the embeddings and head; it is not resharded after forward because its
     # parameters are needed again at the start of backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     if broadcast_from_rank0:
         _load_from_rank0(model, full_state, device=mesh.device_type)
-    return {"mode": cfg.mode, "by": "hf_memstack (fully_shard)", "world_size": dist.get_world_size(), "reshard_after_forward": reshard,
-            "cpu_offload": cfg.cpu_offload, "weights_from": "rank 0 broadcast" if broadcast_from_rank0 else "each rank"}
+    return FSDPResult(mode=cfg.mode, by="fully_shard", world_size=dist.get_world_size(), reshard_after_forward=reshard,
+                      cpu_offload=cfg.cpu_offload, weights_from="rank 0 broadcast" if broadcast_from_rank0 else "each rank")
 
 
 def _reshard_after_forward(cfg: FSDPConfig) -> bool:
@@ -202,13 +256,6 @@ def check_accelerate_fsdp(policy: Any, accelerator: Any) -> bool:
     if problems:
         raise ValueError(f"the Accelerator's FSDP plugin disagrees with the policy: {'; '.join(problems)}; {fix}")
     return True
-
-
-def _clean_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict under the names PyTorch's distributed state-dict API uses: without the
-    ``_orig_mod.`` (compile) and ``_checkpoint_wrapped_module.`` (checkpoint wrapper) segments."""
-    drop = {"_orig_mod", "_checkpoint_wrapped_module"}
-    return {".".join(p for p in k.split(".") if p not in drop): v for k, v in model.state_dict().items()}
 
 
 def _load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: str) -> None:

@@ -13,36 +13,43 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ._device import device_of, synchronize
+from .accounting import model_state_bytes, tensor_bytes
+from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step, train_step
 
-__all__ = ["StepMemory", "format_bytes", "measure_step", "model_state_bytes", "parse_bytes"]
+__all__ = ["StepMemory", "measure_step"]
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+PeakPhase = Literal["forward+backward", "optimizer"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepMemory:
     """One training step's peak memory, by category (bytes), and its time."""
 
     peak_bytes: int
     """The step's peak: live tensor bytes on CPU, the allocator's peak on CUDA."""
     parameters: int
-    """Parameters and buffers at the peak."""
+    """Parameters and buffers at the peak (frozen ones included)."""
     gradients: int
+    """Gradients at the peak (trainable parameters only)."""
     optimizer: int
+    """Optimizer state at the peak."""
     activations: int
     """Tensors saved for backward (and the batch) at the peak."""
     temporaries: int
+    """Short-lived tensors at the peak (e.g. the logits' gradient, fused-kernel buffers)."""
     other: int
+    """Tensors the tracker could not attribute."""
     step_seconds: float | None
     """Wall time of an untracked step (None when not timed)."""
     device: str
+    """Where the step ran (``cpu``, ``cuda:0``)."""
     method: str
     """``memtracker`` (+``cuda-allocator`` peak) or ``fallback``."""
     forward_backward_peak: int = 0
@@ -50,7 +57,7 @@ class StepMemory:
     saved_activations: int = 0
     """Activation bytes alive at the end of the forward - what the backward needs, and what
     checkpointing shrinks (0 when a custom ``step_fn`` hides the phases)."""
-    peak_phase: str = "forward+backward"
+    peak_phase: PeakPhase = "forward+backward"
     """Where the step peaked: ``forward+backward`` or ``optimizer`` (the step's fixed cost)."""
 
     def as_dict(self) -> dict[str, Any]:
@@ -60,59 +67,6 @@ class StepMemory:
         parts = [f"{k}={format_bytes(getattr(self, k))}" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")]
         time_s = f", step {self.step_seconds:.3f}s" if self.step_seconds is not None else ""
         return f"peak {format_bytes(self.peak_bytes)} ({', '.join(parts)}){time_s} [{self.method}]"
-
-
-def format_bytes(n: float) -> str:
-    """``1536 -> '1.50 KiB'``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def parse_bytes(value: int | float | str, *, field: str = "budget") -> int:
-    """``'20GiB'``, ``'512 MB'``, ``'1.5e9'`` or a number of bytes -> int bytes.
-
-    Raises:
-        ValueError: not a size, or not positive; the message names ``field``.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{field}={value!r} must be a number of bytes or a string like '20GiB'")
-    if isinstance(value, (int, float)):
-        n = int(value)
-    elif isinstance(value, str):
-        import re
-
-        m = re.fullmatch(r"\s*(-?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
-        unit = m.group(2).lower() if m else ""
-        if not m or (unit and unit not in _UNITS):
-            raise ValueError(
-                f"{field}={value!r} is not a size; write a number of bytes or a number with a unit "
-                f"({', '.join(['B', 'KB', 'MB', 'GB', 'KiB', 'MiB', 'GiB', 'TiB'])}), e.g. '20GiB'"
-            )
-        n = int(float(m.group(1)) * _UNITS[unit or "b"])
-    else:
-        raise TypeError(f"{field}={value!r} must be a number of bytes or a string like '20GiB'")
-    if n <= 0:
-        raise ValueError(f"{field}={value!r} must be positive, e.g. '20GiB'")
-    return n
-
-
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """This rank's bytes of parameters (and buffers), gradients and optimizer state, as they are now;
-    under FSDP only the local shards count."""
-    def nbytes(t: torch.Tensor) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t  # DTensor: this rank's shard
-        return local.numel() * local.element_size()
-
-    params = sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
-    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-    opt = 0
-    if optimizer is not None:
-        opt = sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-    return {"parameters": params, "gradients": grads, "optimizer": opt}
 
 
 def measure_step(
@@ -129,7 +83,8 @@ def measure_step(
     """Run a real training step (it updates the model, like any step) and measure its memory.
 
     Args:
-        model: a prepared (or plain) model on its device.
+        model: a prepared (or plain) model on its device; frozen parameters (LoRA, frozen
+            embeddings) count as parameters, with no gradient and no optimizer state.
         batch: what the model takes (a dict of tensors for Transformers models, with ``labels``).
         optimizer: stepped after backward; ``None`` measures forward + backward only.
         loss_fn: for models that do not return ``outputs.loss``.
@@ -159,39 +114,56 @@ def measure_step(
     if warmup:
         step_fn(model, batch, optimizer)
     device = device_of(model)
-    seconds = None
-    if timed:
-        synchronize(device)
-        start = time.perf_counter()
-        step_fn(model, batch, optimizer)
-        synchronize(device)
-        seconds = time.perf_counter() - start
+    seconds = _time_step(model, batch, optimizer, step_fn, device) if timed else None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    breakdown, method = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
-    peak = breakdown.pop("total")
-    fwd_bwd = breakdown.pop("backward_peak")
-    saved = breakdown.pop("forward_activations")
+    tracked = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
+    peak, method = tracked.peak, tracked.method
     if device.type == "cuda":
         synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device))
         method += "+cuda-allocator"
-    return StepMemory(peak_bytes=int(peak), step_seconds=seconds, device=str(device), method=method,
-                      forward_backward_peak=int(fwd_bwd), saved_activations=int(saved),
-                      peak_phase="optimizer" if phases and peak > fwd_bwd else "forward+backward", **breakdown)
+    return StepMemory(peak_bytes=int(peak), parameters=tracked.parameters, gradients=tracked.gradients, optimizer=tracked.optimizer,
+                      activations=tracked.activations, temporaries=tracked.temporaries, other=tracked.other, step_seconds=seconds,
+                      device=str(device), method=method, forward_backward_peak=int(tracked.forward_backward_peak),
+                      saved_activations=int(tracked.forward_activations),
+                      peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward")
 
 
-def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> tuple[dict[str, Any], str]:
-    """Run the step's phases under PyTorch's MemTracker; return the category bytes at the peak,
-    the total, the activation bytes alive after the first phase (the forward) and the peak
-    reached by the end of the second (the backward). A single phase is the whole step."""
-    try:
-        from torch.distributed._tools.mem_tracker import MemTracker
-    except ImportError:  # private API: it may move; fall back to counting what outlives the step
-        return _fallback(model, optimizer, phases), "fallback"
-    tracker = MemTracker()
+def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    step_fn(model, batch, optimizer)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Tracked:
+    """What the tracker saw over a step's phases (bytes)."""
+
+    peak: int
+    """Live bytes at the step's peak."""
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    temporaries: int
+    other: int
+    forward_activations: int
+    """Activation bytes alive after the first phase (the forward)."""
+    forward_backward_peak: int
+    """The peak reached by the end of the second phase (the backward)."""
+    method: str
+
+
+def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> _Tracked:
+    """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step."""
+    tracker = _frozen_aware_tracker()
+    if tracker is None:  # private API: it may move; fall back to counting what outlives the step
+        return _fallback(model, optimizer, phases)
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     forward_activations = backward_peak = 0
     with tracker, warnings.catch_warnings():
@@ -203,30 +175,50 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
                 forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
             if i == min(1, len(phases) - 1):
                 backward_peak = _category(tracker.get_tracker_snapshot("peak"), "total")
-                if device_of(model).type == "cuda":
-                    synchronize(device_of(model))
-                    backward_peak = max(backward_peak, torch.cuda.max_memory_allocated(device_of(model)))
-    snapshot = tracker.get_tracker_snapshot("peak")
-    per_cat: dict[str, int] = {}
-    total = 0
-    for dev_snapshot in snapshot.values():
-        for key, value in dev_snapshot.items():
-            name = str(key).rsplit(".", 1)[-1].lower()
-            if name == "total":
-                total += int(value)
-            else:
-                per_cat[name] = per_cat.get(name, 0) + int(value)
-    return {
-        "total": total,
-        "parameters": per_cat.get("param", 0) + per_cat.get("buffer", 0),
-        "gradients": per_cat.get("grad", 0),
-        "optimizer": per_cat.get("opt", 0),
-        "activations": per_cat.get("act", 0),
-        "temporaries": per_cat.get("temp", 0),
-        "other": per_cat.get("oth", 0),
-        "forward_activations": forward_activations,
-        "backward_peak": backward_peak,
-    }, "memtracker"
+                device = device_of(model)
+                if device.type == "cuda":
+                    synchronize(device)
+                    backward_peak = max(backward_peak, torch.cuda.max_memory_allocated(device))
+    peak = tracker.get_tracker_snapshot("peak")
+    cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
+    return _Tracked(peak=cat["total"], parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
+                    activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], forward_activations=forward_activations,
+                    forward_backward_peak=backward_peak, method="memtracker")
+
+
+def _frozen_aware_tracker() -> Any:
+    """PyTorch's MemTracker, taught that frozen parameters get no gradient.
+
+    MemTracker hooks every parameter it sees to count its gradient, and PyTorch refuses a hook on
+    a tensor that does not require grad (every LoRA model, frozen embeddings). This subclass hooks
+    only the trainable ones; frozen parameters still count as parameters. ``None`` when this
+    PyTorch has no MemTracker (it is a private API).
+    """
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except ImportError:
+        return None
+
+    class FrozenAwareMemTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+            def grad_hook(grad: torch.Tensor) -> None:
+                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+            param_memory = buffer_memory = 0
+            for param in module.parameters():
+                param_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
+                if param.grad is not None:
+                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+                if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(grad_hook),
+                        param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                    )
+            for buffer in module.buffers():
+                buffer_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER))
+            return param_memory, buffer_memory
+
+    return FrozenAwareMemTracker()
 
 
 def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
@@ -234,25 +226,20 @@ def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
     return sum(int(v) for dev in snapshot.values() for k, v in dev.items() if str(k).lower().rsplit(".", 1)[-1] == name)
 
 
-def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> dict[str, Any]:
+def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> _Tracked:
     """Without MemTracker: model states from their storages, activations from saved-for-backward bytes."""
     saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal saved
-        saved += t.numel() * t.element_size()
+        saved += tensor_bytes(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for phase in phases:
             phase()
-    params = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    grads = params if any(p.requires_grad for p in model.parameters()) else 0
-    opt = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    total = params + grads + opt + saved
-    return {"total": total, "parameters": params, "gradients": grads, "optimizer": opt,
-            "activations": saved, "temporaries": 0, "other": 0, "forward_activations": saved, "backward_peak": total}
-
+    states = model_state_bytes(model, optimizer)
+    grads = states.trainable_parameters  # every trainable parameter gets a gradient of its size
+    total = states.parameters + grads + states.optimizer + saved
+    return _Tracked(peak=total, parameters=states.parameters, gradients=grads, optimizer=states.optimizer, activations=saved,
+                    temporaries=0, other=0, forward_activations=saved, forward_backward_peak=total, method="fallback")

@@ -4,20 +4,16 @@ peak fits the budget with a margin - with the table of every rung considered."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .estimate import MemoryEstimate, estimate_memory, load_config
-from .memory import format_bytes, parse_bytes
+from .ladder import memory_rungs
 from .policy import MemoryPolicy
+from .sizes import format_bytes, parse_bytes
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
-
-# Speed relative to eager fp32. bf16 (1.52x) and full checkpointing (x0.86 of the same rung) were
-# measured by bench/ladder.py (4-layer Llama h=1024, batch 4, seq 256, 2-core Xeon with AMX-BF16; see
-# the README). Offload and FSDP factors are assumptions, not measured here. They only order rungs
-# that fit, so they only need to be roughly right.
-MEASURED_SPEED = {"bf16": 1.52, "ckpt": 0.86, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,23 +63,6 @@ class Plan:
                 "suggestions": self.suggestions, "estimate": self.estimate.as_dict() if self.estimate else None}
 
 
-def _ladder(precision: str, num_blocks: int, world_size: int) -> list[tuple[str, float]]:
-    """The memory rungs, cheapest first, from the device's mixed precision. fp32 is the correctness
-    rung, not a memory one, and compile changes speed rather than memory: both stay out of the walk."""
-    mixed = MEASURED_SPEED["bf16"] if precision != "fp32" else 1.0
-    rungs = [(precision, mixed)]
-    # Checkpointing: the least checkpointing that fits first (every 4th block, 3rd, 2nd), then every block.
-    for n in (4, 3, 2):
-        if n < num_blocks:
-            rungs.append((f"{precision}+ckpt:{n}", mixed * (1 - (1 - MEASURED_SPEED["ckpt"]) / n)))
-    rungs.append((f"{precision}+ckpt", mixed * MEASURED_SPEED["ckpt"]))
-    rungs.append((f"{precision}+ckpt:offload", mixed * MEASURED_SPEED["offload"]))
-    if world_size > 1:
-        rungs.append((f"{precision}+ckpt+fsdp", mixed * MEASURED_SPEED["ckpt"] * MEASURED_SPEED["fsdp"]))
-        rungs.append((f"{precision}+ckpt+fsdp:offload", mixed * MEASURED_SPEED["ckpt"] * MEASURED_SPEED["fsdp_offload"]))
-    return rungs
-
-
 def plan_policy(
     model: Any,
     *,
@@ -94,6 +73,7 @@ def plan_policy(
     margin: float = 0.1,
     task: str = "causal-lm",
     device: str | None = None,
+    trainable: Any = "all",
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``.
 
@@ -102,64 +82,99 @@ def plan_policy(
         budget: per-device memory, bytes or ``"80GiB"``.
         seq_len: tokens per sample.
         batch_size: per-device batch, or ``"max"``: the largest batch each rung fits (the first rung
-            that fits at least one sample is chosen, at its largest batch).
+            that fits at least one sample is chosen, at its largest batch, whose own estimate fits).
         world_size: devices; FSDP rungs are considered when > 1.
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
+        task: ``causal-lm`` or ``classification``.
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
+        trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
         sequences, a smaller batch with gradient accumulation).
     """
-    budget_bytes = parse_bytes(budget, field="budget")
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin={margin!r} must be in [0, 1)")
-    if batch_size != "max" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
-    usable = budget_bytes * (1 - margin)
-    config = load_config(model)
     import torch
 
     from .precision import resolve_precision
 
+    budget_bytes = parse_bytes(budget, field="budget")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1 (10% of the budget kept free)")
+    if batch_size != "max" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
+    usable = budget_bytes * (1 - margin)
+    config = load_config(model)
     precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
-    blocks = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 4)
-    cache: dict[tuple[str, int], MemoryEstimate] = {}
-
-    def est(policy: str, b: int) -> MemoryEstimate:
-        # Compile is estimated as eager: rungs that differ only by compile share one trace.
-        key = (policy.replace("+compile", ""), b)
-        if key not in cache:
-            cache[key] = estimate_memory(config, policy, batch_size=b, seq_len=seq_len, world_size=world_size, task=task)
-        return cache[key]
-
+    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
-    best_short = None
-    for policy, speed in _ladder(precision, int(blocks), world_size):
-        if batch_size == "max":
-            one, two = est(policy, 1), est(policy, 2)
-            slope = max(1, two.peak_bytes - one.peak_bytes)
-            fit_b = int((usable - one.peak_bytes) // slope) + 1 if one.peak_bytes <= usable else 0
-            e, fits = one, fit_b >= 1
-            plan.rows.append(PlanRow(policy, one.peak_bytes, fits, speed, max(fit_b, 0)))
-            if fits and plan.policy is None:
-                plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(policy), fit_b, one
-        else:
-            e = est(policy, batch_size)
-            fits = e.peak_bytes <= usable
-            plan.rows.append(PlanRow(policy, e.peak_bytes, fits, speed))
-            if fits and plan.policy is None:
-                plan.policy, plan.estimate = MemoryPolicy.coerce(policy), e
-        short = int(e.peak_bytes - usable)
-        best_short = short if best_short is None else min(best_short, short)
-        if plan.policy is not None:
-            break
-    if plan.policy is None:
-        plan.shortfall_bytes = max(0, best_short or 0)
-        plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
-    else:
-        plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory"]
+    shortfalls = []
+    for rung in memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size):
+        fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
+            batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
+        plan.rows.append(PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed,
+                                 fitted if batch_size == "max" else None))
+        shortfalls.append(int(e.peak_bytes - usable))
+        if fitted >= 1:
+            plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
+            plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory"]
+            return plan
+    plan.shortfall_bytes = max(0, min(shortfalls))
+    plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
     return plan
+
+
+class _Estimates:
+    """Estimates for one model and job, each policy and batch size traced once."""
+
+    def __init__(self, config: Any, **job: Any) -> None:
+        self.config, self.job = config, job
+        self.cache: dict[tuple[str, int], MemoryEstimate] = {}
+
+    def __call__(self, policy: str, batch_size: int) -> MemoryEstimate:
+        # Compile is estimated as eager: rungs that differ only by compile share one trace.
+        key = (policy.replace("+compile", ""), batch_size)
+        if key not in self.cache:
+            self.cache[key] = estimate_memory(self.config, key[0], batch_size=batch_size, **self.job)
+        return self.cache[key]
+
+
+def _max_batch(est: _Estimates, policy: str, usable: float) -> tuple[int, MemoryEstimate]:
+    """The largest batch whose estimated peak fits ``usable``, and its estimate (0 and batch 1's when none).
+
+    The forward+backward peak grows about linearly with the batch, the optimizer step's does
+    not (the finder's model): a line through the *total* peaks would mostly measure the fixed
+    optimizer cost. The prediction is then estimated itself and stepped down until it fits.
+    """
+    one = est(policy, 1)
+    if one.peak_bytes > usable:
+        return 0, one
+    slope = max(1.0, est(policy, 2).forward_backward_peak - one.forward_backward_peak)
+    guess = max(1, 1 + int((usable - one.forward_backward_peak) // slope))
+    good, bad = 1, None
+    for _ in range(16):
+        e = est(policy, guess)
+        if e.peak_bytes <= usable:
+            good = guess
+        else:
+            bad = guess
+        if bad is None:
+            # Fits: step up by the room left, until within one sample of the budget.
+            room = int((usable - e.peak_bytes) // slope)
+            if room < 1:
+                break
+            guess = good + room
+        elif bad - good <= max(1, good // 50):  # within 2%: stop spending traces
+            break
+        elif guess == bad and e.peak_bytes > usable and bad - good > 2 * max(1, good // 50):
+            # Over: step down by the measured excess first, then bisect.
+            guess = min(bad - 1, max(good + 1, bad - math.ceil((e.peak_bytes - usable) / slope)))
+        else:
+            guess = (good + bad) // 2
+    return good, est(policy, good)
+
+
+def _num_blocks(config: Any) -> int:
+    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 4))
 
 
 def _suggestions(est: Any, precision: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from .errors import PolicyError
+from .ladder import LADDER
+
 __all__ = [
     "CheckpointingConfig",
     "CompileConfig",
@@ -34,15 +37,6 @@ CheckpointingMode = Literal["none", "full", "every_n", "offload"]
 CompileMode = Literal["none", "full", "regional"]
 CompileInductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 FSDPMode = Literal["none", "full_shard", "shard_grad_op", "hybrid_shard"]
-
-
-class PolicyError(ValueError):
-    """A policy that cannot be applied; ``problems`` lists each one."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid memory policy ({len(self.problems)} problem(s)):\n{lines}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -362,17 +356,6 @@ class MemoryPolicy:
         if self.fsdp.mode != "none":
             parts.append("fsdp:offload" if self.fsdp.cpu_offload else f"fsdp:{self.fsdp.mode}")
         return "+".join(parts)
-
-
-# The ladder the field recommends, cheapest first: each rung adds a tool only when the one
-# before it is not enough (speed first, then memory). `fsdp` is for models that do not fit at all.
-LADDER: dict[str, str] = {
-    "fp32": "fp32",
-    "bf16": "bf16",
-    "bf16+compile": "bf16+compile",
-    "bf16+compile+ckpt": "bf16+compile+ckpt",
-    "fsdp": "bf16+ckpt+fsdp",
-}
 
 
 def _coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> Any:

@@ -4,8 +4,6 @@ model's forward under autocast with fp32 outputs (Accelerate's recipe), so that 
 
 from __future__ import annotations
 
-import functools
-import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._device import device_of
+from ._wrappers import AutocastForward
 
 __all__ = ["ResolvedPrecision", "apply_precision", "check_accelerator_precision", "cpu_has_native_bf16", "resolve_precision"]
 
@@ -114,22 +112,8 @@ def apply_precision(model: nn.Module, precision: ResolvedPrecision) -> None:
 
     The parameters stay in their dtype (fp32 master weights for mixed precision); only the
     computation is autocast. This is what ``Accelerator.prepare`` does to a model, without
-    creating Accelerate's global state, so it works in a notebook with no Accelerator.
+    creating Accelerate's global state, so it works in a notebook with no Accelerator. The
+    forward keeps its signature, docstring, pickling and ``torch.compile``-ability.
     """
-    if not precision.mixed:
-        return
-    from accelerate.utils import convert_to_fp32
-
-    original = model.forward
-    dtype = precision.dtype
-
-    @functools.wraps(original)
-    def autocast_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        # The device type is read per call so that a model moved after prepare_model still autocasts.
-        device_type = device_of(self).type
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            outputs = original(*args, **kwargs)
-        return convert_to_fp32(outputs)
-
-    model.forward = types.MethodType(autocast_forward, model)  # type: ignore[method-assign]
-
+    if precision.mixed:
+        model.forward = AutocastForward(model, dtype=precision.dtype)  # type: ignore[method-assign]

@@ -3,6 +3,7 @@ precision, compile and sharding in one fixed order."""
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -13,57 +14,36 @@ from torch import nn
 
 from ._device import device_of, shard_device
 from .blocks import Blocks, find_blocks
-from .checkpointing import apply_checkpointing, uses_transformers_checkpointing
-from .compile import CompileStats, apply_compile, check_backend
-from .fsdp import apply_fsdp, check_accelerate_fsdp, check_fsdp_launch
+from .checkpointing import apply_checkpointing, check_checkpointing, install_checkpointing_guard, uses_transformers_checkpointing
+from .compile import apply_compile, check_backend
+from .fsdp import (
+    FSDPResult,
+    agree_before_sharding,
+    apply_fsdp,
+    check_accelerate_fsdp,
+    check_hybrid_shard,
+    require_process_group,
+)
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
+from .record import MemstackRecord, record_of
 
-__all__ = ["MemstackRecord", "describe", "prepare_model"]
+__all__ = ["describe", "prepare_model"]
 
 
-@dataclass(slots=True)
-class MemstackRecord:
-    """What prepare_model applied; kept on the model as ``model.memstack``."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Plan:
+    """Everything the pre-flight checks decided; applying it cannot fail on bad input."""
 
     policy: MemoryPolicy
     precision: ResolvedPrecision
-    autocast_by: str
-    """``hf_memstack`` (the forward is wrapped here), ``accelerator.prepare`` or ``none`` (fp32)."""
-    grad_scaler: torch.amp.GradScaler | None
-    """fp16 without an Accelerator: scale the loss with it (see the README's fp16 loop)."""
     blocks: Blocks | None
-    checkpointing: dict[str, Any]
-    compile: CompileStats
-    fsdp: dict[str, Any] | None
-    prepare_seconds: float
-    kv_cache_disabled: bool = False
-    """``model.config.use_cache`` was turned off: training never reads the KV cache."""
-
-    def describe(self) -> str:
-        lines = [f"hf_memstack policy: {self.policy.to_string()}"]
-        p = self.precision
-        lines.append(f"  precision: {p.name} on {p.device_type} ({p.reason}); autocast by {self.autocast_by}"
-                     + ("; GradScaler: model.memstack.grad_scaler" if self.grad_scaler is not None else ""))
-        if self.blocks is not None:
-            lines.append(f"  blocks: {len(self.blocks)} x {'/'.join(self.blocks.class_names)} (from {self.blocks.source})")
-        ck = self.checkpointing
-        if ck["method"] != "none":
-            lines.append(f"  checkpointing: {self.policy.checkpointing.mode} via {ck['method']}, blocks {ck['checkpointed']}"
-                         + (f" ({ck['note']})" if ck["note"] else ""))
-        else:
-            lines.append("  checkpointing: off")
-        co = self.policy.compile
-        if co.mode != "none":
-            lines.append(f"  compile: {co.mode} ({len(self.compile.regions)} region(s), backend {co.backend}); "
-                         f"graphs compiled {self.compile.graphs_compiled}, compiled calls {self.compile.graph_calls}")
-        else:
-            lines.append("  compile: off")
-        lines.append(f"  fsdp: {self.fsdp}" if self.fsdp else "  fsdp: off")
-        if self.kv_cache_disabled:
-            lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
-        lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
-        return "\n".join(lines)
+    sharded_by_accelerate: bool
+    """Accelerate's FSDP2 plugin shards in ``accelerator.prepare``; prepare_model does not."""
+    autocast_here: bool
+    """prepare_model wraps the forward in autocast (else ``accelerator.prepare`` does, or fp32)."""
+    broadcast_from_rank0: bool = False
+    """Some rank built the model on the meta device: rank 0's weights fill the shards."""
 
 
 def prepare_model(
@@ -75,9 +55,10 @@ def prepare_model(
     """Apply a memory policy to ``model`` in place and return it.
 
     Args:
-        model: a Transformers ``PreTrainedModel`` or any ``nn.Module``, already on its device.
+        model: a Transformers ``PreTrainedModel``, a PEFT model, or any ``nn.Module``, already on its device.
         policy: a :class:`MemoryPolicy`, a string such as ``"bf16+compile+ckpt"`` (a ladder preset
-            or ``+``-joined features), a dict, or a YAML path. ``None`` means fp32.
+            or ``+``-joined features), a dict, or a YAML path. ``None`` means fp32. It is copied:
+            changing it afterwards changes nothing.
         accelerator: an ``accelerate.Accelerator`` the model will go through. Its
             ``mixed_precision`` must match the policy; ``accelerator.prepare(model)`` then applies
             autocast (and fp16's GradScaler) and this function does not. If the Accelerator
@@ -92,110 +73,176 @@ def prepare_model(
     Raises:
         PolicyError (ValueError): the policy is invalid.
         TypeError: ``model`` is not an ``nn.Module``.
-        RuntimeError: the model was prepared already; the device, compile backend or launch
-            (FSDP without a process group) cannot run the policy.
-        ValueError: blocks are needed and cannot be found; the accelerator's precision differs.
+        RuntimeError: the model was prepared already (also inside a DDP, compile or PEFT wrapper);
+            the device, compile backend or launch (FSDP without a process group) cannot run the policy.
+        ValueError: blocks are needed and cannot be found; the accelerator's precision differs;
+            the model has no weights (meta device) or integer (quantized) weights.
+        DistributedMismatchError (ValueError): under FSDP, another rank failed its checks or
+            holds a different policy or model (raised on every rank, before any sharding collective).
 
     Every check runs before the model is changed: on error the model is untouched.
     """
     start = time.perf_counter()
-    policy = MemoryPolicy.coerce(policy)
+    policy = _coerce_policy(policy)
+    plan = _preflight_on_every_rank(model, policy, accelerator)
+    record = _apply(model, plan, accelerator, start)
+    model.memstack = record  # type: ignore[assignment]
+    return model
+
+
+def _coerce_policy(policy: Any) -> MemoryPolicy:
+    """A private, validated copy of the policy."""
+    import torch.distributed as dist
+
+    try:
+        return copy.deepcopy(MemoryPolicy.coerce(policy))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        # A rank whose policy does not parse cannot know whether the others shard: when the
+        # policy asks for FSDP, it still joins their pre-flight all-gather, so they fail too
+        # instead of waiting for it.
+        if "fsdp" in repr(policy) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            agree_before_sharding(None, None, e)
+        raise
+
+
+def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
+    """The checks, agreed across ranks under FSDP: one rank's failure fails every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}")
-    previous = getattr(model, "memstack", None)
-    if isinstance(previous, MemstackRecord):
-        raise RuntimeError(
-            f"this {type(model).__name__} was already prepared with policy {previous.policy.to_string()!r}; "
-            "prepare_model applies a policy once. Load a fresh model (from_pretrained) to apply another policy"
-        )
-
-    # Pre-flight: everything that can fail is checked before the model is touched.
-    # Under FSDP the ranks first agree on the policy and the model (one all-gather), and the model
-    # runs where fully_shard moves it (this rank's GPU, or the CPU under gloo), not where it loaded.
-    broadcast_from_rank0 = check_fsdp_launch(policy.fsdp, policy.to_dict(), model)
-    sharded_by_accelerate = check_accelerate_fsdp(policy, accelerator)
-    if broadcast_from_rank0 and sharded_by_accelerate:
+    require_process_group(policy.fsdp)
+    if policy.fsdp.mode == "none":
+        return _preflight(model, policy, accelerator)
+    error, plan = None, None
+    try:
+        plan = _preflight(model, policy, accelerator)
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        error = e
+    broadcast = agree_before_sharding(policy.to_dict(), model, error)
+    assert plan is not None
+    if broadcast and plan.sharded_by_accelerate:
         raise ValueError(
             "a rank holds the model on the meta device, but the Accelerator shards it (Accelerate's FSDP loads "
             "weights its own way): load the model with from_pretrained on every rank, or launch with torchrun"
         )
+    return _Plan(policy=plan.policy, precision=plan.precision, blocks=plan.blocks, sharded_by_accelerate=plan.sharded_by_accelerate,
+                 autocast_here=plan.autocast_here, broadcast_from_rank0=broadcast)
+
+
+def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
+    """Every check that can fail, before the model is touched."""
+    _check_not_prepared(model)
+    _check_weights(model, policy)
+    sharded_by_accelerate = check_accelerate_fsdp(policy, accelerator)
+    if policy.fsdp.mode != "none":
+        check_hybrid_shard(policy.fsdp)
     precision = resolve_precision(policy.precision, shard_device() if policy.fsdp.mode != "none" else device_of(model))
     if accelerator is not None:
         check_accelerator_precision(precision, accelerator)
     check_backend(policy.compile)
     ck = policy.checkpointing
+    check_checkpointing(model, ck)
     needs_blocks = (
         (ck.mode != "none" and not uses_transformers_checkpointing(model, ck))
         or policy.compile.mode == "regional"
         or policy.fsdp.mode != "none"
     )
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
-    if precision.mixed and any(p.requires_grad and p.dtype != torch.float32 for p in model.parameters()):
-        warnings.warn(
-            f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "
-            f"{next(p.dtype for p in model.parameters() if p.requires_grad)}: optimizer updates then lose precision. "
-            "Load the model in fp32 (from_pretrained(..., dtype=torch.float32)) and let autocast compute in "
-            f"{precision.name}",
-            stacklevel=2,
-        )
+    _warn_on_training_setup(model, policy, precision)
+    # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
+    # which does not go through accelerator.prepare.
+    autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
+    return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
+                 autocast_here=autocast_here)
 
+
+def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
+    """The transformations, in the one order that composes (torchtitan's and Accelerate's FSDP2 order)."""
+    policy = plan.policy
     # Training never reads the KV cache: building it costs memory and, under compile, a recompile
     # of the first block. Transformers only turns it off in checkpointed layers.
     kv_cache_disabled = bool(getattr(getattr(model, "config", None), "use_cache", False))
     if kv_cache_disabled:
         model.config.use_cache = False
-
-    # The order matters (torchtitan's and Accelerate's FSDP2 order):
     # 1. checkpointing first, so compile and FSDP wrap the checkpointed blocks: a recompute then
     #    re-runs the compiled block, and FSDP's all-gather stays outside the checkpoint (else every
     #    recompute gathers the parameters again).
-    checkpointing = apply_checkpointing(model, ck, blocks=blocks)
+    checkpointing = apply_checkpointing(model, policy.checkpointing, blocks=plan.blocks)
+    install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
     # 2. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
-    #    An Accelerator applies it in accelerator.prepare, except to a model sharded here, which
-    #    does not go through accelerator.prepare.
-    autocast_by = "none"
-    if precision.mixed:
-        if accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate):
-            apply_precision(model, precision)
-            autocast_by = "hf_memstack"
-        else:
-            autocast_by = "accelerator.prepare"
+    if plan.autocast_here:
+        apply_precision(model, plan.precision)
     # 3. compile, per block or whole, after checkpointing and before sharding.
-    compile_stats = apply_compile(model, policy.compile, blocks=blocks)
+    compile_stats = apply_compile(model, policy.compile, blocks=plan.blocks)
     # 4. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root; or
     #    accelerator.prepare does, with the plugin built from this policy (accelerate_fsdp_plugin).
-    fsdp = None
-    if sharded_by_accelerate:
-        fsdp = {"mode": policy.fsdp.mode, "by": "accelerator.prepare (Accelerate's FSDP2 plugin)"}
+    fsdp: FSDPResult | None = None
+    if plan.sharded_by_accelerate:
+        fsdp = FSDPResult(mode=policy.fsdp.mode, by="accelerator.prepare", weights_from="accelerate")
     elif policy.fsdp.mode != "none":
-        assert blocks is not None
-        fsdp = apply_fsdp(model, policy.fsdp, blocks=blocks, precision=precision, broadcast_from_rank0=broadcast_from_rank0)
-
+        assert plan.blocks is not None
+        fsdp = apply_fsdp(model, policy.fsdp, blocks=plan.blocks, precision=plan.precision,
+                          broadcast_from_rank0=plan.broadcast_from_rank0)
     # fp16 needs a loss scaler. On FSDP2's sharded gradients (DTensors) torch.amp.GradScaler's
     # inf check is reduced over the mesh, so every rank skips the same steps (tested on 2 ranks).
-    grad_scaler = None
-    if precision.name == "fp16" and autocast_by == "hf_memstack":
-        grad_scaler = torch.amp.GradScaler(precision.device_type)
-    model.memstack = MemstackRecord(  # type: ignore[assignment]
-        policy=policy,
-        precision=precision,
-        autocast_by=autocast_by,
-        grad_scaler=grad_scaler,
-        blocks=blocks,
-        checkpointing=checkpointing,
-        compile=compile_stats,
-        fsdp=fsdp,
-        prepare_seconds=time.perf_counter() - start,
+    grad_scaler = torch.amp.GradScaler(plan.precision.device_type) if plan.precision.name == "fp16" and plan.autocast_here else None
+    autocast_by = "hf_memstack" if plan.autocast_here else ("accelerator.prepare" if plan.precision.mixed else "none")
+    return MemstackRecord(
+        policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
+        checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
         kv_cache_disabled=kv_cache_disabled,
     )
-    return model
+
+
+def _check_not_prepared(model: nn.Module) -> None:
+    previous = record_of(model)
+    if previous is not None:
+        raise RuntimeError(
+            f"this {type(model).__name__} (or the model it wraps) was already prepared with policy "
+            f"{previous.policy.to_string()!r}; prepare_model applies a policy once, before any DDP/PEFT/compile wrapper "
+            "sees it. Load a fresh model (from_pretrained) to apply another policy"
+        )
+
+
+def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
+    params = list(model.parameters())
+    integer = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point and not p.dtype.is_complex})
+    if integer or getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        raise ValueError(
+            f"{type(model).__name__} has quantized (integer) weights ({', '.join(integer) or 'bitsandbytes'}): QLoRA-style "
+            "training is not supported by hf_memstack yet. Load the model in fp32 or bf16 (from_pretrained(..., dtype=torch.float32)) "
+            "and use LoRA on it"
+        )
+    if policy.fsdp.mode == "none" and any(p.is_meta for p in params):
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (no weights) and the policy does not shard: load the "
+            "weights (from_pretrained) before prepare_model; only an fsdp policy fills meta ranks, from rank 0 "
+            "(hf_memstack.from_pretrained_for_fsdp)"
+        )
+
+
+def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision) -> None:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if precision.mixed and any(p.dtype != torch.float32 for p in trainable):
+        warnings.warn(
+            f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "
+            f"{next(p.dtype for p in trainable if p.dtype != torch.float32)}: optimizer updates then lose precision. "
+            "Load the model in fp32 (from_pretrained(..., dtype=torch.float32)) and let autocast compute in "
+            f"{precision.name}",
+            stacklevel=4,
+        )
+    if policy.checkpointing.mode != "none" and not model.training:
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode (from_pretrained returns models in eval mode): checkpointing only "
+            "runs in training mode; call model.train() before training (transformers.Trainer and the recipe do)",
+            stacklevel=4,
+        )
 
 
 def describe(model: nn.Module) -> str:
-    """A few lines saying what ``prepare_model`` applied to ``model``."""
-    record = getattr(model, "memstack", None)
-    if not isinstance(record, MemstackRecord):
+    """A few lines saying what ``prepare_model`` applied to ``model`` (seen through DDP/compile/PEFT wrappers)."""
+    record = record_of(model)
+    if record is None:
         return f"{type(model).__name__}: not prepared by hf_memstack"
     return record.describe()
 
@@ -205,4 +252,3 @@ def _find_blocks_or_none(model: nn.Module) -> Blocks | None:
         return find_blocks(model)
     except ValueError:
         return None
-

@@ -1,8 +1,11 @@
 """verify: run one forward + backward and check that the policy really took effect.
 
 Many failures here are silent: checkpointing set but not active (a model left in eval mode,
-set after ``accelerator.prepare``), a compile that runs eager, autocast that never reaches the
-matmuls, trainable parameters that never get gradients. This module observes each of them.
+set after ``accelerator.prepare``, replaced by ``TrainingArguments(gradient_checkpointing=True)``),
+a compile that runs eager, autocast that never reaches the matmuls, trainable parameters that
+never get gradients (frozen inputs under reentrant checkpointing, every adapter frozen). This
+module observes each of them and reports it as a FAIL line with its cause and fix; it never
+raises on a model that trains wrongly (that is what it is for), only on a model it cannot run.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 from torch import nn
 
 from ._device import device_of, preserved_rng
-from .prepare import MemstackRecord
+from ._wrappers import AutocastForward, forward_wrapper
+from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
 
 __all__ = ["Check", "VerifyReport", "verify"]
@@ -23,6 +27,8 @@ __all__ = ["Check", "VerifyReport", "verify"]
 
 @dataclass(frozen=True, slots=True)
 class Check:
+    """One verdict: its name, whether it passed, and what was seen (with the cause and fix on failure)."""
+
     name: str
     ok: bool
     detail: str
@@ -49,73 +55,81 @@ class VerifyReport:
         return "\n".join(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}" for c in self.checks)
 
 
+@dataclass(slots=True)
+class _Observed:
+    """What the hooks saw during one forward + backward."""
+
+    saved_bytes: int = 0
+    recomputed: list[int] = field(default_factory=list)
+    linear_dtypes: set[torch.dtype] = field(default_factory=set)
+    loss_dtype: torch.dtype | None = None
+    backward_error: str | None = None
+    """Why the backward could not run (the loss needs no gradient), or None."""
+
+
 def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False) -> VerifyReport:
     """Run one forward + backward on ``batch`` and check what ``prepare_model`` promised.
 
     Checks:
+        * ``policy``: what runs is what ``model.memstack`` records (nothing re-applied or replaced
+          checkpointing, autocast or compile after ``prepare_model``);
         * ``checkpointing``: the blocks meant to be checkpointed re-run their forward during
           backward (observed with hooks on their submodules), and no others do;
         * ``precision``: under mixed precision, Linear layers compute in the autocast dtype and
           the loss comes back in fp32;
-        * ``compile``: the compiled graphs were called in a compiled step (a second pass);
-        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient.
+        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient;
+        * ``compile``: the compiled graphs were called in a compiled step (a second pass).
 
+    ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
     The model's parameters are not updated (no optimizer step); gradients that were there before
     and the RNG state are restored afterwards.
 
     Raises:
+        ValueError: ``model`` was not prepared by :func:`prepare_model`.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
     """
-    record = getattr(model, "memstack", None)
-    if not isinstance(record, MemstackRecord):
+    record = record_of(model)
+    if record is None:
         raise ValueError(f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record")
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
-    with preserved_rng(device_of(model)):
-        for p in params:
-            p.grad = None
-        # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
-        stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
-        with stance:
-            observed = _observe_step(model, batch, loss_fn, record)
-        report.saved_activation_bytes = observed["saved_bytes"]
-        report.recomputed_blocks = observed["recomputed"]
-        _check_checkpointing(report, record, model)
-        _check_precision(report, record, observed)
-        _check_gradients(report, model, params)
-        if record.compile.regions:
-            for p in params:
-                p.grad = None
-            before = record.compile.graph_calls
-            breaks_before = dict(_graph_breaks())
-            forward_loss(model, batch, loss_fn).backward()
-            report.compiled_calls = record.compile.graph_calls - before
-            breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items() if v > breaks_before.get(k, 0)}
-            n = len(record.compile.regions)
-            # Each region's forward is at least one compiled call; fewer means a region ran eager.
-            ok = report.compiled_calls >= n
-            detail = (f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
-                      f"({record.compile.graphs_compiled} graph(s) compiled so far)")
-            if not ok:
-                detail += ": some compiled code did not run, part of the model ran eager"
-            if breaks:
-                reasons = "; ".join(f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3])
-                detail += f"; graph breaks: {reasons}"
-            report.checks.append(Check("compile", ok, detail))
-    for p, g in zip(params, saved_grads):
-        p.grad = g
+    try:
+        with preserved_rng(device_of(model)):
+            _verify_into(report, model, batch, loss_fn, record, params)
+    finally:
+        for p, g in zip(params, saved_grads):
+            p.grad = g
     if raise_on_failure and not report.ok:
         raise RuntimeError(f"hf_memstack.verify found problems:\n{report}")
     return report
 
 
-def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> dict[str, Any]:
+def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord,
+                 params: list[nn.Parameter]) -> None:
+    for p in params:
+        p.grad = None
+    report.checks.append(_check_policy(model, record))
+    # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
+    stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
+    with stance:
+        observed = _observe_step(model, batch, loss_fn, record)
+    report.saved_activation_bytes = observed.saved_bytes
+    report.recomputed_blocks = observed.recomputed
+    report.checks.append(_check_checkpointing(report, record, model, observed))
+    report.checks.append(_check_precision(record, observed))
+    report.checks.append(_check_gradients(model, params, record, observed))
+    if record.compile.regions and observed.backward_error is None:
+        for p in params:
+            p.grad = None
+        report.checks.append(_check_compile(report, model, batch, loss_fn, record))
+
+
+def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> _Observed:
+    observed = _Observed()
     in_backward = False
     blocks = record.blocks.modules if record.blocks is not None else ()
     backward_calls = [0] * len(blocks)
-    linear_dtypes: set[torch.dtype] = set()
-    handles = []
 
     def block_hook(i: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -125,89 +139,140 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
 
     def linear_hook(module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_tensor(output):
-            linear_dtypes.add(output.dtype)
-
-    for i, block in enumerate(blocks):
-        # Submodules, not the block itself: Transformers checkpoints the block's forward and keeps
-        # the block's own hooks outside the checkpoint, so only inner modules re-run visibly.
-        for sub in block.modules():
-            handles.append(sub.register_forward_hook(block_hook(i)))
-    for sub in model.modules():
-        if isinstance(sub, nn.Linear):
-            handles.append(sub.register_forward_hook(linear_hook))
-    saved = 0
+            observed.linear_dtypes.add(output.dtype)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
+        observed.saved_bytes += t.numel() * t.element_size()
         return t
 
+    # Submodules, not the block itself: checkpointing re-runs the block's forward function, not
+    # its __call__, so only inner modules re-run visibly (their hooks fire during backward).
+    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()]
+    handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward_loss(model, batch, loss_fn)
+        observed.loss_dtype = loss.dtype
         in_backward = True
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
+        else:
+            observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
     finally:
         in_backward = False
         for h in handles:
             h.remove()
-    return {
-        "saved_bytes": saved,
-        "recomputed": [i for i, n in enumerate(backward_calls) if n],
-        "linear_dtypes": linear_dtypes,
-        "loss_dtype": loss.dtype,
-    }
+    observed.recomputed = [i for i, n in enumerate(backward_calls) if n]
+    return observed
 
 
-def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn.Module) -> None:
-    expected = record.checkpointing["checkpointed"] if record.checkpointing["method"] != "none" else []
+def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
+    """Compare what runs now with what the record says was applied."""
+    inner = unwrap_model(model)
+    problems = []
+    autocast = forward_wrapper(inner, AutocastForward)
+    if record.autocast_by == "hf_memstack" and autocast is None:
+        problems.append("the forward no longer runs under hf_memstack's autocast (model.forward was replaced after prepare_model)")
+    if record.blocks is not None and record.checkpointing.method == "transformers":
+        flags = [i for i, b in enumerate(record.blocks.modules) if getattr(b, "gradient_checkpointing", False)]
+        if flags != list(record.checkpointing.checkpointed):
+            problems.append(f"Transformers checkpointing is on for blocks {flags}, but the policy checkpointed "
+                            f"{list(record.checkpointing.checkpointed)} (gradient_checkpointing_enable/disable was called after prepare_model)")
+        reentrant = {_reentrant(b) for i, b in enumerate(record.blocks.modules) if i in flags} - {None}
+        if reentrant and reentrant != {record.policy.checkpointing.use_reentrant}:
+            problems.append(f"blocks checkpoint with use_reentrant={sorted(reentrant)} but the policy says "
+                            f"use_reentrant={record.policy.checkpointing.use_reentrant}")
+    if record.compile.regions == [] and (type(model).__name__ == "OptimizedModule" or getattr(inner, "_compiled_call_impl", None)):
+        problems.append("the model was compiled after prepare_model (e.g. TrainingArguments(torch_compile=True)) but the "
+                        "policy has no compile: put compile in the policy instead, so it is placed after checkpointing")
+    if problems:
+        return Check("policy", False, "; ".join(problems) + ". Prepare a fresh model with the policy you want and leave "
+                     "these settings to it (hf_memstack.integrations.trainer.training_arguments does for Trainer)")
+    return Check("policy", True, f"what runs matches model.memstack ({record.policy.to_string()})")
+
+
+def _reentrant(block: nn.Module) -> bool | None:
+    func = getattr(block, "_gradient_checkpointing_func", None)
+    keywords = getattr(func, "keywords", None)
+    return keywords.get("use_reentrant") if isinstance(keywords, dict) else None
+
+
+def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn.Module, observed: _Observed) -> Check:
+    expected = list(record.checkpointing.checkpointed)
     got = report.recomputed_blocks
+    if observed.backward_error is not None:
+        return Check("checkpointing", not expected, f"not observed: {observed.backward_error}")
     if not expected:
         ok = not got
-        detail = "off, and no block recomputed" if ok else f"off, yet blocks {got} recomputed in backward"
-    else:
-        ok = got == expected
-        detail = f"blocks {got} recomputed in backward (expected {expected}); {report.saved_activation_bytes / 2**20:.2f} MiB saved for backward outside checkpoints"
-        if not got and not model.training:
-            detail += ": the model is in eval mode, and checkpointing only runs in training; call model.train()"
-        elif not ok:
-            detail += ": checkpointing is not doing what the policy says"
-    report.checks.append(Check("checkpointing", ok, detail))
+        return Check("checkpointing", ok, "off, and no block recomputed" if ok else f"off, yet blocks {got} recomputed in backward")
+    ok = got == expected
+    detail = (f"blocks {got} recomputed in backward (expected {expected}); {report.saved_activation_bytes / 2**20:.2f} MiB "
+              "saved for backward outside checkpoints")
+    if not got and not model.training:
+        detail += ": the model is in eval mode, and checkpointing only runs in training; call model.train()"
+    elif not ok:
+        detail += ": checkpointing is not doing what the policy says"
+    return Check("checkpointing", ok, detail)
 
 
-def _check_precision(report: VerifyReport, record: MemstackRecord, observed: dict[str, Any]) -> None:
+def _check_precision(record: MemstackRecord, observed: _Observed) -> Check:
     p = record.precision
-    dtypes = observed["linear_dtypes"]
+    dtypes = observed.linear_dtypes
     if not dtypes:
-        report.checks.append(Check("precision", True, f"{p.name}: the model has no nn.Linear to observe"))
-        return
-    if p.mixed:
-        ok = p.dtype in dtypes and observed["loss_dtype"] == torch.float32
-        if record.autocast_by == "accelerator.prepare" and p.dtype not in dtypes:
-            detail = f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it"
-        else:
-            detail = f"Linear outputs in {sorted(map(str, dtypes))}, loss in {observed['loss_dtype']}"
-    else:
-        ok = dtypes == {torch.float32}
-        detail = f"fp32: Linear outputs in {sorted(map(str, dtypes))}"
-    report.checks.append(Check("precision", ok, detail))
+        return Check("precision", True, f"{p.name}: the model has no nn.Linear to observe")
+    if not p.mixed:
+        return Check("precision", dtypes == {torch.float32}, f"fp32: Linear outputs in {sorted(map(str, dtypes))}")
+    ok = p.dtype in dtypes and observed.loss_dtype == torch.float32
+    if record.autocast_by == "accelerator.prepare" and p.dtype not in dtypes:
+        return Check("precision", ok, f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it")
+    return Check("precision", ok, f"Linear outputs in {sorted(map(str, dtypes))}, loss in {observed.loss_dtype}")
 
 
-def _check_gradients(report: VerifyReport, model: nn.Module, params: list[torch.Tensor]) -> None:
+def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: _Observed) -> Check:
+    if not params:
+        return Check("gradients", False, "no parameter requires grad: nothing would train. Unfreeze some (requires_grad_(True)) "
+                     "or check the PEFT config (every adapter frozen?)")
+    if observed.backward_error is not None:
+        return Check("gradients", False, f"{observed.backward_error}. {_frozen_input_hint(record)}")
     names = {id(p): n for n, p in model.named_parameters()}
     missing = [names.get(id(p), "?") for p in params if p.grad is None]
     bad = [names.get(id(p), "?") for p in params if p.grad is not None and not torch.isfinite(p.grad.detach().float()).all()]
-    ok = not missing and not bad
     detail = f"{len(params) - len(missing) - len(bad)}/{len(params)} trainable parameters got finite gradients"
     if missing:
         detail += f"; no gradient: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        if len(missing) == len(params) or record.policy.checkpointing.use_reentrant:
+            detail += f". {_frozen_input_hint(record)}"
     if bad:
         detail += f"; non-finite: {bad[:5]}"
-    report.checks.append(Check("gradients", ok, detail))
+    return Check("gradients", not missing and not bad, detail)
+
+
+def _frozen_input_hint(record: MemstackRecord) -> str:
+    if record.policy.checkpointing.mode != "none" and record.policy.checkpointing.use_reentrant:
+        return ("Likely cause: reentrant checkpointing with block inputs that do not require grad (frozen embeddings, "
+                "LoRA) drops the gradients; fix: use_reentrant=False (the default), or model.enable_input_require_grads()")
+    return "Check which parameters are frozen (requires_grad) and that the loss depends on them"
+
+
+def _check_compile(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> Check:
+    before = record.compile.graph_calls
+    breaks_before = dict(_graph_breaks())
+    forward_loss(model, batch, loss_fn).backward()
+    report.compiled_calls = record.compile.graph_calls - before
+    breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items() if v > breaks_before.get(k, 0)}
+    n = len(record.compile.regions)
+    # Each region's forward is at least one compiled call; fewer means a region ran eager.
+    ok = report.compiled_calls >= n
+    detail = (f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
+              f"({record.compile.graphs_compiled} graph(s) compiled so far)")
+    if not ok:
+        detail += ": some compiled code did not run, part of the model ran eager"
+    if breaks:
+        detail += "; graph breaks: " + "; ".join(f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3])
+    return Check("compile", ok, detail)
 
 
 def _graph_breaks() -> dict[str, int]:
     from torch._dynamo.utils import counters
 
     return dict(counters["graph_break"])
-

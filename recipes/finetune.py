@@ -740,7 +740,7 @@ def run(cfg: FinetuneConfig) -> dict[str, Any]:
     report = {
         "task": task, "model": cfg.model, "policy": policy.to_string(), "precision": precision.name,
         "batch_size": batch_size, "grad_accum": grad_accum, "world_size": world,
-        "fsdp": accelerator.unwrap_model(model).memstack.fsdp, "steps": state["step"],
+        "fsdp": dataclasses.asdict(accelerator.unwrap_model(model).memstack.fsdp) if accelerator.unwrap_model(model).memstack.fsdp else None, "steps": state["step"],
         "seconds": seconds, "peak_memory_bytes": (torch.cuda.max_memory_allocated() if device_type == "cuda" else meter_peak),
         "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,
         "final_metrics": metrics, "history": history, "model_dir": str(model_dir),

@@ -66,7 +66,7 @@ def test_loss_parity_with_one_process(precision, tol):
 
 def _sharded_bytes(rank, world):
     from hf_memstack import measure_step, prepare_model
-    from hf_memstack.memory import model_state_bytes
+    from hf_memstack.accounting import model_state_bytes
 
     model = prepare_model(_model(), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -75,19 +75,17 @@ def _sharded_bytes(rank, world):
 
 
 def test_per_rank_state_is_sharded():
-    from hf_memstack.memory import model_state_bytes
+    from hf_memstack.accounting import model_state_bytes
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, 0, 1, 1, opt=opt)
     model(**_batch(0)).loss.backward()
     full = model_state_bytes(model, opt)
-    full_total = full["parameters"] + full["gradients"] + full["optimizer"]
     for state, meter_params, meter_opt in run_ranks(_sharded_bytes):
-        total = state["parameters"] + state["gradients"] + state["optimizer"]
-        assert total <= 0.55 * full_total, (state, full)
+        assert state.total <= 0.55 * full.total, (state, full)
         # The meter, too, counts this rank's shards (not gathered copies) for the optimizer state.
-        assert meter_opt <= 0.55 * full["optimizer"]
+        assert meter_opt <= 0.55 * full.optimizer
 
 
 def _compose(rank, world):
@@ -167,8 +165,11 @@ def _bad(rank, world, case):
 
 
 def test_inconsistent_policies_fail_on_every_rank_without_hanging():
+    from hf_memstack import DistributedMismatchError
+
+    assert issubclass(DistributedMismatchError, RuntimeError) and issubclass(DistributedMismatchError, ValueError)
     for kind, message in run_ranks(_bad, "inconsistent", timeout=120):
-        assert kind == "RuntimeError" and "different memory policies" in message
+        assert kind == "DistributedMismatchError" and "different memory policies" in message
 
 
 def test_blocks_not_found_under_fsdp():
@@ -193,7 +194,7 @@ def _from_rank0(rank, world, directory, policy):
     model.train()
     losses = _train(model, rank, world, 2)[0]
     dist.barrier()
-    return on_meta, local / total, logits, losses, model.memstack.fsdp["weights_from"]
+    return on_meta, local / total, logits, losses, model.memstack.fsdp.weights_from
 
 
 @pytest.mark.parametrize("arch, policy", [("llama", "fp32+fsdp"), ("gpt2", "bf16+ckpt+fsdp")])

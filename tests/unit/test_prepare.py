@@ -55,12 +55,12 @@ def test_bf16_loss_close_to_fp32(load_model, arch):
     assert abs(bf16 - fp32) <= 0.02 * abs(fp32) + 1e-3
 
 
-@pytest.mark.parametrize("arch, method", [("llama", "transformers"), ("t5", "transformers"), ("plain", "torch-wrapper")])
+@pytest.mark.parametrize("arch, method", [("llama", "transformers"), ("t5", "transformers"), ("plain", "torch")])
 def test_checkpointing_method_and_recompute(load_model, arch, method):
     plain = verify(prepare_model(load_model(arch), "fp32"), make_batch(arch))
     model = prepare_model(load_model(arch), "fp32+ckpt")
     report = verify(model, make_batch(arch))
-    assert model.memstack.checkpointing["method"] == method
+    assert model.memstack.checkpointing.method == method
     assert report.recomputed_blocks == list(range(len(model.memstack.blocks)))
     # The proof that memory is saved: far fewer bytes saved for backward.
     assert report.saved_activation_bytes < 0.6 * plain.saved_activation_bytes
@@ -142,12 +142,12 @@ def test_old_transformers_api_only_gradient_checkpointing_enable(load_model, mon
     monkeypatch.setattr(cls, "gradient_checkpointing_enable", old_gradient_checkpointing_enable, raising=False)
     prepare_model(model, "ckpt")
     assert calls == [{"use_reentrant": False}]
-    assert model.memstack.checkpointing["method"] == "transformers"
+    assert model.memstack.checkpointing.method == "transformers"
     assert verify(model, make_batch("llama")).recomputed_blocks == [0, 1]
     # every_n is not in the old API: the PyTorch wrapper does it instead.
     model2 = load_model("llama")
     prepare_model(model2, "ckpt:2")
-    assert model2.memstack.checkpointing["method"] == "torch-wrapper"
+    assert model2.memstack.checkpointing.method == "torch"
     assert verify(model2, make_batch("llama")).recomputed_blocks == [0]
 
 
@@ -263,10 +263,17 @@ def test_checkpointing_without_detectable_blocks():
 
 
 def test_mixed_precision_on_a_device_without_autocast():
+    from hf_memstack.precision import resolve_precision
+
+    with pytest.raises(RuntimeError, match="device type 'meta' has no autocast; use precision='fp32'"):
+        resolve_precision("fp16", "meta")
+
+
+def test_model_without_weights_is_refused_unless_sharded():
     with torch.device("meta"):
         model = PlainStack()
     before_forward = model.__dict__.get("forward")
-    with pytest.raises(RuntimeError, match="device type 'meta' has no autocast; use precision='fp32'"):
+    with pytest.raises(ValueError, match="parameters on the meta device.*from_pretrained_for_fsdp"):
         prepare_model(model, "fp16")
     assert model.__dict__.get("forward") is before_forward and getattr(model, "memstack", None) is None
 

@@ -1,0 +1,106 @@
+"""Instance-level forward wrappers: autocast around a model's forward, checkpoint around a block's.
+
+A wrapper replaces ``module.forward`` on the instance (the class is untouched) with a small
+callable object that keeps everything code inspects and copies about a forward: the signature and
+docstring (through ``__wrapped__``, as ``functools.wraps`` sets it, so Trainer's
+``remove_unused_columns`` sees the real arguments), ``copy.deepcopy``, ``pickle``, and
+``torch.compile`` (dynamo inlines the call). Module names and state-dict keys do not change, so
+PEFT adapters, ``save_pretrained`` and FSDP2 see the model exactly as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ._device import device_of
+
+__all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper"]
+
+
+class _ForwardWrapper:
+    """Calls the module's original forward; subclasses add what happens around the call."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        # The forward as it is now (the class's, bound): what this wrapper calls.
+        original = module.forward
+        functools.update_wrapper(self, getattr(original, "__func__", original), updated=())
+        self.__wrapped__ = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Unpickling rebuilds the wrapper around the module's class forward (the module's own
+        # attributes, this one included, are restored after the wrapper is rebuilt).
+        return (_rebuild, (type(self), self.module, self._options()))
+
+    def _options(self) -> dict[str, Any]:
+        return {}
+
+
+def _rebuild(cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any]) -> _ForwardWrapper:
+    return cls(module, **options)
+
+
+class AutocastForward(_ForwardWrapper):
+    """Runs the forward under ``torch.autocast`` and returns fp32 outputs (Accelerate's recipe:
+    a plain ``loss.backward()`` loop then works for bf16, and the loss is reduced in fp32)."""
+
+    def __init__(self, module: nn.Module, *, dtype: torch.dtype) -> None:
+        super().__init__(module)
+        self.dtype = dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from accelerate.utils import convert_to_fp32
+
+        # The device type is read per call so that a model moved after prepare_model still autocasts.
+        with torch.autocast(device_type=device_of(self.module).type, dtype=self.dtype):
+            outputs = self.__wrapped__(*args, **kwargs)
+        return convert_to_fp32(outputs)
+
+    def _options(self) -> dict[str, Any]:
+        return {"dtype": self.dtype}
+
+
+class CheckpointedForward(_ForwardWrapper):
+    """Runs a block's forward under non-reentrant ``torch.utils.checkpoint`` while training:
+    only the block's inputs are kept for backward, the rest is recomputed. With ``offload`` the
+    kept inputs live in (pinned, when a GPU exists) host memory."""
+
+    def __init__(self, module: nn.Module, *, offload: bool = False, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
+        super().__init__(module)
+        self.offload = offload
+        self.checkpoint_kwargs = dict(checkpoint_kwargs or {})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # As in Transformers' own layers: checkpoint only when a backward will follow.
+        if not (self.module.training and torch.is_grad_enabled()):
+            return self.__wrapped__(*args, **kwargs)
+        if not self.offload:
+            return checkpoint(self.__wrapped__, *args, use_reentrant=False, **self.checkpoint_kwargs, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return checkpoint(self.__wrapped__, *args, use_reentrant=False, **self.checkpoint_kwargs, **kwargs)
+
+    def _options(self) -> dict[str, Any]:
+        return {"offload": self.offload, "checkpoint_kwargs": self.checkpoint_kwargs}
+
+
+def forward_wrapper(module: nn.Module, kind: type[_ForwardWrapper]) -> _ForwardWrapper | None:
+    """The wrapper of ``kind`` installed on ``module.forward``, if any (seen through other wrappers)."""
+    forward: Any = module.__dict__.get("forward")
+    seen = 0
+    while forward is not None and seen < 16:
+        if isinstance(forward, kind):
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+        if isinstance(forward, types.MethodType):
+            return None
+        seen += 1
+    return None

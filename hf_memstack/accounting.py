@@ -1,0 +1,61 @@
+"""Bytes of tensors and of a model's training state, counted one way everywhere (the meter, the
+finder, the estimator and the planner): under FSDP2 a parameter is a DTensor, and only this
+rank's local shard occupies this rank's memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModelStateBytes", "model_state_bytes", "optimizer_state_bytes", "tensor_bytes"]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for ``t``: the local shard of a DTensor, else the whole tensor."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _sum(tensors: Iterable[Any]) -> int:
+    return sum(tensor_bytes(t) for t in tensors if torch.is_tensor(t))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's state tensors (AdamW: two moments and a step per parameter)."""
+    if optimizer is None:
+        return 0
+    return _sum(v for state in optimizer.state.values() for v in state.values())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelStateBytes:
+    """This rank's bytes of a model's training state, as it is now."""
+
+    parameters: int
+    """Parameters and buffers (trainable and frozen)."""
+    trainable_parameters: int
+    """The part of ``parameters`` that requires grad (what gradients and the optimizer scale with)."""
+    gradients: int
+    """Gradients currently held (``p.grad``)."""
+    optimizer: int
+    """Optimizer state tensors."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelStateBytes:
+    """This rank's bytes of parameters (and buffers), gradients and optimizer state, as they are
+    now; under FSDP only the local shards count."""
+    params = list(model.parameters())
+    return ModelStateBytes(
+        parameters=_sum(params) + _sum(model.buffers()),
+        trainable_parameters=_sum(p for p in params if p.requires_grad),
+        gradients=_sum(p.grad for p in params if p.grad is not None),
+        optimizer=optimizer_state_bytes(optimizer),
+    )

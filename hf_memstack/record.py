@@ -1,0 +1,111 @@
+"""The record ``prepare_model`` leaves on a model (``model.memstack``), and how to find it again
+through the wrappers a model goes through after preparation: DDP (``.module``), ``torch.compile``
+(``._orig_mod``), PEFT (``get_base_model()``) and Accelerate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .blocks import Blocks
+from .checkpointing import CheckpointingResult
+from .compile import CompileStats
+from .fsdp import FSDPResult
+from .policy import MemoryPolicy
+from .precision import ResolvedPrecision
+
+__all__ = ["MemstackRecord", "record_of", "unwrap_model"]
+
+AutocastBy = Literal["hf_memstack", "accelerator.prepare", "none"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemstackRecord:
+    """What :func:`hf_memstack.prepare_model` applied; kept on the model as ``model.memstack``."""
+
+    policy: MemoryPolicy
+    """A private copy of the policy as applied (changing the caller's policy object later changes nothing here)."""
+    precision: ResolvedPrecision
+    """The precision that runs, on which device, and why."""
+    autocast_by: AutocastBy
+    """Who applies autocast: ``hf_memstack`` (the forward is wrapped), ``accelerator.prepare`` or ``none`` (fp32)."""
+    grad_scaler: torch.amp.GradScaler | None
+    """fp16 without an Accelerator: scale the loss with it (see the README's fp16 loop)."""
+    blocks: Blocks | None
+    """The repeated blocks (None when the model has none and the policy needs none)."""
+    checkpointing: CheckpointingResult
+    """How checkpointing was applied and to which blocks."""
+    compile: CompileStats
+    """Compiled regions and live counters of graphs compiled and called."""
+    fsdp: FSDPResult | None
+    """How the model was sharded (None: not sharded)."""
+    prepare_seconds: float
+    """Wall time of ``prepare_model``."""
+    kv_cache_disabled: bool = False
+    """``model.config.use_cache`` was turned off: training never reads the KV cache."""
+
+    def describe(self) -> str:
+        """A few lines saying what was applied, and how."""
+        lines = [f"hf_memstack policy: {self.policy.to_string()}"]
+        p = self.precision
+        lines.append(f"  precision: {p.name} on {p.device_type} ({p.reason}); autocast by {self.autocast_by}"
+                     + ("; GradScaler: model.memstack.grad_scaler" if self.grad_scaler is not None else ""))
+        if self.blocks is not None:
+            lines.append(f"  blocks: {len(self.blocks)} x {'/'.join(self.blocks.class_names)} (from {self.blocks.source})")
+        ck = self.checkpointing
+        if ck.method != "none":
+            lines.append(f"  checkpointing: {self.policy.checkpointing.mode} via {ck.method}, blocks {list(ck.checkpointed)}"
+                         + (f" ({ck.note})" if ck.note else ""))
+        else:
+            lines.append("  checkpointing: off")
+        co = self.policy.compile
+        if co.mode != "none":
+            lines.append(f"  compile: {co.mode} ({len(self.compile.regions)} region(s), backend {co.backend}); "
+                         f"graphs compiled {self.compile.graphs_compiled}, compiled calls {self.compile.graph_calls}")
+        else:
+            lines.append("  compile: off")
+        lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
+        if self.kv_cache_disabled:
+            lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
+        lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
+        return "\n".join(lines)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module ``prepare_model`` recorded its work on, seen through DDP/FSDP1/DataParallel
+    (``.module``), ``torch.compile`` (``._orig_mod``) and PEFT (``get_base_model()``) wrappers, in
+    any nesting; the innermost model when none of them holds a record."""
+    current = model
+    for _ in range(16):  # wrappers nest a few deep at most; never loop on a cycle
+        if isinstance(current.__dict__.get("memstack"), MemstackRecord):
+            return current
+        inner = _inner(current)
+        if inner is None:
+            return current
+        current = inner
+    return current
+
+
+def record_of(model: nn.Module) -> MemstackRecord | None:
+    """``model.memstack`` of the prepared model inside ``model`` (through DDP, compile, PEFT), or None."""
+    record = unwrap_model(model).__dict__.get("memstack")
+    return record if isinstance(record, MemstackRecord) else None
+
+
+# Wrappers that hold the model as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine).
+_MODULE_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
+
+
+def _inner(model: nn.Module) -> nn.Module | None:
+    modules = model.__dict__.get("_modules", {})
+    if type(model).__name__ in _MODULE_WRAPPERS and isinstance(modules.get("module"), nn.Module):
+        return modules["module"]
+    if type(model).__name__ == "OptimizedModule" and isinstance(modules.get("_orig_mod"), nn.Module):  # torch.compile(model)
+        return modules["_orig_mod"]
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        base = model.get_base_model()
+        return base if base is not model else None
+    return None
