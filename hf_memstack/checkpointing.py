@@ -135,21 +135,29 @@ class CheckpointingGuard:
         checkpointing_kwargs = kwargs.pop("activation_checkpointing_kwargs", kwargs.pop("gradient_checkpointing_kwargs", checkpointing_kwargs))
         if kwargs:
             raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(kwargs)}")
+        problem = self.conflict(checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload, caller=f"{self.name}()")
+        if problem:
+            raise RuntimeError(problem)
+        warnings.warn(
+            f"{self.name}() on a model prepared by hf_memstack with policy {self.policy!r}: the policy already applies "
+            "this checkpointing, nothing changed (with transformers.Trainer, leave gradient_checkpointing=False)",
+            stacklevel=2,
+        )
+
+    def conflict(self, checkpointing_kwargs: dict[str, Any] | None, *, every_n_layers: int = 1, offload: bool = False,
+                 caller: str) -> str | None:
+        """Why enabling checkpointing this way would replace the policy's (None: it asks for the same)."""
         requested = _Applied(every_n_layers, offload, _normalised(checkpointing_kwargs))
         if requested == self.applied:
-            warnings.warn(
-                f"{self.name}() on a model prepared by hf_memstack with policy {self.policy!r}: the policy already applies "
-                "this checkpointing, nothing changed (with transformers.Trainer, leave gradient_checkpointing=False)",
-                stacklevel=2,
-            )
-            return
+            return None
         now = "no checkpointing" if self.applied.every_n_layers is None else (
             f"every_n_layers={self.applied.every_n_layers}, offload={self.applied.offload}, kwargs={dict(self.applied.checkpoint_kwargs)}")
-        raise RuntimeError(
-            f"{self.name}(every_n_layers={every_n_layers}, offload={offload}, kwargs={dict(requested.checkpoint_kwargs)}) would "
-            f"replace the checkpointing of this model's hf_memstack policy {self.policy!r} ({now}). Checkpointing is set by "
-            "the policy: with transformers.Trainer set TrainingArguments(gradient_checkpointing=False) (hf_memstack's "
-            "training_arguments() does), or prepare a fresh model with the checkpointing you want (e.g. 'bf16+ckpt')"
+        return (
+            f"{caller} asks for checkpointing with every_n_layers={every_n_layers}, offload={offload}, "
+            f"kwargs={dict(requested.checkpoint_kwargs)}, which would replace the checkpointing of this model's hf_memstack "
+            f"policy {self.policy!r} ({now}). Checkpointing is set by the policy: with transformers.Trainer set "
+            "TrainingArguments(gradient_checkpointing=False) (hf_memstack's training_arguments() does), or prepare a fresh "
+            "model with the checkpointing you want (e.g. 'bf16+ckpt')"
         )
 
 

@@ -223,6 +223,12 @@ def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
 
 def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        warnings.warn(
+            f"no parameter of {type(model).__name__} requires grad: nothing will train (a PEFT model with every adapter "
+            "frozen?). Unfreeze what should train (requires_grad_(True), or the PEFT config) before training",
+            stacklevel=4,
+        )
     if precision.mixed and any(p.dtype != torch.float32 for p in trainable):
         warnings.warn(
             f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "

