@@ -91,14 +91,22 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
     try:
         return AutoConfig.from_pretrained(str(path) if path.is_dir() else str(model), local_files_only=True,
                                           trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure to build the config is an invalid model (huggingface_hub's
+        # strict-dataclass validation raises its own error type), said with its cause
         if path.is_dir():
             raise ValueError(f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:240]}); fix the file or pass another model") from None
+                             f"({_reason(e)}); fix the file or pass another model") from None
         raise ValueError(
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
         ) from None
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost cause's type and first line (validation errors wrap the useful one)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
 
 
 def _check_config_file(path: Path) -> None:

@@ -4,6 +4,7 @@ with a mixed-precision policy derived from the memory policy's precision."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -288,12 +289,36 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return model_class.from_pretrained(pretrained, **kwargs)
-    model = model_class.from_pretrained(pretrained, **kwargs) if dist.get_rank() == 0 else None
-    # The other ranks build in the dtype rank 0 loaded ("auto" may have picked the checkpoint's).
-    dtype_name = [next((str(p.dtype) for p in model.parameters()), "torch.float32") if model is not None else None]
-    dist.broadcast_object_list(dtype_name, src=0)
-    if model is not None:
-        return model
+    model, dtype = _load_on_rank0(model_class, pretrained, kwargs)
+    return model if model is not None else _meta_skeleton(model_class, pretrained, dtype, kwargs)
+
+
+def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) -> tuple[nn.Module | None, torch.dtype]:
+    """Rank 0 loads; every rank learns the dtype it loaded in ("auto" may pick the checkpoint's),
+    or that it failed - then every rank raises, instead of waiting for weights that never come."""
+    from .errors import DistributedMismatchError
+
+    model, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            model = model_class.from_pretrained(pretrained, **kwargs)
+        except Exception as e:  # noqa: BLE001 - told to the other ranks (waiting in the broadcast), then re-raised
+            error = e
+    if error is not None:
+        outcome = f"{type(error).__name__}: {error}"
+    else:
+        outcome = next((str(p.dtype) for p in model.parameters()), "torch.float32") if model is not None else None
+    message = [outcome]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if not str(message[0]).startswith("torch."):
+        raise DistributedMismatchError(f"rank 0 could not load {pretrained!r}, so no rank can shard it: {message[0]}", failed_ranks=(0,))
+    return model, getattr(torch, message[0].removeprefix("torch."))
+
+
+def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> nn.Module:
+    """The architecture rank 0 loaded, on the meta device, in its dtype."""
     from transformers import AutoConfig
 
     trust = kwargs.get("trust_remote_code", False)
@@ -302,7 +327,6 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
     # those that shape the architecture (num_labels, ...) go to the config, as from_pretrained does.
     config.update({k: v for k, v in kwargs.items() if k not in ("config", "attn_implementation", "dtype", "torch_dtype") and hasattr(config, k)})
     extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
-    dtype = getattr(torch, dtype_name[0].removeprefix("torch."))
     with torch.device("meta"):
         if hasattr(model_class, "_model_mapping"):  # an AutoModelFor* class
             return model_class.from_config(config, dtype=dtype, trust_remote_code=trust, **extra)
@@ -342,21 +366,83 @@ def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -
     dist.barrier()
 
 
+MANIFEST = "hf_memstack_checkpoint.json"
+
+
 def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str) -> None:
-    """Each rank writes its own shards of the model and optimizer (torch.distributed.checkpoint)."""
+    """Each rank writes its own shards of the model and optimizer (torch.distributed.checkpoint);
+    then rank 0 writes a manifest (every file's size, the metadata file's SHA-256), last, so that a
+    directory without it is incomplete or was not written here. Call it on every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
+    dist.barrier()  # every rank's files are written before rank 0 describes them
+    if dist.get_rank() == 0:
+        _write_manifest(Path(checkpoint_dir))
+    dist.barrier()
 
 
-def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str) -> None:
-    """Load what :func:`save_sharded_checkpoint` wrote into an already sharded model and optimizer."""
+def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, *, trusted: bool = False) -> None:
+    """Load what :func:`save_sharded_checkpoint` wrote into an already sharded model and optimizer.
+
+    Security: torch.distributed.checkpoint unpickles the checkpoint's ``.metadata`` file, and
+    unpickling can run code. So a directory is refused unless its manifest (written last by
+    :func:`save_sharded_checkpoint`) is there and matches the files; ``trusted=True`` loads a
+    checkpoint written some other way - only for checkpoints you made yourself.
+
+    Raises:
+        ValueError: no manifest (an incomplete or foreign checkpoint), or files that differ from it.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    if not trusted:
+        _check_manifest(Path(checkpoint_dir))
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=checkpoint_dir)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _write_manifest(directory: Path) -> None:
+    import json
+    import os
+
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"format": "hf_memstack sharded checkpoint 1", "files": files,
+                "metadata_sha256": _sha256(directory / ".metadata") if (directory / ".metadata").is_file() else None}
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, directory / MANIFEST)
+
+
+def _check_manifest(directory: Path) -> None:
+    import json
+
+    path = directory / MANIFEST
+    fix = ("a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; torch.distributed.checkpoint "
+           "unpickles the checkpoint's .metadata, which can run code: pass trusted=True only for a checkpoint you made")
+    if not path.is_file():
+        raise ValueError(f"checkpoint {str(directory)!r} has no {MANIFEST} (incomplete, or not written by hf_memstack); {fix}")
+    try:
+        manifest = json.loads(path.read_text())
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {str(directory)!r}: {MANIFEST} is unreadable ({e}); {fix}") from None
+    problems = [f"{name} is missing" if not (directory / name).is_file() else f"{name} has {(directory / name).stat().st_size} bytes, "
+                f"the manifest says {size}" for name, size in files.items()
+                if not (directory / name).is_file() or (directory / name).stat().st_size != size]
+    if not problems and manifest.get("metadata_sha256") != _sha256(directory / ".metadata"):
+        problems.append(".metadata differs from the one the manifest describes")
+    if problems:
+        raise ValueError(f"checkpoint {str(directory)!r} does not match its manifest ({'; '.join(problems)}); {fix}")
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    if not path.is_file():
+        return None
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -157,7 +157,7 @@ class MemoryPolicy:
                 object.__setattr__(ck, "block_classes", (ck.block_classes,))
             elif isinstance(ck.block_classes, list):
                 object.__setattr__(ck, "block_classes", tuple(ck.block_classes))
-            if not ck.block_classes or not all(isinstance(c, str) and c for c in ck.block_classes):
+            if not isinstance(ck.block_classes, tuple) or not ck.block_classes or not all(isinstance(c, str) and c for c in ck.block_classes):
                 problems.append(
                     f"policy.checkpointing.block_classes={ck.block_classes!r} must be a non-empty list of "
                     "class names, e.g. ['LlamaDecoderLayer'], or None to detect the blocks"
@@ -320,14 +320,25 @@ class MemoryPolicy:
         """Read a policy from a YAML file (the ``to_dict`` layout, optionally under a ``policy:`` key)."""
         import yaml
 
-        path = Path(path)
+        path = Path(path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"policy file {str(path)!r} does not exist; pass an existing YAML file or a policy string")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise PolicyError([f"policy file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise PolicyError([f"policy file {str(path)!r} is not valid YAML{line}: {problem} (indent with spaces, not tabs)"]) from None
         if isinstance(data, dict) and set(data) == {"policy"}:
             data = data["policy"]
         if isinstance(data, str):
             return cls.from_string(data)
+        if not isinstance(data, dict):
+            raise PolicyError([f"policy file {str(path)!r} holds a {type(data).__name__} ({data!r}); write a mapping of policy "
+                               "fields (precision: bf16, checkpointing: full, ...) or a policy string"])
         return cls.from_dict(data)
 
     def to_yaml(self, path: str | Path | None = None) -> str:

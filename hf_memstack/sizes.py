@@ -34,6 +34,8 @@ def parse_bytes(value: int | float | str, *, field: str = "budget") -> int:
     example = "e.g. '20GiB', '512MB' or a number of bytes"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"{field}={value!r} ({type(value).__name__}) must be a number of bytes or a string, {example}")
+    if isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        raise ValueError(f"{field}={value!r} is not a finite size; {example}")
     if isinstance(value, str):
         m = _NUMBER.fullmatch(value)
         unit = m.group(2).lower() if m else ""

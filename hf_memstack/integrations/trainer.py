@@ -194,7 +194,9 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size)
+    # A batch larger than the global batch would overshoot it on its own.
+    cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
+    return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 
 def _length(sample: Any) -> int:
@@ -221,8 +223,8 @@ class MemstackCallback(TrainerCallback):
       with ``raise_on_failure`` a failed check stops training) and measures the forward + backward
       with the memory meter (weights, gradients and RNG are left as they were);
     * at every log: adds ``memory/peak_mib`` (CUDA: the allocator's peak since the last log; CPU:
-      the meter's first-step peak plus the optimizer state), ``memory/peak_category`` and
-      ``memstack/verify_ok`` to the logs. Reporting callbacks (TensorBoard, W&B, trackio) that
+      the meter's first-step peak plus the optimizer state) and ``memstack/verify_ok`` (numbers, as
+      trackers want them) to the logs. Reporting callbacks (TensorBoard, W&B, trackio) that
       come *after* this one see them: use :func:`add_memstack_callback` to put it first.
     """
 
@@ -267,9 +269,6 @@ class MemstackCallback(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
         elif memory is not None:
             logs["memory/peak_mib"] = (memory.peak_bytes + self._optimizer_bytes) / 2**20
-        if memory is not None:
-            categories = ("parameters", "gradients", "optimizer", "activations", "temporaries")
-            logs["memory/peak_category"] = max(categories, key=lambda c: getattr(memory, c))
         if self.first_step.verify is not None:
             logs["memstack/verify_ok"] = float(self.first_step.verify.ok)
 

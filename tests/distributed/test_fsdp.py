@@ -1,6 +1,8 @@
 """FSDP2 on 2 CPU processes (gloo): parity with one process, sharded memory, composition with
 checkpointing and compile, saving, resuming, and bad input. Every group has a timeout."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from dist_utils import run_ranks
@@ -25,8 +27,6 @@ def _batch(step, lo=0, hi=GLOBAL_BATCH):
 
 
 def _train(model, rank, world, steps, start=0, opt=None):
-    import torch.distributed as dist
-
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = GLOBAL_BATCH // world
     losses = []
@@ -35,11 +35,13 @@ def _train(model, rank, world, steps, start=0, opt=None):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(t)
-        losses.append(float(t) / world)
+        losses.append(float(loss))  # this rank's own loss, on its half of the batch
     return losses, opt
+
+
+def _mean_over_ranks(per_rank):
+    """The global loss per step from each rank's local losses (equal halves of the batch)."""
+    return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
 def _fsdp_losses(rank, world, policy):
@@ -57,11 +59,12 @@ def _single(policy):
 
 @pytest.mark.parametrize("precision, tol", [("fp32", 1e-5), ("bf16", 3e-2)])
 def test_loss_parity_with_one_process(precision, tol):
-    sharded = run_ranks(_fsdp_losses, f"{precision}+fsdp")
-    assert sharded[0] == sharded[1]
-    alone = _single(precision)
-    assert sharded[0] == pytest.approx(alone, rel=tol), (sharded[0], alone)
-    assert sharded[0][-1] < sharded[0][0]
+    per_rank = run_ranks(_fsdp_losses, f"{precision}+fsdp")
+    assert per_rank[0] != per_rank[1]  # each rank trained on its own half of the batch
+    sharded = _mean_over_ranks(per_rank)
+    alone = _single(precision)  # the independent reference: one process on the whole batch
+    assert sharded == pytest.approx(alone, rel=tol), (sharded, alone)
+    assert sharded[-1] < sharded[0]
 
 
 def _sharded_bytes(rank, world):
@@ -216,7 +219,8 @@ def test_rank0_loads_and_broadcasts_the_others_start_on_meta(tmp_path, arch, pol
     assert frac0 <= 0.55 and frac1 <= 0.55
     tol = 1e-5 if policy.startswith("fp32") else 5e-2
     assert torch.allclose(logits0, reference, atol=tol) and torch.allclose(logits1, reference, atol=tol)
-    assert losses0 == losses1 and losses0[1] < losses0[0]
+    steps = _mean_over_ranks([losses0, losses1])
+    assert steps[1] < steps[0]
 
 
 def _meta_on_rank0(rank, world, directory):
@@ -316,9 +320,61 @@ def _clipped(rank, world, max_norm):
 
 def test_gradient_clipping_uses_the_norm_over_all_shards():
     (norms0, params0), (norms1, _) = run_ranks(_clipped, 0.5)
-    alone_norms, alone_params = _clipped(0, 1, 0.5)
-    assert norms0 == norms1
-    assert norms0 == pytest.approx(alone_norms, rel=1e-5)
+    alone_norms, alone_params = _clipped(0, 1, 0.5)  # the independent reference: one process
+    assert norms0 == pytest.approx(alone_norms, rel=1e-5) and norms1 == pytest.approx(alone_norms, rel=1e-5)
     assert min(norms0) > 0.5  # the clip was active on every step
     for a, b in zip(params0, alone_params):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def _preflight_failures(rank, world, directory):
+    """One rank fails a pre-flight check; every rank must raise (never wait in a collective)."""
+    from torch import nn
+
+    from hf_memstack import MemoryPolicy, from_pretrained_for_fsdp, prepare_model
+    from hf_memstack.fsdp import load_sharded_checkpoint, save_sharded_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    def outcome(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the type and message are what the test checks
+            return type(e).__name__, str(e)
+        return None, ""
+
+    tvm = MemoryPolicy(precision="fp32", compile={"mode": "regional", "backend": "tvm"}, fsdp="full_shard")
+    results = {
+        "policy": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else "fp32+fsdp+warp")),
+        "prepared": outcome(lambda: prepare_model(_model() if rank == 0 else prepare_model(_model(), "fp32"), "fp32+fsdp")),
+        "backend": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else tvm)),
+        "blocks": outcome(lambda: prepare_model(_model() if rank == 0 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "fp32+fsdp")),
+        "load": outcome(lambda: from_pretrained_for_fsdp(AutoModelForCausalLM, f"{directory}/no-such-model")),
+    }
+    model = prepare_model(_model(), "fp32+fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, rank, world, 1, opt=opt)
+    save_sharded_checkpoint(model, opt, f"{directory}/ckpt")
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        Path(directory, "ckpt", "hf_memstack_checkpoint.json").rename(Path(directory, "manifest.json"))
+    dist.barrier()
+    results["manifest"] = outcome(lambda: load_sharded_checkpoint(model, opt, f"{directory}/ckpt"))
+    results["trusted"] = outcome(lambda: load_sharded_checkpoint(model, opt, f"{directory}/ckpt", trusted=True))
+    return results
+
+
+def test_one_rank_failing_its_checks_fails_every_rank_without_hanging(tmp_path):
+    r0, r1 = run_ranks(_preflight_failures, str(tmp_path), timeout=150)
+    assert r1["policy"][0] == "PolicyError" and "unknown token 'warp'" in r1["policy"][1]
+    for case, (kind, message) in ((c, r0[c]) for c in ("policy", "prepared", "backend", "blocks")):
+        assert kind == "DistributedMismatchError" and "rank(s) [1]" in message, (case, message)
+    assert r1["prepared"][0] == "RuntimeError" and "already prepared" in r1["prepared"][1]
+    assert r1["backend"][0] == "RuntimeError" and "'tvm' needs" in r1["backend"][1] and "'tvm' needs" in r0["backend"][1]
+    assert r1["blocks"][0] == "ValueError" and "cannot find repeated blocks" in r1["blocks"][1]
+    assert r0["load"][0] in ("OSError", "ValueError") and r1["load"][0] == "DistributedMismatchError"
+    assert "rank 0 could not load" in r1["load"][1]
+    for r in (r0, r1):
+        assert r["manifest"][0] == "ValueError" and "no hf_memstack_checkpoint.json" in r["manifest"][1] and "trusted=True" in r["manifest"][1]
+        assert r["trusted"] == (None, "")

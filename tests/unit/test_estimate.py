@@ -30,6 +30,11 @@ def test_breakdown_counts_frozen_parameters_and_shards(pretrained_dirs):
     full = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=2, seq_len=16)
     assert full.trainable_parameters == full.total_parameters
     assert full.optimizer >= 2 * 4 * full.trainable_parameters  # two fp32 AdamW moments
+    lora = estimate_memory(pretrained_dirs["llama"], "bf16", batch_size=2, seq_len=16, trainable="lora")
+    assert lora.total_parameters > full.total_parameters > lora.trainable_parameters
+    # Frozen weights: parameters, but no gradient and no optimizer state.
+    assert 2 * 4 * lora.trainable_parameters <= lora.optimizer < 2 * 4 * lora.trainable_parameters + 4096
+    assert lora.gradients <= 4 * lora.trainable_parameters and lora.parameters >= full.parameters
     sharded = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+fsdp", batch_size=2, seq_len=16, world_size=4)
     unsharded = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=2, seq_len=16)
     assert sharded.optimizer <= unsharded.optimizer / 4 + 1 and sharded.gradients <= unsharded.gradients / 4 + 1
