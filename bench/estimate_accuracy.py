@@ -1,6 +1,6 @@
-"""The estimator against the memory meter: for each architecture x policy x batch size, the
-estimated peak (from the config, on fake tensors) and the peak measured on a real step, and the
-error. The same script runs on a GPU, where the measured side is the CUDA allocator's peak.
+"""The estimator against the memory meter: for each architecture x policy x what trains (all
+parameters, or LoRA adapters on frozen weights) x batch size, the estimated peak (from the config,
+on fake tensors) and the peak measured on a real step, and the error. The same script runs on a GPU, where the measured side is the CUDA allocator's peak.
 
     python bench/estimate_accuracy.py                 # small configs, a few minutes on 2 CPU cores
     python bench/estimate_accuracy.py --hidden 512 --seq 256
@@ -17,8 +17,10 @@ import torch
 from _common import machine
 
 from hf_memstack import estimate_memory, measure_step, prepare_model
+from hf_memstack.estimate import peft_config_from
 
 POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2"]
+TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.estimate.DEFAULT_LORA)
 
 
 def configs(hidden: int, layers: int, vocab: int) -> dict:
@@ -51,25 +53,41 @@ def main() -> None:
         for arch, (cfg, task) in configs(args.hidden, args.layers, args.vocab).items():
             cfg.save_pretrained(Path(tmp) / arch)  # the estimator reads a local directory, as a user passes one
             auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-            for policy in POLICIES:
-                for b in map(int, args.batches.split(",")):
-                    est = estimate_memory(Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task)
-                    torch.manual_seed(0)
-                    model = prepare_model(auto.from_config(cfg).to(device).train(), policy)
-                    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-                    ids = torch.randint(3, args.vocab, (b, args.seq), device=device)
-                    labels = ids if task == "causal-lm" else torch.zeros(b, dtype=torch.long, device=device)
-                    real = measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
-                    rows.append({"arch": arch, "policy": policy, "batch": b, "estimate": est.peak_bytes, "measured": real.peak_bytes,
-                                 "error": est.peak_bytes / real.peak_bytes - 1})
-                    print(f"{arch:6s} {policy:12s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
-                          f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%", flush=True)
+            for trainable in TRAINABLE:
+                for policy in POLICIES:
+                    for b in map(int, args.batches.split(",")):
+                        est = estimate_memory(Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task, trainable=trainable)
+                        real = _measured(auto, cfg, task, policy, trainable, b, args, device)
+                        rows.append({"arch": arch, "trainable": trainable, "policy": policy, "batch": b, "estimate": est.peak_bytes,
+                                     "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1})
+                        print(f"{arch:6s} {trainable:4s} {policy:12s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                              f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%", flush=True)
+    for trainable in TRAINABLE:
+        sub = [r for r in rows if r["trainable"] == trainable]
+        print(f"trainable={trainable}: {len(sub)} cells, worst |error| {max(abs(r['error']) for r in sub) * 100:.1f}%, "
+              f"within ±10%: {sum(abs(r['error']) <= 0.10 for r in sub)}/{len(sub)}")
     worst = max(abs(r["error"]) for r in rows)
     print(f"\nmachine: {machine()}; hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}")
     print(f"{len(rows)} cells; worst |error| {worst * 100:.1f}%; within ±10%: {sum(abs(r['error']) <= 0.10 for r in rows)}/{len(rows)}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2))
+
+
+def _measured(auto, cfg, task, policy, trainable, b, args, device):
+    """The meter's peak on a real step of the same model (random weights), LoRA adapters added when asked."""
+    torch.manual_seed(0)
+    model = auto.from_config(cfg).to(device)
+    peft_config = peft_config_from(trainable)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    model = prepare_model(model.train(), policy)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(3, args.vocab, (b, args.seq), device=device)
+    labels = ids if task == "causal-lm" else torch.zeros(b, dtype=torch.long, device=device)
+    return measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
 
 
 if __name__ == "__main__":

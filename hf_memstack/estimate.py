@@ -202,10 +202,25 @@ def estimate_memory(
         params = [p for p in net.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=False, fused=False) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
         batch = _batch(config, task, batch_size, seq_len)
-        m = measure_step(net, batch, opt, warmup=True, timed=False)
+        m = _traced_step(net, batch, opt, config, task)
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
     return _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+
+
+def _traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> StepMemory:
+    """The meter's step on fake tensors. A forward that needs the data's values (an output whose
+    shape depends on them, a ``.item()``) cannot run there: said as such, not as a trace error."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return measure_step(net, batch, opt, warmup=True, timed=False)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise ValueError(
+            f"the estimator cannot trace {type(net).__name__} ({type(config).__name__}, task={task!r}) without real data: its "
+            f"forward depends on the values of the batch ({type(e).__name__}: {str(e).splitlines()[0][:120]}). Measure it "
+            "instead: hf_memstack.measure_step or find_batch_size on the real model"
+        ) from None
 
 
 def peft_config_from(trainable: Any) -> Any | None:
