@@ -1,5 +1,6 @@
-"""hf_memstack: activation checkpointing, mixed precision, torch.compile and FSDP for any
-Hugging Face model, applied in the order the field recommends, verified and measured.
+"""hf_memstack: activation checkpointing (block or op level), mixed precision, torch.compile, FSDP,
+a chunked loss head and low-memory optimizers for any Hugging Face model, applied in the order the
+field recommends, verified and measured.
 
     from hf_memstack import prepare_model
     model = prepare_model(model, "bf16+ckpt")
@@ -13,9 +14,11 @@ from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .estimate import MemoryEstimate, estimate_memory
 from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
 from .ladder import LADDER
+from .loss import LossHeadResult, chunked_lm_loss
 from .memory import StepMemory, measure_step
+from .optim import OptimizerInBackward, make_optimizer
 from .planner import Plan, plan_policy
-from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy
+from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .sizes import format_bytes, parse_bytes
@@ -31,10 +34,14 @@ __all__ = [
     "CompileConfig",
     "DistributedMismatchError",
     "FSDPConfig",
+    "LossConfig",
+    "LossHeadResult",
     "MemoryEstimate",
     "MemoryPolicy",
     "MemstackRecord",
     "ModelStateBytes",
+    "OptimizerConfig",
+    "OptimizerInBackward",
     "Plan",
     "PolicyError",
     "Probe",
@@ -45,10 +52,12 @@ __all__ = [
     "describe",
     "estimate_memory",
     "find_batch_size",
+    "chunked_lm_loss",
     "find_blocks",
     "format_bytes",
     "forward_loss",
     "from_pretrained_for_fsdp",
+    "make_optimizer",
     "measure_step",
     "model_state_bytes",
     "parse_bytes",

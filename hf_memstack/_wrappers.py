@@ -38,15 +38,21 @@ class _ForwardWrapper:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Unpickling rebuilds the wrapper around the module's class forward (the module's own
-        # attributes, this one included, are restored after the wrapper is rebuilt).
-        return (_rebuild, (type(self), self.module, self._options()))
+        # attributes, this one included, are restored after the wrapper is rebuilt), or around the
+        # wrapper it was stacked on (the chunked loss under autocast, on one model).
+        inner = self.__wrapped__ if isinstance(self.__wrapped__, _ForwardWrapper) else None
+        return (_rebuild, (type(self), self.module, self._options(), inner))
 
     def _options(self) -> dict[str, Any]:
         return {}
 
 
-def _rebuild(cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any]) -> _ForwardWrapper:
-    return cls(module, **options)
+def _rebuild(cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any],
+             inner: _ForwardWrapper | None = None) -> _ForwardWrapper:
+    wrapper = cls(module, **options)
+    if inner is not None:
+        wrapper.__wrapped__ = inner
+    return wrapper
 
 
 class AutocastForward(_ForwardWrapper):

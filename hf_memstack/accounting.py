@@ -15,9 +15,15 @@ __all__ = ["ModelStateBytes", "model_state_bytes", "optimizer_state_bytes", "ten
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds for ``t``: the local shard of a DTensor, else the whole tensor."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
+    """Bytes this rank holds for ``t``: the local shard of a DTensor; the inner tensors of a tensor
+    subclass (an 8-bit optimizer state: uint8 codes and fp32 scales, whatever dtype it shows); else
+    the whole tensor."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):  # DTensor (its local shard) and torchao's optimizer states
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 def _sum(tensors: Iterable[Any]) -> int:

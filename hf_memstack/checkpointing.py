@@ -1,13 +1,16 @@
 """apply_checkpointing: activation checkpointing through the model's own Transformers API, or
 PyTorch's non-reentrant ``torch.utils.checkpoint`` around each repeated block when the model has
-none (or when the blocks are named explicitly)."""
+none (or when the blocks are named explicitly) - block by block, or op by op (selective)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from ._device import device_of
@@ -16,11 +19,14 @@ from .blocks import Blocks
 from .policy import CheckpointingConfig
 
 __all__ = [
+    "SAVED_OPS",
     "CheckpointingGuard",
     "CheckpointingResult",
+    "SelectiveCheckpointingWarning",
     "apply_checkpointing",
     "check_checkpointing",
     "install_checkpointing_guard",
+    "selective_context_fn",
     "uses_transformers_checkpointing",
 ]
 
@@ -92,7 +98,7 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     chosen = tuple(i for i in range(len(blocks) if blocks is not None else 0) if i % every_n == 0)
 
     if uses_transformers_checkpointing(model, cfg):
-        kwargs = {"use_reentrant": cfg.use_reentrant}
+        kwargs = _checkpoint_kwargs(cfg)
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n, offload=offload)
         else:
@@ -101,10 +107,81 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
 
     if blocks is None:
         raise ValueError("apply_checkpointing needs the model's blocks (hf_memstack.find_blocks(model))")
+    extra = {k: v for k, v in _checkpoint_kwargs(cfg).items() if k != "use_reentrant"}
     for i in chosen:
         block = blocks.modules[i]
-        block.forward = CheckpointedForward(block, offload=offload)  # type: ignore[method-assign]
+        block.forward = CheckpointedForward(block, offload=offload, checkpoint_kwargs=extra)  # type: ignore[method-assign]
     return CheckpointingResult(method="torch", checkpointed=chosen, note=note)
+
+
+def _checkpoint_kwargs(cfg: CheckpointingConfig) -> dict[str, Any]:
+    """What ``torch.utils.checkpoint.checkpoint`` is given for ``cfg`` (Transformers passes it through)."""
+    kwargs: dict[str, Any] = {"use_reentrant": cfg.use_reentrant}
+    if cfg.mode == "selective":
+        kwargs["context_fn"] = selective_context_fn(cfg.selective_matmuls)
+    return kwargs
+
+
+# ------------------------------------------------------------------------------------ selective
+def _aten_ops(*names: str) -> frozenset[Any]:
+    # Some kernels exist only in some PyTorch builds and versions: keep those this one has.
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+_MATMULS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm")
+SAVED_OPS: frozenset[Any] = _MATMULS | _aten_ops(
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+)
+"""The ops whose outputs selective checkpointing keeps (torchtitan's list for a single device): the
+matmuls and attention kernels, which cost most to recompute. Norms, activations, rotary
+embeddings, casts and other cheap ops are recomputed in the backward."""
+
+
+class SelectiveCheckpointingWarning(UserWarning):
+    """Selective checkpointing found no op of its save list in a checkpointed block: it recomputes everything."""
+
+
+def selective_context_fn(matmuls: str = "save_all") -> functools.partial[Any]:
+    """The ``context_fn`` of op-level (selective) checkpointing, for ``torch.utils.checkpoint`` or
+    Transformers' ``activation_checkpointing_kwargs``: keep the outputs of :data:`SAVED_OPS`
+    (with ``"save_alternate"``, every second matmul is recomputed too, as torchtitan does),
+    recompute the rest. A ``functools.partial`` of a module function and a string: dynamo traces
+    it (pytorch's checkpoint under compile accepts a partial), pickle and deepcopy copy it."""
+    fn = functools.partial(_selective_contexts, matmuls)
+    fn.cache_hash = f"hf_memstack.selective_checkpointing.{matmuls}"  # type: ignore[attr-defined]  # compile's cache key
+    return fn
+
+
+def _selective_contexts(matmuls: str) -> tuple[Any, Any]:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    # Counted per checkpointed call, so the forward and its recompute agree on which matmul is which.
+    counts: dict[str, int] = defaultdict(int)
+    return create_selective_checkpoint_contexts(functools.partial(_selective_policy, matmuls, counts))
+
+
+def _selective_policy(matmuls: str, counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    phase = "recompute" if ctx.is_recompute else "forward"
+    if ctx.is_recompute and not counts["recompute_ops"] and counts["forward_ops"] and not counts["forward_saved"]:
+        # The forward of this region is over: it ran ops but none the list knows (custom kernels).
+        warnings.warn(
+            "policy.checkpointing.mode='selective': no op in the save list (matmuls, attention: "
+            "hf_memstack.checkpointing.SAVED_OPS) ran in a checkpointed block, so every op is recomputed, as with full "
+            "checkpointing; the model uses kernels the list does not know. Use checkpointing mode 'full', or report the "
+            "kernel to add it", SelectiveCheckpointingWarning, stacklevel=2)
+    counts[f"{phase}_ops"] += 1
+    save = op in SAVED_OPS
+    if op in _MATMULS:
+        counts[f"{phase}_matmuls"] += 1
+        save = matmuls == "save_all" or counts[f"{phase}_matmuls"] % 2 == 1
+    if save:
+        counts[f"{phase}_saved"] += 1
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 
@@ -172,13 +249,22 @@ def install_checkpointing_guard(model: nn.Module, cfg: CheckpointingConfig, resu
     else:
         every_n = cfg.every_n if cfg.mode == "every_n" else 1
         offload = cfg.mode == "offload" and not result.note
-        applied = _Applied(every_n, offload, _normalised({"use_reentrant": cfg.use_reentrant}))
+        applied = _Applied(every_n, offload, _normalised(_checkpoint_kwargs(cfg)))
     for name in names:
         setattr(model, name, CheckpointingGuard(name, applied, policy))
     return True
 
 
 def _normalised(kwargs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
-    # Transformers' default when no kwargs are given is non-reentrant checkpointing.
+    # Transformers' default when no kwargs are given is non-reentrant checkpointing. A context_fn
+    # compares by what it is (selective_context_fn("save_all") twice is the same request).
     merged = {"use_reentrant": False, **(kwargs or {})}
-    return tuple(sorted(merged.items()))
+    return tuple(sorted((k, _comparable(v)) for k, v in merged.items()))
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, functools.partial):
+        if value.func is _selective_contexts:
+            return f"selective({', '.join(map(str, value.args))})"
+        return (getattr(value.func, "__qualname__", repr(value.func)), value.args, tuple(sorted(value.keywords.items())))
+    return value

@@ -161,7 +161,8 @@ def estimate_memory(
         batch_size: per-device micro-batch size.
         seq_len: tokens per sample.
         world_size: ranks sharing the model under an FSDP policy.
-        optimizer: ``adamw`` (two fp32 moments per trainable parameter) or ``sgd`` (none).
+        optimizer: ``adamw`` (as ``policy.optimizer`` says: fp32 or 8-bit moments, stepped after or in
+            the backward - built by :func:`hf_memstack.make_optimizer`) or ``sgd`` (no state).
         trainable: what trains: ``"all"``; ``"lora"`` (LoRA r=8, alpha=16 on every linear layer
             but the output head); a PEFT config (e.g. ``LoraConfig(...)``); or a dict of
             ``LoraConfig`` fields (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``). Frozen
@@ -175,6 +176,7 @@ def estimate_memory(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .optim import make_optimizer
     from .prepare import prepare_model
 
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
@@ -187,6 +189,9 @@ def estimate_memory(
     peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
     policy = MemoryPolicy.coerce(policy)
+    if optimizer == "sgd" and (policy.optimizer.state, policy.optimizer.step) != ("fp32", "after_backward"):
+        raise ValueError(f"optimizer='sgd' with policy {policy.to_string()!r}: the policy's optimizer rung (optim:8bit, "
+                         "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens")
     notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"] if (
         policy.fsdp.mode == "none" and world_size > 1) else []
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
@@ -200,7 +205,9 @@ def estimate_memory(
         net.train()
         prepare_model(net, traced)
         params = [p for p in net.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=False, fused=False) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
+        # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
+        # after or in the backward), so its state is traced as it will be allocated.
+        opt = make_optimizer(net, traced, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
         batch = _batch(config, task, batch_size, seq_len)
         m = _traced_step(net, batch, opt, config, task)
     total_params = sum(p.numel() for p in net.parameters())

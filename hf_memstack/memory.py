@@ -212,7 +212,8 @@ def _frozen_aware_tracker() -> Any:
                 if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(grad_hook),
-                        param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad)),
+                        # None when an optimizer stepping in the backward already used and freed it.
+                        param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad) if p.grad is not None else None),
                     )
             for buffer in module.buffers():
                 buffer_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER))

@@ -1,5 +1,6 @@
-"""The memory policy: which of mixed precision, activation checkpointing, torch.compile and
-FSDP to apply, as a tree of typed dataclasses.
+"""The memory policy: which of mixed precision, activation checkpointing (block or op level),
+torch.compile, FSDP, a chunked loss head and a low-memory optimizer to use, as a tree of typed
+dataclasses.
 
 A policy can be built four ways, all validated the same way:
 
@@ -28,15 +29,21 @@ __all__ = [
     "CompileConfig",
     "FSDPConfig",
     "LADDER",
+    "LossConfig",
     "MemoryPolicy",
+    "OptimizerConfig",
     "PolicyError",
 ]
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
-CheckpointingMode = Literal["none", "full", "every_n", "offload"]
+CheckpointingMode = Literal["none", "full", "every_n", "offload", "selective"]
+SelectiveMatmuls = Literal["save_all", "save_alternate"]
 CompileMode = Literal["none", "full", "regional"]
 CompileInductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 FSDPMode = Literal["none", "full_shard", "shard_grad_op", "hybrid_shard"]
+LossMode = Literal["default", "chunked"]
+OptimizerState = Literal["fp32", "8bit"]
+OptimizerStep = Literal["after_backward", "in_backward"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,7 +53,14 @@ class CheckpointingConfig:
 
     mode: CheckpointingMode = "none"
     """``none``; ``full`` (every block); ``every_n`` (every ``every_n``-th block, trading memory back
-    for speed); ``offload`` (every block, and the saved block inputs go to pinned host memory)."""
+    for speed); ``offload`` (every block, and the saved block inputs go to pinned host memory);
+    ``selective`` (every block, op by op: the outputs of matmuls and attention are kept, the cheap
+    ops between them - norms, activations, rotary, casts - are recomputed in the backward)."""
+
+    selective_matmuls: SelectiveMatmuls = "save_all"
+    """With ``mode="selective"``: ``save_all`` keeps every matmul output (least recompute);
+    ``save_alternate`` recomputes every second matmul too, as torchtitan's op-level policy does
+    (less memory, more recompute)."""
 
     every_n: int = 2
     """With ``mode="every_n"``: checkpoint one block in ``every_n`` (>= 2; 1 is ``full``)."""
@@ -101,10 +115,45 @@ class FSDPConfig:
     (True for ``full_shard`` and ``hybrid_shard``, False for ``shard_grad_op``)."""
 
 
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """The training loss of a causal language model's output head. Its logits (``batch x seq x
+    vocab``) and the fp32 copy Transformers' loss makes of them are often the largest tensors of a
+    fine-tuning step, and block checkpointing does not touch them."""
+
+    mode: LossMode = "default"
+    """``default``: the model's own forward and loss; ``chunked``: while training with labels, the
+    output head and the cross-entropy run a chunk of tokens at a time, so the full logits never
+    exist (``outputs.logits`` is then None; without labels or gradients the model's own forward runs)."""
+
+    chunk_tokens: int | None = None
+    """Tokens per chunk with ``mode="chunked"``. ``None`` sizes chunks to the vocabulary (about
+    16M logits per chunk: 524 tokens for a 32k vocabulary, 130 for 128k)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """How much memory AdamW's state and the gradients take. The policy records it and
+    :func:`hf_memstack.make_optimizer` builds the optimizer from it (``prepare_model`` never sees
+    the optimizer); the estimator, the planner and the CLI read it from the policy."""
+
+    state: OptimizerState = "fp32"
+    """``fp32``: two fp32 moments per trainable parameter (8 bytes); ``8bit``: block-wise 8-bit
+    moments (torchao's ``AdamW8bit``: about 2 bytes; needs ``pip install hf_memstack[optim]``)."""
+
+    step: OptimizerStep = "after_backward"
+    """``after_backward``: the usual ``optimizer.step()``; ``in_backward``: each parameter is updated
+    and its gradient freed as soon as the gradient is complete, so the gradients are never all alive
+    at once. It cannot accumulate gradients over micro-batches, clip by a global norm, or use fp16's
+    GradScaler, and refuses them."""
+
+
 _SUBCONFIGS: dict[str, type] = {
     "checkpointing": CheckpointingConfig,
     "compile": CompileConfig,
     "fsdp": FSDPConfig,
+    "loss": LossConfig,
+    "optimizer": OptimizerConfig,
 }
 
 
@@ -128,6 +177,13 @@ class MemoryPolicy:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding; a mode string or a dict is accepted too."""
 
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The causal-LM loss head; a mode string (``"chunked"``) or a dict is accepted too."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
+    string such as ``"8bit"``, ``"in_backward"`` or ``"8bit+in_backward"``, is accepted too."""
+
     def __post_init__(self) -> None:
         problems: list[str] = []
         for name, cls in _SUBCONFIGS.items():
@@ -144,53 +200,22 @@ class MemoryPolicy:
         """Check every field; raise one :class:`PolicyError` listing all problems. Returns self."""
         problems: list[str] = []
         _check_choice(problems, "policy.precision", self.precision, Precision)
-        ck = self.checkpointing
-        _check_choice(problems, "policy.checkpointing.mode", ck.mode, CheckpointingMode)
-        if not isinstance(ck.every_n, int) or isinstance(ck.every_n, bool) or ck.every_n < 2:
-            problems.append(
-                f"policy.checkpointing.every_n={ck.every_n!r} must be an integer >= 2 "
-                "(use mode='full' to checkpoint every block)"
-            )
-        _check_bool(problems, "policy.checkpointing.use_reentrant", ck.use_reentrant)
-        if ck.block_classes is not None:
-            if isinstance(ck.block_classes, str):
-                object.__setattr__(ck, "block_classes", (ck.block_classes,))
-            elif isinstance(ck.block_classes, list):
-                object.__setattr__(ck, "block_classes", tuple(ck.block_classes))
-            if not isinstance(ck.block_classes, tuple) or not ck.block_classes or not all(isinstance(c, str) and c for c in ck.block_classes):
-                problems.append(
-                    f"policy.checkpointing.block_classes={ck.block_classes!r} must be a non-empty list of "
-                    "class names, e.g. ['LlamaDecoderLayer'], or None to detect the blocks"
-                )
-        co = self.compile
-        _check_choice(problems, "policy.compile.mode", co.mode, CompileMode)
-        if not isinstance(co.backend, str) or not co.backend:
-            problems.append(f"policy.compile.backend={co.backend!r} must be a backend name such as 'inductor'")
-        if co.inductor_mode is not None:
-            _check_choice(problems, "policy.compile.inductor_mode", co.inductor_mode, CompileInductorMode)
-            if co.backend != "inductor":
-                problems.append(
-                    f"policy.compile.inductor_mode={co.inductor_mode!r} only applies to backend='inductor' "
-                    f"(backend is {co.backend!r}); set inductor_mode=None or backend='inductor'"
-                )
-        if co.dynamic not in (None, True, False):
-            problems.append(f"policy.compile.dynamic={co.dynamic!r} must be None, True or False")
-        _check_bool(problems, "policy.compile.fullgraph", co.fullgraph)
-        fs = self.fsdp
-        _check_choice(problems, "policy.fsdp.mode", fs.mode, FSDPMode)
-        _check_bool(problems, "policy.fsdp.cpu_offload", fs.cpu_offload)
-        if fs.reshard_after_forward not in (None, True, False):
-            problems.append(f"policy.fsdp.reshard_after_forward={fs.reshard_after_forward!r} must be None, True or False")
-        if fs.mode == "none" and (fs.cpu_offload or fs.reshard_after_forward is not None):
-            problems.append(
-                "policy.fsdp.cpu_offload / reshard_after_forward are set but policy.fsdp.mode='none'; "
-                "set fsdp.mode='full_shard' (or another mode) or drop those options"
-            )
-        if fs.mode != "none" and ck.mode == "offload":
+        _validate_checkpointing(self.checkpointing, problems)
+        _validate_compile(self.compile, problems)
+        _validate_fsdp(self.fsdp, problems)
+        _validate_loss(self.loss, problems)
+        _validate_optimizer(self.optimizer, problems)
+        if self.fsdp.mode != "none" and self.checkpointing.mode == "offload":
             problems.append(
                 "policy.checkpointing.mode='offload' with policy.fsdp.mode="
-                f"{fs.mode!r}: use fsdp.cpu_offload=True to move state to host memory under FSDP, "
+                f"{self.fsdp.mode!r}: use fsdp.cpu_offload=True to move state to host memory under FSDP, "
                 "and checkpointing.mode='full'"
+            )
+        if self.optimizer.step == "in_backward" and self.precision == "fp16":
+            problems.append(
+                "policy.optimizer.step='in_backward' with policy.precision='fp16': fp16's GradScaler must see every "
+                "gradient (to unscale and skip steps on overflow) before any parameter is updated; use precision='bf16' "
+                "(or 'fp32'), or step='after_backward'"
             )
         if problems:
             raise PolicyError(problems)
@@ -222,10 +247,15 @@ class MemoryPolicy:
         Tokens:
 
         * precision: ``fp32``, ``bf16``, ``fp16``, ``auto``;
-        * ``ckpt`` (full), ``ckpt:N`` (every N-th block), ``ckpt:offload`` (full + saved inputs to host);
+        * ``ckpt`` (full), ``ckpt:N`` (every N-th block), ``ckpt:offload`` (full + saved inputs to host),
+          ``ckpt:selective`` (op level: matmul and attention outputs kept, the rest recomputed),
+          ``ckpt:selective:alternate`` (every second matmul recomputed too);
         * ``compile`` (whole model), ``compile:regional`` (per block), ``compile:full``;
         * ``fsdp`` (full_shard), ``fsdp:shard_grad_op``, ``fsdp:hybrid_shard``, ``fsdp:offload``
-          (full_shard with CPU offload).
+          (full_shard with CPU offload);
+        * ``loss:chunked`` (the causal-LM head and loss a chunk of tokens at a time);
+        * ``optim:8bit`` (8-bit AdamW moments), ``optim:in_backward`` (step each parameter as its
+          gradient is ready); both may be given.
 
         A ladder preset name (``fp32``, ``bf16``, ``bf16+compile``, ``bf16+compile+ckpt``, ``fsdp``)
         is such a string.
@@ -241,54 +271,32 @@ class MemoryPolicy:
             token = raw.strip()
             name, _, arg = token.partition(":")
             group = "precision" if name in get_args(Precision) else name
-            if group in seen:
+            # optim:8bit and optim:in_backward set different fields of one group: both may be given.
+            key = f"{group}:{arg}" if group == "optim" else group
+            if key in seen:
                 problems.append(
-                    f"policy string {original!r}: {token!r} conflicts with {seen[group]!r}; give each of "
-                    "precision, ckpt, compile and fsdp at most once"
+                    f"policy string {original!r}: {token!r} conflicts with {seen[key]!r}; give each of "
+                    "precision, ckpt, compile, fsdp and loss at most once"
                 )
                 continue
-            seen[group] = token
+            seen[key] = token
             if group == "precision":
                 if arg:
                     problems.append(f"policy string {original!r}: precision {name!r} takes no ':' argument")
                 kwargs["precision"] = name
-            elif name == "ckpt":
-                if arg in ("", "full"):
-                    kwargs["checkpointing"] = CheckpointingConfig(mode="full")
-                elif arg == "offload":
-                    kwargs["checkpointing"] = CheckpointingConfig(mode="offload")
-                elif arg.isdigit() and int(arg) >= 2:
-                    kwargs["checkpointing"] = CheckpointingConfig(mode="every_n", every_n=int(arg))
-                elif arg == "1":
-                    kwargs["checkpointing"] = CheckpointingConfig(mode="full")
+            elif name in _TOKENS:
+                field_name, parse, allowed = _TOKENS[name]
+                value = parse(arg, kwargs.get(field_name))
+                if value is None:
+                    problems.append(f"policy string {original!r}: {token!r} is not one of {allowed}")
                 else:
-                    problems.append(
-                        f"policy string {original!r}: {token!r} is not one of 'ckpt', 'ckpt:N' (N >= 2), "
-                        "'ckpt:offload'"
-                    )
-            elif name == "compile":
-                if arg in ("", "full", "regional"):
-                    kwargs["compile"] = CompileConfig(mode=arg or "full")
-                else:
-                    problems.append(
-                        f"policy string {original!r}: {token!r} is not one of 'compile', 'compile:full', "
-                        "'compile:regional'"
-                    )
-            elif name == "fsdp":
-                if arg in ("", "full_shard", "shard_grad_op", "hybrid_shard"):
-                    kwargs["fsdp"] = FSDPConfig(mode=arg or "full_shard")
-                elif arg == "offload":
-                    kwargs["fsdp"] = FSDPConfig(mode="full_shard", cpu_offload=True)
-                else:
-                    problems.append(
-                        f"policy string {original!r}: {token!r} is not one of 'fsdp', 'fsdp:shard_grad_op', "
-                        "'fsdp:hybrid_shard', 'fsdp:offload'"
-                    )
+                    kwargs[field_name] = value
             else:
                 problems.append(
                     f"policy string {original!r}: unknown token {token!r}; allowed: a precision "
-                    f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'compile[:regional]', "
-                    f"'fsdp[:mode|offload]', or a preset ({', '.join(LADDER)})"
+                    f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'ckpt:selective[:alternate]', "
+                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'optim:8bit', 'optim:in_backward', "
+                    f"or a preset ({', '.join(LADDER)})"
                 )
         if problems:
             raise PolicyError(problems)
@@ -360,18 +368,166 @@ class MemoryPolicy:
             parts.append(f"ckpt:{ck.every_n}")
         elif ck.mode == "offload":
             parts.append("ckpt:offload")
+        elif ck.mode == "selective":
+            parts.append("ckpt:selective" + (":alternate" if ck.selective_matmuls == "save_alternate" else ""))
         if self.compile.mode == "full":
             parts.append("compile")
         elif self.compile.mode == "regional":
             parts.append("compile:regional")
         if self.fsdp.mode != "none":
             parts.append("fsdp:offload" if self.fsdp.cpu_offload else f"fsdp:{self.fsdp.mode}")
+        if self.loss.mode == "chunked":
+            parts.append("loss:chunked")
+        if self.optimizer.state == "8bit":
+            parts.append("optim:8bit")
+        if self.optimizer.step == "in_backward":
+            parts.append("optim:in_backward")
         return "+".join(parts)
+
+
+
+def _parse_ckpt(arg: str, _: Any) -> CheckpointingConfig | None:
+    if arg in ("", "full", "1"):
+        return CheckpointingConfig(mode="full")
+    if arg == "offload":
+        return CheckpointingConfig(mode="offload")
+    if arg in ("selective", "selective:alternate"):
+        return CheckpointingConfig(mode="selective", selective_matmuls="save_alternate" if arg.endswith("alternate") else "save_all")
+    if arg.isdigit() and int(arg) >= 2:
+        return CheckpointingConfig(mode="every_n", every_n=int(arg))
+    return None
+
+
+def _parse_compile(arg: str, _: Any) -> CompileConfig | None:
+    return CompileConfig(mode=arg or "full") if arg in ("", "full", "regional") else None
+
+
+def _parse_fsdp(arg: str, _: Any) -> FSDPConfig | None:
+    if arg in ("", "full_shard", "shard_grad_op", "hybrid_shard"):
+        return FSDPConfig(mode=arg or "full_shard")
+    return FSDPConfig(mode="full_shard", cpu_offload=True) if arg == "offload" else None
+
+
+def _parse_loss(arg: str, _: Any) -> LossConfig | None:
+    return LossConfig(mode="chunked") if arg == "chunked" else None
+
+
+def _parse_optim(arg: str, current: OptimizerConfig | None) -> OptimizerConfig | None:
+    current = current or OptimizerConfig()
+    if arg == "8bit":
+        return OptimizerConfig(state="8bit", step=current.step)
+    if arg == "in_backward":
+        return OptimizerConfig(state=current.state, step="in_backward")
+    return None
+
+
+# token name -> (policy field, parser(arg, value so far) -> config or None when arg is bad, allowed spellings)
+_TOKENS: dict[str, tuple[str, Any, str]] = {
+    "ckpt": ("checkpointing", _parse_ckpt, "'ckpt', 'ckpt:N' (N >= 2), 'ckpt:offload', 'ckpt:selective', 'ckpt:selective:alternate'"),
+    "compile": ("compile", _parse_compile, "'compile', 'compile:full', 'compile:regional'"),
+    "fsdp": ("fsdp", _parse_fsdp, "'fsdp', 'fsdp:shard_grad_op', 'fsdp:hybrid_shard', 'fsdp:offload'"),
+    "loss": ("loss", _parse_loss, "'loss:chunked'"),
+    "optim": ("optimizer", _parse_optim, "'optim:8bit', 'optim:in_backward'"),
+}
+
+
+def _optimizer_from_string(value: str) -> OptimizerConfig | None:
+    """``"8bit"``, ``"in_backward"``, ``"8bit+in_backward"``, ``"fp32"``, ``"after_backward"`` (None: not one of those)."""
+    config: OptimizerConfig | None = OptimizerConfig()
+    for part in value.split("+"):
+        part = part.strip()
+        if part in get_args(OptimizerState):
+            config = OptimizerConfig(state=part, step=config.step) if config else None
+        elif part in get_args(OptimizerStep):
+            config = OptimizerConfig(state=config.state, step=part) if config else None
+        else:
+            return None
+    return config
+
+
+def _validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.checkpointing.mode", ck.mode, CheckpointingMode)
+    if not isinstance(ck.every_n, int) or isinstance(ck.every_n, bool) or ck.every_n < 2:
+        problems.append(
+            f"policy.checkpointing.every_n={ck.every_n!r} must be an integer >= 2 "
+            "(use mode='full' to checkpoint every block)"
+        )
+    _check_bool(problems, "policy.checkpointing.use_reentrant", ck.use_reentrant)
+    _check_choice(problems, "policy.checkpointing.selective_matmuls", ck.selective_matmuls, SelectiveMatmuls)
+    if ck.selective_matmuls != "save_all" and ck.mode != "selective":
+        problems.append(
+            f"policy.checkpointing.selective_matmuls={ck.selective_matmuls!r} only applies to mode='selective' "
+            f"(mode is {ck.mode!r}); set mode='selective' or drop selective_matmuls"
+        )
+    if ck.mode == "selective" and ck.use_reentrant is True:
+        problems.append(
+            "policy.checkpointing.use_reentrant=True with mode='selective': op-level checkpointing runs through the "
+            "non-reentrant implementation only (its context_fn); set use_reentrant=False"
+        )
+    if ck.block_classes is not None:
+        if isinstance(ck.block_classes, str):
+            object.__setattr__(ck, "block_classes", (ck.block_classes,))
+        elif isinstance(ck.block_classes, list):
+            object.__setattr__(ck, "block_classes", tuple(ck.block_classes))
+        if not isinstance(ck.block_classes, tuple) or not ck.block_classes or not all(isinstance(c, str) and c for c in ck.block_classes):
+            problems.append(
+                f"policy.checkpointing.block_classes={ck.block_classes!r} must be a non-empty list of "
+                "class names, e.g. ['LlamaDecoderLayer'], or None to detect the blocks"
+            )
+
+
+def _validate_compile(co: CompileConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.compile.mode", co.mode, CompileMode)
+    if not isinstance(co.backend, str) or not co.backend:
+        problems.append(f"policy.compile.backend={co.backend!r} must be a backend name such as 'inductor'")
+    if co.inductor_mode is not None:
+        _check_choice(problems, "policy.compile.inductor_mode", co.inductor_mode, CompileInductorMode)
+        if co.backend != "inductor":
+            problems.append(
+                f"policy.compile.inductor_mode={co.inductor_mode!r} only applies to backend='inductor' "
+                f"(backend is {co.backend!r}); set inductor_mode=None or backend='inductor'"
+            )
+    if co.dynamic not in (None, True, False):
+        problems.append(f"policy.compile.dynamic={co.dynamic!r} must be None, True or False")
+    _check_bool(problems, "policy.compile.fullgraph", co.fullgraph)
+
+
+def _validate_fsdp(fs: FSDPConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.fsdp.mode", fs.mode, FSDPMode)
+    _check_bool(problems, "policy.fsdp.cpu_offload", fs.cpu_offload)
+    if fs.reshard_after_forward not in (None, True, False):
+        problems.append(f"policy.fsdp.reshard_after_forward={fs.reshard_after_forward!r} must be None, True or False")
+    if fs.mode == "none" and (fs.cpu_offload or fs.reshard_after_forward is not None):
+        problems.append(
+            "policy.fsdp.cpu_offload / reshard_after_forward are set but policy.fsdp.mode='none'; "
+            "set fsdp.mode='full_shard' (or another mode) or drop those options"
+        )
+
+
+def _validate_loss(lo: LossConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.loss.mode", lo.mode, LossMode)
+    n = lo.chunk_tokens
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        problems.append(f"policy.loss.chunk_tokens={n!r} must be a positive integer (tokens per chunk) or None (sized to the vocabulary)")
+    elif n is not None and lo.mode != "chunked":
+        problems.append(f"policy.loss.chunk_tokens={n!r} only applies to mode='chunked' (mode is {lo.mode!r}); set "
+                        "mode='chunked' or drop chunk_tokens")
+
+
+def _validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.optimizer.state", op.state, OptimizerState)
+    _check_choice(problems, "policy.optimizer.step", op.step, OptimizerStep)
 
 
 def _coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> Any:
     if isinstance(value, cls):
         return None
+    if isinstance(value, str) and cls is OptimizerConfig:
+        parsed = _optimizer_from_string(value)
+        if parsed is None:
+            problems.append(f"policy.{name}={value!r} is not an optimizer setting; allowed: 'fp32' or '8bit' (state), "
+                            "'after_backward' or 'in_backward' (step), joined with '+', e.g. '8bit+in_backward'")
+        return parsed
     if isinstance(value, str):
         return cls(mode=value)
     if isinstance(value, dict):

@@ -1,9 +1,10 @@
 """prepare_model: validate a policy against a model and the machine, then apply checkpointing,
-precision, compile and sharding in one fixed order."""
+the loss head, precision, compile and sharding in one fixed order."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from .fsdp import (
     check_hybrid_shard,
     require_process_group,
 )
+from .loss import _HeadPlan, apply_loss_head, check_loss_head
+from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of
@@ -44,6 +47,8 @@ class _Plan:
     """prepare_model wraps the forward in autocast (else ``accelerator.prepare`` does, or fp32)."""
     broadcast_from_rank0: bool = False
     """Some rank built the model on the meta device: rank 0's weights fill the shards."""
+    loss_head: _HeadPlan | None = None
+    """Where and how the chunked loss goes (None: the model's own loss)."""
 
 
 def prepare_model(
@@ -124,8 +129,7 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
             "a rank holds the model on the meta device, but the Accelerator shards it (Accelerate's FSDP loads "
             "weights its own way): load the model with from_pretrained on every rank, or launch with torchrun"
         )
-    return _Plan(policy=plan.policy, precision=plan.precision, blocks=plan.blocks, sharded_by_accelerate=plan.sharded_by_accelerate,
-                 autocast_here=plan.autocast_here, broadcast_from_rank0=broadcast)
+    return dataclasses.replace(plan, broadcast_from_rank0=broadcast)
 
 
 def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
@@ -147,12 +151,14 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
         or policy.fsdp.mode != "none"
     )
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
+    loss_head = check_loss_head(model, policy.loss)
+    check_optimizer_policy(policy.optimizer)
     _warn_on_training_setup(model, policy, precision)
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
     return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
-                 autocast_here=autocast_here)
+                 autocast_here=autocast_here, loss_head=loss_head)
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -168,13 +174,17 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     #    recompute gathers the parameters again).
     checkpointing = apply_checkpointing(model, policy.checkpointing, blocks=plan.blocks)
     install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
-    # 2. precision: autocast goes around the root forward before compile, so a whole-model compile
+    # 2. the loss head, on the causal LM's own forward: inside the autocast that step 3 wraps around
+    #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
+    #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
+    loss = apply_loss_head(plan.loss_head)
+    # 3. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
     if plan.autocast_here:
         apply_precision(model, plan.precision)
-    # 3. compile, per block or whole, after checkpointing and before sharding.
+    # 4. compile, per block or whole, after checkpointing and before sharding.
     compile_stats = apply_compile(model, policy.compile, blocks=plan.blocks)
-    # 4. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root; or
+    # 5. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root; or
     #    accelerator.prepare does, with the plugin built from this policy (accelerate_fsdp_plugin).
     fsdp: FSDPResult | None = None
     if plan.sharded_by_accelerate:
@@ -190,7 +200,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled,
+        kv_cache_disabled=kv_cache_disabled, loss=loss,
     )
 
 

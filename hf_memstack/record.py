@@ -4,7 +4,7 @@ through the wrappers a model goes through after preparation: DDP (``.module``), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -14,6 +14,7 @@ from .blocks import Blocks
 from .checkpointing import CheckpointingResult
 from .compile import CompileStats
 from .fsdp import FSDPResult
+from .loss import LossHeadResult
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision
 
@@ -46,6 +47,8 @@ class MemstackRecord:
     """Wall time of ``prepare_model``."""
     kv_cache_disabled: bool = False
     """``model.config.use_cache`` was turned off: training never reads the KV cache."""
+    loss: LossHeadResult = field(default_factory=lambda: LossHeadResult(mode="default"))
+    """How the training loss of the output head is computed."""
 
     def describe(self) -> str:
         """A few lines saying what was applied, and how."""
@@ -68,6 +71,11 @@ class MemstackRecord:
         else:
             lines.append("  compile: off")
         lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
+        lines.append(f"  loss: {self.loss.describe()}")
+        op = self.policy.optimizer
+        if (op.state, op.step) != ("fp32", "after_backward"):
+            lines.append(f"  optimizer: AdamW with {op.state} state, stepped {op.step.replace('_', ' ')} "
+                         "(build it with hf_memstack.make_optimizer(model, lr=...))")
         if self.kv_cache_disabled:
             lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
         lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")

@@ -11,6 +11,8 @@ raises on a model that trains wrongly (that is what it is for), only on a model 
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,12 @@ class VerifyReport:
     """Bytes saved for backward outside checkpointed regions (checkpointing shrinks this)."""
     recomputed_blocks: list[int] = field(default_factory=list)
     compiled_calls: int = 0
+    forward_flops: int = 0
+    """FLOPs of the forward (matmuls and attention, as ``torch.utils.flop_counter`` counts them)."""
+    backward_flops: int = 0
+    """FLOPs of the backward, recompute included."""
+    recompute_flops: int = 0
+    """The part of ``backward_flops`` spent re-running checkpointed forward code."""
 
     @property
     def ok(self) -> bool:
@@ -63,8 +71,11 @@ class _Observed:
     recomputed: list[int] = field(default_factory=list)
     linear_dtypes: set[torch.dtype] = field(default_factory=set)
     loss_dtype: torch.dtype | None = None
+    selective_saved_nothing: bool = False
+    """Selective checkpointing warned that no op of its save list ran in a checkpointed block."""
     backward_error: str | None = None
     """Why the backward could not run (the loss needs no gradient), or None."""
+    flops: _Flops = field(default_factory=lambda: _Flops())
 
 
 def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False) -> VerifyReport:
@@ -74,13 +85,17 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
         * ``policy``: what runs is what ``model.memstack`` records (nothing re-applied or replaced
           checkpointing, autocast or compile after ``prepare_model``);
         * ``checkpointing``: the blocks meant to be checkpointed re-run their forward during
-          backward (observed with hooks on their submodules), and no others do;
+          backward (observed with hooks on their submodules), and no others do; the FLOPs the
+          backward spends recomputing (``torch.utils.flop_counter``), which selective checkpointing
+          keeps below full checkpointing's (else no op of its save list ran: a FAIL);
         * ``precision``: under mixed precision, Linear layers compute in the autocast dtype and
           the loss comes back in fp32;
         * ``gradients``: every parameter with ``requires_grad`` received a finite gradient;
-        * ``compile``: the compiled graphs were called in a compiled step (a second pass).
+        * ``compile``: the compiled graphs were called in a compiled step (a second pass);
+        * ``loss`` (chunked loss head): the chunked loss equals the model's own on the first sample.
 
-    ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
+    An optimizer stepping in the backward (``make_optimizer`` with ``optim:in_backward``) is
+    paused meanwhile. ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
     The model's parameters are not updated (no optimizer step); gradients that were there before
     and the RNG state are restored afterwards.
 
@@ -91,11 +106,15 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
     record = record_of(model)
     if record is None:
         raise ValueError(f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record")
+    from .optim import optimizer_in_backward_of
+
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
+    stepping = optimizer_in_backward_of(model)
     try:
-        with preserved_rng(device_of(model)):
+        # An optimizer stepping in the backward would update the weights: verify must not.
+        with preserved_rng(device_of(model)), stepping.paused() if stepping is not None else contextlib.nullcontext():
             _verify_into(report, model, batch, loss_fn, record, params)
     finally:
         for p, g in zip(params, saved_grads):
@@ -114,11 +133,16 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
         observed = _observe_step(model, batch, loss_fn, record)
+        loss_check = _check_loss_head(model, batch, loss_fn) if record.loss.mode == "chunked" else None
     report.saved_activation_bytes = observed.saved_bytes
     report.recomputed_blocks = observed.recomputed
+    report.forward_flops, report.backward_flops = observed.flops.forward, observed.flops.backward
+    report.recompute_flops = observed.flops.recompute
     report.checks.append(_check_checkpointing(report, record, model, observed))
     report.checks.append(_check_precision(record, observed))
     report.checks.append(_check_gradients(model, params, record, observed))
+    if loss_check is not None:
+        report.checks.append(loss_check)
     if record.compile.regions and observed.backward_error is None:
         for p in params:
             p.grad = None
@@ -126,10 +150,14 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
 
 
 def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> _Observed:
+    from torch.utils.flop_counter import FlopCounterMode
+
     observed = _Observed()
     in_backward = False
     blocks = record.blocks.modules if record.blocks is not None else ()
     backward_calls = [0] * len(blocks)
+    checkpointed = set(record.checkpointing.checkpointed)
+    counter = FlopCounterMode(display=False)
 
     def block_hook(i: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -149,13 +177,18 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
     # its __call__, so only inner modules re-run visibly (their hooks fire during backward).
     handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()]
     handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
+    handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: in_backward)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward_loss(model, batch, loss_fn)
+        observed.flops.forward = counter.get_total_flops()
         observed.loss_dtype = loss.dtype
         in_backward = True
         if loss.requires_grad:
-            loss.backward()
+            with counter, _selective_warnings() as caught:
+                loss.backward()
+            observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
+            observed.selective_saved_nothing = bool(caught)
         else:
             observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
     finally:
@@ -164,6 +197,58 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
             h.remove()
     observed.recomputed = [i for i, n in enumerate(backward_calls) if n]
     return observed
+
+
+@contextlib.contextmanager
+def _selective_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Collect selective checkpointing's "nothing saved" warnings (each recompute would give one);
+    every other warning is passed on as it came."""
+    from .checkpointing import SelectiveCheckpointingWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours: list[warnings.WarningMessage] = []
+        yield ours
+    for w in caught:
+        if issubclass(w.category, SelectiveCheckpointingWarning):
+            ours.append(w)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+@dataclass(slots=True)
+class _Flops:
+    """FLOPs of the step, and those spent inside checkpointed blocks (forward, and recompute in backward)."""
+
+    forward: int = 0
+    backward: int = 0
+    checkpointed_forward: int = 0
+    """FLOPs of the checkpointed blocks' forward: what full checkpointing recomputes."""
+    recompute: int = 0
+    _depth: int = 0
+    _start: int = 0
+
+    def watch(self, blocks: list[nn.Module], counter: Any, in_backward: Any) -> list[Any]:
+        """Hooks on the blocks' submodules that add the counter's FLOPs while one of them runs."""
+
+        def enter(module: nn.Module, args: Any) -> None:
+            if self._depth == 0:
+                self._start = counter.get_total_flops()
+            self._depth += 1
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            self._depth -= 1
+            if self._depth == 0:
+                spent = counter.get_total_flops() - self._start
+                if in_backward():
+                    self.recompute += spent
+                else:
+                    self.checkpointed_forward += spent
+
+        subs = [sub for block in blocks for sub in block.children()]
+        # always_call: a recompute stops early (once it has what the backward needs) by raising
+        # through the module that runs; its FLOPs so far still count, and the depth stays right.
+        return [h for sub in subs for h in (sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave, always_call=True))]
 
 
 def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
@@ -207,12 +292,46 @@ def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn
         return Check("checkpointing", ok, "off, and no block recomputed" if ok else f"off, yet blocks {got} recomputed in backward")
     ok = got == expected
     detail = (f"blocks {got} recomputed in backward (expected {expected}); {report.saved_activation_bytes / 2**20:.2f} MiB "
-              "saved for backward outside checkpoints")
+              f"saved for backward outside checkpoints; {_recompute_summary(observed.flops)}")
+    if observed.selective_saved_nothing:
+        ok = False
+        detail += (": selective checkpointing recomputed all of the blocks' matmuls, as full checkpointing does - no op in "
+                   "its save list (hf_memstack.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'")
     if not got and not model.training:
         detail += ": the model is in eval mode, and checkpointing only runs in training; call model.train()"
     elif not ok:
         detail += ": checkpointing is not doing what the policy says"
     return Check("checkpointing", ok, detail)
+
+
+def _recompute_summary(flops: _Flops) -> str:
+    grads = max(1, flops.backward - flops.recompute)
+    return (f"backward recomputed {flops.recompute / 1e9:.3g} GFLOP, {flops.recompute / grads:+.1%} over the gradients' "
+            f"{grads / 1e9:.3g} GFLOP (the checkpointed blocks' forward: {flops.checkpointed_forward / 1e9:.3g} GFLOP)")
+
+
+def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Check:
+    """The chunked loss against the model's own, on the first sample (the model's own forward
+    materialises its logits: one sample keeps that small)."""
+    one = _first_sample(batch)
+    with torch.no_grad():
+        theirs = forward_loss(model, one, loss_fn)  # without gradients, the model's own forward runs
+    with torch.enable_grad():
+        ours = forward_loss(model, one, loss_fn)
+    a, b = float(ours.detach()), float(theirs)
+    ok = abs(a - b) <= 2e-2 * max(1.0, abs(b))
+    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"
+    if not ok:
+        detail += ": they differ; prepare the model without loss:chunked"
+    return Check("loss", ok, detail)
+
+
+def _first_sample(batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return {k: v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for v in batch)
+    return batch[:1] if torch.is_tensor(batch) else batch
 
 
 def _check_precision(record: MemstackRecord, observed: _Observed) -> Check:
