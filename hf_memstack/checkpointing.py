@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -159,30 +160,34 @@ def _selective_contexts(matmuls: str) -> tuple[Any, Any]:
 
     # Counted per checkpointed call, so the forward and its recompute agree on which matmul is which.
     counts: dict[str, int] = defaultdict(int)
-    return create_selective_checkpoint_contexts(functools.partial(_selective_policy, matmuls, counts))
+    policy = functools.partial(_selective_policy, matmuls, counts)
+    # When this call's contexts are done with (after its backward), say if nothing was kept: the
+    # block's kernels are not in the list, and everything was recomputed as with full checkpointing.
+    weakref.finalize(policy, _warn_if_nothing_saved, counts)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _selective_policy(matmuls: str, counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    phase = "recompute" if ctx.is_recompute else "forward"
-    if ctx.is_recompute and not counts["recompute_ops"] and counts["forward_ops"] and not counts["forward_saved"]:
-        # The forward of this region is over: it ran ops but none the list knows (custom kernels).
+    counts["ops"] += 1
+    save = op in SAVED_OPS
+    if op in _MATMULS:
+        counts["matmuls"] += 1
+        save = matmuls == "save_all" or counts["matmuls"] % 2 == 1
+    if save:
+        counts["saved"] += 1
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _warn_if_nothing_saved(counts: dict[str, int]) -> None:
+    if counts["ops"] and not counts["saved"]:
         warnings.warn(
             "policy.checkpointing.mode='selective': no op in the save list (matmuls, attention: "
             "hf_memstack.checkpointing.SAVED_OPS) ran in a checkpointed block, so every op is recomputed, as with full "
             "checkpointing; the model uses kernels the list does not know. Use checkpointing mode 'full', or report the "
             "kernel to add it", SelectiveCheckpointingWarning, stacklevel=2)
-    counts[f"{phase}_ops"] += 1
-    save = op in SAVED_OPS
-    if op in _MATMULS:
-        counts[f"{phase}_matmuls"] += 1
-        save = matmuls == "save_all" or counts[f"{phase}_matmuls"] % 2 == 1
-    if save:
-        counts[f"{phase}_saved"] += 1
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
 
 
 @dataclass(frozen=True, slots=True)

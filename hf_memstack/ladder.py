@@ -1,9 +1,15 @@
 """The ladder, in one place: the presets users pick from (speed first, then memory), and the
 memory rungs the planner walks and the finder points to when a budget is too small.
 
-Speed rung by rung: 1. eager fp32 (correctness); 2. mixed precision; 3. torch.compile;
-memory rung by rung: 4. activation checkpointing (every 4th, 3rd, 2nd block, then every block,
-then with offload); 5. FSDP over several devices (then with CPU offload).
+Speed rung by rung: 1. eager fp32 (correctness); 2. mixed precision; 3. torch.compile.
+Memory rung by rung, least memory saved (and fastest) first, as measured by ``bench/ladder.py``:
+4. the chunked loss head (causal LMs: the logits and their fp32 copy go, at no cost in speed);
+5. selective (op-level) checkpointing (the cheap ops are recomputed, the matmuls kept); 6. block
+checkpointing (every 4th, 3rd, 2nd block, torchtitan's alternate-matmul selective policy, then
+every block); 7. the optimizer: stepped in the backward (no full set of gradients), then 8-bit
+moments, then both; 8. offloading the checkpoints to host memory; 9. FSDP over several devices
+(then with CPU offload). Activation rungs come before optimizer rungs: they change no arithmetic,
+while the optimizer rungs round the moments or forbid accumulation and global clipping.
 """
 
 from __future__ import annotations
@@ -26,10 +32,18 @@ LADDER: dict[str, str] = {
 }
 
 # Step speed relative to eager fp32 (mixed precision) or to the same rung without the feature.
-# bf16 (1.52x) and full checkpointing (x0.86) were measured by bench/ladder.py (4-layer Llama
-# h=1024, batch 4, seq 256, 2-core Xeon with AMX-BF16; see the README). Offload and FSDP factors
-# are assumptions, not measured here; they only order rungs that fit, so they need only be rough.
-MEASURED_SPEED = {"bf16": 1.52, "ckpt": 0.86, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2}
+# Measured by bench/ladder.py (4-layer Llama h=1024, vocabulary 32k, batch 4, seq 256, 2-core CPU,
+# see the README): bf16, full checkpointing, the chunked loss, selective checkpointing, and the
+# optimizer rungs (the 8-bit step is slower on a CPU; on a GPU torchao reports it at par). Offload
+# and FSDP factors are assumptions; they only order rungs that fit, so they need only be rough.
+MEASURED_SPEED = {
+    "bf16": 1.52, "ckpt": 0.86, "loss_chunked": 1.0, "selective": 0.97, "selective_alternate": 0.92,
+    "in_backward": 1.0, "8bit": 0.8, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2,
+}
+
+# How much of the blocks' activations each checkpointing mode drops (ordering only; measured on the
+# ladder model: selective ~40%, selective:alternate ~55%, every 2nd block 50%, every block ~95%).
+_CHECKPOINTED = {"none": 0.0, "selective": 0.4, "every_n": 0.5, "full": 1.0, "offload": 1.1}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,34 +54,53 @@ class Rung:
     relative_speed: float
 
 
-def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1) -> list[Rung]:
+def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
+                 eightbit: bool = True) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
-    first. fp32 is the correctness rung and compile changes speed rather than memory: neither
-    is a memory rung. FSDP rungs need more than one device."""
-    mixed = MEASURED_SPEED["bf16"] if precision != "fp32" else 1.0
-    ckpt = MEASURED_SPEED["ckpt"]
-    rungs = [Rung(policy=precision, relative_speed=mixed)]
-    # The least checkpointing that fits first: every 4th block, 3rd, 2nd, then every block.
-    rungs += [Rung(policy=f"{precision}+ckpt:{n}", relative_speed=mixed * (1 - (1 - ckpt) / n)) for n in (4, 3, 2) if n < num_blocks]
-    rungs.append(Rung(policy=f"{precision}+ckpt", relative_speed=mixed * ckpt))
-    rungs.append(Rung(policy=f"{precision}+ckpt:offload", relative_speed=mixed * MEASURED_SPEED["offload"]))
+    first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
+    memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
+    ``eightbit``: torchao is installed (the 8-bit optimizer rungs); FSDP rungs need several devices."""
+    s = MEASURED_SPEED
+    speed = s["bf16"] if precision != "fp32" else 1.0
+    base = f"{precision}+loss:chunked" if causal_lm else precision
+    rungs = [Rung(policy=precision, relative_speed=speed)]
+    if causal_lm:
+        speed *= s["loss_chunked"]
+        rungs.append(Rung(policy=base, relative_speed=speed))
+    rungs.append(Rung(policy=f"{base}+ckpt:selective", relative_speed=speed * s["selective"]))
+    # The least block checkpointing that fits first: every 4th block, 3rd, 2nd, then every block.
+    rungs += [Rung(policy=f"{base}+ckpt:{n}", relative_speed=speed * (1 - (1 - s["ckpt"]) / n)) for n in (4, 3, 2) if n < num_blocks]
+    rungs.append(Rung(policy=f"{base}+ckpt:selective:alternate", relative_speed=speed * s["selective_alternate"]))
+    full = speed * s["ckpt"]
+    rungs.append(Rung(policy=f"{base}+ckpt", relative_speed=full))
+    # fp16's GradScaler needs every gradient before the step: no stepping in the backward there.
+    in_backward = precision != "fp16"
+    if in_backward:
+        rungs.append(Rung(policy=f"{base}+ckpt+optim:in_backward", relative_speed=full * s["in_backward"]))
+    if eightbit:
+        rungs.append(Rung(policy=f"{base}+ckpt+optim:8bit", relative_speed=full * s["8bit"]))
+    optim = "+optim:8bit" * eightbit + "+optim:in_backward" * in_backward
+    if eightbit and in_backward:
+        rungs.append(Rung(policy=f"{base}+ckpt{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
+    rungs.append(Rung(policy=f"{base}+ckpt:offload{optim}", relative_speed=full * s["offload"]))
     if world_size > 1:
-        rungs.append(Rung(policy=f"{precision}+ckpt+fsdp", relative_speed=mixed * ckpt * MEASURED_SPEED["fsdp"]))
-        rungs.append(Rung(policy=f"{precision}+ckpt+fsdp:offload", relative_speed=mixed * ckpt * MEASURED_SPEED["fsdp_offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt+fsdp", relative_speed=full * s["fsdp"]))
+        rungs.append(Rung(policy=f"{base}+ckpt+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
     return rungs
 
 
-def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool = False) -> str:
-    """What to try when ``policy`` does not fit, as a sentence: the first memory rung that saves
-    more than ``policy`` does. ``weights_dominate``: the model states alone do not fit, so
-    activation checkpointing cannot help and only sharding (or a larger budget) can."""
+def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool = False, causal_lm: bool = False) -> str:
+    """What to try when ``policy`` does not fit, as a sentence: the first memory rung that adds a
+    saving to ``policy`` (its features kept: compile, precision, what it already saves).
+    ``weights_dominate``: the parameters alone do not fit, so neither activation nor optimizer
+    rungs can help; only sharding (or a larger budget) can."""
     from .policy import MemoryPolicy
 
     if not weights_dominate:
-        for rung in memory_rungs(policy.precision, num_blocks=num_blocks):
-            candidate = MemoryPolicy.from_string(rung.policy)
-            if _saves_more(candidate, policy):
-                return f"Next rung of the ladder: '{_with_features_of(policy, candidate)}' (less activation memory)."
+        for rung in memory_rungs(policy.precision, num_blocks=num_blocks, causal_lm=causal_lm):
+            candidate = _merged(policy, MemoryPolicy.from_string(rung.policy))
+            if candidate != policy:
+                return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
     if policy.fsdp.mode == "none":
         return "Next rung of the ladder: shard the model with FSDP over several devices (policy 'fsdp'), or a larger budget."
     if not policy.fsdp.cpu_offload:
@@ -75,18 +108,40 @@ def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool =
     return "Nothing left on the ladder: more ranks, a shorter sequence or a smaller model."
 
 
-def _checkpointed_fraction(policy: MemoryPolicy) -> float:
-    ck = policy.checkpointing
-    return {"none": 0.0, "every_n": 1 / ck.every_n, "full": 1.0, "offload": 1.1}[ck.mode]
-
-
-def _saves_more(candidate: MemoryPolicy, policy: MemoryPolicy) -> bool:
-    return _checkpointed_fraction(candidate) > _checkpointed_fraction(policy)
-
-
-def _with_features_of(policy: MemoryPolicy, candidate: MemoryPolicy) -> str:
-    """``candidate``'s checkpointing on top of the rest of ``policy`` (its compile, its precision)."""
+def _merged(policy: MemoryPolicy, rung: MemoryPolicy) -> MemoryPolicy:
+    """``policy`` with every saving of ``rung`` added: the stronger checkpointing, the chunked loss,
+    the optimizer rung; its own precision, compile and sharding kept."""
     from .policy import MemoryPolicy
 
-    merged = MemoryPolicy.from_dict({**policy.to_dict(), "checkpointing": candidate.to_dict()["checkpointing"]})
-    return merged.to_string()
+    merged = policy.to_dict()
+    if _strength(rung) > _strength(policy):
+        merged["checkpointing"] = rung.to_dict()["checkpointing"]
+    if rung.loss.mode == "chunked":
+        merged["loss"] = rung.to_dict()["loss"]
+    op = dict(merged["optimizer"])
+    if rung.optimizer.state == "8bit":
+        op["state"] = "8bit"
+    if rung.optimizer.step == "in_backward" and policy.precision != "fp16":
+        op["step"] = "in_backward"
+    merged["optimizer"] = op
+    return MemoryPolicy.from_dict(merged)
+
+
+def _strength(policy: MemoryPolicy) -> float:
+    ck = policy.checkpointing
+    if ck.mode == "every_n":
+        return 1 / ck.every_n
+    if ck.mode == "selective" and ck.selective_matmuls == "save_alternate":
+        return 0.55
+    return _CHECKPOINTED[ck.mode]
+
+
+def _what_it_saves(policy: MemoryPolicy, candidate: MemoryPolicy) -> str:
+    parts = []
+    if candidate.loss != policy.loss:
+        parts.append("no full logits")
+    if candidate.checkpointing != policy.checkpointing:
+        parts.append("less activation memory")
+    if candidate.optimizer != policy.optimizer:
+        parts.append("smaller optimizer state and gradients")
+    return ", ".join(parts)

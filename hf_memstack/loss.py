@@ -175,6 +175,7 @@ class ChunkedLossForward(_ForwardWrapper):
         self.chunk_tokens = chunk_tokens
         self.softcap = softcap
         self.logit_multiplier = logit_multiplier
+        self._without_gradients = False
         import inspect
 
         # Positional parameter names, to read arguments by name without binding a signature per call
@@ -188,9 +189,20 @@ class ChunkedLossForward(_ForwardWrapper):
         # As the model's own forward: a loss only with labels (shift_labels, when given, replaces their shift).
         labelled = arguments.get("labels") is not None
         keeps_all = isinstance(arguments.get("logits_to_keep", 0), int) and arguments.get("logits_to_keep", 0) == 0
-        if not (labelled and keeps_all and torch.is_grad_enabled()) or len(args) > len(self._positional):
+        chunked = torch.is_grad_enabled() or self._without_gradients
+        if not (labelled and keeps_all and chunked) or len(args) > len(self._positional):
             return self.__wrapped__(*args, **kwargs)
         return self.loss_from(arguments)
+
+    @contextlib.contextmanager
+    def without_gradients(self) -> Iterator[None]:
+        """Within: the chunked loss also runs under ``torch.no_grad()`` (to compare it with the model's
+        own, as verify does, without a forward that no backward follows - FSDP2 expects one)."""
+        previous, self._without_gradients = self._without_gradients, True
+        try:
+            yield
+        finally:
+            self._without_gradients = previous
 
     def loss_from(self, arguments: dict[str, Any]) -> Any:
         """The backbone, then the chunked head and loss; ``arguments`` are the forward's, by name."""

@@ -4,6 +4,7 @@ peak fits the budget with a margin - with the table of every rung considered."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -75,7 +76,10 @@ def plan_policy(
     device: str | None = None,
     trainable: Any = "all",
 ) -> Plan:
-    """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``.
+    """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
+    mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
+    the optimizer rungs (stepped in the backward, 8-bit moments where torchao is installed, both),
+    offload, FSDP (see :func:`hf_memstack.ladder.memory_rungs`).
 
     Args:
         model: hub id (local cache), local directory, config or model.
@@ -108,7 +112,9 @@ def plan_policy(
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []
-    for rung in memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size):
+    rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
+                         eightbit=importlib.util.find_spec("torchao") is not None)
+    for rung in rungs:
         fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
             batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
         plan.rows.append(PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed,
@@ -116,7 +122,8 @@ def plan_policy(
         shortfalls.append(int(e.peak_bytes - usable))
         if fitted >= 1:
             plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
-            plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory"]
+            plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
+                                *_optimizer_notes(plan.policy)]
             return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
     plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
@@ -171,6 +178,18 @@ def _max_batch(est: _Estimates, policy: str, usable: float) -> tuple[int, Memory
         else:
             guess = (good + bad) // 2
     return good, est(policy, good)
+
+
+def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
+    notes = []
+    if policy.optimizer != MemoryPolicy().optimizer:
+        notes.append("build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung")
+    if policy.optimizer.step == "in_backward":
+        notes.append("optim:in_backward updates each parameter inside the backward: no gradient accumulation and no "
+                     "global-norm clipping (make_optimizer refuses them)")
+    if policy.optimizer.state == "8bit":
+        notes.append("optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs")
+    return notes
 
 
 def _num_blocks(config: Any) -> int:

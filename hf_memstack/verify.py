@@ -11,6 +11,7 @@ raises on a model that trains wrongly (that is what it is for), only on a model 
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -179,18 +180,23 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
     handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
     handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: in_backward)
     try:
-        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = forward_loss(model, batch, loss_fn)
-        observed.flops.forward = counter.get_total_flops()
-        observed.loss_dtype = loss.dtype
-        in_backward = True
-        if loss.requires_grad:
-            with counter, _selective_warnings() as caught:
-                loss.backward()
-            observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
-            observed.selective_saved_nothing = bool(caught)
-        else:
-            observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
+        # Selective checkpointing says, when a block's contexts are done with (after its forward if it
+        # kept nothing, else after its backward), whether the block kept anything: listen throughout.
+        with _selective_warnings() as caught:
+            with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = forward_loss(model, batch, loss_fn)
+            observed.flops.forward = counter.get_total_flops()
+            observed.loss_dtype = loss.dtype
+            in_backward = True
+            if loss.requires_grad:
+                with counter:
+                    loss.backward()
+                observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
+            else:
+                observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
+            del loss  # the checkpoints' frames sit in reference cycles: free them while listening
+            gc.collect()
+        observed.selective_saved_nothing = bool(caught)
     finally:
         in_backward = False
         for h in handles:
@@ -313,11 +319,14 @@ def _recompute_summary(flops: _Flops) -> str:
 def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
+    from .loss import ChunkedLossForward
+
     one = _first_sample(batch)
+    chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)
     with torch.no_grad():
         theirs = forward_loss(model, one, loss_fn)  # without gradients, the model's own forward runs
-    with torch.enable_grad():
-        ours = forward_loss(model, one, loss_fn)
+        with chunked.without_gradients() if chunked is not None else contextlib.nullcontext():
+            ours = forward_loss(model, one, loss_fn)
     a, b = float(ours.detach()), float(theirs)
     ok = abs(a - b) <= 2e-2 * max(1.0, abs(b))
     detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"

@@ -1,0 +1,67 @@
+"""The memory rungs beyond the blocks under FSDP2 on 2 CPU processes (gloo): the chunked loss head
+on a sharded model, selective checkpointing inside the shards, and an optimizer stepping in the
+backward on sharded parameters - each against one process training on the whole batch with the
+model's own loss, block checkpointing off and plain AdamW (the independent reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
+POLICIES = ["fp32+ckpt+fsdp+loss:chunked", "fp32+ckpt:selective:alternate+fsdp", "fp32+fsdp+loss:chunked+optim:in_backward"]
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2)).train()
+
+
+def _batch(lo=0, hi=GLOBAL_BATCH):
+    ids = torch.randint(3, 128, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(100))
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt without loss
+    return {"input_ids": ids[lo:hi], "labels": labels[lo:hi]}
+
+
+def _train(model, optimizer, lo, hi):
+    losses = []
+    for _ in range(STEPS):
+        loss = model(**_batch(lo, hi)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _sharded(rank, world):
+    from hf_memstack import make_optimizer, prepare_model, verify
+
+    per = GLOBAL_BATCH // world
+    out = {}
+    for policy in POLICIES:
+        model = prepare_model(_model(), policy)
+        report = verify(model, _batch(rank * per, (rank + 1) * per))
+        out[policy] = (report.ok, str(report), _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per))
+    return out
+
+
+def test_memory_rungs_inside_fsdp_match_one_process():
+    alone_model = _model()
+    # One process, the whole batch, the model's own loss, plain AdamW. Every rank's half has the same
+    # number of counted tokens, so the mean of the ranks' mean losses is the global mean.
+    alone = _train(alone_model, torch.optim.AdamW(alone_model.parameters(), lr=1e-2), 0, GLOBAL_BATCH)
+    per_rank = run_ranks(_sharded)
+    for policy in POLICIES:
+        reports = [r[policy] for r in per_rank]
+        assert all(ok for ok, _, _ in reports), [text for _, text, _ in reports]
+        sharded = [sum(step) / len(step) for step in zip(*(losses for _, _, losses in reports))]
+        assert sharded == pytest.approx(alone, rel=1e-5), (policy, sharded, alone)
+        assert sharded[-1] < sharded[0]

@@ -1,0 +1,201 @@
+"""The optimizer rungs (policy tokens optim:8bit, optim:in_backward) built by make_optimizer:
+stepping in the backward gives AdamW's exact updates with one gradient alive at a time; 8-bit
+moments (torchao) take about a quarter of the bytes, counted exactly; the settings a rung cannot
+honour are refused, before anything is built or while the backward runs; the meter, the finder and
+verify see them as they are."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from tiny import PlainStack, make_batch
+from torch import nn
+
+from hf_memstack import (
+    MemoryPolicy,
+    OptimizerInBackward,
+    PolicyError,
+    find_batch_size,
+    make_optimizer,
+    measure_step,
+    model_state_bytes,
+    prepare_model,
+    train_step,
+    verify,
+)
+from hf_memstack.accounting import optimizer_state_bytes, tensor_bytes
+
+
+def _wide_stack(width: int = 64, depth: int = 2) -> nn.Module:
+    """Linear layers of width x width (64 x 64 = 4096 values: the size from which torchao quantizes a state)."""
+    torch.manual_seed(0)
+    model = PlainStack()
+    model.inp = nn.Linear(PlainStack.DIM, width)
+    model.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(depth))
+    model.head = nn.Linear(width, 1)
+    return model.train()
+
+
+def _run(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3, arch: str = "llama") -> list[float]:
+    return [train_step(model, make_batch(arch, seed=i), optimizer) for i in range(steps)]
+
+
+def test_stepping_in_the_backward_matches_adamw_exactly(load_model):
+    plain = prepare_model(load_model("llama"), "fp32")
+    ours = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = make_optimizer(ours, lr=1e-2, weight_decay=0.1)
+    assert isinstance(optimizer, OptimizerInBackward)
+    assert _run(plain, reference) == _run(ours, optimizer)
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        assert torch.equal(a, b), name
+    assert all(p.grad is None for p in ours.parameters())  # each freed right after its update
+
+
+def test_gradients_are_never_all_alive_at_once(load_model):
+    after = prepare_model(load_model("llama"), "fp32")
+    inside = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    batch = make_batch("llama")
+    m_after = measure_step(after, batch, make_optimizer(after, lr=1e-3), timed=False)
+    m_inside = measure_step(inside, batch, make_optimizer(inside, lr=1e-3), timed=False)
+    trainable = model_state_bytes(inside).trainable_parameters
+    assert m_after.gradients == trainable  # at the optimizer step every gradient is there
+    assert m_inside.gradients < 0.25 * trainable, m_inside
+    assert m_inside.optimizer == m_after.optimizer or m_inside.peak_bytes < m_after.peak_bytes
+    assert m_inside.peak_bytes < m_after.peak_bytes
+
+
+def test_a_learning_rate_schedule_reaches_every_parameter(load_model):
+    plain = prepare_model(load_model("gpt2"), "fp32")
+    ours = prepare_model(load_model("gpt2"), "fp32+optim:in_backward")
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    optimizer = make_optimizer(ours, lr=1e-2)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + step)) for o in (reference, optimizer)]
+    for i in range(3):
+        for model, opt, schedule in ((plain, reference, schedules[0]), (ours, optimizer, schedules[1])):
+            train_step(model, make_batch("gpt2", seed=i), opt)
+            schedule.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), ours.parameters()))
+
+
+def test_state_dict_round_trip_resumes_exactly(load_model):
+    ours = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    optimizer = make_optimizer(ours, lr=1e-2)
+    _run(ours, optimizer, 2)
+    saved_model = {k: v.clone() for k, v in ours.state_dict().items()}
+    saved = copy.deepcopy(optimizer.state_dict())  # as torch's: a state dict holds the live tensors
+    expected = _run(ours, optimizer, 2)
+    resumed = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    resumed.load_state_dict(saved_model)
+    again = make_optimizer(resumed, lr=1e-2)
+    again.load_state_dict(saved)
+    assert _run(resumed, again, 2) == expected
+
+
+def test_eight_bit_moments_train_and_are_counted_exactly():
+    pytest.importorskip("torchao")
+    model = prepare_model(_wide_stack(), "fp32+optim:8bit")
+    optimizer = make_optimizer(model, lr=1e-2)
+    assert type(optimizer).__name__ == "TrackableAdamW8bit"
+    losses = _run(model, optimizer, 6, arch="plain")
+    assert losses[-1] < losses[0], losses
+
+    def expected(p: torch.Tensor) -> int:
+        if p.numel() >= 4096 and p.numel() % 256 == 0:  # uint8 codes, an fp32 scale per 256, a 256-entry map
+            return 2 * (p.numel() + p.numel() // 256 * 4 + 256 * 4) + 4
+        return 2 * p.numel() * 4 + 4  # small tensors keep fp32 moments; + the step counter
+    assert optimizer_state_bytes(optimizer) == sum(expected(p) for p in model.parameters())
+    state = optimizer.state[model.layers[0][1].weight]["exp_avg"]
+    assert tensor_bytes(state) < state.numel() * state.element_size()  # its inner uint8 codes, not its shown dtype
+
+
+def test_both_rungs_together_cut_the_model_states(load_model):
+    pytest.importorskip("torchao")
+    batch = make_batch("plain")
+    states = {}
+    for spec in ("fp32", "fp32+optim:8bit+optim:in_backward"):
+        # Layers large enough that the 8-bit states dominate (each small tensor keeps fp32 moments and
+        # each quantized one a 1 KiB map), and enough of them that one layer's gradient is a small part.
+        model = prepare_model(_wide_stack(256, depth=12), spec)
+        optimizer = make_optimizer(model, lr=1e-3)
+        m = measure_step(model, batch, optimizer, timed=False)
+        states[spec] = model_state_bytes(model).parameters + m.gradients + optimizer_state_bytes(optimizer)
+    assert states["fp32+optim:8bit+optim:in_backward"] <= 0.45 * states["fp32"], states
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    ({"gradient_accumulation_steps": 4}, ("gradient_accumulation_steps=4", "cannot be summed", "step='after_backward'")),
+    ({"max_grad_norm": 1.0}, ("max_grad_norm=1.0", "global norm", "max_grad_norm=None")),
+])
+def test_in_backward_refuses_what_it_cannot_do_before_building_anything(load_model, kwargs, fragments):
+    model = prepare_model(load_model("llama"), "bf16+optim:in_backward")
+    with pytest.raises(ValueError) as e:
+        make_optimizer(model, lr=1e-3, **kwargs)
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # no hook left behind
+    make_optimizer(model, lr=1e-3, gradient_accumulation_steps=1, max_grad_norm=0)  # what it can do is accepted
+
+
+def test_accumulating_anyway_fails_in_the_backward(load_model):
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    make_optimizer(model, lr=1e-3)
+    model(**make_batch("llama", seed=0)).loss.backward()  # micro-batch 1: updated the weights already
+    with pytest.raises(RuntimeError, match="gradient accumulation"):
+        model(**make_batch("llama", seed=1)).loss.backward()
+
+
+def test_policy_refuses_fp16_with_in_backward():
+    with pytest.raises(PolicyError, match="optimizer.step='in_backward' with policy.precision='fp16'"):
+        MemoryPolicy.from_string("fp16+optim:in_backward")
+
+
+def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load_model, monkeypatch):
+    from hf_memstack import optim
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it fails
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)
+    optim._adamw8bit.cache_clear()
+    try:
+        model = load_model("llama")
+        with pytest.raises(RuntimeError, match=r"optimizer.state='8bit' needs torchao.*pip install 'hf_memstack\[optim\]'"):
+            prepare_model(model, "bf16+optim:8bit")
+        assert getattr(model, "memstack", None) is None
+        with pytest.raises(RuntimeError, match="torchao"):
+            make_optimizer(model, "bf16+optim:8bit", lr=1e-3)
+        assert isinstance(make_optimizer(model, "bf16", lr=1e-3), torch.optim.AdamW)
+    finally:
+        optim._adamw8bit.cache_clear()
+
+
+def test_verify_does_not_update_the_weights(load_model):
+    model = prepare_model(load_model("llama"), "bf16+ckpt+optim:in_backward")
+    optimizer = make_optimizer(model, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    report = verify(model, make_batch("llama"))
+    assert report.ok, str(report)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert _run(model, optimizer, 1)  # and the optimizer steps again afterwards
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_finder_measures_and_restores_an_optimizer_stepping_in_the_backward(load_model):
+    model = prepare_model(load_model("llama"), "bf16+optim:in_backward")
+    optimizer = make_optimizer(model, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    result = find_batch_size(model, lambda n: make_batch("llama", batch_size=n), optimizer, budget="64MiB", cache=False,
+                             max_batch_size=16)
+    assert result.batch_size >= 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert _run(model, optimizer, 1)
+
+
+def test_policy_tokens_and_strings():
+    p = MemoryPolicy.from_string("bf16+optim:in_backward+optim:8bit")
+    assert (p.optimizer.state, p.optimizer.step) == ("8bit", "in_backward")
+    assert MemoryPolicy.from_string(p.to_string()) == p == MemoryPolicy.from_dict(p.to_dict())
+    assert MemoryPolicy(optimizer="8bit+in_backward") == MemoryPolicy.from_string("fp32+optim:8bit+optim:in_backward")
+    with pytest.raises(PolicyError, match="policy.optimizer='4bit' is not an optimizer setting"):
+        MemoryPolicy(optimizer="4bit")
