@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "finetune.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+# --standalone: a free port for the rendezvous, so that concurrent runs (other tests, other jobs
+# on the machine) never meet on torchrun's default port 29500 and wait for each other's ranks.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
 def load_recipe() -> Any:
@@ -35,8 +38,10 @@ def reset_accelerate() -> None:
 
 
 def lm_args(tiny_lm, out, *extra) -> list[str]:
+    # --dist-timeout 120: a distributed bug fails the test in two minutes instead of hanging for the default 15.
     return ["--model", str(tiny_lm["model"]), "--dataset", str(tiny_lm["data"]), "--output-dir", str(out), "--seq-len", "16",
-            "--batch-size", "8", "--lr", "3e-3", "--policy", "fp32", "--log-every", "2", "--eval-every", "0", *extra]
+            "--batch-size", "8", "--lr", "3e-3", "--policy", "fp32", "--log-every", "2", "--eval-every", "0",
+            "--dist-timeout", "120", *extra]
 
 
 def snapshot(path: Path) -> dict[str, Any] | None:
@@ -76,14 +81,25 @@ def fails(recipe, argv, capsys, *fragments) -> str:
 
 
 def launch(cmd, *, env_extra=None, timeout=600, check=True) -> subprocess.CompletedProcess:
-    """A real subprocess (torchrun, accelerate launch, python), offline, one thread per process."""
+    """A real subprocess (torchrun, accelerate launch, python), offline, one thread per process.
+    On timeout the whole process group goes (torchrun's workers too) and the test fails with the
+    output so far."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env.pop("HF_MEMSTACK_RECIPE_TEST_HOOK", None)
     env.update(env_extra or {})
-    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    args = [str(c) for c in cmd]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(args[:6])} ... did not finish within {timeout} s; its output so far:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+    done = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+        assert done.returncode == 0, stderr[-4000:]
+    return done
 
 
 def read_report(out: Path) -> dict[str, Any]:
