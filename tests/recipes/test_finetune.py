@@ -87,6 +87,11 @@ def test_config_file_and_flags(recipe, tiny_lm, tmp_path):
     assert cfg.lr == 1e-3 and cfg.epochs == 2.0 and isinstance(cfg.epochs, float) and cfg.packing is True
 
 
+def test_shipped_config_is_the_embedded_default(recipe, monkeypatch):
+    monkeypatch.chdir(ROOT)  # its paths are relative to where the command runs: the repository root
+    assert recipe.parse_config(["--config", "recipes/configs/finetune-default.yaml"]) == recipe.parse_config([])
+
+
 def test_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):
     common = ["--max-steps", "8", "--save-every", "4", "--global-batch-size", "16"]
     recipe.main(lm_args(tiny_lm, tmp_path / "full", *common))
