@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,6 +39,14 @@ def _restart(args: list[str], env: dict[str, str], *, kill_at: str | None = None
     env = {**env, **({"HF_MEMSTACK_RECIPE_TEST_HOOK": f"kill@{kill_at}"} if kill_at else {})}
     proc = subprocess.Popen([sys.executable, str(RECIPE), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    fired = threading.Event()
+
+    def stop() -> None:  # nothing below can wait forever on a stuck process
+        fired.set()
+        proc.kill()
+
+    watchdog = threading.Timer(300, stop)
+    watchdog.start()
     try:
         if kill_after_s is not None:
             # A timed kill at a random moment once training runs (the progress bar has started).
@@ -46,10 +55,10 @@ def _restart(args: list[str], env: dict[str, str], *, kill_at: str | None = None
                     time.sleep(kill_after_s)
                     proc.send_signal(signal.SIGKILL)
                     break
-        proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+        proc.communicate()
+    finally:
+        watchdog.cancel()
+    assert not fired.is_set(), "a restart ran for 300 s and was stopped"
     return proc.returncode
 
 
