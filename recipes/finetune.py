@@ -85,6 +85,11 @@ class FinetuneConfig:
     packing: bool = field(default=False, metadata={"help": "causal-lm plain text: concatenate texts into full --seq-len blocks"})
     policy: str = field(default="auto", metadata={"help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
                                                           "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters on frozen weights (0: full fine-tuning)"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: 2 x lora_r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA path"})
+    lora_target: str = field(default="all-linear", metadata={"help": "comma-separated module names to adapt (q_proj,v_proj), or all-linear (every linear layer but the head)"})
+    merge_lora: bool = field(default=False, metadata={"help": "with --lora-r: also save the adapters merged into the weights (model/merged)"})
     batch_size: str = field(default="32", metadata={"help": "per-device micro-batch size, or 'auto' (the memory-aware finder)"})
     global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step over all devices (sets gradient accumulation, rounded up)"})
     memory_budget: str | None = field(default=None, metadata={"help": "for --batch-size auto / --policy auto: bytes or '20GiB' (required on CPU)"})
@@ -370,8 +375,47 @@ def check_config(cfg: FinetuneConfig) -> None:
                         "--resume-from latest continues; pick one")
     if cfg.discard_later_checkpoints and not cfg.resume_from:
         bad("discard_later_checkpoints", "only applies with --resume-from CHECKPOINT")
+    problems += _lora_problems(cfg)
     if problems:
         raise RecipeError("invalid configuration (nothing was loaded or written):\n  - " + "\n  - ".join(problems))
+
+
+def _lora_problems(cfg: FinetuneConfig) -> list[str]:
+    """LoRA settings that cannot work, or that do nothing without --lora-r."""
+    problems = []
+    if cfg.lora_r < 0:
+        problems.append(f"lora_r={cfg.lora_r!r} must be >= 0 (0: full fine-tuning; 8 or 16 are common ranks)")
+    if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
+        problems.append(f"lora_alpha={cfg.lora_alpha!r} must be a positive number (default: 2 x lora_r)")
+    if not (math.isfinite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1):
+        problems.append(f"lora_dropout={cfg.lora_dropout!r} must be in [0, 1), e.g. 0.05")
+    if not [t for t in cfg.lora_target.split(",") if t.strip()]:
+        problems.append(f"lora_target={cfg.lora_target!r} names no module; pass e.g. q_proj,v_proj or all-linear")
+    if cfg.lora_r == 0:
+        unused = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "lora_target", "merge_lora")
+                  if getattr(cfg, f) != FinetuneConfig.__dataclass_fields__[f].default]
+        if unused:
+            problems.append(f"{', '.join(unused)} given without --lora-r: they only apply to LoRA; add --lora-r 8 (or drop them)")
+    elif cfg.policy != "auto" and "fsdp" in cfg.policy:
+        problems.append(f"lora_r={cfg.lora_r} with policy={cfg.policy!r}: LoRA under FSDP is not supported by this recipe yet "
+                        "(the adapters are small: drop fsdp from the policy)")
+    return problems
+
+
+def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
+    """The model with LoRA adapters (PEFT) on ``--lora-target``; base weights frozen. A
+    classification head stays trainable (PEFT's modules_to_save for sequence classification)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets = "all-linear" if cfg.lora_target.strip() == "all-linear" else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=cfg.lora_dropout, target_modules=targets,
+                        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(f"lora_target={cfg.lora_target!r} does not fit {cfg.model} ({str(e).splitlines()[0][:160]}); its linear "
+                          f"layers are named {', '.join(names)}: pass some of those (or all-linear)") from None
 
 
 def _policy_problems(policy: Any, spec: str) -> list[str]:
@@ -1120,6 +1164,11 @@ class Job:
     def log(self) -> Any:
         return self.accelerator.print
 
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameters the optimizer updates (this rank's shards under FSDP)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
 
 def _agree(accelerator: Any, error: RecipeError | None) -> None:
     """Every process learns whether any failed, so that one bad rank ends all of them with its message
@@ -1237,6 +1286,8 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
 
     world, log = accelerator.num_processes, accelerator.print
     model = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
+    if cfg.lora_r:
+        model = add_lora(cfg, model, task)
     # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
     # on the fully_shard route, where prepare_model shards and autocasts). Sharded models are moved
     # to their device by fully_shard, shard by shard.
@@ -1590,7 +1641,12 @@ def save_model(job: Job) -> Path:
     else:
         state_dict = acc.get_state_dict(job.model)
         if acc.is_main_process:
+            # A LoRA model (PEFT) writes its adapters alone (adapter_model.safetensors + adapter_config.json).
             acc.unwrap_model(job.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+            if job.cfg.lora_r and job.cfg.merge_lora:
+                # Last use of the model: merging folds the adapters into the base weights in place.
+                acc.unwrap_model(job.model).merge_and_unload().save_pretrained(tmp / "merged", safe_serialization=True)
+                job.tokenizer.save_pretrained(tmp / "merged")
     if acc.is_main_process:
         job.tokenizer.save_pretrained(tmp)
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -1622,6 +1678,7 @@ def save(job: Job) -> dict[str, Any]:
     acc, cfg, state = job.accelerator, job.cfg, job.state
     metrics = evaluate(job)
     job.log("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
     model_dir = save_model(job)
     history = state.log_history
     seconds = time.perf_counter() - job.started
@@ -1631,7 +1688,8 @@ def save(job: Job) -> dict[str, Any]:
         "fsdp": _fsdp_report(acc.unwrap_model(job.model)), "steps": state.step, "seconds": seconds,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes,
         "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,
-        "final_metrics": metrics, "history": history, "model_dir": str(model_dir),
+        "final_metrics": metrics, "history": history, "model_dir": str(model_dir), "trainable_parameters": trainable,
+        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target": cfg.lora_target} if cfg.lora_r else None,
     }
     if acc.is_main_process:
         job.run_dir.write("report.json", json.dumps(report, indent=2))
