@@ -11,7 +11,6 @@ PEFT adapters, ``save_pretrained`` and FSDP2 see the model exactly as before.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._device import device_of
 
-__all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper"]
+__all__ = ["AutocastForward", "CheckpointedForward"]
 
 
 class _ForwardWrapper:
@@ -91,16 +90,3 @@ class CheckpointedForward(_ForwardWrapper):
     def _options(self) -> dict[str, Any]:
         return {"offload": self.offload, "checkpoint_kwargs": self.checkpoint_kwargs}
 
-
-def forward_wrapper(module: nn.Module, kind: type[_ForwardWrapper]) -> _ForwardWrapper | None:
-    """The wrapper of ``kind`` installed on ``module.forward``, if any (seen through other wrappers)."""
-    forward: Any = module.__dict__.get("forward")
-    seen = 0
-    while forward is not None and seen < 16:
-        if isinstance(forward, kind):
-            return forward
-        forward = getattr(forward, "__wrapped__", None)
-        if isinstance(forward, types.MethodType):
-            return None
-        seen += 1
-    return None

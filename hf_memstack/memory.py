@@ -100,6 +100,12 @@ def measure_step(
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
     """
     phases: list[Callable[[], Any]] | None = None
+    if step_fn is None and not model.training:
+        warnings.warn(
+            f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "
+            "(checkpointing and dropout are off); call model.train() first (from_pretrained returns models in eval mode)",
+            stacklevel=2,
+        )
     if step_fn is None:
         def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
             return train_step(m, b, o, loss_fn=loss_fn, grad_scaler=grad_scaler)
