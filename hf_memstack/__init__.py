@@ -7,7 +7,7 @@ Hugging Face model, applied in the order the field recommends, verified and meas
 
 from ._version import __version__
 from .accounting import ModelStateBytes, model_state_bytes, tensor_bytes
-from .batch_size import BatchSizeResult, Probe, find_batch_size
+from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .estimate import MemoryEstimate, estimate_memory
@@ -18,6 +18,7 @@ from .planner import Plan, plan_policy
 from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
+from .simulated import SimulatedMemory, simulated_memory_limit
 from .sizes import format_bytes, parse_bytes
 from .step import forward_loss, train_step
 from .verify import VerifyReport, verify
@@ -31,6 +32,7 @@ __all__ = [
     "CompileConfig",
     "DistributedMismatchError",
     "FSDPConfig",
+    "Fit",
     "MemoryEstimate",
     "MemoryPolicy",
     "MemstackRecord",
@@ -38,6 +40,7 @@ __all__ = [
     "Plan",
     "PolicyError",
     "Probe",
+    "SimulatedMemory",
     "StepMemory",
     "VerifyReport",
     "__version__",
@@ -56,6 +59,7 @@ __all__ = [
     "prepare_model",
     "record_of",
     "save_pretrained_full",
+    "simulated_memory_limit",
     "tensor_bytes",
     "train_step",
     "unwrap_model",
