@@ -11,6 +11,7 @@ from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .estimate import MemoryEstimate, estimate_memory
+from .executable import find_executable_batch_size
 from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
 from .ladder import LADDER
 from .memory import StepMemory, measure_step
@@ -49,6 +50,7 @@ __all__ = [
     "estimate_memory",
     "find_batch_size",
     "find_blocks",
+    "find_executable_batch_size",
     "format_bytes",
     "forward_loss",
     "from_pretrained_for_fsdp",
