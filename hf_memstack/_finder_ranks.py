@@ -58,7 +58,7 @@ def agree_no_error(error: BaseException | None, tag: str, *, budget: int, fits: 
     """
     if world_size() == 1:
         if error is not None:
-            raise error
+            _reraise(error)
         return fits
     ok, all_fit = agree(tag, int(error is None), int(fits))
     if ok:
@@ -67,13 +67,22 @@ def agree_no_error(error: BaseException | None, tag: str, *, budget: int, fits: 
     mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error))
     dist.all_gather_object(failures, mine)
     if error is not None:
-        raise error
+        _reraise(error)
     failed = [f for f in failures if f is not None]
     text = "; ".join(f"rank {r}: {name}: {msg}" for r, name, msg in failed)
     if all(name == BudgetTooSmallError.__name__ for _, name, _ in failed):
         raise BudgetTooSmallError(f"another rank's budget cannot hold the step ({text})", budget_bytes=budget)
     raise DistributedMismatchError(f"find_batch_size failed on another rank ({tag}): {text}",
                                    failed_ranks=tuple(r for r, _, _ in failed))
+
+
+def _reraise(error: BaseException) -> None:
+    """Raise without leaving a frame -> error -> traceback -> frame cycle, which would keep the
+    failed step's tensors alive until the next garbage collection."""
+    try:
+        raise error
+    finally:
+        del error
 
 
 def _collective_device() -> torch.device:

@@ -182,7 +182,17 @@ class LiveBytes(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         if not self.paused:
-            self._account(out)
+            refused = self._account(out)
+            if refused is not None:
+                # Raise as a GPU's allocator does: without the outputs it would never have allocated,
+                # and without a local naming the error (frame -> error -> traceback -> frame is a
+                # cycle that would keep every frame of the failed step, and its tensors, alive
+                # until the next garbage collection).
+                del out
+                try:
+                    raise refused
+                finally:
+                    del refused
         if self.timeline is not None:
             self.timeline.append(self.live)
         return out
@@ -193,7 +203,8 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _account(self, out: Any) -> None:
+    def _account(self, out: Any) -> torch.OutOfMemoryError | None:
+        """Count ``out``'s new storages; the error to raise (nothing counted) when they do not fit."""
         leaves = [out] if isinstance(out, torch.Tensor) else [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
         fresh: dict[int, torch.UntypedStorage] = {}
         resized: dict[int, torch.UntypedStorage] = {}  # grown or shrunk in place (resize_, set_)
@@ -212,14 +223,15 @@ class LiveBytes(TorchDispatchMode):
                 f"Simulated device out of memory. Tried to allocate {format_bytes(added)}; {format_bytes(self.live)} of the "
                 f"simulated budget of {format_bytes(self.budget)} are in use (hf_memstack.simulated_memory_limit)"
             )
-            error.requested_bytes = added  # exact, for callers that learn from the failure (the finder)
-            raise error
+            error.requested_bytes = added  # exact: tests and retry logic can read it
+            return error
         for key, st in resized.items():
             ref, old = self._storages[key]
             self._storages[key] = (ref, st.nbytes())
             self.live += st.nbytes() - old
         self._add(fresh.values())
         self.peak = max(self.peak, self.live)
+        return None
 
     def _add(self, storages: Iterable[torch.UntypedStorage]) -> None:
         for st in storages:

@@ -195,6 +195,25 @@ def test_peak_line_fallback_aims_short_then_refits():
     assert 0.95 * 80 <= result.batch_size <= 80 and result.fit.method == "per-operator", result.summary()
 
 
+class NoEmptySteps(torch.optim.AdamW):
+    """An optimizer that refuses a step on all-zero gradients: its state cannot be created
+    without a real step, so the search spends a warm-up step first."""
+
+    def step(self, closure=None):
+        if all(p.grad is None or not p.grad.any() for g in self.param_groups for p in g["params"]):
+            raise RuntimeError("refusing a step without gradients")
+        return super().step(closure)
+
+
+def test_optimizer_state_from_a_warmup_step_when_needed():
+    torch.manual_seed(0)
+    make = batches("plain")
+    model, _, budget = job(PlainStack(), "fp32", make, 50)
+    result = find_batch_size(model, make, NoEmptySteps(model.parameters()), budget=budget, cache=False)
+    assert result.probes[0].kind == "warmup" and result.steps_run <= 5 and result.over_budget_probes == 0
+    assert 0.95 * 50 <= result.batch_size <= 50, result.summary()
+
+
 def test_oom_everywhere_is_a_clear_error():
     model = prepare_model(OOMAbove(0), "fp32")
     with pytest.raises(BudgetTooSmallError, match=r"cannot hold one train step at batch size 1.*out of memory.*ckpt"):

@@ -65,6 +65,26 @@ def test_out_of_memory_mid_backward_on_a_real_model(load_model):
     assert mem.out_of_memory_errors == 1
 
 
+def test_a_caught_error_leaves_nothing_counted(load_model):
+    """After the error is caught, the failed step's tensors are gone without a garbage collection
+    (no reference cycle through the raising frame keeps them), as on a GPU."""
+    model = prepare_model(load_model("llama"), "fp32")
+    batch = make_batch("llama", batch_size=64, seq=32)
+    gc.collect()
+    gc.disable()
+    try:
+        with simulated_memory_limit("2MiB", count=[model]) as mem:
+            before = mem.live_bytes
+            try:
+                forward_loss(model, batch)
+            except torch.OutOfMemoryError:
+                pass
+            after = mem.live_bytes
+    finally:
+        gc.enable()
+    assert mem.out_of_memory_errors == 1 and after == before
+
+
 def test_composes_with_autocast_and_checkpointing(load_model):
     """Under bf16 autocast and activation checkpointing, the limit sees the same bytes as the meter
     (PyTorch's MemTracker): a step fits a budget of exactly its peak and fails one byte below."""
