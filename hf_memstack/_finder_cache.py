@@ -54,12 +54,15 @@ def cache_path(cache_dir: str | Path | None, key: str) -> Path:
 
 
 def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, policy: dict[str, Any] | None,
-              batch: list[list[Any]], mode: str, budget: int, world: int, device: torch.device, loss_fn: Any) -> str:
+              batch: list[list[Any]], mode: str, budget: int, loss_fn: Any) -> str:
     """A hash of everything that changes the step's memory (see the module docstring)."""
     import transformers
 
+    from ._device import device_of
+    from ._finder_ranks import world_size
     from ._version import __version__
 
+    device = device_of(model)
     config = getattr(model, "config", None)
     signature = {
         "parameters": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
@@ -70,7 +73,7 @@ def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, poli
         "optimizer": None if optimizer is None else [type(optimizer).__qualname__,
                                                      _plain({k: v for k, v in optimizer.defaults.items() if k != "lr"})],
         "loss_fn": None if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__),
-        "batch": batch, "mode": mode, "budget": budget, "world_size": world,
+        "batch": batch, "mode": mode, "budget": budget, "world_size": world_size(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "versions": [torch.__version__, transformers.__version__, __version__],
     }

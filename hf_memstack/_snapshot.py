@@ -30,7 +30,9 @@ class _Saved:
     """A host copy of a tensor's local data, and how to rebuild the tensor on its device."""
 
     host: torch.Tensor
+    """The local data, copied to host memory."""
     device: torch.device
+    """Where the local data lives."""
     dtensor: tuple[Any, Any, torch.Size, tuple[int, ...]] | None
     """``(mesh, placements, shape, stride)`` of a DTensor; None for a plain tensor."""
 

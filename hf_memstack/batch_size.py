@@ -243,8 +243,7 @@ def find_batch_size(
     path = None
     if cache:
         key = cache_key(model, optimizer, policy=record.policy.to_dict() if record is not None else None,
-                        batch=batch_signature(sample), mode=mode, budget=budget_bytes, world=world_size(), device=device,
-                        loss_fn=loss_fn)
+                        batch=batch_signature(sample), mode=mode, budget=budget_bytes, loss_fn=loss_fn)
         path = cache_path(cache_dir, key)
     with step_state_restored(model, optimizer, scheduler, grad_scaler) as state, preserved_rng(device):
         found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size)

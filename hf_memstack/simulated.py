@@ -97,7 +97,8 @@ def simulated_memory_limit(
 
     Raises:
         torch.OutOfMemoryError: at entry when the counted tensors alone exceed the budget, and at
-            any allocation inside the context that would exceed it.
+            any allocation inside the context that would exceed it (its ``requested_bytes`` is
+            the refused allocation's size).
 
     Nothing is left behind: on exit the dispatch mode is popped and every weak reference dropped.
     Composes with autocast and activation checkpointing (their operators are seen like any other);

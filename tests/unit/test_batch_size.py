@@ -13,6 +13,7 @@ from hf_memstack import (
     find_batch_size,
     prepare_model,
     simulated_memory_limit,
+    tensor_bytes,
 )
 from hf_memstack.step import train_step
 
@@ -112,9 +113,9 @@ def test_lora_model_snapshots_only_what_a_step_changes(load_model):
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     result = find_batch_size(model, batches(), opt, budget="24MiB", max_batch_size=64, cache=False)
     assert result.batch_size >= 2 and result.over_budget_probes <= 1
-    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen.values())
-    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable.values())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    frozen_bytes = sum(tensor_bytes(p) for p in frozen.values())
+    trainable_bytes = sum(tensor_bytes(p) for p in trainable.values())
+    buffer_bytes = sum(tensor_bytes(b) for b in model.buffers())
     assert result.snapshot_bytes <= trainable_bytes + buffer_bytes < frozen_bytes / 10
     assert all(torch.equal(v, dict(model.named_parameters())[n]) for n, v in {**frozen, **trainable}.items())
     assert not opt.state  # the probes' optimizer state was removed again

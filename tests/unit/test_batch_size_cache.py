@@ -70,8 +70,7 @@ def test_cache_honours_max_batch_size(llama, tmp_path):
 
 def test_key_sees_real_parameter_dtypes_and_trainability(load_model):
     def key(model):
-        return cache_key(model, None, policy=None, batch=[["int64", 32]], mode="train", budget=1, world=1,
-                         device=torch.device("cpu"), loss_fn=None)
+        return cache_key(model, None, policy=None, batch=[["int64", 32]], mode="train", budget=1, loss_fn=None)
 
     fp32 = load_model("llama")
     bf16 = load_model("llama").to(torch.bfloat16)  # same config, bf16 weights: half the bytes
