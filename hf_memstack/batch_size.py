@@ -238,6 +238,9 @@ def find_batch_size(
     sample = _preflight(model, make_batch, optimizer, mode=mode, budget=budget_bytes, record=record)
     runner = StepRunner(model=model, make_batch=make_batch, optimizer=optimizer, loss_fn=loss_fn, grad_scaler=grad_scaler,
                         mode=mode, budget=budget_bytes)
+    if global_batch_size is not None:
+        # A per-device batch above the global batch would overshoot it on its own.
+        max_batch_size = min(max_batch_size, max(1, global_batch_size // world_size()))
     search = Search(runner, budget=budget_bytes, cap=max_batch_size,
                     too_small=lambda m: _too_small(m, mode=mode, budget=budget_bytes, record=record))
     path = None
@@ -259,8 +262,9 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
     optimizer state, try the cache, else search."""
     for p in model.parameters():
         p.grad = None
-    if mode == "eval":
-        model.eval()
+    # Probe the mode that will run: a model straight from from_pretrained is in eval mode, where
+    # checkpointing and dropout are off (every submodule's mode is restored afterwards).
+    model.train(mode == "train")
     if not runner.init_optimizer_state():
         runner.run(min(probe_size, search.cap), "warmup")
     status: CacheStatus = "off"

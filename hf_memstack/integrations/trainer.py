@@ -203,11 +203,10 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    # A batch larger than the global batch would overshoot it on its own.
+    # Under a launcher, before Trainer creates the process group, the finder sees one process:
+    # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
-    # Measured as it will train: from_pretrained returns models in eval mode (checkpointing off).
-    with train_mode(model):
-        return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
+    return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 
 @contextlib.contextmanager

@@ -244,6 +244,26 @@ def test_global_batch_and_tokens(load_model):
     assert (exact.batch_size, exact.grad_accum, exact.exact_global_batch) == (25, 4, True)
 
 
+def test_global_batch_caps_the_per_device_batch(load_model):
+    model = prepare_model(load_model("llama"), "bf16")
+    opt = torch.optim.AdamW(model.parameters())
+    result = find_batch_size(model, batches(), opt, budget="2GiB", global_batch_size=16, cache=False)
+    assert result.batch_size == 16 and result.grad_accum == 1 and result.exact_global_batch
+
+
+def test_a_model_in_eval_mode_is_probed_as_it_will_train(load_model):
+    """from_pretrained hands models back in eval mode, where checkpointing is off: the training
+    size must be the one checkpointing allows, and the modes come back as they were."""
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    opt = torch.optim.AdamW(model.parameters())
+    in_train = find_batch_size(model, batches(seq=64), opt, budget="12MiB", cache=False)
+    model.eval()
+    model.model.layers[0].train()  # a submodule in another mode than the root stays so
+    in_eval = find_batch_size(model, batches(seq=64), opt, budget="12MiB", cache=False)
+    assert in_eval.batch_size == in_train.batch_size
+    assert not model.training and model.model.layers[0].training and not model.model.layers[1].training
+
+
 def test_inside_a_simulated_limit_the_budget_is_the_limit(load_model):
     make = batches()
     model, opt, budget = job(load_model("llama"), "fp32", make, 30)
