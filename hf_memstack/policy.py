@@ -341,7 +341,7 @@ class MemoryPolicy:
         if isinstance(data, str):
             return cls.from_string(data)
         if not isinstance(data, dict):
-            raise PolicyError([f"policy file {str(path)!r} holds a {type(data).__name__} ({data!r}); write a mapping of policy "
+            raise PolicyError([f"policy file {str(path)!r} holds {type(data).__name__} {data!r}, not a mapping; write a mapping of policy "
                                "fields (precision: bf16, checkpointing: full, ...) or a policy string"])
         return cls.from_dict(data)
 

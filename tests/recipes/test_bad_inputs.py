@@ -127,7 +127,7 @@ CONFIG = [
     Case("config", "policy file: compile backend nope",
          lambda c: c.args("--policy", str(c.file("p.yaml", "compile:\n  mode: full\n  backend: nope\n"))),
          ("compile.backend='nope' is not a torch.compile backend", "use one of inductor")),
-    Case("config", "policy file: a number", lambda c: c.args("--policy", str(c.file("p.yaml", "5\n"))), ("p.yaml", "must be a dict")),
+    Case("config", "policy file: a number", lambda c: c.args("--policy", str(c.file("p.yaml", "5\n"))), ("p.yaml", "not a mapping")),
     Case("config", "policy file: bad precision", lambda c: c.args("--policy", str(c.file("p.yaml", "precision: bf17\n"))),
          ("policy.precision='bf17' is not one of", "pick one of those")),
     Case("config", "fp16 on CPU", lambda c: c.args("--policy", "fp16"), ("fp16 needs a GPU", "use bf16 or fp32")),
