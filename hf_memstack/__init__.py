@@ -8,10 +8,11 @@ field recommends, verified and measured.
 
 from ._version import __version__
 from .accounting import ModelStateBytes, model_state_bytes, tensor_bytes
-from .batch_size import BatchSizeResult, Probe, find_batch_size
+from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size
 from .blocks import Blocks, find_blocks
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .estimate import MemoryEstimate, estimate_memory
+from .executable import find_executable_batch_size
 from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
 from .ladder import LADDER
 from .loss import LossHeadResult, chunked_lm_loss
@@ -21,6 +22,7 @@ from .planner import Plan, plan_policy
 from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
+from .simulated import SimulatedMemory, simulated_memory_limit
 from .sizes import format_bytes, parse_bytes
 from .step import forward_loss, train_step
 from .verify import VerifyReport, verify
@@ -34,6 +36,7 @@ __all__ = [
     "CompileConfig",
     "DistributedMismatchError",
     "FSDPConfig",
+    "Fit",
     "LossConfig",
     "LossHeadResult",
     "MemoryEstimate",
@@ -45,6 +48,7 @@ __all__ = [
     "Plan",
     "PolicyError",
     "Probe",
+    "SimulatedMemory",
     "StepMemory",
     "VerifyReport",
     "__version__",
@@ -54,6 +58,7 @@ __all__ = [
     "find_batch_size",
     "chunked_lm_loss",
     "find_blocks",
+    "find_executable_batch_size",
     "format_bytes",
     "forward_loss",
     "from_pretrained_for_fsdp",
@@ -65,6 +70,7 @@ __all__ = [
     "prepare_model",
     "record_of",
     "save_pretrained_full",
+    "simulated_memory_limit",
     "tensor_bytes",
     "train_step",
     "unwrap_model",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,7 @@ def estimate_memory(
         raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
     if task not in ("causal-lm", "classification"):
         raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
+    model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
     policy = MemoryPolicy.coerce(policy)
@@ -194,6 +196,8 @@ def estimate_memory(
                          "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens")
     notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"] if (
         policy.fsdp.mode == "none" and world_size > 1) else []
+    if policy.fsdp.mode != "none" and world_size == 1:
+        notes.append("an fsdp policy with world_size=1 shards nothing: pass world_size (--world-size) as the number of devices")
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
@@ -213,6 +217,24 @@ def estimate_memory(
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
     return _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+
+
+def _what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
+    """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
+    left at "all"): its base model's config is estimated with its adapters."""
+    if isinstance(model, nn.Module) and type(model).__module__.startswith("peft.") and hasattr(model, "peft_config"):
+        return model.get_base_model(), model.peft_config[model.active_adapter] if trainable == "all" else trainable
+    if isinstance(model, nn.Module) and trainable == "all" and any(not p.requires_grad for p in model.parameters()):
+        warnings.warn(f"{type(model).__name__} has frozen parameters, but the estimate builds it from its config, where every "
+                      "parameter trains; pass trainable= (a PEFT config, 'lora' or a dict) to estimate what really trains",
+                      stacklevel=3)
+    path = Path(str(model)).expanduser() if isinstance(model, (str, Path)) else None
+    if path is not None and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from peft import PeftConfig
+
+        adapter = PeftConfig.from_pretrained(str(path))
+        return adapter.base_model_name_or_path, adapter if trainable == "all" else trainable
+    return model, trainable
 
 
 def _traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> StepMemory:
@@ -338,8 +360,12 @@ def _build(config: Any, task: str, trust_remote_code: bool) -> nn.Module:
 def _apply_peft(net: nn.Module, peft_config: Any) -> nn.Module:
     from peft import get_peft_model  # optional: only when a PEFT config is given
 
+    peft_config = copy.deepcopy(peft_config)
+    # A saved adapter's config says inference_mode=True (adapters frozen); what is estimated is training them.
+    if getattr(peft_config, "inference_mode", False):
+        peft_config.inference_mode = False
     try:
-        return get_peft_model(net, copy.deepcopy(peft_config))
+        return get_peft_model(net, peft_config)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
         raise ValueError(f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "

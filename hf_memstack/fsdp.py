@@ -106,10 +106,10 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
             + "; ".join(f"rank {r}: {everyone[r].error}" for r in failed), failed_ranks=failed)
     differing = tuple(r for r, e in enumerate(everyone) if e.policy != everyone[0].policy)
     if differing:
+        fields = "; ".join(f"rank {r}: " + ", ".join(_policy_differences(everyone[0].policy, everyone[r].policy)) for r in differing)
         raise DistributedMismatchError(
-            f"the ranks were given different memory policies: rank 0 has {everyone[0].policy}, rank(s) {list(differing)} have "
-            f"{[everyone[r].policy for r in differing]}; pass the same policy on every rank (e.g. from one config file)",
-            failed_ranks=differing)
+            f"the ranks were given different memory policies ({fields}); pass the same policy on every rank (e.g. from one "
+            "config file)", failed_ranks=differing)
     for r, e in enumerate(everyone):
         if e.model != everyone[0].model:
             first = next((a, b) for a, b in zip([*everyone[0].model, None], [*e.model, None]) if a != b)
@@ -123,6 +123,18 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
             "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp",
             failed_ranks=(0,))
     return any(e.meta for e in everyone)
+
+
+def _policy_differences(reference: dict[str, Any], other: dict[str, Any], prefix: str = "policy") -> list[str]:
+    """``policy.precision='fp32' where rank 0 has 'bf16'``, one per differing field."""
+    out = []
+    for key in sorted(set(reference) | set(other)):
+        a, b = reference.get(key), other.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _policy_differences(a, b, f"{prefix}.{key}")
+        elif a != b:
+            out.append(f"{prefix}.{key}={b!r} where rank 0 has {a!r}")
+    return out
 
 
 def check_hybrid_shard(cfg: FSDPConfig) -> None:

@@ -8,6 +8,7 @@ peak is the caching allocator's own ``max_memory_allocated``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 import warnings
@@ -99,6 +100,12 @@ def measure_step(
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
     """
     phases: list[Callable[[], Any]] | None = None
+    if step_fn is None and not model.training:
+        warnings.warn(
+            f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "
+            "(checkpointing and dropout are off); call model.train() first (from_pretrained returns models in eval mode)",
+            stacklevel=2,
+        )
     if step_fn is None:
         def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
             return train_step(m, b, o, loss_fn=loss_fn, grad_scaler=grad_scaler)
@@ -120,16 +127,13 @@ def measure_step(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     tracked = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
-    peak, method = tracked.peak, tracked.method
+    peak, method = tracked.peak_bytes, tracked.method
     if device.type == "cuda":
         synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device))
         method += "+cuda-allocator"
-    return StepMemory(peak_bytes=int(peak), parameters=tracked.parameters, gradients=tracked.gradients, optimizer=tracked.optimizer,
-                      activations=tracked.activations, temporaries=tracked.temporaries, other=tracked.other, step_seconds=seconds,
-                      device=str(device), method=method, forward_backward_peak=int(tracked.forward_backward_peak),
-                      saved_activations=int(tracked.forward_activations),
-                      peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward")
+    return dataclasses.replace(tracked, peak_bytes=peak, step_seconds=seconds, device=str(device), method=method,
+                               peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward")
 
 
 def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device) -> float:
@@ -140,27 +144,10 @@ def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[.
     return time.perf_counter() - start
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Tracked:
-    """What the tracker saw over a step's phases (bytes)."""
-
-    peak: int
-    """Live bytes at the step's peak."""
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-    temporaries: int
-    other: int
-    forward_activations: int
-    """Activation bytes alive after the first phase (the forward)."""
-    forward_backward_peak: int
-    """The peak reached by the end of the second phase (the backward)."""
-    method: str
-
-
-def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> _Tracked:
-    """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step."""
+def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
+    """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step. The
+    activations alive after the first phase (the forward) are the saved activations; the peak by
+    the end of the second (the backward) is the forward+backward peak."""
     tracker = _frozen_aware_tracker()
     if tracker is None:  # private API: it may move; fall back to counting what outlives the step
         return _fallback(model, optimizer, phases)
@@ -181,9 +168,9 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
                     backward_peak = max(backward_peak, torch.cuda.max_memory_allocated(device))
     peak = tracker.get_tracker_snapshot("peak")
     cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
-    return _Tracked(peak=cat["total"], parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
-                    activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], forward_activations=forward_activations,
-                    forward_backward_peak=backward_peak, method="memtracker")
+    return StepMemory(peak_bytes=cat["total"], parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
+                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], saved_activations=forward_activations,
+                      forward_backward_peak=backward_peak, step_seconds=None, device="", method="memtracker")
 
 
 def _frozen_aware_tracker() -> Any:
@@ -227,7 +214,7 @@ def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
     return sum(int(v) for dev in snapshot.values() for k, v in dev.items() if str(k).lower().rsplit(".", 1)[-1] == name)
 
 
-def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> _Tracked:
+def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
     """Without MemTracker: model states from their storages, activations from saved-for-backward bytes."""
     saved = 0
 
@@ -242,5 +229,6 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases:
     states = model_state_bytes(model, optimizer)
     grads = states.trainable_parameters  # every trainable parameter gets a gradient of its size
     total = states.parameters + grads + states.optimizer + saved
-    return _Tracked(peak=total, parameters=states.parameters, gradients=grads, optimizer=states.optimizer, activations=saved,
-                    temporaries=0, other=0, forward_activations=saved, forward_backward_peak=total, method="fallback")
+    return StepMemory(peak_bytes=total, parameters=states.parameters, gradients=grads, optimizer=states.optimizer, activations=saved,
+                      temporaries=0, other=0, saved_activations=saved, forward_backward_peak=total, step_seconds=None, device="",
+                      method="fallback")

@@ -19,11 +19,18 @@ __all__ = ["Plan", "PlanRow", "plan_policy"]
 
 @dataclass(frozen=True, slots=True)
 class PlanRow:
+    """One rung the planner considered."""
+
     policy: str
+    """The rung's policy string."""
     peak_bytes: int
+    """Its estimated peak at the plan's batch size (batch 1 for ``batch_size="max"``)."""
     fits: bool
+    """Under the budget minus the margin."""
     relative_speed: float
+    """Step speed relative to eager fp32 (from the ladder benchmark)."""
     max_batch_size: int | None = None
+    """With ``batch_size="max"``: the largest batch whose estimate fits."""
 
 
 @dataclass(slots=True)

@@ -332,20 +332,24 @@ class MemoryPolicy:
         if not path.is_file():
             raise FileNotFoundError(f"policy file {str(path)!r} does not exist; pass an existing YAML file or a policy string")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
         except UnicodeDecodeError as e:
             raise PolicyError([f"policy file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise PolicyError([f"policy file {str(path)!r} is not valid YAML{line}: {problem} (indent with spaces, not tabs)"]) from None
+            hint = " (indent with spaces, not tabs)" if "\\t" in str(problem) or "'\\t'" in str(e) else ""
+            raise PolicyError([f"policy file {str(path)!r} is not valid YAML{line}: {problem}{hint}"]) from None
+        if data is None:
+            raise PolicyError([f"policy file {str(path)!r} is empty; write policy fields (precision: bf16, checkpointing: full, ...) "
+                               "or a policy string"])
         if isinstance(data, dict) and set(data) == {"policy"}:
             data = data["policy"]
         if isinstance(data, str):
             return cls.from_string(data)
         if not isinstance(data, dict):
-            raise PolicyError([f"policy file {str(path)!r} holds a {type(data).__name__} ({data!r}); write a mapping of policy "
+            raise PolicyError([f"policy file {str(path)!r} holds {type(data).__name__} {data!r}, not a mapping; write a mapping of policy "
                                "fields (precision: bf16, checkpointing: full, ...) or a policy string"])
         return cls.from_dict(data)
 
@@ -517,6 +521,24 @@ def _validate_loss(lo: LossConfig, problems: list[str]) -> None:
 def _validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:
     _check_choice(problems, "policy.optimizer.state", op.state, OptimizerState)
     _check_choice(problems, "policy.optimizer.step", op.step, OptimizerStep)
+
+
+def _unique_key_loader() -> type:
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        """YAML's safe loader, refusing a key given twice in one mapping (the last would win silently)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
 
 
 def _coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> Any:

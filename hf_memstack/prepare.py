@@ -136,6 +136,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     """Every check that can fail, before the model is touched."""
     _check_not_prepared(model)
     _check_weights(model, policy)
+    _check_not_set_by_hand(model)
     sharded_by_accelerate = check_accelerate_fsdp(policy, accelerator)
     if policy.fsdp.mode != "none":
         check_hybrid_shard(policy.fsdp)
@@ -153,7 +154,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
     check_optimizer_policy(policy.optimizer)
-    _warn_on_training_setup(model, policy, precision)
+    _warn_on_training_setup(model, policy, precision, blocks)
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
@@ -214,7 +215,31 @@ def _check_not_prepared(model: nn.Module) -> None:
         )
 
 
+def _check_not_set_by_hand(model: nn.Module) -> None:
+    """Checkpointing or compile applied by hand would stack with the policy's, or be misreported."""
+    checkpointed = [n or type(model).__name__ for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if checkpointed:
+        raise ValueError(
+            f"{type(model).__name__} already has activation checkpointing on ({len(checkpointed)} module(s), e.g. "
+            f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
+            "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
+        )
+    compiled = [n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise ValueError(
+            f"{type(model).__name__} is already compiled in place (module.compile() on {compiled[:3]}): compile is set by the "
+            "policy, after checkpointing. Load a fresh model and put it in the policy, e.g. 'bf16+compile:regional'"
+        )
+
+
 def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
+    quantized = sorted({type(m).__name__ for m in model.modules()
+                        if ".quantized." in type(m).__module__ or type(m).__module__.startswith("bitsandbytes")})
+    if quantized:
+        raise ValueError(
+            f"{type(model).__name__} has quantized modules ({', '.join(quantized)}): quantized training (QLoRA-style) is not "
+            "supported by hf_memstack yet. Load the model in fp32 or bf16 (from_pretrained(..., dtype=torch.float32)) and use LoRA on it"
+        )
     params = list(model.parameters())
     integer = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point and not p.dtype.is_complex})
     if integer or getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
@@ -231,7 +256,7 @@ def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
         )
 
 
-def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision) -> None:
+def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision, blocks: Blocks | None) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         warnings.warn(
@@ -245,6 +270,13 @@ def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: R
             f"{next(p.dtype for p in trainable if p.dtype != torch.float32)}: optimizer updates then lose precision. "
             "Load the model in fp32 (from_pretrained(..., dtype=torch.float32)) and let autocast compute in "
             f"{precision.name}",
+            stacklevel=4,
+        )
+    ck = policy.checkpointing
+    if ck.mode == "every_n" and blocks is not None and ck.every_n >= len(blocks):
+        warnings.warn(
+            f"policy.checkpointing.every_n={ck.every_n} with {len(blocks)} blocks: only block 0 is checkpointed; use a smaller "
+            "every_n (or 'ckpt' for every block)",
             stacklevel=4,
         )
     if policy.checkpointing.mode != "none" and not model.training:

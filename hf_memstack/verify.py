@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ._device import device_of, preserved_rng
-from ._wrappers import AutocastForward, forward_wrapper
+from ._wrappers import forward_wrapper
 from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
 
@@ -261,9 +261,11 @@ def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
     """Compare what runs now with what the record says was applied."""
     inner = unwrap_model(model)
     problems = []
-    autocast = forward_wrapper(inner, AutocastForward)
-    if record.autocast_by == "hf_memstack" and autocast is None:
-        problems.append("the forward no longer runs under hf_memstack's autocast (model.forward was replaced after prepare_model)")
+    if "_original_forward" in inner.__dict__ and record.autocast_by != "accelerator.prepare" and record.precision.name != "fp16":
+        # Accelerate's prepare sets _original_forward when it wraps the forward in its own autocast.
+        if not record.precision.mixed:
+            problems.append("accelerator.prepare (e.g. Trainer with bf16=True/fp16=True) added autocast to a model whose policy "
+                            "is fp32: it trains in mixed precision while model.memstack says fp32")
     if record.blocks is not None and record.checkpointing.method == "transformers":
         flags = [i for i, b in enumerate(record.blocks.modules) if getattr(b, "gradient_checkpointing", False)]
         if flags != list(record.checkpointing.checkpointed):
@@ -273,9 +275,14 @@ def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
         if reentrant and reentrant != {record.policy.checkpointing.use_reentrant}:
             problems.append(f"blocks checkpoint with use_reentrant={sorted(reentrant)} but the policy says "
                             f"use_reentrant={record.policy.checkpointing.use_reentrant}")
-    if record.compile.regions == [] and (type(model).__name__ == "OptimizedModule" or getattr(inner, "_compiled_call_impl", None)):
+    compiled_outside = type(model).__name__ == "OptimizedModule" or (
+        record.policy.compile.mode != "full" and getattr(inner, "_compiled_call_impl", None) is not None)
+    if compiled_outside and not record.compile.regions:
         problems.append("the model was compiled after prepare_model (e.g. TrainingArguments(torch_compile=True)) but the "
                         "policy has no compile: put compile in the policy instead, so it is placed after checkpointing")
+    elif compiled_outside:
+        problems.append(f"the model was compiled again after prepare_model (e.g. TrainingArguments(torch_compile=True)) on top of "
+                        f"the policy's {record.policy.compile.mode} compile: set torch_compile=False")
     if problems:
         return Check("policy", False, "; ".join(problems) + ". Prepare a fresh model with the policy you want and leave "
                      "these settings to it (hf_memstack.integrations.trainer.training_arguments does for Trainer)")
@@ -353,7 +360,11 @@ def _check_precision(record: MemstackRecord, observed: _Observed) -> Check:
     ok = p.dtype in dtypes and observed.loss_dtype == torch.float32
     if record.autocast_by == "accelerator.prepare" and p.dtype not in dtypes:
         return Check("precision", ok, f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it")
-    return Check("precision", ok, f"Linear outputs in {sorted(map(str, dtypes))}, loss in {observed.loss_dtype}")
+    detail = f"Linear outputs in {sorted(map(str, dtypes))}, loss in {observed.loss_dtype}"
+    if p.dtype not in dtypes:
+        detail += (f": no Linear computed in {p.name}; model.forward was probably replaced after prepare_model, dropping "
+                   "hf_memstack's autocast (with Trainer/TRL set bf16/fp16 in TrainingArguments to match the policy)")
+    return Check("precision", ok, detail)
 
 
 def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: _Observed) -> Check:

@@ -17,10 +17,11 @@ do), and what happens during training goes through Trainer's own callback events
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Sized
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,21 +89,19 @@ def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecor
     enabled = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     if not enabled:
         return
+    flag = f"TrainingArguments({_CHECKPOINTING_FIELD}=True)"
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     every_n, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
     guard = getattr(model, "activation_checkpointing_enable", None)
     if not isinstance(guard, CheckpointingGuard):
-        problems.append(f"TrainingArguments.gradient_checkpointing=True, but {type(model).__name__} has no Transformers "
-                        f"checkpointing API for Trainer to call; checkpointing comes from the policy "
-                        f"({record.policy.to_string()!r}): set gradient_checkpointing=False")
+        problems.append(f"{flag}, but {type(model).__name__} has no Transformers checkpointing API for Trainer to call; "
+                        f"checkpointing comes from the policy ({record.policy.to_string()!r}): set {_CHECKPOINTING_FIELD}=False")
         return
-    conflict = guard.conflict(kwargs or None, every_n_layers=every_n, offload=offload,
-                              caller="TrainingArguments(gradient_checkpointing=True)")
+    conflict = guard.conflict(kwargs or None, every_n_layers=every_n, offload=offload, caller=flag)
     if conflict:
         problems.append(conflict)
     else:
-        repeats.append("TrainingArguments.gradient_checkpointing=True repeats the policy's checkpointing (nothing changes); "
-                       "set it to False")
+        repeats.append(f"{flag} repeats the policy's checkpointing (nothing changes); set {_CHECKPOINTING_FIELD}=False")
 
 
 def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str], repeats: list[str]) -> None:
@@ -122,9 +121,8 @@ def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]
     elif asked != policy:
         problems.append(f"TrainingArguments.{asked}=True contradicts the policy's precision {policy!r}; set {asked}=False"
                         + (" and fp16=True" if policy == "fp16" else ""))
-    elif policy == "bf16" and record.autocast_by == "hf_memstack":
-        repeats.append("TrainingArguments.bf16=True repeats the policy's bf16 autocast (harmless: the same dtype twice); "
-                       "set bf16=False, the prepared model autocasts itself")
+    # The same precision in both is consistent: Trainer's autocast around the prepared model's own is
+    # the same dtype twice, and it also covers code that bypasses model.forward (TRL's fused LM head).
 
 
 def training_arguments(
@@ -139,8 +137,9 @@ def training_arguments(
 ) -> TrainingArguments:
     """``TrainingArguments`` consistent with the prepared ``model``'s policy.
 
-    Precision flags follow the policy (bf16: ``bf16=False``, the model autocasts itself; fp16:
-    ``fp16=True`` for Trainer's loss scaler), checkpointing and compile are left to the policy
+    Precision flags follow the policy (``bf16=True`` / ``fp16=True``: Trainer's autocast around the
+    model's own is the same dtype twice, covers code that bypasses ``model.forward`` such as TRL's
+    fused LM head, and gives fp16 Trainer's loss scaler), checkpointing and compile are left to the policy
     (``gradient_checkpointing=False``, ``torch_compile=False``). The per-device batch size comes
     from ``per_device_train_batch_size`` when given, else from :func:`hf_memstack.find_batch_size`
     under ``budget`` (measured steps on the longest sample of ``train_dataset``, padded by
@@ -152,10 +151,14 @@ def training_arguments(
             a dataset to measure; a bad ``global_batch_size``.
     """
     record = _record(model)
-    fields = {"bf16": False, "fp16": record.precision.name == "fp16" and record.autocast_by == "hf_memstack",
-              "torch_compile": False, _CHECKPOINTING_FIELD: False, **kwargs}
-    if record.autocast_by == "accelerator.prepare":
-        fields.setdefault(record.precision.name, True)
+    # The deprecated name is what most scripts still pass: it means the same field.
+    for old, new in (("gradient_checkpointing", _CHECKPOINTING_FIELD), ("gradient_checkpointing_kwargs", f"{_CHECKPOINTING_FIELD}_kwargs")):
+        if old != new and old in kwargs:
+            kwargs.setdefault(new, kwargs.pop(old))
+    precision = {} if {"bf16", "fp16"} & set(kwargs) else {"bf16": record.precision.name == "bf16", "fp16": record.precision.name == "fp16"}
+    fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **kwargs}
+    # Without a GPU, Trainer accepts bf16 only when told it trains on the CPU.
+    fields.setdefault("use_cpu", not torch.cuda.is_available())
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):
         raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)")
     world = _world_size()
@@ -174,9 +177,15 @@ def training_arguments(
 
 
 def _world_size() -> int:
+    """Processes in the run: the process group's size, or the launcher's WORLD_SIZE before Trainer
+    creates the group (torchrun and accelerate launch set it)."""
+    import os
+
     import torch.distributed as dist
 
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int | str, global_batch_size: int | None) -> Any:
@@ -194,9 +203,23 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    # A batch larger than the global batch would overshoot it on its own.
+    # Under a launcher, before Trainer creates the process group, the finder sees one process:
+    # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module) -> Iterator[None]:
+    """``model.train()`` inside, each submodule's own mode restored after (a module the user put in
+    eval mode stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _length(sample: Any) -> int:
@@ -244,17 +267,24 @@ class MemstackCallback(TrainerCallback):
         check_training_arguments(model, args)
         batch = _first_batch(train_dataloader, model)
         report = memory = None
-        if batch is not None and self.run_verify:
+        if batch is not None:
+            with train_mode(model):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
+                report, memory = self._first_step(model, batch)
+        self.first_step = FirstStepReport(verify=report, memory=memory)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def _first_step(self, model: nn.Module, batch: Any) -> tuple[VerifyReport | None, StepMemory | None]:
+        report = memory = None
+        if self.run_verify:
             report = verify(model, batch)
             (logger.info if report.ok else logger.warning)("hf_memstack.verify on the first batch:\n%s", report)
             if self.raise_on_failure and not report.ok:
                 raise RuntimeError(f"hf_memstack.verify found problems on the first batch:\n{report}")
-        if batch is not None and self.measure:
+        if self.measure:
             memory = _measure_forward_backward(model, batch)
             logger.info("hf_memstack memory meter, first batch (forward + backward): %s", memory.summary())
-        self.first_step = FirstStepReport(verify=report, memory=memory)
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        return report, memory
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if not self._optimizer_bytes and optimizer is not None:
@@ -271,6 +301,10 @@ class MemstackCallback(TrainerCallback):
             logs["memory/peak_mib"] = (memory.peak_bytes + self._optimizer_bytes) / 2**20
         if self.first_step.verify is not None:
             logs["memstack/verify_ok"] = float(self.first_step.verify.ok)
+        # Trainer appended its copy of these logs to log_history (trainer_state.json) before the
+        # callbacks ran: add the figures there too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update({k: v for k, v in logs.items() if k.startswith(("memory/", "memstack/"))})
 
 
 def add_memstack_callback(trainer: Any, callback: MemstackCallback | None = None) -> MemstackCallback:

@@ -175,3 +175,20 @@ def test_plain_stack_lora_without_transformers(tmp_path):
     torch.manual_seed(0)
     reloaded = PeftModel.from_pretrained(PlainStack(), tmp_path)
     assert set(_adapters(reloaded)) == set(_adapters(model))
+
+
+def test_estimate_reads_what_trains_from_a_peft_model_and_an_adapter_directory(load_model, pretrained_dirs, tmp_path):
+    from peft import get_peft_model
+
+    base = type(load_model("llama")).from_pretrained(pretrained_dirs["llama"])
+    peft_model = get_peft_model(base, _lora("llama"))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    from_object = estimate_memory(peft_model, "bf16", batch_size=2, seq_len=16)
+    assert from_object.trainable_parameters == trainable
+    peft_model.save_pretrained(tmp_path / "adapter")  # adapter_config.json names the base directory
+    from_directory = estimate_memory(tmp_path / "adapter", "bf16", batch_size=2, seq_len=16)
+    assert from_directory.trainable_parameters == trainable and from_directory.peak_bytes == from_object.peak_bytes
+    frozen = load_model("llama")
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match="has frozen parameters, but the estimate builds it from its config"):
+        estimate_memory(frozen, "bf16", batch_size=2, seq_len=16)

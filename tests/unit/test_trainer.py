@@ -178,7 +178,7 @@ def test_repeating_the_policy_warns_and_changes_nothing(load_model, word_tokeniz
 
     model = prepare_model(load_model("llama"), "bf16+ckpt")
     notes = check_training_arguments(model, _args(tmp_path, gradient_checkpointing=True, bf16=True))
-    assert len(notes) == 2 and "repeats the policy's checkpointing" in notes[0] and "bf16=True repeats" in notes[1]
+    assert notes == [notes[0]] and "repeats the policy's checkpointing" in notes[0]  # bf16=True matches the bf16 policy
     _, losses = _train(model, _args(tmp_path, gradient_checkpointing=True, max_steps=3), _lm_dataset(word_tokenizer),
                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
     assert len(losses) == 3
@@ -202,11 +202,37 @@ def test_training_arguments_from_the_finder(load_model, word_tokenizer, tmp_path
                               data_collator=collator, budget="24MiB", global_batch_size=64, report_to=[], use_cpu=True)
     bs = args.per_device_train_batch_size
     assert bs != 8 and args.gradient_accumulation_steps == -(-64 // bs)  # found, not Trainer's default; ceil
-    assert (args.bf16, args.fp16, args.torch_compile, args.gradient_checkpointing) == (False, False, False, False)
+    # Precision as the policy's (Trainer's autocast around the model's own: the same dtype twice).
+    assert (args.bf16, args.fp16, args.torch_compile, args.gradient_checkpointing) == (True, False, False, False)
     with pytest.raises(ValueError, match="fp32 autocasts|contradicts the policy"):
         training_arguments(model, output_dir=str(tmp_path / "o2"), per_device_train_batch_size=4, fp16=True, report_to=[])
     with pytest.raises(ValueError, match="budget= needs train_dataset"):
         training_arguments(model, output_dir=str(tmp_path / "o3"), budget="24MiB")
+    # The deprecated field name most scripts still pass is checked like the current one.
+    with pytest.raises(ValueError, match="use_reentrant': True"):
+        training_arguments(model, output_dir=str(tmp_path / "o4"), per_device_train_batch_size=4, report_to=[],
+                           gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_finder_and_callback_measure_a_model_loaded_in_eval_mode_as_it_trains(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama").eval(), "bf16+ckpt")  # what from_pretrained hands back
+    callback = MemstackCallback(raise_on_failure=True)
+    trainer, _ = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
+                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback])
+    assert callback.first_step.verify.ok and callback.first_step.verify.recomputed_blocks == [0, 1]
+    assert any("memory/peak_mib" in entry for entry in trainer.state.log_history)  # in trainer_state.json too
+
+
+def test_verify_sees_trainer_autocast_added_to_an_fp32_policy(load_model, word_tokenizer, tmp_path):
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama"), "fp32")
+    trainer, _ = _train(model, _args(tmp_path, max_steps=1, bf16=True), _lm_dataset(word_tokenizer),
+                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    report = verify(trainer.model, make_batch("llama"))
+    assert not report.check("policy").ok and "policy is fp32" in report.check("policy").detail
 
 
 def test_callback_verifies_and_logs_memory(load_model, word_tokenizer, tmp_path):

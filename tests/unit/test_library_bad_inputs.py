@@ -91,11 +91,14 @@ POLICY = [
     C("policy-yaml-tab", lambda c: P.from_yaml(_yaml(c, b"precision: bf16\n\tcheckpointing: full\n")), PolicyError,
       "policy.yaml", "not valid YAML at line 2", "tabs"),
     C("policy-yaml-utf16", lambda c: P.from_yaml(_yaml(c, "precision: bf16\n".encode("utf-16"))), PolicyError, "policy.yaml", "not UTF-8"),
-    C("policy-yaml-int", lambda c: P.from_yaml(_yaml(c, b"5\n")), PolicyError, "policy.yaml", "holds a int (5)", "mapping"),
-    C("policy-yaml-list", lambda c: P.from_yaml(_yaml(c, b"[1, 2]\n")), PolicyError, "holds a list"),
+    C("policy-yaml-int", lambda c: P.from_yaml(_yaml(c, b"5\n")), PolicyError, "policy.yaml", "holds int 5, not a mapping"),
+    C("policy-yaml-list", lambda c: P.from_yaml(_yaml(c, b"[1, 2]\n")), PolicyError, "holds list [1, 2], not a mapping"),
     C("policy-yaml-unknown-field", lambda c: P.from_yaml(_yaml(c, b"speed: 2\n")), PolicyError, "policy.speed is not a policy field"),
     C("policy-yaml-bad-value", lambda c: P.from_yaml(_yaml(c, b"precision: fp9\n")), PolicyError, "policy.precision='fp9'"),
     C("policy-yaml-bad-string", lambda c: P.from_yaml(_yaml(c, b"policy: bf16+turbo\n")), PolicyError, "unknown token 'turbo'"),
+    C("policy-yaml-duplicate-key", lambda c: P.from_yaml(_yaml(c, b"precision: bf16\nprecision: fp32\n")), PolicyError,
+      "policy.yaml", "line 2", "duplicate key 'precision'"),
+    C("policy-yaml-empty", lambda c: P.from_yaml(_yaml(c, b"")), PolicyError, "policy.yaml", "is empty"),
 ]
 
 SIZES = [
@@ -136,6 +139,22 @@ def _int8(c: Any) -> nn.Module:
     return model
 
 
+def _checkpointed_by_hand(c: Any) -> nn.Module:
+    model = c.load("llama")
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def _compiled_in_place(c: Any) -> nn.Module:
+    model = c.load("plain")
+    model.compile(backend="eager")
+    return model
+
+
+def _dynamic_int8(c: Any) -> nn.Module:
+    return torch.ao.quantization.quantize_dynamic(c.load("plain"), {nn.Linear}, dtype=torch.qint8)
+
+
 def _meta(c: Any) -> nn.Module:
     with torch.device("meta"):
         return PlainStack()
@@ -163,6 +182,10 @@ PREPARE = [
      ValueError, ("use_reentrant=True", "block_classes was given")),
     ("int8-weights", _int8, "bf16", ValueError, ("quantized (integer) weights (torch.int8)", "QLoRA-style", "dtype=torch.float32")),
     ("meta-weights", _meta, "bf16+ckpt", ValueError, ("parameters on the meta device", "from_pretrained")),
+    ("checkpointed-by-hand", _checkpointed_by_hand, "bf16", ValueError,
+     ("already has activation checkpointing on", "gradient_checkpointing_disable()", "'bf16+ckpt'")),
+    ("compiled-in-place", _compiled_in_place, "bf16+ckpt", ValueError, ("already compiled in place", "'bf16+compile:regional'")),
+    ("dynamic-int8", _dynamic_int8, "bf16+ckpt", ValueError, ("quantized modules (Linear", "QLoRA-style")),
     ("twice", lambda c: prepare_model(c.load("llama"), "bf16"), "bf16+ckpt", RuntimeError, ("already prepared with policy 'bf16'", "Load a fresh model")),
     ("twice-through-peft", _prepared_peft, "bf16+ckpt", RuntimeError, ("already prepared with policy 'bf16'",)),
     ("twice-through-compile", lambda c: torch.compile(prepare_model(c.load("plain"), "fp32"), backend="eager"), "bf16", RuntimeError,

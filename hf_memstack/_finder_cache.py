@@ -1,0 +1,175 @@
+"""The batch-size finder's disk cache: one small JSON file per job, keyed on everything that
+changes a step's memory.
+
+The key hashes the model's parameters as they are (name, shape, dtype, trainable - so a bf16 copy
+or a LoRA model is another job than the fp32 original), its config, the policy, the optimizer and
+its settings, the loss function, the batch's dtypes and shapes, the mode, the budget, the world
+size, the device and the library versions. ``max_batch_size`` is not in the key: an entry says
+whether it was capped, and the search honours each call's cap.
+
+Files are written to a unique temporary file (``mkstemp``) and renamed over the entry, so two
+finders writing at once never read a partial file or each other's temporary file; the folder is
+private (0700). A file that cannot be read, parsed or validated is discarded with a warning, and
+a folder that cannot be written costs a warning, never the search's result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._finder_ranks import agree
+
+__all__ = ["CacheEntry", "agree_entry", "cache_key", "read_entry", "write_entry"]
+
+DEFAULT_CACHE_DIR = Path("~/.cache/hf_memstack")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheEntry:
+    """What a cold search found, as stored."""
+
+    batch_size: int
+    """The largest size that fitted."""
+    peak_bytes: int
+    """Its measured peak (this rank's)."""
+    bytes_per_sample: int
+    """The slope of the line holding the peak there: a size one larger needs about this much more."""
+    capped: bool
+    """The search stopped at ``max_batch_size``: the true maximum may be larger."""
+
+
+def cache_path(cache_dir: str | Path | None, key: str) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "batch_size" / f"{key}.json"
+
+
+def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, policy: dict[str, Any] | None,
+              batch: list[list[Any]], mode: str, budget: int, loss_fn: Any) -> str:
+    """A hash of everything that changes the step's memory (see the module docstring)."""
+    import transformers
+
+    from ._device import device_of
+    from ._finder_ranks import world_size
+    from ._version import __version__
+
+    device = device_of(model)
+    config = getattr(model, "config", None)
+    signature = {
+        "parameters": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
+        "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        "config": config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__qualname__,
+        "policy": policy,
+        # Every setting but the learning rate (swept often, never changes the state's size).
+        "optimizer": None if optimizer is None else [type(optimizer).__qualname__,
+                                                     _plain({k: v for k, v in optimizer.defaults.items() if k != "lr"})],
+        "loss_fn": None if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__),
+        "batch": batch, "mode": mode, "budget": budget, "world_size": world_size(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "versions": [torch.__version__, transformers.__version__, __version__],
+    }
+    return hashlib.sha256(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def read_entry(path: Path) -> CacheEntry | None:
+    """The entry at ``path``; None when there is none. An unreadable or invalid file is removed
+    (with a warning naming it and why) and counts as none."""
+    try:
+        text = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        warnings.warn(f"hf_memstack: cannot read the batch-size cache entry {path} ({e}); searching again", stacklevel=3)
+        return None
+    problem = None
+    try:
+        data = json.loads(text)
+        entry = _validate(data)
+    except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem, entry = str(e), None
+    if entry is None:
+        warnings.warn(f"hf_memstack: discarding the invalid batch-size cache entry {path} ({problem}); searching again",
+                      stacklevel=3)
+        path.unlink(missing_ok=True)
+    return entry
+
+
+def _validate(data: Any) -> CacheEntry:
+    if not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, found {type(data).__name__}")
+    problems = []
+    for name in ("batch_size", "peak_bytes", "bytes_per_sample"):
+        value = data.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "bytes_per_sample" else 1):
+            problems.append(f"{name}={value!r}")
+    if not isinstance(data.get("capped"), bool):
+        problems.append(f"capped={data.get('capped')!r}")
+    if problems:
+        raise ValueError("missing or out-of-range " + ", ".join(problems))
+    return CacheEntry(batch_size=data["batch_size"], peak_bytes=data["peak_bytes"],
+                      bytes_per_sample=data["bytes_per_sample"], capped=data["capped"])
+
+
+def write_entry(path: Path, entry: CacheEntry) -> None:
+    """Write atomically (unique temporary file, then rename); on failure warn and go on."""
+    tmp = None
+    try:
+        _private_dir(path.parent)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(entry), f)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        warnings.warn(f"hf_memstack: could not write the batch-size cache at {path.parent} ({e}); the result is "
+                      "returned but not cached (pass cache=False or another cache_dir)", stacklevel=3)
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def agree_entry(entry: CacheEntry | None) -> CacheEntry | None:
+    """The entry every rank can use (one collective): valid on every rank, at the smallest size
+    any rank cached, capped if any rank's was; else None on every rank."""
+    valid = entry is not None
+    size = entry.batch_size if entry is not None else 0
+    uncapped = entry is not None and not entry.capped
+    ok, smallest = agree("cache entry", int(valid) * (2 if uncapped else 1), size)
+    if not ok or entry is None:
+        return None
+    return CacheEntry(batch_size=smallest, peak_bytes=entry.peak_bytes, bytes_per_sample=entry.bytes_per_sample,
+                      capped=ok == 1 or smallest != entry.batch_size)
+
+
+def _private_dir(folder: Path) -> None:
+    """Create ``folder`` (and missing parents) readable by this user only."""
+    missing = []
+    p = folder
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(mode=0o700, exist_ok=True)
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    if mode & 0o077 and folder.stat().st_uid == os.getuid():
+        folder.chmod(0o700)
+
+
+def _plain(obj: Any) -> Any:
+    """Optimizer settings as JSON (tensors, e.g. a tensor learning rate, by value)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if torch.is_tensor(obj):
+        return obj.tolist() if obj.numel() <= 16 else str(obj.shape)
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else repr(obj)

@@ -1,0 +1,220 @@
+"""One real, measured step of the batch-size finder.
+
+A probe builds the batch, runs forward, backward and the optimizer step (the shared step of
+``step.py``) under a :class:`~hf_memstack.simulated.LiveBytes` tracker that records the live
+tensor bytes after every operator, and agrees with the other ranks whether it fitted. A real
+out-of-memory error (a GPU's, a CPU allocator's or :func:`~hf_memstack.simulated_memory_limit`'s)
+is an outcome, not a failure; any other error ends every rank with it.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._device import device_of
+from ._finder_ranks import agree, agree_no_error
+from .simulated import LiveBytes, current_limit
+from .step import LossFn, backward, forward_loss, optimizer_step
+
+__all__ = ["Measured", "ProbeKind", "StepRunner", "batch_signature", "check_batch_size", "seq_len_of"]
+
+ProbeKind = Literal["warmup", "probe", "predict", "refine", "search", "cache"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measured:
+    """One probe as the search sees it (this rank's bytes; ``fits`` agreed by every rank)."""
+
+    batch_size: int
+    """Samples in the probe's batch."""
+    kind: ProbeKind
+    """Why it ran: ``warmup`` (creates the optimizer state), ``probe`` (the two small sizes the
+    fit starts from), ``predict`` (the fit's answer), ``refine`` / ``search`` (after a miss), ``cache``."""
+    fits: bool
+    """Ran to the end under the budget on every rank."""
+    peak_bytes: int | None
+    """This rank's peak, device-wide (what the step allocated plus what the device held besides
+    the model and optimizer); None when the step ran out of memory part-way."""
+    timeline: np.ndarray
+    """Live bytes after each operator, on the same device-wide scale as ``peak_bytes`` (cut
+    short at the refused allocation when the step ran out of memory)."""
+    phase_ends: tuple[int, ...]
+    """Operator counts at the end of the forward and of the backward (the rest is the optimizer step)."""
+    allocator_ratio: float
+    """CUDA: the allocator's peak over the tracked peak (rounding, other tensors); 1.0 elsewhere."""
+    seconds: float
+    """Wall time of the step."""
+
+    @property
+    def complete(self) -> bool:
+        """Ran to the end (fitting or not): its timeline covers the whole step."""
+        return self.peak_bytes is not None
+
+
+class StepRunner:
+    """Runs measured steps of one job (model, batches, optimizer, mode) and keeps them in order."""
+
+    def __init__(self, *, model: nn.Module, make_batch: Callable[[int], Any], optimizer: torch.optim.Optimizer | None,
+                 loss_fn: LossFn | None, grad_scaler: Any, mode: Literal["train", "eval"], budget: int):
+        self.model, self.make_batch, self.optimizer = model, make_batch, optimizer
+        self.loss_fn, self.grad_scaler, self.mode, self.budget = loss_fn, grad_scaler, mode, budget
+        self.device = device_of(model)
+        self.steps: list[Measured] = []
+
+    def run(self, n: int, kind: ProbeKind) -> Measured:
+        """One real step at batch size ``n`` (every rank runs it; the outcome is agreed)."""
+        tracker = LiveBytes(device_type=self.device.type, record=True)
+        tracker.register(self._state_tensors())
+        other = self._other_device_bytes(tracker.live)
+        marks: list[int] = []
+        error: BaseException | None = None
+        oom = False
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        try:
+            with tracker:
+                self._step(n, tracker, marks)
+        except Exception as e:  # noqa: BLE001 - out of memory is an outcome; anything else is agreed, then re-raised
+            if is_out_of_memory(e):
+                oom = True
+            else:
+                error = e
+        seconds = time.perf_counter() - start
+        if oom:  # outside the except block: the traceback no longer holds the step's tensors
+            self._recover()
+        peak, ratio = self._peaks(tracker, other, complete=not oom and error is None)
+        fits = agree_no_error(error, f"probe at batch size {n}", budget=self.budget,
+                              fits=peak is not None and peak <= self.budget)
+        measured = Measured(batch_size=n, kind=kind, fits=fits, peak_bytes=peak, allocator_ratio=ratio, seconds=seconds,
+                            timeline=np.asarray(tracker.timeline, dtype=np.int64) + other,
+                            phase_ends=tuple(marks))
+        self.steps.append(measured)
+        return measured
+
+    def init_optimizer_state(self) -> bool:
+        """Create the optimizer's state with one optimizer step on zero gradients (no forward or
+        backward), so that every probe measures the steady state - the state alive during the
+        forward and backward - and all probes run the same operators. False (on every rank) when
+        this optimizer cannot step that way; the caller then spends a warm-up probe instead."""
+        opt = self.optimizer
+        if opt is None:
+            return True
+        missing = [p for g in opt.param_groups for p in g["params"] if p.requires_grad and not opt.state.get(p)]
+        ok = True
+        if missing:
+            try:
+                for p in missing:
+                    p.grad = torch.zeros_like(p)
+                opt.step()
+            except Exception:  # noqa: BLE001 - e.g. an optimizer that needs a closure: fall back to a warm-up step
+                ok = False
+            finally:
+                opt.zero_grad(set_to_none=True)
+                for p in missing:
+                    p.grad = None
+        return bool(agree("optimizer state", int(ok))[0])
+
+    # -- internals ---------------------------------------------------------------------------
+    def _step(self, n: int, tracker: LiveBytes, marks: list[int]) -> None:
+        # The batch is built under the tracker: on a GPU it occupies device memory during the step.
+        batch = self.make_batch(n)
+        check_batch_size(batch, n)
+        if self.mode == "eval":
+            with torch.no_grad():
+                _call(self.model, batch)
+            return
+        loss = forward_loss(self.model, batch, self.loss_fn)
+        marks.append(len(tracker.timeline))
+        backward(loss, grad_scaler=self.grad_scaler)
+        del loss
+        marks.append(len(tracker.timeline))
+        optimizer_step(self.optimizer, grad_scaler=self.grad_scaler)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def _other_device_bytes(self, tracked: int) -> int:
+        """Bytes on the device besides the model and optimizer (other tensors, another model):
+        the CUDA allocator's count, or an active simulated limit's; 0 when unknown."""
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.memory_allocated(self.device) - tracked)
+        limit = current_limit(self.device.type)
+        return max(0, limit.live_bytes - tracked) if limit is not None else 0
+
+    def _peaks(self, tracker: LiveBytes, other: int, *, complete: bool) -> tuple[int | None, float]:
+        if not complete:
+            return None, 1.0
+        peak = tracker.peak + other
+        if self.device.type != "cuda":
+            return peak, 1.0
+        allocator = torch.cuda.max_memory_allocated(self.device)
+        return max(peak, allocator), max(1.0, allocator / max(peak, 1))
+
+    def _recover(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A GPU's, a CPU allocator's or the simulated limit's out-of-memory error (Accelerate's test, plus the type)."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, Exception) and should_reduce_batch_size(e))
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(batch):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def check_batch_size(batch: Any, n: int) -> None:
+    """``make_batch(n)`` must return tensors whose first dimension is ``n``."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise ValueError(f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "
+                         "such as a collator does")
+    wrong = [tuple(t.shape) for t in tensors if t.ndim == 0 or t.shape[0] != n]
+    if wrong:
+        raise ValueError(f"make_batch({n}) returned tensors of shapes {wrong}: their first dimension must be exactly {n}. "
+                         "Build the batch from n samples (and pad to the longest sequence of the run)")
+
+
+def batch_signature(batch: Any) -> list[list[Any]]:
+    """What identifies the batches of a job: each tensor's dtype and shape past the batch dimension."""
+    if isinstance(batch, Mapping):
+        return [[str(k), str(t.dtype), *t.shape[1:]] for k, v in sorted(batch.items()) for t in _tensors(v)]
+    return [[str(t.dtype), *t.shape[1:]] for t in _tensors(batch)]
+
+
+def seq_len_of(batch: Any) -> int | None:
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    return int(ids.shape[1]) if torch.is_tensor(ids) and ids.ndim >= 2 else None

@@ -1,0 +1,153 @@
+"""The finder's disk cache: hits cost one step, and a cache entry is never trusted past what it
+proves - a cap, the real parameter dtypes, a stale smaller size, a damaged file, a shared folder."""
+
+import json
+import stat
+import threading
+import warnings
+
+import pytest
+import torch
+from tiny import make_batch
+
+from hf_memstack import find_batch_size, prepare_model
+from hf_memstack._finder_cache import CacheEntry, cache_key, read_entry, write_entry
+
+BUDGET = "12MiB"
+
+
+def batches(seq=32):
+    def make(n):
+        return make_batch("llama", batch_size=n, seq=seq, seed=n)
+    return make
+
+
+@pytest.fixture
+def llama(load_model):
+    model = prepare_model(load_model("llama"), "bf16")
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def find(model, opt, cache_dir, **kwargs):
+    return find_batch_size(model, kwargs.pop("make", batches()), opt, budget=kwargs.pop("budget", BUDGET),
+                           cache_dir=cache_dir, **kwargs)
+
+
+def test_hit_costs_one_step_and_a_stale_entry_is_searched_again(llama, tmp_path):
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    assert first.cache == "miss" and first.steps_run >= 3
+    second = find(model, opt, tmp_path)
+    assert second.cache_hit and second.steps_run == 1 and second.batch_size == first.batch_size
+    longer = find(model, opt, tmp_path, make=batches(seq=64))  # another job: another entry
+    assert longer.cache == "miss" and longer.batch_size < first.batch_size and longer.cache_file != first.cache_file
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    data = json.loads(path.read_text())
+    # A smaller entry fits, but it is not the maximum any more: searched again, not accepted.
+    path.write_text(json.dumps({**data, "batch_size": first.batch_size // 2}))
+    smaller = find(model, opt, tmp_path)
+    assert smaller.cache == "stale" and smaller.batch_size == first.batch_size
+    # A larger entry that no longer fits: searched again.
+    path.write_text(json.dumps({**data, "batch_size": first.batch_size * 4}))
+    larger = find(model, opt, tmp_path)
+    assert larger.cache == "stale" and larger.batch_size == first.batch_size and larger.over_budget_probes == 1
+    assert json.loads(path.read_text())["batch_size"] == first.batch_size
+    off = find_batch_size(model, batches(), opt, budget=BUDGET, cache=False)
+    assert off.cache == "off" and off.cache_file is None
+
+
+def test_cache_honours_max_batch_size(llama, tmp_path):
+    model, opt = llama
+    full = find(model, opt, tmp_path)
+    assert full.batch_size > 4
+    capped = find(model, opt, tmp_path, max_batch_size=4)
+    assert (capped.batch_size, capped.capped, capped.cache, capped.steps_run) == (4, True, "hit", 1)
+    # An entry found under a cap says nothing above it: a larger cap searches again.
+    find(model, opt, tmp_path / "other", max_batch_size=4)
+    again = find(model, opt, tmp_path / "other")
+    assert again.cache == "stale" and again.batch_size == full.batch_size
+
+
+def test_key_sees_real_parameter_dtypes_and_trainability(load_model):
+    def key(model):
+        return cache_key(model, None, policy=None, batch=[["int64", 32]], mode="train", budget=1, loss_fn=None)
+
+    fp32 = load_model("llama")
+    bf16 = load_model("llama").to(torch.bfloat16)  # same config, bf16 weights: half the bytes
+    frozen = load_model("llama")
+    frozen.model.embed_tokens.weight.requires_grad_(False)
+    assert len({key(fp32), key(bf16), key(frozen)}) == 3 and key(fp32) == key(load_model("llama"))
+
+
+@pytest.mark.parametrize("content", [
+    '{"batch_size": 12, "peak_by',  # truncated
+    '{"peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # missing batch_size
+    '{"batch_size": 0, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+    '{"batch_size": -3, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+    '{"batch_size": true, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+    '[12]',
+    '\udcff',
+])
+def test_invalid_entries_are_discarded_with_a_warning(tmp_path, content):
+    path = tmp_path / "entry.json"
+    path.write_text(content, errors="surrogateescape")
+    with pytest.warns(UserWarning, match=r"discarding the invalid batch-size cache entry .*entry.json"):
+        assert read_entry(path) is None
+    assert not path.exists()
+
+
+def test_a_damaged_entry_is_searched_again_and_replaced(llama, tmp_path):
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    path.write_text(path.read_text()[:10])
+    with pytest.warns(UserWarning, match="discarding the invalid"):
+        again = find(model, opt, tmp_path)
+    assert again.cache == "miss" and again.batch_size == first.batch_size
+    assert read_entry(path).batch_size == first.batch_size
+
+
+def test_concurrent_writers_never_crash_or_mix(tmp_path):
+    path = tmp_path / "batch_size" / "job.json"
+    entries = [CacheEntry(batch_size=n, peak_bytes=1000 * n, bytes_per_sample=10, capped=False) for n in range(1, 9)]
+    errors, seen = [], []
+
+    def writer(entry):
+        try:
+            for _ in range(50):
+                write_entry(path, entry)
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    def reader():
+        for _ in range(200):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a partial file would be discarded with a warning
+                entry = read_entry(path)
+            if entry is not None:
+                seen.append(entry)
+
+    threads = [threading.Thread(target=writer, args=(e,)) for e in entries] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert all(e in entries for e in seen)  # every read is one writer's whole entry, never a mix
+    assert read_entry(path) in entries and not list(path.parent.glob("*.tmp"))
+
+
+def test_unwritable_cache_folder_warns_and_returns_the_result(llama, tmp_path):
+    model, opt = llama
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with pytest.warns(UserWarning, match=r"could not write the batch-size cache .*returned but not cached"):
+        result = find(model, opt, blocker)
+    assert result.batch_size >= 2 and result.cache == "miss"
+
+
+def test_cache_folder_is_private(llama, tmp_path):
+    model, opt = llama
+    find(model, opt, tmp_path / "fresh", max_batch_size=2)
+    for folder in (tmp_path / "fresh", tmp_path / "fresh" / "batch_size"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
