@@ -178,10 +178,26 @@ def apply_fsdp(
     # The root keeps the embeddings and head; it is not resharded after forward because its
     # parameters are needed again at the start of backward.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    _reshard_after_no_grad_forward(model)
     if broadcast_from_rank0:
         _load_from_rank0(model, full_state, device=mesh.device_type)
     return FSDPResult(mode=cfg.mode, by="fully_shard", world_size=dist.get_world_size(), reshard_after_forward=reshard,
                       cpu_offload=cfg.cpu_offload, weights_from="rank 0 broadcast" if broadcast_from_rank0 else "each rank")
+
+
+def _reshard_after_no_grad_forward(model: nn.Module) -> None:
+    """A forward without gradients (evaluation, ``verify``, ``generate``) would leave the root's
+    parameters unsharded (its ``reshard_after_forward=False`` keeps them for the backward, which
+    never comes), and until the next backward ``model.parameters()`` then yields the unsharded
+    tensors, not the DTensor shards: an optimizer built after an evaluation (measured on 2 gloo
+    ranks) updated those and training went wrong from its first step. The root reshards after
+    every forward without gradients (generation gathers its few root parameters once a token)."""
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            module.reshard()
+
+    model.register_forward_hook(after)
 
 
 def _reshard_after_forward(cfg: FSDPConfig) -> bool:

@@ -55,7 +55,7 @@ class Rung:
 
 
 def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
-                 eightbit: bool = True) -> list[Rung]:
+                 eightbit: bool = True, step_in_backward: bool = True) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
     first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
     memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
@@ -74,7 +74,7 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     full = speed * s["ckpt"]
     rungs.append(Rung(policy=f"{base}+ckpt", relative_speed=full))
     # fp16's GradScaler needs every gradient before the step: no stepping in the backward there.
-    in_backward = precision != "fp16"
+    in_backward = step_in_backward and precision != "fp16"
     if in_backward:
         rungs.append(Rung(policy=f"{base}+ckpt+optim:in_backward", relative_speed=full * s["in_backward"]))
     if eightbit:

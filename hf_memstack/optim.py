@@ -116,6 +116,8 @@ def make_optimizer(
     if not any(list(g["params"]) for g in groups):
         raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad): nothing to optimize; unfreeze "
                          "some, or check the PEFT config")
+    if cfg.step == "in_backward":
+        _check_not_replicated([p for g in groups for p in g["params"]])
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     factory = _factory(cfg)
     if cfg.step == "after_backward":
@@ -124,6 +126,21 @@ def make_optimizer(
     # verify() finds it here, to pause it: a check must not update the weights.
     unwrap_model(model).__dict__["_memstack_optimizer_in_backward"] = weakref.ref(optimizer)
     return optimizer
+
+
+def _check_not_replicated(params: list[torch.Tensor]) -> None:
+    """Stepping in the backward under DDP would update each replica with its own, not yet averaged,
+    gradient: DDP's all-reduce finishes after the parameter's gradient hook has run. FSDP2's sharded
+    parameters get their reduced gradient before the hook, so they are fine."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            and not any(isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            f"policy.optimizer.step='in_backward' on {dist.get_world_size()} processes without FSDP: under DDP each rank would "
+            "step with its own gradient before the all-reduce averages it, and the replicas would drift apart; shard the "
+            "model (policy 'fsdp', whose reduced gradients arrive before the step) or use policy.optimizer.step='after_backward'")
 
 
 Factory = Callable[[list[dict[str, Any]], dict[str, Any]], torch.optim.Optimizer]

@@ -82,6 +82,7 @@ def plan_policy(
     task: str = "causal-lm",
     device: str | None = None,
     trainable: Any = "all",
+    step_in_backward: bool = True,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -99,6 +100,9 @@ def plan_policy(
         task: ``causal-lm`` or ``classification``.
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
         trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict).
+        step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
+            rungs); pass False when the training loop accumulates gradients, clips them by their
+            global norm or averages them with DDP, none of which that rung can do.
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -120,7 +124,7 @@ def plan_policy(
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
-                         eightbit=importlib.util.find_spec("torchao") is not None)
+                         eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward)
     for rung in rungs:
         fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
             batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))

@@ -335,6 +335,7 @@ def check_config(cfg: FinetuneConfig) -> None:
         try:
             policy = MemoryPolicy.coerce(cfg.policy)
             problems += _policy_problems(policy, cfg.policy)
+            problems += _optimizer_problems(cfg, policy)
         except (PolicyError, ValueError, TypeError, OSError, yaml.YAMLError) as e:
             problems.append(f"policy={cfg.policy!r}: {str(e).strip()}")
 
@@ -428,6 +429,33 @@ def _policy_problems(policy: Any, spec: str) -> list[str]:
                             f"use one of {', '.join(b for b in ('inductor', 'aot_eager', 'eager') if b in backends)}")
     if policy.precision == "fp16" and not torch.cuda.is_available():
         problems.append(f"policy={spec!r}: fp16 needs a GPU (Accelerate refuses fp16 on CPU); use bf16 or fp32 here")
+    return problems
+
+
+def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
+    """The policy's optimizer rung against this run's settings (make_optimizer checks the same,
+    later; here every problem is named by its flag, before anything is loaded)."""
+    from hf_memstack.optim import check_optimizer_policy
+
+    problems, spec = [], cfg.policy
+    try:
+        check_optimizer_policy(policy.optimizer)
+    except RuntimeError as e:
+        problems.append(f"policy={spec!r}: {e}")
+    if policy.optimizer.step != "in_backward":
+        return problems
+    why = "optim:in_backward updates each parameter inside the backward"
+    if cfg.grad_clip > 0:
+        problems.append(f"grad_clip={cfg.grad_clip} with policy={spec!r}: {why}, before the global gradient norm exists; "
+                        "pass --grad-clip 0, or drop optim:in_backward from the policy")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.global_batch_size and not (cfg.batch_size.isdigit() and int(cfg.batch_size) * world == cfg.global_batch_size):
+        problems.append(f"global_batch_size={cfg.global_batch_size} with policy={spec!r}: {why}, so gradients cannot be "
+                        "accumulated over micro-batches; drop --global-batch-size (the per-device batch is the step's batch), "
+                        "or drop optim:in_backward")
+    if world > 1 and policy.fsdp.mode == "none":
+        problems.append(f"policy={spec!r} on {world} processes without fsdp: {why}, before DDP averages the gradients, so "
+                        "the replicas would drift apart; add fsdp to the policy, or drop optim:in_backward")
     return problems
 
 
@@ -803,8 +831,11 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         return MemoryPolicy.coerce(cfg.policy), ""
     batch: Any = int(cfg.batch_size) if cfg.batch_size.isdigit() else "max"
     try:
+        # optim:in_backward rungs only when this run could train with them (no clipping, no
+        # accumulation, no DDP): the planner does not offer what the loop would then refuse.
+        in_backward = cfg.grad_clip == 0 and not cfg.global_batch_size and world == 1
         plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
-                           world_size=world, task=task)
+                           world_size=world, task=task, step_in_backward=in_backward)
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise RecipeError(f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
                           "pass --policy explicitly") from None
@@ -1276,6 +1307,25 @@ def setup(cfg: FinetuneConfig) -> Job:
     return job
 
 
+def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
+    """AdamW, no weight decay on biases and norms; the policy's optimizer rung (8-bit moments,
+    stepped in the backward) through the library's make_optimizer, else PyTorch's fused kernel."""
+    from hf_memstack import make_optimizer
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if policy.optimizer.state != "fp32" or policy.optimizer.step != "after_backward":
+        try:
+            return make_optimizer(model, policy, lr=cfg.lr, param_groups=groups, max_grad_norm=cfg.grad_clip or None)
+        except (ValueError, RuntimeError) as e:
+            raise RecipeError(f"policy={policy.to_string()!r}: {e}") from None
+    try:  # the fused kernel where this PyTorch has it for the device
+        return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
+
+
 def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Route, policy: Any, precision: Any, task: str,
            tokenizer: Any, train_ds: Any, val_ds: Any, num_labels: int, model_path: str, record: dict[str, Any],
            device_type: str) -> Job:
@@ -1299,13 +1349,7 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
         raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model}: {e}") from None
     log(describe(model))
 
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    try:  # the fused kernel where this PyTorch has it for the device
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
-    except (RuntimeError, TypeError):
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
+    optimizer = build_optimizer(cfg, model, policy)
     # The model and optimizer go through Accelerate now (together: under its FSDP2 it shards the
     # model and points the optimizer at the shards), so the batch-size probes run under the same
     # autocast (and DDP/FSDP) as training. On the fully_shard route they stay out of Accelerate:
@@ -1349,10 +1393,14 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
     # recompile for each new padded length (pytorch#188150).
     pad_to = cfg.seq_len if policy.compile.mode != "none" else None
+    # Each loader draws its workers' base seed from its own generator, not from the global RNG: a
+    # resumed run creates its iterator mid-epoch, after the restored RNG state, and a draw there
+    # would shift every later dropout mask (an uninterrupted run drew it at the epoch's start).
     train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=collate(tokenizer, pad_to),
-                                           num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None)
+                                           num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None,
+                                           generator=torch.Generator().manual_seed(cfg.seed))
     val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to),
-                                         num_workers=cfg.num_workers, pin_memory=pin)
+                                         num_workers=cfg.num_workers, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
     if len(train_dl) == 0:
         raise RecipeError(f"batch_size={batch_size}: the {len(train_ds)} training rows do not fill one batch (compile drops the "
                           "last partial batch for one static shape); lower --batch-size or add rows")
@@ -1369,7 +1417,7 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
               model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, val_dl=val_dl, state=state,
               run_dir=plan.run_dir, record=record, batch_size=batch_size, grad_accum=grad_accum, total_steps=total_steps,
               device_type=device_type,
-              meter_first_step=device_type == "cpu" and policy.compile.mode == "none" and route == "none")
+              meter_first_step=_meter_first_step(policy, device_type, route, resuming=plan.resume is not None))
     if plan.resume is not None:
         load_checkpoint(job, plan.resume.path)
         if cfg.allow_config_change:
@@ -1530,13 +1578,21 @@ def micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
         if acc.sync_gradients:
             if job.cfg.grad_clip > 0:
                 acc.clip_grad_norm_(model.parameters(), job.cfg.grad_clip)
-            lr = optimizer.param_groups[0]["lr"]
+            lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps it as a tensor
             optimizer.step()
             if not acc.optimizer_step_was_skipped:  # fp16: an overflow skipped the update; the schedule waits too
                 job.scheduler.step()
             # Free the gradients as soon as they are used (set_to_none): not needed until the next backward.
             optimizer.zero_grad(set_to_none=True)
     return loss.detach(), lr
+
+
+def _meter_first_step(policy: Any, device_type: str, route: Route, *, resuming: bool) -> bool:
+    """Whether the first step runs under the memory meter (CPU, eager, unsharded). Not after a
+    resume with the 8-bit optimizer: its compiled step runs uncompiled under the meter, which rounds
+    differently, and the resumed run would no longer equal an uninterrupted one bit for bit."""
+    eager = device_type == "cpu" and policy.compile.mode == "none" and route == "none"
+    return eager and not (resuming and policy.optimizer.state == "8bit")
 
 
 def _measured_micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
@@ -1687,6 +1743,8 @@ def save(job: Job) -> dict[str, Any]:
         "batch_size": job.batch_size, "grad_accum": job.grad_accum, "world_size": acc.num_processes, "route": job.route,
         "fsdp": _fsdp_report(acc.unwrap_model(job.model)), "steps": state.step, "seconds": seconds,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes,
+        # The memory meter's first step of this process's run (after a resume: its first step), by category.
+        "first_step_memory": dataclasses.asdict(job.first_step) if job.first_step is not None else None,
         "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,
         "final_metrics": metrics, "history": history, "model_dir": str(model_dir), "trainable_parameters": trainable,
         "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target": cfg.lora_target} if cfg.lora_r else None,

@@ -50,6 +50,21 @@ def _sharded(rank, world):
         model = prepare_model(_model(), policy)
         report = verify(model, _batch(rank * per, (rank + 1) * per))
         out[policy] = (report.ok, str(report), _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per))
+    # An evaluation forward before the optimizer is built: the root must not stay unsharded (its
+    # parameters() would then be the gathered copies, and the optimizer would update those).
+    from torch.distributed.tensor import DTensor
+
+    model = prepare_model(_model(), "fp32+fsdp")
+    with torch.no_grad():
+        model(**_batch(rank * per, (rank + 1) * per))
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    out["eval_first"] = (sharded, _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per))
+    # Replicated (DDP-style) parameters: each rank would step before the gradients are averaged.
+    try:
+        make_optimizer(prepare_model(_model(), "fp32+optim:in_backward"), lr=1e-2)
+        out["replicated"] = "built"
+    except ValueError as e:
+        out["replicated"] = str(e)
     return out
 
 
@@ -65,3 +80,8 @@ def test_memory_rungs_inside_fsdp_match_one_process():
         sharded = [sum(step) / len(step) for step in zip(*(losses for _, _, losses in reports))]
         assert sharded == pytest.approx(alone, rel=1e-5), (policy, sharded, alone)
         assert sharded[-1] < sharded[0]
+    assert all(r["eval_first"][0] for r in per_rank)
+    after_eval = [sum(step) / len(step) for step in zip(*(r["eval_first"][1] for r in per_rank))]
+    assert after_eval == pytest.approx(alone, rel=1e-5)
+    for r in per_rank:
+        assert "on 2 processes without FSDP" in r["replicated"] and "policy 'fsdp'" in r["replicated"], r["replicated"]

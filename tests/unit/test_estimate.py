@@ -95,6 +95,18 @@ def test_planner_walks_the_new_rungs_in_order(pretrained_dirs):
     assert plan.estimate.optimizer + plan.estimate.gradients < one.optimizer + one.gradients < states
 
 
+def test_planner_leaves_out_stepping_in_the_backward_when_the_loop_cannot(pretrained_dirs):
+    """step_in_backward=False (the loop clips, accumulates or runs DDP): the same budget as above,
+    and no optim:in_backward rung is considered; what fits is an 8-bit or a sharded rung, or nothing."""
+    one = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked", batch_size=1, seq_len=16)
+    budget = int(one.peak_bytes * 0.97 / 0.9)
+    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu", step_in_backward=False)
+    allowed = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu")
+    assert any("in_backward" in r.policy for r in allowed.rows)
+    assert not any("in_backward" in r.policy for r in plan.rows), [r.policy for r in plan.rows]
+    assert plan.policy is None or plan.policy.optimizer.step == "after_backward"
+
+
 def test_planner_shards_when_model_states_exceed_the_budget(pretrained_dirs):
     one = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=1, seq_len=16)
     states = one.parameters + one.gradients + one.optimizer
