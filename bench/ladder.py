@@ -241,8 +241,9 @@ def compile_times(shape: dict, args: argparse.Namespace, device: str) -> dict:
         torch._dynamo.reset()
         model = prepare_model(reference_model(args.compile_layers, shape["hidden"], vocab=shape["vocab"]).to(device), f"bf16+{mode}")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        first = timed(lambda: train_step(model, batch, opt), device)
-        steady = median([timed(lambda: train_step(model, batch, opt), device) for _ in range(2)])
+        step = functools.partial(train_step, model, batch, opt)
+        first = timed(step, device)
+        steady = median([timed(step, device) for _ in range(2)])
         out[mode] = {"first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
                      "backend_compile_s": model.memstack.compile.compile_seconds}
     return out
@@ -356,11 +357,11 @@ def head_comparison(args: argparse.Namespace) -> dict:
             loss.backward()
         peak = sum(int(val) for dev in tracker.get_tracker_snapshot("peak").values() for k, val in dev.items() if "Total" in str(k))
         out[name] = {"loss": float(loss.detach()), "loss_dtype": str(loss.dtype), "peak_bytes": peak, "times": []}
-    for i in range(args.head_steps):
+    for _ in range(args.head_steps):
         for name, fn in fns.items():
             x = hidden0.clone().requires_grad_(True)
             head.weight.grad = None
-            out[name]["times"].append(timed(lambda: fn(x).backward(), "cpu"))
+            out[name]["times"].append(timed(lambda fn=fn, x=x: fn(x).backward(), "cpu"))
     ref = out["plain head + fp32 loss"]
     print(f"\nloss head alone: {n} tokens, hidden {h}, vocabulary {v}, bf16 autocast, chunks of {chunk} tokens; "
           f"{args.head_steps} interleaved runs; peak includes the fp32 weight and its gradient ({2 * h * v * 4 / 2**20:.0f} MiB)\n")

@@ -24,12 +24,12 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 def run(policy: str, lora_r: int, steps: int, batch: int) -> dict:
     import datasets
+    from trainer import _resolve  # recipes/trainer.py: the shipped MiniLM's folder
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer
 
     from hf_memstack import prepare_model
     from hf_memstack.accounting import optimizer_state_bytes
     from hf_memstack.integrations.trainer import MemstackCallback, training_arguments
-    from trainer import _resolve  # recipes/trainer.py: the shipped MiniLM's folder
 
     path = _resolve("minilm")
     tok = AutoTokenizer.from_pretrained(path)

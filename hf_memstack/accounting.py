@@ -18,11 +18,14 @@ def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes this rank holds for ``t``: the local shard of a DTensor; the inner tensors of a tensor
     subclass (an 8-bit optimizer state: uint8 codes and fp32 scales, whatever dtype it shows); else
     the whole tensor."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    if is_traceable_wrapper_subclass(t):  # DTensor (its local shard) and torchao's optimizer states
+    if isinstance(t, DTensor):
+        return tensor_bytes(t.to_local())
+    if is_traceable_wrapper_subclass(t):  # torchao's optimizer states: their inner tensors
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, name)) for name in names)
+        return sum(tensor_bytes(inner) for inner in (getattr(t, name) for name in names) if torch.is_tensor(inner))
     return t.numel() * t.element_size()
 
 

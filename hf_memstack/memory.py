@@ -12,8 +12,8 @@ import dataclasses
 import gc
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch

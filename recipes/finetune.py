@@ -517,7 +517,7 @@ def read_rows(path: Path) -> Rows:
 
         try:
             rows = pq.read_table(io.BytesIO(raw)).to_pylist()
-        except Exception as e:  # pyarrow raises its own ArrowInvalid family for broken files
+        except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid family for broken files
             raise RecipeError(f"{source}: not a readable parquet file ({type(e).__name__}: {str(e)[:160]}); rewrite it") from None
         where = [f"row {i + 1}" for i in range(len(rows))]
     elif kind == "text":
@@ -656,7 +656,7 @@ def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
 
     try:
         data = datasets.load_dataset(cfg.dataset)
-    except Exception as e:  # offline, unknown id, gated: say which and how to fix
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: say which and how to fix
         raise RecipeError(f"dataset={cfg.dataset!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
                           "pass a local file or check the id and the network") from None
     train = data["train"]
@@ -1507,7 +1507,7 @@ def load_checkpoint(job: Job, path: Path) -> None:
             from hf_memstack.fsdp import load_sharded_checkpoint
 
             load_sharded_checkpoint(job.model, job.optimizer, str(path / "sharded"))
-    except Exception as e:  # a foreign or damaged file the size check could not see: say which checkpoint
+    except Exception as e:  # noqa: BLE001 - a foreign or damaged file the size check could not see: say which checkpoint
         raise RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
                           "resume from an earlier one or start again") from None
 

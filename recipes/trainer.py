@@ -40,8 +40,7 @@ class ScriptArguments:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     import datasets
     import torch
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, HfArgumentParser,
-                              Trainer)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, HfArgumentParser, Trainer
 
     from hf_memstack import describe, prepare_model
     from hf_memstack.integrations.trainer import MemstackCallback, training_arguments

@@ -85,7 +85,7 @@ def test_per_rank_state_is_sharded():
     _train(model, 0, 1, 1, opt=opt)
     model(**_batch(0)).loss.backward()
     full = model_state_bytes(model, opt)
-    for state, meter_params, meter_opt in run_ranks(_sharded_bytes):
+    for state, _meter_params, meter_opt in run_ranks(_sharded_bytes):
         assert state.total <= 0.55 * full.total, (state, full)
         # The meter, too, counts this rank's shards (not gathered copies) for the optimizer state.
         assert meter_opt <= 0.55 * full.optimizer
@@ -330,10 +330,10 @@ def test_gradient_clipping_uses_the_norm_over_all_shards():
 def _preflight_failures(rank, world, directory):
     """One rank fails a pre-flight check; every rank must raise (never wait in a collective)."""
     from torch import nn
+    from transformers import AutoModelForCausalLM
 
     from hf_memstack import MemoryPolicy, from_pretrained_for_fsdp, prepare_model
     from hf_memstack.fsdp import load_sharded_checkpoint, save_sharded_checkpoint
-    from transformers import AutoModelForCausalLM
 
     def outcome(fn):
         try:

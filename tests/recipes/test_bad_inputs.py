@@ -304,7 +304,7 @@ def test_bad_inputs_give_clear_errors_and_write_nothing(tiny_lm, stopped_run, tm
             if not isinstance(e, recipe.RecipeError) or e.code != 2:
                 problems.append(f"[{case.area}] {case.name}: exit {e.code!r} ({type(e).__name__}):\n{err[-1500:]}")
                 continue
-        except Exception as e:  # a traceback is exactly what this test is about
+        except Exception as e:  # noqa: BLE001 - a traceback is exactly what this test is about
             problems.append(f"[{case.area}] {case.name}: {type(e).__name__}: {e}")
             continue
         missing = [f for f in case.expect if f not in err]

@@ -1,6 +1,6 @@
 import pytest
-from torch import nn
 from tiny import PlainStack
+from torch import nn
 
 from hf_memstack import find_blocks
 

@@ -1,8 +1,9 @@
 import math
+
 import pytest
 import torch
-from torch import nn
 from tiny import ARCHS, PlainStack, assert_untouched, make_batch, snapshot
+from torch import nn
 
 from hf_memstack import MemoryPolicy, PolicyError, describe, prepare_model, train_step, verify
 

@@ -1,0 +1,80 @@
+"""Loss curves of the recipe's default job (real pretrained MiniLM-L6, topic classification) with
+fp32 AdamW and with the optimizer rungs (8-bit moments, stepped in the backward), each over two
+seeds, so that a rung's difference from AdamW can be read against AdamW's own seed-to-seed spread.
+
+    python bench/optimizer_curves.py                 # 200 steps, seeds 0 and 1, four policies
+    python bench/optimizer_curves.py --steps 40 --policies fp32,fp32+optim:in_backward
+
+Every run uses --grad-clip 0 (stepping in the backward cannot clip by the global norm) and the
+same precision (fp32: the optimizer is what differs). Writes bench/results/optimizer_curves.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ["fp32", "fp32+optim:in_backward", "fp32+optim:8bit", "fp32+optim:8bit+optim:in_backward"]
+
+
+def run(policy: str, seed: int, steps: int, out: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--policy", policy, "--seed", str(seed), "--max-steps", str(steps),
+           "--grad-clip", "0", "--log-every", "10", "--eval-every", "0", "--output-dir", str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"{policy} seed {seed} failed:\n{done.stderr[-3000:]}")
+    report = json.loads((out / "report.json").read_text())
+    return {"policy": policy, "seed": seed, "seconds": time.perf_counter() - start,
+            "losses": [(h["step"], h["loss"]) for h in report["history"]], "final": report["final_metrics"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "optimizer_curves.json"))
+    args = ap.parse_args()
+    print(machine())
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for policy in args.policies.split(","):
+            for seed in seeds:
+                r = run(policy, seed, args.steps, Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}")
+                print(f"  {policy} seed {seed}: {r['seconds']:.0f} s, final {r['final']}", flush=True)
+                runs.append(r)
+    # The mean training loss over the last quarter of the logged steps, per run.
+    def tail(r: dict) -> float:
+        losses = [loss for _, loss in r["losses"]]
+        return statistics.fmean(losses[-max(1, len(losses) // 4):])
+
+    base = [tail(r) for r in runs if r["policy"] == "fp32"]
+    spread = max(base) - min(base) if len(base) > 1 else float("nan")
+    print("\n| policy | seeds | train loss, last quarter (mean over seeds) | minus AdamW's | AdamW's seed spread | final eval loss | final accuracy | s/run |")
+    print("|---|---|---|---|---|---|---|---|")
+    for policy in args.policies.split(","):
+        rs = [r for r in runs if r["policy"] == policy]
+        t = statistics.fmean(tail(r) for r in rs)
+        ev = statistics.fmean(r["final"].get("eval_loss", float("nan")) for r in rs)
+        acc = statistics.fmean(r["final"].get("eval_accuracy", float("nan")) for r in rs)
+        print(f"| {policy} | {len(rs)} | {t:.4f} | {t - statistics.fmean(base):+.4f} | {spread:.4f} | {ev:.4f} | {acc:.3f} | "
+              f"{statistics.fmean(r['seconds'] for r in rs):.0f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": runs}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
