@@ -33,10 +33,11 @@ from .._device import device_of, preserved_rng
 from ..accounting import optimizer_state_bytes
 from ..checkpointing import CheckpointingGuard
 from ..memory import StepMemory, measure_step
+from ..optim import OptimizerInBackward, optimizer_in_backward_of
 from ..record import MemstackRecord, record_of
 from ..verify import VerifyReport, verify
 
-__all__ = ["MemstackCallback", "add_memstack_callback", "check_training_arguments", "training_arguments"]
+__all__ = ["MemstackCallback", "add_memstack_callback", "check_optimizer", "check_training_arguments", "training_arguments"]
 
 logger = logging.getLogger("hf_memstack")
 
@@ -59,6 +60,7 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
     repeats: list[str] = []
     _check_checkpointing_args(model, args, record, problems, repeats)
     _check_precision_args(args, record, problems, repeats)
+    _check_optimizer_args(args, record, problems)
     if getattr(args, "torch_compile", False):
         if record.policy.compile.mode != "none":
             problems.append(f"TrainingArguments.torch_compile=True would compile the model a second time; the policy "
@@ -102,6 +104,35 @@ def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecor
         problems.append(conflict)
     else:
         repeats.append(f"{flag} repeats the policy's checkpointing (nothing changes); set {_CHECKPOINTING_FIELD}=False")
+
+
+def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
+    """optim:in_backward updates each parameter inside the backward: what Trainer would do after it
+    (clip by the global norm, accumulate micro-batches) cannot happen."""
+    if record.policy.optimizer.step != "in_backward":
+        return
+    if (args.max_grad_norm or 0) > 0:
+        problems.append(f"TrainingArguments.max_grad_norm={args.max_grad_norm}: the policy's optim:in_backward updates each "
+                        "parameter inside the backward, before a global gradient norm exists; set max_grad_norm=0")
+    if args.gradient_accumulation_steps != 1:
+        problems.append(f"TrainingArguments.gradient_accumulation_steps={args.gradient_accumulation_steps}: with optim:in_backward "
+                        "every backward updates the weights, so gradients cannot be accumulated; set gradient_accumulation_steps=1 "
+                        "(a larger per_device_train_batch_size instead)")
+
+
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Raise when the policy has an optimizer rung (optim:8bit, optim:in_backward) and ``optimizer``
+    was not built for it: Trainer builds plain AdamW unless given one."""
+    record = _record(model)
+    cfg = record.policy.optimizer
+    if cfg.state == "fp32" and cfg.step == "after_backward" or optimizer is None:
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    built = isinstance(inner, OptimizerInBackward) if cfg.step == "in_backward" else "8bit" in type(inner).__name__.lower()
+    if not built:
+        raise ValueError(f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
+                         f"{type(inner).__name__}; build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer("
+                         "model, lr=args.learning_rate, weight_decay=args.weight_decay), None))")
 
 
 def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str], repeats: list[str]) -> None:
@@ -263,8 +294,9 @@ class MemstackCallback(TrainerCallback):
             warnings.warn(note, stacklevel=2)
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
-                       train_dataloader: Any = None, **kwargs: Any) -> None:
+                       train_dataloader: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         check_training_arguments(model, args)
+        check_optimizer(model, optimizer)
         batch = _first_batch(train_dataloader, model)
         report = memory = None
         if batch is not None:
@@ -335,7 +367,8 @@ def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
     """The meter on one forward + backward; the gradients it leaves are removed again."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
-    with preserved_rng(device_of(model)):
+    stepping = optimizer_in_backward_of(model)  # it would update the weights in this backward: pause it
+    with preserved_rng(device_of(model)), stepping.paused() if stepping is not None else contextlib.nullcontext():
         memory = measure_step(model, batch, None, timed=False)
     for p, g in zip(params, grads):
         p.grad = g

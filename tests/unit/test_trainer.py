@@ -185,6 +185,61 @@ def test_repeating_the_policy_warns_and_changes_nothing(load_model, word_tokeniz
     assert verify(model, make_batch("llama")).ok
 
 
+# ----------------------------------------------------------------------------- memory rungs in Trainer
+
+
+def test_trainer_with_the_chunked_loss_and_an_optimizer_stepping_in_the_backward(load_model, word_tokenizer, tmp_path):
+    """loss:chunked + optim:in_backward through Trainer, the optimizer from make_optimizer: the same
+    losses as Trainer's own AdamW on the unchunked model (in-backward AdamW is the same arithmetic),
+    and the callback's first-step checks update nothing."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_memstack import make_optimizer
+
+    collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
+    args = _args(tmp_path, max_steps=4, max_grad_norm=0.0, optim="adamw_torch", weight_decay=0.0)
+    plain = prepare_model(load_model("llama"), "fp32")
+    _, expected = _train(plain, args, _lm_dataset(word_tokenizer), collator)
+    model = prepare_model(load_model("llama"), "fp32+loss:chunked+optim:in_backward")
+    from transformers import Trainer
+
+    optimizer = make_optimizer(model, lr=args.learning_rate, weight_decay=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=_lm_dataset(word_tokenizer), data_collator=collator,
+                      optimizers=(optimizer, None), callbacks=[MemstackCallback()])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses == pytest.approx(expected, rel=1e-4), (losses, expected)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [({}, "max_grad_norm=1.0.*set max_grad_norm=0"),
+     ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2.*cannot be accumulated")],
+    ids=["clipping", "accumulation"],
+)
+def test_in_backward_refuses_trainer_settings_it_cannot_honour(load_model, word_tokenizer, tmp_path, overrides, fragment):
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    with pytest.raises(ValueError, match=fragment):
+        Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=_lm_dataset(word_tokenizer),
+                data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+
+
+def test_trainer_own_optimizer_is_refused_for_an_optimizer_rung(load_model, word_tokenizer, tmp_path):
+    """Without optimizers=(make_optimizer(...), None) Trainer builds plain AdamW: the policy's rung
+    would silently not apply. The callback stops before the first step."""
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model=model, args=_args(tmp_path, max_grad_norm=0.0), train_dataset=_lm_dataset(word_tokenizer),
+                      data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+    with pytest.raises(ValueError, match="optimizers=\\(hf_memstack.make_optimizer"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
 def test_unprepared_model_is_a_clear_error(load_model, tmp_path):
     with pytest.raises(ValueError, match="was not prepared by hf_memstack: call hf_memstack.prepare_model"):
         check_training_arguments(load_model("llama"), _args(tmp_path))
