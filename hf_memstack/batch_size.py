@@ -400,4 +400,5 @@ def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
 
     if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."
-    return next_rung(record.policy, num_blocks=len(record.blocks or ()), weights_dominate=weights_dominate)
+    return next_rung(record.policy, num_blocks=len(record.blocks or ()), weights_dominate=weights_dominate,
+                     causal_lm=record.chunkable_loss)

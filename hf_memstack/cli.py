@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="local directory or cached hub id")
     sp.add_argument("--seq-len", type=_positive_int("--seq-len"), required=True, help="tokens per sample")
-    sp.add_argument("--task", default="causal-lm", choices=["causal-lm", "classification"], help="which head (default causal-lm)")
+    sp.add_argument("--task", default=None, choices=["causal-lm", "classification"],
+                    help="which head (default: from the config's architectures, else causal-lm)")
     sp.add_argument("--trainable", choices=["all", "lora"], default=None, help="what trains: all parameters (default) or LoRA adapters")
     sp.add_argument("--lora-r", type=_positive_int("--lora-r"), help="LoRA rank (implies --trainable lora; default 8)")
     sp.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
@@ -136,19 +137,20 @@ def _find(args: argparse.Namespace) -> int:
     import torch
 
     from .batch_size import find_batch_size
-    from .estimate import build_model, check_seq_len, load_config, peft_config_from
+    from .estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
     from .prepare import prepare_model
 
     config = load_config(args.model)
     check_seq_len(config, args.seq_len)
     peft_config = peft_config_from(_trainable(args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = prepare_model(build_model(config, args.task, peft_config).to(device).train(), args.policy)
+    task = args.task or infer_task(args.model, config)
+    model = prepare_model(build_model(config, task, peft_config).to(device).train(), args.policy)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
     def make_batch(n: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, config.vocab_size, (n, args.seq_len), device=device)
-        labels = ids if args.task == "causal-lm" else torch.zeros(n, dtype=torch.long, device=device)
+        labels = ids if task == "causal-lm" else torch.zeros(n, dtype=torch.long, device=device)
         return {"input_ids": ids, "labels": labels}
 
     result = find_batch_size(model, make_batch, optimizer, budget=args.budget, global_batch_size=args.global_batch_size,

@@ -132,6 +132,15 @@ def check_seq_len(config: Any, seq_len: int) -> None:
         raise ValueError(f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less")
 
 
+def infer_task(model: Any, config: Any) -> str:
+    """``classification`` for a sequence-classification model (its class, or the config's
+    ``architectures`` saved by ``save_pretrained``), else ``causal-lm``."""
+    from .record import unwrap_model
+
+    names = [type(unwrap_model(model)).__name__] if isinstance(model, nn.Module) else list(getattr(config, "architectures", None) or [])
+    return "classification" if any(n.endswith("ForSequenceClassification") for n in names) else "causal-lm"
+
+
 def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False) -> nn.Module:
     """The model of ``config`` for ``task`` (fp32, random weights), with PEFT adapters when given.
 
@@ -151,7 +160,7 @@ def estimate_memory(
     world_size: int = 1,
     optimizer: str = "adamw",
     trainable: Any = "all",
-    task: str = "causal-lm",
+    task: str | None = None,
     trust_remote_code: bool = False,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category.
@@ -168,7 +177,8 @@ def estimate_memory(
             but the output head); a PEFT config (e.g. ``LoraConfig(...)``); or a dict of
             ``LoraConfig`` fields (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``). Frozen
             parameters count as parameters, with no gradient and no optimizer state.
-        task: ``causal-lm`` or ``classification`` (which head the config gets).
+        task: ``causal-lm`` or ``classification`` (which head the config gets); default: from the
+            model given (its class, or its config's ``architectures``), else ``causal-lm``.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -185,11 +195,12 @@ def estimate_memory(
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
-    if task not in ("causal-lm", "classification"):
+    if task is not None and task not in ("causal-lm", "classification"):
         raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
     model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
+    task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     if optimizer == "sgd" and (policy.optimizer.state, policy.optimizer.step) != ("fp32", "after_backward"):
         raise ValueError(f"optimizer='sgd' with policy {policy.to_string()!r}: the policy's optimizer rung (optim:8bit, "

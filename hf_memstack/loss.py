@@ -115,6 +115,17 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     return plan
 
 
+def supports_chunked_loss(model: nn.Module) -> bool:
+    """Whether ``loss:chunked`` applies to ``model`` (a causal LM with an output head and a backbone)."""
+    from .record import unwrap_model
+
+    try:
+        _check_causal_lm(unwrap_model(model))
+    except ValueError:
+        return False
+    return True
+
+
 def _check_causal_lm(target: nn.Module) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
@@ -108,6 +109,10 @@ def make_optimizer(
     record = record_of(model)
     resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     cfg = resolved.optimizer
+    if record is not None and cfg != record.policy.optimizer:
+        raise ValueError(f"make_optimizer(policy={resolved.to_string()!r}) asks for optimizer {_describe(cfg)}, but the model was "
+                         f"prepared with {record.policy.to_string()!r} ({_describe(record.policy.optimizer)}); drop the policy "
+                         "argument (the optimizer then follows the model's policy), or prepare the model with the optim: tokens you want")
     grad_scaler = record.grad_scaler if record is not None else None
     check_training_settings(cfg, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                             grad_scaler=grad_scaler)
@@ -122,10 +127,19 @@ def make_optimizer(
     factory = _factory(cfg)
     if cfg.step == "after_backward":
         return factory(groups, defaults)
+    previous = optimizer_in_backward_of(model)
+    if previous is not None:  # e.g. a notebook cell run twice: the old hooks would keep stepping with the old optimizer
+        previous.remove_hooks()
+        warnings.warn("make_optimizer: this model already had an optimizer stepping in the backward; its hooks were removed and "
+                      "the new optimizer replaces it (do not use the old one)", stacklevel=2)
     optimizer = OptimizerInBackward(groups, factory, defaults)
     # verify() finds it here, to pause it: a check must not update the weights.
     unwrap_model(model).__dict__["_memstack_optimizer_in_backward"] = weakref.ref(optimizer)
     return optimizer
+
+
+def _describe(cfg: OptimizerConfig) -> str:
+    return f"state={cfg.state!r}, step={cfg.step!r}"
 
 
 def _check_not_replicated(params: list[torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .estimate import MemoryEstimate, estimate_memory, load_config
+from .estimate import MemoryEstimate, estimate_memory, infer_task, load_config
 from .ladder import memory_rungs
 from .policy import MemoryPolicy
 from .sizes import format_bytes, parse_bytes
@@ -79,7 +79,7 @@ def plan_policy(
     batch_size: int | Literal["max"] = 1,
     world_size: int = 1,
     margin: float = 0.1,
-    task: str = "causal-lm",
+    task: str | None = None,
     device: str | None = None,
     trainable: Any = "all",
     step_in_backward: bool = True,
@@ -97,7 +97,7 @@ def plan_policy(
             that fits at least one sample is chosen, at its largest batch, whose own estimate fits).
         world_size: devices; FSDP rungs are considered when > 1.
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
-        task: ``causal-lm`` or ``classification``.
+        task: ``causal-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
         trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict).
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
@@ -119,6 +119,7 @@ def plan_policy(
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
     usable = budget_bytes * (1 - margin)
     config = load_config(model)
+    task = task or infer_task(model, config)
     precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)

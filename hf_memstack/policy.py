@@ -276,7 +276,7 @@ class MemoryPolicy:
             if key in seen:
                 problems.append(
                     f"policy string {original!r}: {token!r} conflicts with {seen[key]!r}; give each of "
-                    "precision, ckpt, compile, fsdp and loss at most once"
+                    "precision, ckpt, compile, fsdp and loss at most once (optim:8bit and optim:in_backward may go together)"
                 )
                 continue
             seen[key] = token

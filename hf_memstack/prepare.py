@@ -25,7 +25,7 @@ from .fsdp import (
     check_hybrid_shard,
     require_process_group,
 )
-from .loss import _HeadPlan, apply_loss_head, check_loss_head
+from .loss import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
 from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
@@ -201,7 +201,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss,
+        kv_cache_disabled=kv_cache_disabled, loss=loss, chunkable_loss=supports_chunked_loss(model),
     )
 
 
@@ -216,7 +216,14 @@ def _check_not_prepared(model: nn.Module) -> None:
 
 
 def _check_not_set_by_hand(model: nn.Module) -> None:
-    """Checkpointing or compile applied by hand would stack with the policy's, or be misreported."""
+    """Checkpointing, compile or an optimizer stepping in the backward, applied before the policy,
+    would stack with the policy's, or be misreported."""
+    from .optim import optimizer_in_backward_of
+
+    if optimizer_in_backward_of(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} already has an optimizer stepping in the backward (make_optimizer was called before "
+            "prepare_model): build the optimizer after prepare_model, so that it follows the policy's optim: tokens")
     checkpointed = [n or type(model).__name__ for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     if checkpointed:
         raise ValueError(

@@ -49,6 +49,9 @@ class MemstackRecord:
     """``model.config.use_cache`` was turned off: training never reads the KV cache."""
     loss: LossHeadResult = field(default_factory=lambda: LossHeadResult(mode="default"))
     """How the training loss of the output head is computed."""
+    chunkable_loss: bool = False
+    """The model is a causal LM whose loss ``loss:chunked`` can compute (the ladder's first memory
+    rung for it, when the policy does not chunk already)."""
 
     def describe(self) -> str:
         """A few lines saying what was applied, and how."""

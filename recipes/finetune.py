@@ -1672,7 +1672,8 @@ def _log_row(job: Job, window: _Window) -> dict[str, Any]:
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     peak = torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes
     return {"step": job.state.step, "loss": float(loss), "lr": window.lr, "tokens_per_s": window.tokens / elapsed,
-            "samples_per_s": window.samples / elapsed, "peak_memory_mib": peak / 2**20}
+            # None when nothing measured it (no meter after an 8-bit resume, a compiled or sharded CPU run).
+            "samples_per_s": window.samples / elapsed, "peak_memory_mib": peak / 2**20 if peak else None}
 
 
 # ============================================================================= 7. save
@@ -1742,7 +1743,7 @@ def save(job: Job) -> dict[str, Any]:
         "task": job.task, "model": cfg.model, "policy": job.policy.to_string(), "precision": job.precision.name,
         "batch_size": job.batch_size, "grad_accum": job.grad_accum, "world_size": acc.num_processes, "route": job.route,
         "fsdp": _fsdp_report(acc.unwrap_model(job.model)), "steps": state.step, "seconds": seconds,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes or None,
         # The memory meter's first step of this process's run (after a resume: its first step), by category.
         "first_step_memory": dataclasses.asdict(job.first_step) if job.first_step is not None else None,
         "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,

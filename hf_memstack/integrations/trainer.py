@@ -187,7 +187,9 @@ def training_arguments(
         if old != new and old in kwargs:
             kwargs.setdefault(new, kwargs.pop(old))
     precision = {} if {"bf16", "fp16"} & set(kwargs) else {"bf16": record.precision.name == "bf16", "fp16": record.precision.name == "fp16"}
-    fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **kwargs}
+    # optim:in_backward steps inside the backward: no global-norm clipping there (Trainer's default is 1.0).
+    no_clip = {"max_grad_norm": 0.0} if record.policy.optimizer.step == "in_backward" else {}
+    fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **no_clip, **kwargs}
     # Without a GPU, Trainer accepts bf16 only when told it trains on the CPU.
     fields.setdefault("use_cpu", not torch.cuda.is_available())
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):

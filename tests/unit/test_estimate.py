@@ -95,6 +95,26 @@ def test_planner_walks_the_new_rungs_in_order(pretrained_dirs):
     assert plan.estimate.optimizer + plan.estimate.gradients < one.optimizer + one.gradients < states
 
 
+def test_the_task_comes_from_the_saved_model(pretrained_dirs, load_model):
+    """A saved BertForSequenceClassification is estimated as one (not as a BERT language model), and
+    loss:chunked is refused for it as prepare_model refuses it."""
+    from hf_memstack.estimate import infer_task
+
+    saved = pretrained_dirs["bert"]
+    from hf_memstack.estimate import load_config
+
+    assert infer_task(str(saved), load_config(saved)) == infer_task(load_model("bert"), None) == "classification"
+    assert infer_task(str(pretrained_dirs["llama"]), load_config(pretrained_dirs["llama"])) == "causal-lm"
+    inferred = estimate_memory(saved, "fp32", batch_size=2, seq_len=16)
+    explicit = estimate_memory(saved, "fp32", batch_size=2, seq_len=16, task="classification")
+    from hf_memstack import model_state_bytes
+
+    # Parameters and buffers, as the real classifier holds them (a BERT language model's differ).
+    assert inferred.parameters == explicit.parameters == model_state_bytes(load_model("bert")).parameters
+    with pytest.raises(ValueError, match="needs a causal language model"):
+        estimate_memory(saved, "fp32+loss:chunked", batch_size=2, seq_len=16)
+
+
 def test_planner_leaves_out_stepping_in_the_backward_when_the_loop_cannot(pretrained_dirs):
     """step_in_backward=False (the loop clips, accumulates or runs DDP): the same budget as above,
     and no optim:in_backward rung is considered; what fits is an 8-bit or a sharded rung, or nothing."""

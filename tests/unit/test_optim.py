@@ -199,3 +199,28 @@ def test_policy_tokens_and_strings():
     assert MemoryPolicy(optimizer="8bit+in_backward") == MemoryPolicy.from_string("fp32+optim:8bit+optim:in_backward")
     with pytest.raises(PolicyError, match="policy.optimizer='4bit' is not an optimizer setting"):
         MemoryPolicy(optimizer="4bit")
+
+
+def test_a_second_make_optimizer_replaces_the_first(load_model):
+    """A notebook cell run twice: the first optimizer's hooks go (with a warning), the second steps."""
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    first = make_optimizer(model, lr=1e-2)
+    with pytest.warns(UserWarning, match="its hooks were removed"):
+        second = make_optimizer(model, lr=1e-2)
+    _run(model, second, steps=2)  # would raise "completed twice" if the first still stepped
+    assert len(second.state) == sum(1 for p in model.parameters() if p.requires_grad) and not first.state
+
+
+def test_an_optimizer_disagreeing_with_the_model_policy_is_refused(load_model):
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    with pytest.raises(ValueError, match="prepared with 'fp32\\+optim:in_backward'.*drop the policy argument"):
+        make_optimizer(model, "fp32", lr=1e-2)
+
+
+def test_an_optimizer_built_before_prepare_model_is_refused(load_model):
+    model = load_model("llama")
+    make_optimizer(model, "fp32+optim:in_backward", lr=1e-2)
+    flags = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
+    with pytest.raises(ValueError, match="make_optimizer was called before prepare_model"):
+        prepare_model(model, "bf16+ckpt")
+    assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags
