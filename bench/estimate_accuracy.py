@@ -16,10 +16,12 @@ from pathlib import Path
 import torch
 from _common import machine
 
-from hf_memstack import estimate_memory, measure_step, prepare_model
+from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
 from hf_memstack.estimate import peft_config_from
 
-POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2"]
+POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2",
+            # the rungs beyond the blocks (the chunked loss only where there are logits: causal LMs)
+            "bf16+loss:chunked", "bf16+ckpt:selective", "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward"]
 TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.estimate.DEFAULT_LORA)
 
 
@@ -55,12 +57,14 @@ def main() -> None:
             auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
             for trainable in TRAINABLE:
                 for policy in POLICIES:
+                    if "loss:chunked" in policy and task != "causal-lm":
+                        continue
                     for b in map(int, args.batches.split(",")):
                         est = estimate_memory(Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task, trainable=trainable)
                         real = _measured(auto, cfg, task, policy, trainable, b, args, device)
                         rows.append({"arch": arch, "trainable": trainable, "policy": policy, "batch": b, "estimate": est.peak_bytes,
                                      "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1})
-                        print(f"{arch:6s} {trainable:4s} {policy:12s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                        print(f"{arch:6s} {trainable:4s} {policy:30s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
                               f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%", flush=True)
     for trainable in TRAINABLE:
         sub = [r for r in rows if r["trainable"] == trainable]
@@ -84,7 +88,7 @@ def _measured(auto, cfg, task, policy, trainable, b, args, device):
 
         model = get_peft_model(model, peft_config)
     model = prepare_model(model.train(), policy)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    opt = make_optimizer(model, lr=1e-5)  # the policy's optimizer (AdamW; 8-bit / in the backward when it says so)
     ids = torch.randint(3, args.vocab, (b, args.seq), device=device)
     labels = ids if task == "causal-lm" else torch.zeros(b, dtype=torch.long, device=device)
     return measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
