@@ -40,3 +40,16 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+@contextlib.contextmanager
+def module_mode(model: nn.Module, *, training: bool) -> Iterator[None]:
+    """``model.train(training)`` inside; every submodule's own mode restored after (a module the
+    user put in eval mode stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, was_training in modes:
+            module.training = was_training

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._device import preserved_rng
+from ._device import module_mode, preserved_rng
 from ._wrappers import _ForwardWrapper
 from .policy import LossConfig
 
@@ -154,7 +154,7 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     labels = ids.clone()
     labels[0, 2] = -100  # a masked position (prompt masking) inside the window
     probe = ChunkedLossForward(target, chunk_tokens=3, softcap=plan.result.softcap, logit_multiplier=plan.result.logit_multiplier)
-    with torch.no_grad(), preserved_rng(device), _eval_mode(target):
+    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False):
         expected = target(input_ids=ids, labels=labels).loss
         got = probe.loss_from({"input_ids": ids, "labels": labels}).loss
     tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
@@ -421,17 +421,6 @@ def _has_values(model: nn.Module) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not any(p.is_meta or isinstance(p, FakeTensor) for p in model.parameters())
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def auto_chunk_tokens(vocab_size: int) -> int:

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 
-from .._device import device_of, preserved_rng
+from .._device import device_of, module_mode, preserved_rng
 from ..accounting import optimizer_state_bytes
 from ..checkpointing import CheckpointingGuard
 from ..memory import StepMemory, measure_step
@@ -242,17 +242,9 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 
-@contextlib.contextmanager
-def train_mode(model: nn.Module) -> Iterator[None]:
-    """``model.train()`` inside, each submodule's own mode restored after (a module the user put in
-    eval mode stays so)."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.train()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
+def train_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``model.train()`` inside, each submodule's own mode restored after."""
+    return module_mode(model, training=True)
 
 
 def _length(sample: Any) -> int:
