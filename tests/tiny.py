@@ -4,6 +4,7 @@ snapshot that tells whether a model was left untouched. No downloads."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,15 @@ def make_batch(arch: str, batch_size: int = 2, seq: int = SEQ, seed: int = 0) ->
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "labels": torch.randint(0, 3, (batch_size,), generator=g)}
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def batches(arch: str = "llama", seq: int = 32) -> Callable[[int], dict[str, torch.Tensor]]:
+    """``make(n)``: a batch of ``n`` samples of ``arch`` (seeded by ``n``), as the batch-size finder asks for them."""
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        return make_batch(arch, batch_size=n, seq=seq, seed=n)
+
+    return make
 
 
 class PlainBlock(nn.Module):

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny import PlainStack, make_batch
+from tiny import PlainStack, batches, make_batch
 
 from hf_memstack import (
     BudgetTooSmallError,
@@ -16,12 +16,6 @@ from hf_memstack import (
     tensor_bytes,
 )
 from hf_memstack.step import train_step
-
-
-def batches(arch="llama", seq=32):
-    def make(n):
-        return make_batch(arch, batch_size=n, seq=seq, seed=n)
-    return make
 
 
 def sim_peak(model, opt, make, n):

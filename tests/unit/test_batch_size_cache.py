@@ -8,18 +8,12 @@ import warnings
 
 import pytest
 import torch
-from tiny import make_batch
+from tiny import batches
 
 from hf_memstack import find_batch_size, prepare_model
 from hf_memstack._finder_cache import CacheEntry, cache_key, read_entry, write_entry
 
 BUDGET = "12MiB"
-
-
-def batches(seq=32):
-    def make(n):
-        return make_batch("llama", batch_size=n, seq=seq, seed=n)
-    return make
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 import torch
-from tiny import PlainStack, make_batch
+from tiny import PlainStack, batches, make_batch
 
 from hf_memstack import (
     find_executable_batch_size,
@@ -15,22 +15,16 @@ from hf_memstack import (
 from hf_memstack.step import train_step
 
 
-def batches(seq):
-    def make(n):
-        return make_batch("llama", batch_size=n, seq=seq, seed=n)
-    return make
-
-
 @pytest.fixture
 def job(load_model):
     """A prepared Llama, its optimizer with state, and a budget whose true maximum at seq 32 is 30."""
     model = prepare_model(load_model("llama"), "fp32")
     opt = torch.optim.AdamW(model.parameters())
-    train_step(model, batches(32)(2), opt)
+    train_step(model, batches(seq=32)(2), opt)
     peaks = []
     for n in (30, 31):
         with simulated_memory_limit("64GiB", count=[model, opt]) as mem:
-            train_step(model, batches(32)(n), opt)
+            train_step(model, batches(seq=32)(n), opt)
         peaks.append(mem.peak_bytes)
     return model, opt, sum(peaks) // 2
 
@@ -39,7 +33,7 @@ def training(calls, seq):
     def train(batch_size, model, optimizer):
         calls.append(batch_size)
         for _ in range(2):  # the second step holds the optimizer state through its backward: the steady state
-            train_step(model, batches(seq)(batch_size), optimizer)
+            train_step(model, batches(seq=seq)(batch_size), optimizer)
         return batch_size
     return train
 
@@ -47,7 +41,7 @@ def training(calls, seq):
 def test_predicts_then_runs_once(job):
     model, opt, budget = job
     calls = []
-    train = find_executable_batch_size(training(calls, 32), starting_batch_size=1024, make_batch=batches(32), cache=False)
+    train = find_executable_batch_size(training(calls, 32), starting_batch_size=1024, make_batch=batches(seq=32), cache=False)
     with simulated_memory_limit(budget, count=[model, opt]) as mem:
         used = train(model, opt)
     assert 0.95 * 30 <= used <= 30 and calls == [used] and mem.out_of_memory_errors == 0
@@ -58,7 +52,7 @@ def test_falls_back_to_accelerate_retries_when_the_function_needs_more(job):
     model, opt, budget = job
     calls = []
     # The function trains on sequences of 64 while make_batch builds 32: the prediction is too large.
-    train = find_executable_batch_size(training(calls, 64), starting_batch_size=1024, make_batch=batches(32), cache=False)
+    train = find_executable_batch_size(training(calls, 64), starting_batch_size=1024, make_batch=batches(seq=32), cache=False)
     with simulated_memory_limit(budget, count=[model, opt]) as mem:
         used = train(model, opt)
     predicted = train.batch_size_result.batch_size
