@@ -6,7 +6,9 @@ seeds, so that a rung's difference from AdamW can be read against AdamW's own se
     python bench/optimizer_curves.py --steps 40 --policies fp32,fp32+optim:in_backward
 
 Every run uses --grad-clip 0 (stepping in the backward cannot clip by the global norm) and the
-same precision (fp32: the optimizer is what differs). Writes bench/results/optimizer_curves.json.
+same precision (fp32: the optimizer is what differs). Writes bench/results/optimizer_curves.json,
+keeping the runs already there for other (policy, seed) pairs and the same step count, so that
+runs can be added one at a time.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def main() -> None:
     args = ap.parse_args()
     print(machine())
     seeds = [int(s) for s in args.seeds.split(",")]
+    out = Path(args.out)
+    wanted = {(p, s) for p in args.policies.split(",") for s in seeds}
+    kept = []
+    if out.exists():
+        old = json.loads(out.read_text())
+        if old.get("steps") == args.steps:
+            kept = [r for r in old["runs"] if (r["policy"], r["seed"]) not in wanted]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for policy in args.policies.split(","):
@@ -60,20 +69,22 @@ def main() -> None:
         losses = [loss for _, loss in r["losses"]]
         return statistics.fmean(losses[-max(1, len(losses) // 4):])
 
+    runs = kept + runs
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
     base = [tail(r) for r in runs if r["policy"] == "fp32"]
     spread = max(base) - min(base) if len(base) > 1 else float("nan")
     print("\n| policy | seeds | train loss, last quarter (mean over seeds) | minus AdamW's | AdamW's seed spread | final eval loss | final accuracy | s/run |")
     print("|---|---|---|---|---|---|---|---|")
-    for policy in args.policies.split(","):
+    for policy in policies:
         rs = [r for r in runs if r["policy"] == policy]
         t = statistics.fmean(tail(r) for r in rs)
         ev = statistics.fmean(r["final"].get("eval_loss", float("nan")) for r in rs)
         acc = statistics.fmean(r["final"].get("eval_accuracy", float("nan")) for r in rs)
         print(f"| {policy} | {len(rs)} | {t:.4f} | {t - statistics.fmean(base):+.4f} | {spread:.4f} | {ev:.4f} | {acc:.3f} | "
               f"{statistics.fmean(r['seconds'] for r in rs):.0f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": runs}, indent=2))
-    print(f"\nwrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": runs}, indent=2))
+    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

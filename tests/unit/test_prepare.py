@@ -56,6 +56,20 @@ def test_bf16_loss_close_to_fp32(load_model, arch):
     assert abs(bf16 - fp32) <= 0.02 * abs(fp32) + 1e-3
 
 
+def test_bf16_output_dtypes(load_model):
+    """fp32 outputs as Accelerate returns them, except the logits when the model computed the loss
+    (their fp32 copy would only cost time and memory): the loss is fp32 either way."""
+    model = prepare_model(load_model("llama"), "bf16")
+    batch = make_batch("llama")
+    with_labels = model(**batch)
+    assert with_labels.loss.dtype == torch.float32 and with_labels.logits.dtype == torch.bfloat16
+    assert with_labels.loss.requires_grad
+    without = model(input_ids=batch["input_ids"])
+    assert without.loss is None and without.logits.dtype == torch.float32
+    as_tuple = model(input_ids=batch["input_ids"], labels=batch["labels"], return_dict=False)
+    assert all(t.dtype == torch.float32 for t in as_tuple if torch.is_tensor(t))
+
+
 @pytest.mark.parametrize("arch, method", [("llama", "transformers"), ("t5", "transformers"), ("plain", "torch")])
 def test_checkpointing_method_and_recompute(load_model, arch, method):
     plain = verify(prepare_model(load_model(arch), "fp32"), make_batch(arch))
