@@ -6,6 +6,8 @@ full-model vs regional compile time, a large-vocabulary model, and the loss-head
     python bench/ladder.py                      # the ladder model: 4-layer Llama h=1024, vocab 32k, batch 4, seq 256
     python bench/ladder.py --model large-vocab  # vocab 128,256, hidden 1024, 4 layers, batch 4, seq 512
     python bench/ladder.py --head               # the loss head alone: plain, F.linear_cross_entropy, chunks
+    python bench/ladder.py --model large-vocab --batch 8 --pair bf16+ckpt,bf16+ckpt+loss:chunked --steps 3
+                                                # two rungs' step times, interleaved pair by pair
     python bench/ladder.py --layers 2 --hidden 256 --seq 128 --steps 6 --compile-layers 0   # a quick look
 
 Speed: ``--steps`` interleaved pairs per rung (ours, hand; each side first half the time); the
@@ -190,6 +192,30 @@ def run_rung(rung: str, shape: dict, args: argparse.Namespace, device: str) -> d
         "backward_flops": report.backward_flops, "recompute_flops": report.recompute_flops,
         "parameter_bytes": model_state_bytes(ours).parameters,
     }
+
+
+def pair_comparison(rungs: list[str], shape: dict, args: argparse.Namespace, device: str) -> dict:
+    """Step times of two rungs (both prepared by hf_memstack), interleaved step by step, each first
+    half the time: the ratio is measured under the same conditions, unlike rungs run one after another."""
+    a_rung, b_rung = rungs
+    batch = reference_batch(shape["batch"], shape["seq"], vocab=shape["vocab"], device=device)
+    steps = []
+    for rung in rungs:
+        model = prepare_model(reference_model(shape["layers"], shape["hidden"], vocab=shape["vocab"]).to(device), rung)
+        opt = make_optimizer(model, lr=1e-5)
+        steps.append(functools.partial(train_step, model, batch, opt))
+        timed(steps[-1], device)  # warm-up
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(args.steps):
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for k in order:
+            times[k].append(timed(steps[k], device))
+    stats = ratio_stats(times[1], times[0])  # A's time over B's: > 1 means B is faster
+    print(f"\nmachine: {machine()}; {shape}; {args.steps} interleaved pairs")
+    print(f"{a_rung}: {spread(times[0])} s;  {b_rung}: {spread(times[1])} s")
+    print(f"step time {b_rung} / {a_rung}: {1 / stats['gmean']:.3f} (95% CI {1 / stats['ci95'][1]:.3f}-{1 / stats['ci95'][0]:.3f})")
+    return {"rungs": rungs, "step_times": {a_rung: times[0], b_rung: times[1]}, "b_over_a_time": 1 / stats["gmean"],
+            "ci95": [1 / stats["ci95"][1], 1 / stats["ci95"][0]]}
 
 
 def peak_live_gradients(model: torch.nn.Module, step) -> int:
@@ -394,6 +420,7 @@ def main() -> None:
     ap.add_argument("--compile-layers", type=int, default=8, help="depth of the model for full vs regional compile time (0 skips)")
     ap.add_argument("--rungs", help="comma-separated rungs (default: the model's list)")
     ap.add_argument("--head", action="store_true", help="only compare the loss-head implementations")
+    ap.add_argument("--pair", help="A,B: only compare two rungs' step times (ours), interleaved step by step")
     ap.add_argument("--head-tokens", type=int, default=2048)
     ap.add_argument("--head-steps", type=int, default=3)
     ap.add_argument("--out", help="JSON output (default bench/results/ladder[_large_vocab|_head].json)")
@@ -406,6 +433,12 @@ def main() -> None:
         return
     shape = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in MODELS[args.model].items()}
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.pair:
+        out = Path(args.out or results / f"ladder_pair_{args.model}.json")
+        out.write_text(json.dumps({"machine": machine(), "args": vars(args), "shape": shape,
+                                   **pair_comparison(args.pair.split(","), shape, args, device)}, indent=2))
+        print(f"\nwrote {out}")
+        return
     rungs = args.rungs.split(",") if args.rungs else (RUNGS if args.model == "ladder" else LARGE_VOCAB_RUNGS)
     rows = []
     for rung in rungs:

@@ -192,7 +192,8 @@ def _from_rank0(rank, world, directory, policy):
     local = sum(p.to_local().numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
     with torch.no_grad():
-        logits = model.eval()(**_batch(0)).logits
+        # With labels the loss is fp32 and the logits stay in the compute dtype (bf16 here).
+        logits = model.eval()(**_batch(0)).logits.float()
     # Training continues from the broadcast weights in step on both ranks.
     model.train()
     losses = _train(model, rank, world, 2)[0]
