@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -58,36 +57,29 @@ def _rebuild(cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, A
 
 class AutocastForward(_ForwardWrapper):
     """Runs the forward under ``torch.autocast`` and returns fp32 outputs (Accelerate's recipe:
-    a plain ``loss.backward()`` loop then works for bf16, and a loss computed from the outputs is
-    reduced in fp32) - except when the forward computed the loss itself (``labels`` given): then
-    the loss is returned in fp32 and the other outputs stay in the compute dtype, as a hand-written
-    autocast loop returns them. Converting them would copy the ``[batch, seq, vocab]`` logits to
-    fp32 after the loss no longer needs them: 1.5% of a step on the README's ladder model, 1 GiB at
-    a 128k vocabulary (Transformers' loss functions upcast the logits themselves)."""
+    a plain ``loss.backward()`` loop then works for bf16, and the loss is reduced in fp32).
+
+    Every output, the logits included, even when the model computed its loss: a user's own loss
+    term from ``outputs.logits`` (a KL against a teacher, a z-loss) then runs in fp32, and
+    ``allclose``/``numpy()`` on the logits work whether or not labels were passed. The copy costs
+    ~1.5% of a step on the README's ladder model (measured); leaving the logits in bf16 when a loss
+    was computed was tried and reverted, because such loss terms then silently lost precision.
+    The chunked loss (``loss:chunked``) makes no full logits, so it has no such copy."""
 
     def __init__(self, module: nn.Module, *, dtype: torch.dtype) -> None:
         super().__init__(module)
         self.dtype = dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from accelerate.utils import convert_to_fp32
+
         # The device type is read per call so that a model moved after prepare_model still autocasts.
         with torch.autocast(device_type=device_of(self.module).type, dtype=self.dtype):
             outputs = self.__wrapped__(*args, **kwargs)
-        return _fp32_outputs(outputs)
+        return convert_to_fp32(outputs)
 
     def _options(self) -> dict[str, Any]:
         return {"dtype": self.dtype}
-
-
-def _fp32_outputs(outputs: Any) -> Any:
-    loss = outputs.get("loss") if isinstance(outputs, MutableMapping) else None
-    if torch.is_tensor(loss):
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            outputs["loss"] = loss.float()  # a ModelOutput sets the attribute too
-        return outputs
-    from accelerate.utils import convert_to_fp32
-
-    return convert_to_fp32(outputs)
 
 
 class CheckpointedForward(_ForwardWrapper):

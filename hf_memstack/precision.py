@@ -1,7 +1,6 @@
 """Mixed precision: resolve the policy's precision for a device, check the hardware, and run the
-model's forward under autocast with fp32 outputs (Accelerate's recipe; only the loss when the
-model computed it, see ``AutocastForward``), so that a plain ``loss.backward()`` loop works for
-fp32 and bf16, and fp16 adds a GradScaler."""
+model's forward under autocast with fp32 outputs (Accelerate's recipe), so that a plain
+``loss.backward()`` loop works for fp32 and bf16, and fp16 adds a GradScaler."""
 
 from __future__ import annotations
 
@@ -109,8 +108,7 @@ def check_accelerator_precision(precision: ResolvedPrecision, accelerator: Any) 
 
 
 def apply_precision(model: nn.Module, precision: ResolvedPrecision) -> None:
-    """Run ``model.forward`` under autocast in ``precision.dtype`` and return fp32 outputs (when
-    the model computed the loss from ``labels``: an fp32 loss, the other outputs in ``precision.dtype``).
+    """Run ``model.forward`` under autocast in ``precision.dtype`` and return fp32 outputs.
 
     The parameters stay in their dtype (fp32 master weights for mixed precision); only the
     computation is autocast. This is what ``Accelerator.prepare`` does to a model, without

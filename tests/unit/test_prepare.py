@@ -56,18 +56,20 @@ def test_bf16_loss_close_to_fp32(load_model, arch):
     assert abs(bf16 - fp32) <= 0.02 * abs(fp32) + 1e-3
 
 
-def test_bf16_output_dtypes(load_model):
-    """fp32 outputs as Accelerate returns them, except the logits when the model computed the loss
-    (their fp32 copy would only cost time and memory): the loss is fp32 either way."""
-    model = prepare_model(load_model("llama"), "bf16")
+def test_bf16_outputs_are_fp32_with_and_without_labels(load_model):
+    """fp32 outputs as Accelerate returns them, the logits included when the model computed its
+    loss: a user's own loss term from the logits then runs in fp32 (a model's KL to itself is 0)."""
+    model = prepare_model(load_model("llama"), "bf16").eval()
     batch = make_batch("llama")
-    with_labels = model(**batch)
-    assert with_labels.loss.dtype == torch.float32 and with_labels.logits.dtype == torch.bfloat16
-    assert with_labels.loss.requires_grad
-    without = model(input_ids=batch["input_ids"])
+    with torch.no_grad():
+        with_labels = model(**batch)
+        without = model(input_ids=batch["input_ids"])
+        as_tuple = model(input_ids=batch["input_ids"], labels=batch["labels"], return_dict=False)
+    assert with_labels.loss.dtype == torch.float32 and with_labels.logits.dtype == torch.float32
     assert without.loss is None and without.logits.dtype == torch.float32
-    as_tuple = model(input_ids=batch["input_ids"], labels=batch["labels"], return_dict=False)
     assert all(t.dtype == torch.float32 for t in as_tuple if torch.is_tensor(t))
+    a, b = with_labels.logits.log_softmax(-1), without.logits.log_softmax(-1)
+    assert torch.nn.functional.kl_div(a, b, log_target=True, reduction="batchmean") == 0
 
 
 @pytest.mark.parametrize("arch, method", [("llama", "transformers"), ("t5", "transformers"), ("plain", "torch")])
