@@ -242,11 +242,6 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 
-def train_mode(model: nn.Module) -> contextlib.AbstractContextManager[None]:
-    """``model.train()`` inside, each submodule's own mode restored after."""
-    return module_mode(model, training=True)
-
-
 def _length(sample: Any) -> int:
     ids = sample.get("input_ids") if isinstance(sample, dict) else None
     return len(ids) if ids is not None else 0
@@ -294,7 +289,7 @@ class MemstackCallback(TrainerCallback):
         batch = _first_batch(train_dataloader, model)
         report = memory = None
         if batch is not None:
-            with train_mode(model):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
+            with module_mode(model, training=True):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
                 report, memory = self._first_step(model, batch)
         self.first_step = FirstStepReport(verify=report, memory=memory)
         if torch.cuda.is_available():
