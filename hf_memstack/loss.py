@@ -220,8 +220,8 @@ class ChunkedLossForward(_ForwardWrapper):
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         model = self.module
-        backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep")}
-        outputs = model.base_model(**backbone_args)
+        backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep", "return_dict")}
+        outputs = model.base_model(**backbone_args, return_dict=True)
         hidden = outputs[0]
         loss = chunked_lm_loss(
             hidden, model.get_output_embeddings(), labels=arguments.get("labels"), shift_labels=arguments.get("shift_labels"),
@@ -232,7 +232,11 @@ class ChunkedLossForward(_ForwardWrapper):
         extra = {n: cache for n in ("cache", "past_key_values") if n in fields}
         result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
                                         attentions=getattr(outputs, "attentions", None), **extra)
-        return result.to_tuple() if arguments.get("return_dict") is False else result
+        if arguments.get("return_dict") is False:
+            # The model's own tuple keeps its positions (loss, logits, cache, ...): the logits' slot
+            # stays, as None, so that out[1] is still the logits and out[2] the cache.
+            return (loss, None, *result.to_tuple()[1:])
+        return result
 
     def _options(self) -> dict[str, Any]:
         return {"chunk_tokens": self.chunk_tokens, "softcap": self.softcap, "logit_multiplier": self.logit_multiplier}

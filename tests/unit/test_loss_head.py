@@ -157,6 +157,34 @@ def test_without_labels_or_gradients_the_models_own_forward_runs(load_model):
     assert model(input_ids=batch["input_ids"]).logits.requires_grad  # generation-style calls, with gradients on too
 
 
+def test_return_dict_false_keeps_the_tuple_positions():
+    """The model's own tuple is (loss, logits, cache): out[1] stays the logits' slot (None: never
+    made), out[2] the cache, so code that unpacks by position gets the same fields."""
+    reference = _causal_lm("llama")
+    model = prepare_model(copy.deepcopy(reference), _chunked())
+    batch = _masked_batch()
+    own = reference(**batch, return_dict=False, use_cache=True)
+    ours = model(**batch, return_dict=False, use_cache=True)
+    assert len(ours) == len(own) == 3
+    assert float(ours[0].detach()) == pytest.approx(float(own[0].detach()), rel=1e-5)
+    assert ours[1] is None and own[1].shape[-1] == VOCAB
+    assert type(ours[2]) is type(own[2]) and ours[2].get_seq_length() == own[2].get_seq_length()
+
+
+def test_verify_compares_the_losses_under_the_same_dropout_masks():
+    """In training mode with dropout, both of verify's forwards draw the same masks: the losses
+    agree to fp32 rounding, not to dropout's noise."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)).train()
+    model = prepare_model(model, _chunked())
+    check = verify(model, make_batch("gpt2")).check("loss")
+    ours, theirs = (float(x) for x in check.detail.split(" on the first")[0].replace(",", "").split()[2::4])
+    assert check.ok and ours == pytest.approx(theirs, rel=1e-5), check.detail
+
+
 def test_forward_signature_pickle_and_deepcopy_are_kept(load_model):
     model = prepare_model(load_model("llama"), _chunked(precision="bf16"))
     original = inspect.signature(type(model).forward)
