@@ -72,6 +72,21 @@ def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps
                          + "\n".join(f"  - {p}" for p in problems))
 
 
+def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any) -> None:
+    """Names the argument before torch.optim would fail on it with a bare comparison error (e.g.
+    ``lr="1e-3"`` read from a config without a type)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+    problems = [f"{name}={value!r} must be a number >= 0, e.g. {example}" for name, value, example in
+                (("lr", lr, "lr=1e-4"), ("eps", eps, "eps=1e-8"), ("weight_decay", weight_decay, "weight_decay=0.01"))
+                if not number(value)]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and b < 1 for b in betas)):
+        problems.append(f"betas={betas!r} must be two numbers in [0, 1), e.g. betas=(0.9, 0.999)")
+    if problems:
+        raise ValueError("make_optimizer: " + "; ".join(problems) + " (a value read from a file may need float(...))")
+
+
 def make_optimizer(
     model: nn.Module,
     policy: MemoryPolicy | str | dict[str, Any] | None = None,
@@ -106,6 +121,7 @@ def make_optimizer(
     """
     from .record import record_of, unwrap_model
 
+    _check_hyperparameters(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
     record = record_of(model)
     resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     cfg = resolved.optimizer

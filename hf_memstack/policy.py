@@ -450,7 +450,11 @@ def _optimizer_from_string(value: str) -> OptimizerConfig | None:
 
 
 def _validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> None:
-    _check_choice(problems, "policy.checkpointing.mode", ck.mode, CheckpointingMode)
+    if ck.mode == "selective:alternate":  # the string token's spelling, given as a mode
+        problems.append("policy.checkpointing.mode='selective:alternate' is not a mode; use mode='selective' with "
+                        "selective_matmuls='save_alternate' (the policy string's token is 'ckpt:selective:alternate')")
+    else:
+        _check_choice(problems, "policy.checkpointing.mode", ck.mode, CheckpointingMode)
     if not isinstance(ck.every_n, int) or isinstance(ck.every_n, bool) or ck.every_n < 2:
         problems.append(
             f"policy.checkpointing.every_n={ck.every_n!r} must be an integer >= 2 "
@@ -563,8 +567,9 @@ def _coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> 
         return cls(**value)
     if value is None:
         return cls()
+    as_string = "a string such as '8bit+in_backward'" if cls is OptimizerConfig else "a mode string"
     problems.append(
-        f"policy.{name}={value!r} has type {type(value).__name__}; pass a {cls.__name__}, a mode string or a dict"
+        f"policy.{name}={value!r} has type {type(value).__name__}; pass {cls.__name__}(...), {as_string} or a dict"
     )
     return None
 

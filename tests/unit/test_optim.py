@@ -224,3 +224,16 @@ def test_an_optimizer_built_before_prepare_model_is_refused(load_model):
     with pytest.raises(ValueError, match="make_optimizer was called before prepare_model"):
         prepare_model(model, "bf16+ckpt")
     assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"lr": "1e-3"}, "lr='1e-3' must be a number >= 0"),
+    ({"lr": 1e-3, "eps": -1.0}, "eps=-1.0 must be a number >= 0"),
+    ({"lr": 1e-3, "betas": (0.9, 1.5)}, "betas=(0.9, 1.5) must be two numbers in [0, 1)"),
+])
+def test_bad_hyperparameters_are_named_before_torch_sees_them(load_model, kwargs, fragment):
+    model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
+    with pytest.raises(ValueError, match="make_optimizer: ") as e:
+        make_optimizer(model, **kwargs)
+    assert fragment in str(e.value), str(e.value)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # nothing was built
