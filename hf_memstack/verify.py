@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._device import device_of, preserved_rng
+from ._device import device_of, module_mode, preserved_rng
 from ._wrappers import forward_wrapper
 from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
@@ -330,15 +330,16 @@ def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Ch
 
     one = _first_sample(batch)
     chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)
-    # Both forwards from the same random state: in training mode, dropout draws the same masks.
-    with torch.no_grad():
-        with preserved_rng(device_of(model)):
-            theirs = forward_loss(model, one, loss_fn)  # without gradients, the model's own forward runs
+    # In eval mode: the check compares the head's arithmetic, so no dropout draws different masks
+    # in the two forwards (nor per chunk, for a LoRA head with dropout).
+    with torch.no_grad(), module_mode(model, training=False):
+        theirs = forward_loss(model, one, loss_fn)  # without gradients, the model's own forward runs
         with chunked.without_gradients() if chunked is not None else contextlib.nullcontext():
             ours = forward_loss(model, one, loss_fn)
     a, b = float(ours.detach()), float(theirs)
     # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
-    tolerance = 2e-2 if record_of(model).precision.mixed else 1e-4
+    record = record_of(model)
+    tolerance = 2e-2 if record is None or record.precision.mixed else 1e-4
     ok = abs(a - b) <= tolerance * max(1.0, abs(b))
     detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"
     if not ok:
