@@ -169,12 +169,7 @@ def run_rung(rung: str, shape: dict, args: argparse.Namespace, device: str) -> d
     step_hand = lambda: hand_step(hand, batch, opt_hand, rung, device)  # noqa: E731
     first_ours = timed(step_ours, device)  # includes compile
     first_hand = timed(step_hand, device)
-    times_ours, times_hand = [], []
-    for i in range(args.steps):
-        # Interleaved, and each side goes first half the time: drift and cache effects hit both alike.
-        pair = [(times_ours, step_ours), (times_hand, step_hand)]
-        for times, step in pair if i % 2 == 0 else pair[::-1]:
-            times.append(timed(step, device))
+    times_ours, times_hand = interleaved_times(step_ours, step_hand, args.steps, device)
     grads = peak_live_gradients(ours, lambda: train_step(ours, batch, opt_ours))
     mem_ours = measure_step(ours, batch, opt_ours, timed=False)
     # The hand-written optimizer-in-backward has no optimizer object: show the meter its state.
@@ -194,6 +189,16 @@ def run_rung(rung: str, shape: dict, args: argparse.Namespace, device: str) -> d
     }
 
 
+def interleaved_times(step_a, step_b, steps: int, device: str) -> tuple[list[float], list[float]]:
+    """``steps`` timed pairs of two steps, each side first half the time: drift and cache effects
+    hit both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(steps):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            times[k].append(timed((step_a, step_b)[k], device))
+    return times
+
+
 def pair_comparison(rungs: list[str], shape: dict, args: argparse.Namespace, device: str) -> dict:
     """Step times of two rungs (both prepared by hf_memstack), interleaved step by step, each first
     half the time: the ratio is measured under the same conditions, unlike rungs run one after another."""
@@ -205,11 +210,7 @@ def pair_comparison(rungs: list[str], shape: dict, args: argparse.Namespace, dev
         opt = make_optimizer(model, lr=1e-5)
         steps.append(functools.partial(train_step, model, batch, opt))
         timed(steps[-1], device)  # warm-up
-    times: tuple[list[float], list[float]] = ([], [])
-    for i in range(args.steps):
-        order = (0, 1) if i % 2 == 0 else (1, 0)
-        for k in order:
-            times[k].append(timed(steps[k], device))
+    times = interleaved_times(steps[0], steps[1], args.steps, device)
     stats = ratio_stats(times[0], times[1])  # B's time over A's, pair by pair: < 1 means B is faster
     print(f"\nmachine: {machine()}; {shape}; {args.steps} interleaved pairs")
     print(f"{a_rung}: {spread(times[0])} s;  {b_rung}: {spread(times[1])} s")

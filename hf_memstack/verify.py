@@ -134,7 +134,7 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
         observed = _observe_step(model, batch, loss_fn, record)
-        loss_check = _check_loss_head(model, batch, loss_fn) if record.loss.mode == "chunked" else None
+        loss_check = _check_loss_head(model, batch, loss_fn, record) if record.loss.mode == "chunked" else None
     report.saved_activation_bytes = observed.saved_bytes
     report.recomputed_blocks = observed.recomputed
     report.forward_flops, report.backward_flops = observed.flops.forward, observed.flops.backward
@@ -323,7 +323,7 @@ def _recompute_summary(flops: _Flops) -> str:
             f"{grads / 1e9:.3g} GFLOP (the checkpointed blocks' forward: {flops.checkpointed_forward / 1e9:.3g} GFLOP)")
 
 
-def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Check:
+def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
     from .loss import ChunkedLossForward
@@ -338,8 +338,7 @@ def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None) -> Ch
             ours = forward_loss(model, one, loss_fn)
     a, b = float(ours.detach()), float(theirs)
     # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
-    record = record_of(model)
-    tolerance = 2e-2 if record is None or record.precision.mixed else 1e-4
+    tolerance = 2e-2 if record.precision.mixed else 1e-4
     ok = abs(a - b) <= tolerance * max(1.0, abs(b))
     detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"
     if not ok:
