@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import numbers
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -151,10 +152,11 @@ def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_
 def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -> int:
     """The user's next size below the one that ran out of memory; refuse a hook that would loop forever."""
     while True:
-        size = reduce_batch_size_fn()
-        if not isinstance(size, int) or isinstance(size, bool):
-            raise TypeError(f"reduce_batch_size_fn returned {size!r} ({type(size).__name__}); it must return the next batch "
-                            "size as an int")
+        returned = reduce_batch_size_fn()
+        if not isinstance(returned, numbers.Integral) or isinstance(returned, bool):  # numpy's integers are fine
+            raise TypeError(f"reduce_batch_size_fn returned {returned!r} ({type(returned).__name__}); it must return the next "
+                            "batch size as an int")
+        size = int(returned)
         previous = state["returned"]
         if size < 0 or (previous is not None and size >= previous):
             why = "a negative size" if size < 0 else f"{size} after {previous}"
@@ -190,10 +192,13 @@ def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
     except (TypeError, ValueError):
         return ""
     found = {**scope.globals, **scope.nonlocals}
-    names = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
-    passes = [f"{kind}={next(n for n, v in found.items() if isinstance(v, cls))}" for kind, cls in names.items()
-              if kind in missing and any(isinstance(v, cls) for v in found.values())]
-    return f"; {function.__name__} closes over them: pass {', '.join(passes)} to the decorator" if passes else ""
+    kinds = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
+    names = {kind: next((n for n, v in found.items() if isinstance(v, cls)), None) for kind, cls in kinds.items() if kind in missing}
+    names = {kind: name for kind, name in names.items() if name is not None}
+    if not names:
+        return ""
+    passes = ", ".join(f"{kind}={name}" for kind, name in names.items())
+    return f"; {function.__name__} closes over {' and '.join(names.values())}: pass {passes} to the decorator"
 
 
 def _check_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:

@@ -223,7 +223,7 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if "output_router_logits" in inspect.signature(type(target).forward).parameters:
         arguments["output_router_logits"] = True
-    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False):
+    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False), _hooks_restored(target):
         expected = target(**arguments)
         got = probe.loss_from(dict(arguments))
     tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
@@ -240,6 +240,28 @@ def _check_matches_model(plan: _HeadPlan) -> None:
                 "(known: final-logit soft-capping, logit scaling, the routers' load_balancing_loss_func). Drop loss:chunked "
                 "for this model"
             )
+
+
+@contextlib.contextmanager
+def _hooks_restored(model: nn.Module) -> Iterator[None]:
+    """Within: forward hooks installed on ``model`` are removed on exit. Transformers installs its
+    output-capturing hooks (local functions: the model no longer pickles) on the first forward that
+    asks for router logits, and marks each model it hooked; the probe's forward must not leave them
+    on a model that never asked (the marks go too, so a later forward installs them again)."""
+    flag = "_output_capturing_hooks_installed"
+    before = {id(m): (set(m._forward_hooks), m.__dict__.get(flag)) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            hooks, installed = before.get(id(m), (set(), None))
+            for key in set(m._forward_hooks) - hooks:
+                for table in (m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                    table.pop(key, None)
+            if installed is None:
+                m.__dict__.pop(flag, None)
+            else:
+                m.__dict__[flag] = installed
 
 
 def _show(value: Any) -> str:

@@ -3,6 +3,7 @@ under the simulated device limit, where an oversized step really runs until it r
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from tiny import PlainStack, batches, make_batch
@@ -133,7 +134,7 @@ def test_closure_style_without_model_warns_naming_what_to_pass():
         return model, opt
 
     unpredicted = find_executable_batch_size(train, starting_batch_size=4, make_batch=lambda n: make_batch("plain", batch_size=n))
-    with pytest.warns(UserWarning, match=r"no model, optimizer .*train closes over them: pass model=model, optimizer=opt "
+    with pytest.warns(UserWarning, match=r"no model, optimizer .*train closes over model and opt: pass model=model, optimizer=opt "
                                          r"to the decorator: no prediction, retrying from 4"):
         unpredicted()
     assert calls == [4] and unpredicted.batch_size_result is None
@@ -164,6 +165,7 @@ def _reducer(sizes):
     ([6, 9], ValueError, r"reduce_batch_size_fn returned 9 after 6"),
     ([4.5], TypeError, r"reduce_batch_size_fn returned 4.5 \(float\); it must return the next batch size as an int"),
     ([6, 3, 0], RuntimeError, r"No executable batch size found, reached zero"),  # Accelerate's end
+    ([np.int64(6), np.int64(3), 0], RuntimeError, r"reached zero"),  # numpy's integers are integers
 ])
 def test_a_reduce_hook_that_would_loop_forever_is_refused(sizes, error, match):
     calls = []

@@ -148,6 +148,21 @@ def test_prepare_verify_and_a_real_step(load_moe, spec):
     assert all(not torch.equal(p, routers[n]) for n, p in model.named_parameters() if n in routers)
 
 
+def test_the_prepare_time_check_leaves_no_hooks_behind(load_moe):
+    """prepare_model compares the router loss with the model's own, a forward that makes Transformers
+    install its output-capturing hooks (local functions: no pickling). They are removed afterwards,
+    and the router loss still works, in the model and in its pickled copy."""
+    import pickle
+
+    model = prepare_model(load_moe("mixtral"), _chunked())
+    assert not any(m._forward_hooks for m in model.modules())
+    copied = pickle.loads(pickle.dumps(model))
+    batch = _batch()
+    ours, theirs = model(**batch, output_router_logits=True), copied(**batch, output_router_logits=True)
+    assert ours.aux_loss is not None and float(theirs.aux_loss) == pytest.approx(float(ours.aux_loss), rel=1e-6)
+    assert float(theirs.loss) == pytest.approx(float(ours.loss), rel=1e-6)
+
+
 def _doge() -> torch.nn.Module:
     import transformers
 
