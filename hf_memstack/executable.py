@@ -11,6 +11,9 @@ with a smaller one after an out-of-memory error - so existing code changes one i
 
     train(model, optimizer)
 
+A function that closes over the model and optimizer (Accelerate's canonical style) passes them to
+the decorator: ``find_executable_batch_size(..., make_batch=make_batch, model=model, optimizer=optimizer)``.
+
 Before the first call, :func:`~hf_memstack.find_batch_size` predicts the largest size that fits
 (a few measured steps, cached), capped at ``starting_batch_size``; the function then starts
 there. Only if it still runs out of memory (a longer batch than ``make_batch`` builds, an
@@ -24,6 +27,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
+import numbers
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -57,43 +61,56 @@ def find_executable_batch_size(
         function: the function to wrap (or None, to use the decorator with arguments).
         starting_batch_size: the largest size to use (Accelerate's first attempt).
         reduce_batch_size_fn: Accelerate's hook: called with no arguments after an out-of-memory
-            error, returns the next size. Default: ``int(batch_size * 0.9)``.
+            error, returns the next size. Default: ``int(batch_size * 0.9)``. Its sizes must fall
+            call after call (0 ends the search as Accelerate's does); a size at or above the one
+            that just ran out of memory - it counts down from ``starting_batch_size`` while the
+            prediction started lower - is skipped by calling it again.
         make_batch: ``make_batch(n)`` returns a batch of ``n`` samples at the longest sequence
             length the function will see; without it there is no prediction (a warning says so).
         model, optimizer: what the finder measures; default: the first ``nn.Module`` and the
-            first optimizer among the call's arguments.
+            first optimizer among the call's arguments. Pass them here when the function closes
+            over them (Accelerate's canonical style, ``def train(batch_size):`` using the
+            enclosing ``model`` and ``optimizer``): without them that style gets no prediction.
         budget, mode, cache, cache_dir: as in :func:`~hf_memstack.find_batch_size` (on CPU
             inside :func:`~hf_memstack.simulated_memory_limit` the budget is the limit's).
+
+    The closure style, predicted first::
+
+        @find_executable_batch_size(starting_batch_size=128, make_batch=make_batch, model=model, optimizer=optimizer)
+        def train(batch_size):
+            ...  # uses model and optimizer from the enclosing scope
+
+        train()
 
     The wrapper's ``batch_size_result`` attribute holds the finder's result after the first call.
 
     Raises:
-        TypeError: ``batch_size`` passed by the caller (Accelerate's check) or a bad argument.
+        TypeError: ``batch_size`` passed by the caller (Accelerate's check), an argument of the
+            wrong type, or ``reduce_batch_size_fn`` returning something other than an int.
+        ValueError: a bad argument value (``mode``, ``starting_batch_size``), or
+            ``reduce_batch_size_fn`` returning a negative size or one that does not fall.
         RuntimeError: ``No executable batch size found, reached zero.`` (Accelerate's message).
         BudgetTooSmallError: the finder found that not even batch size 1 fits.
     """
     options = {"make_batch": make_batch, "model": model, "optimizer": optimizer, "budget": budget, "mode": mode,
                "cache": cache, "cache_dir": cache_dir}
+    # Checked when decorating, so a typo fails at import time rather than after a first OOM.
+    _check_arguments(function, starting_batch_size, reduce_batch_size_fn, options)
     if function is None:
         return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
                                  reduce_batch_size_fn=reduce_batch_size_fn, **options)
-    if not isinstance(starting_batch_size, int) or isinstance(starting_batch_size, bool) or starting_batch_size <= 0:
-        raise ValueError(f"starting_batch_size={starting_batch_size!r} must be a positive integer")
-    for name, value in (("function", function), ("reduce_batch_size_fn", reduce_batch_size_fn), ("make_batch", make_batch)):
-        if value is not None and not callable(value):
-            raise TypeError(f"{name}={value!r} must be callable")
-    state = {"batch_size": starting_batch_size, "predicted": False}
+    state = {"batch_size": starting_batch_size, "predicted": False, "returned": None}
 
     def reduce() -> int:
-        state["batch_size"] = reduce_batch_size_fn() if reduce_batch_size_fn else int(state["batch_size"] * 0.9)
+        state["batch_size"] = _next_size(reduce_batch_size_fn, state) if reduce_batch_size_fn else int(state["batch_size"] * 0.9)
         return state["batch_size"]
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        _check_call(function, args)
+        _check_call(function, args, kwargs)
         if not state["predicted"]:
             state["predicted"] = True
-            result = _predict(args, kwargs, cap=starting_batch_size, **options)
+            result = _predict(function, args, kwargs, cap=starting_batch_size, **options)
             wrapper.batch_size_result = result  # type: ignore[attr-defined]
             if result is not None:
                 state["batch_size"] = result.batch_size
@@ -112,8 +129,48 @@ def find_executable_batch_size(
     return wrapper
 
 
-def _predict(args: tuple, kwargs: dict[str, Any], *, cap: int, make_batch: Any, model: Any, optimizer: Any,
-             **finder: Any) -> Any:
+def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_fn: Any, options: dict[str, Any]) -> None:
+    if function is not None and not callable(function):
+        hint = f" (did you mean starting_batch_size={function!r}?)" if isinstance(function, int) else ""
+        raise TypeError(f"function={function!r} must be callable: the function to decorate{hint}")
+    if not isinstance(starting_batch_size, int) or isinstance(starting_batch_size, bool) or starting_batch_size <= 0:
+        raise ValueError(f"starting_batch_size={starting_batch_size!r} must be a positive integer")
+    for name, value in (("reduce_batch_size_fn", reduce_batch_size_fn), ("make_batch", options["make_batch"])):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name}={value!r} must be callable")
+    if options["mode"] not in ("train", "eval"):
+        raise ValueError(f"mode={options['mode']!r} is not one of 'train', 'eval' (train: forward, backward and optimizer "
+                         "step; eval: forward under no_grad)")
+    if options["model"] is not None and not isinstance(options["model"], nn.Module):
+        raise TypeError(f"model={type(options['model']).__name__} must be a torch.nn.Module (the model the function trains)")
+    if options["optimizer"] is not None and not isinstance(options["optimizer"], torch.optim.Optimizer):
+        raise TypeError(f"optimizer={type(options['optimizer']).__name__} must be a torch.optim.Optimizer")
+    if not isinstance(options["cache"], bool):
+        raise TypeError(f"cache={options['cache']!r} must be True or False")
+
+
+def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -> int:
+    """The user's next size below the one that ran out of memory; refuse a hook that would loop forever."""
+    while True:
+        returned = reduce_batch_size_fn()
+        if not isinstance(returned, numbers.Integral) or isinstance(returned, bool):  # numpy's integers are fine
+            raise TypeError(f"reduce_batch_size_fn returned {returned!r} ({type(returned).__name__}); it must return the next "
+                            "batch size as an int")
+        size = int(returned)
+        previous = state["returned"]
+        if size < 0 or (previous is not None and size >= previous):
+            why = "a negative size" if size < 0 else f"{size} after {previous}"
+            raise ValueError(f"reduce_batch_size_fn returned {why}: each call must return a smaller batch size than the last "
+                             "(0 ends the search), or the retries never end; e.g. return int(batch_size * 0.9) and store it")
+        state["returned"] = size
+        # At or above the size that just ran out of memory: it counts down from starting_batch_size
+        # while the prediction started lower; ask again (it falls each call, so this ends).
+        if size < state["batch_size"]:
+            return size
+
+
+def _predict(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, cap: int, make_batch: Any, model: Any,
+             optimizer: Any, **finder: Any) -> Any:
     values = [*args, *kwargs.values()]
     model = model if model is not None else next((v for v in values if isinstance(v, nn.Module)), None)
     optimizer = optimizer if optimizer is not None else next((v for v in values if isinstance(v, torch.optim.Optimizer)), None)
@@ -122,16 +179,34 @@ def _predict(args: tuple, kwargs: dict[str, Any], *, cap: int, make_batch: Any, 
         missing.append("optimizer")
     if missing:
         warnings.warn(f"hf_memstack.find_executable_batch_size: no {', '.join(missing)} (pass it to the decorator, or the "
-                      f"model/optimizer among the function's arguments): no prediction, retrying from {cap} on "
-                      "out-of-memory errors as Accelerate does", stacklevel=3)
+                      f"model/optimizer among the function's arguments){_closure_hint(function, missing)}: no prediction, "
+                      f"retrying from {cap} on out-of-memory errors as Accelerate does", stacklevel=3)
         return None
     return find_batch_size(model, make_batch, optimizer, max_batch_size=cap, **finder)
 
 
-def _check_call(function: Callable[..., Any], args: tuple) -> None:
-    """Accelerate's guard: the caller must not pass ``batch_size`` (the decorator does)."""
-    params = list(inspect.signature(function).parameters)
-    if len(params) < len(args) + 1:
+def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
+    """Name the model/optimizer the function closes over, so the warning says exactly what to pass."""
+    try:
+        scope = inspect.getclosurevars(function)
+    except (TypeError, ValueError):
+        return ""
+    found = {**scope.globals, **scope.nonlocals}
+    kinds = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
+    names = {kind: next((n for n, v in found.items() if isinstance(v, cls)), None) for kind, cls in kinds.items() if kind in missing}
+    names = {kind: name for kind, name in names.items() if name is not None}
+    if not names:
+        return ""
+    passes = ", ".join(f"{kind}={name}" for kind, name in names.items())
+    return f"; {function.__name__} closes over {' and '.join(names.values())}: pass {passes} to the decorator"
+
+
+def _check_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    """Accelerate's guard: the caller must not pass ``batch_size`` (the decorator does), by position or by name."""
+    parameters = inspect.signature(function).parameters
+    params = list(parameters)
+    variadic = any(p.kind is p.VAR_POSITIONAL for p in parameters.values())  # def f(batch_size, *args): any count fits
+    if (not variadic and len(params) < len(args) + 1) or (params and params[0] in kwargs):
         arg_str = ", ".join(f"{arg}={value}" for arg, value in zip(params[1:], args[1:]))
         raise TypeError(f"Batch size was passed into `{function.__name__}` as the first argument when called."
                         f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`")

@@ -16,12 +16,23 @@ forward (as Liger's and PyTorch's kernels do, here in plain PyTorch), so nothing
 module) takes the *checkpointed* path: each chunk runs under ``torch.utils.checkpoint`` and is
 recomputed in the backward (1.18x). Both keep the head's matmul in the compute dtype: the weight is
 cast once per step, never upcast per chunk (trl#6863).
+
+Mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, Jamba, ...) add their routers'
+load-balancing loss to the language-model loss when ``output_router_logits`` is on (per call or in
+the config): ``router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts,
+num_experts_per_tok, attention_mask)``, with ``aux_loss`` in the output. The chunked loss adds the
+same term with the model's own ``load_balancing_loss_func``; a model whose auxiliary loss it cannot
+reproduce (another signature, a missing coefficient, a result that differs from the model's) is
+refused by ``prepare_model``, so routers never silently lose their gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,12 +71,16 @@ class LossHeadResult:
     """Final-logit soft-capping reproduced from the config (Gemma-style), or None."""
     logit_multiplier: float = 1.0
     """Factor on the logits reproduced from the model (Cohere's ``logit_scale``, 1/Granite's ``logits_scaling``)."""
+    router_aux_loss: bool = False
+    """A mixture-of-experts model whose forward adds its routers' load-balancing loss (with
+    ``output_router_logits``): the chunked loss adds it too, with the model's own function."""
 
     def describe(self) -> str:
         if self.mode == "default":
             return "the model's own"
         extras = (f", softcap {self.softcap:g}" if self.softcap else "") + (
-            f", logits x{self.logit_multiplier:g}" if self.logit_multiplier != 1.0 else "")
+            f", logits x{self.logit_multiplier:g}" if self.logit_multiplier != 1.0 else "") + (
+            ", + the router load-balancing loss when output_router_logits" if self.router_aux_loss else "")
         return f"chunked, {self.chunk_tokens} tokens per chunk, {self.path} path{extras}"
 
 
@@ -76,6 +91,8 @@ class _HeadPlan:
     target: nn.Module
     """The causal LM whose forward gets wrapped (inside a PEFT wrapper, the model PEFT wraps)."""
     result: LossHeadResult
+    router_loss: Callable[..., Any] | None = None
+    """The model's own ``load_balancing_loss_func`` (a mixture-of-experts model), or None."""
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -86,8 +103,9 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     that transforms its logits in a way this module does not reproduce is refused, not trained wrongly.
 
     Raises:
-        ValueError: the model is not a causal LM with an output head, trains a router auxiliary
-            loss (MoE ``output_router_logits``), or its chunked loss differs from its own.
+        ValueError: the model is not a causal LM with an output head, adds a router auxiliary loss
+            (MoE ``output_router_logits``) this module cannot reproduce, or its chunked loss (or
+            auxiliary loss) differs from its own.
     """
     if cfg.mode == "default":
         return None
@@ -96,11 +114,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     target = unwrap_model(model)
     _check_causal_lm(target)
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(
-            f"policy.loss.mode='chunked': {type(target).__name__} adds a router load-balancing loss (output_router_logits=True) "
-            "that the chunked loss does not compute; set config.output_router_logits=False, or drop loss:chunked"
-        )
+    router_loss = _router_loss_function(target)
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
     multiplier = float(getattr(target, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
     if getattr(config, "logits_scaling", None):
@@ -108,8 +122,9 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     head = target.get_output_embeddings()
     chunk = cfg.chunk_tokens or auto_chunk_tokens(_vocab_size(head, config))
     result = LossHeadResult(mode="chunked", path="fused" if _plain_linear(head) is not None else "checkpointed",
-                            chunk_tokens=chunk, softcap=float(softcap) if softcap else None, logit_multiplier=multiplier)
-    plan = _HeadPlan(target=target, result=result)
+                            chunk_tokens=chunk, softcap=float(softcap) if softcap else None, logit_multiplier=multiplier,
+                            router_aux_loss=router_loss is not None)
+    plan = _HeadPlan(target=target, result=result, router_loss=router_loss)
     if _has_values(target):
         _check_matches_model(plan)
     return plan
@@ -144,6 +159,54 @@ def _check_causal_lm(target: nn.Module) -> None:
         )
 
 
+# The one signature every Transformers causal LM with a router loss calls it with (Mixtral's pattern):
+# load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask).
+_ROUTER_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+
+
+def _router_loss_function(target: nn.Module) -> Callable[..., Any] | None:
+    """The model's own ``load_balancing_loss_func`` (from its modeling module, through subclasses),
+    or None for a model without a router loss; refuse one called another way (Doge's extra argument)."""
+    modules = (sys.modules.get(cls.__module__) for cls in type(target).__mro__)
+    function = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
+    if function is None:
+        return None  # no router loss in this family (DeepSeek-V3, Llama-4, ... train without one)
+    name = type(target).__name__
+    parameters = tuple(inspect.signature(function).parameters)
+    if parameters != _ROUTER_LOSS_PARAMETERS:
+        raise ValueError(
+            f"policy.loss.mode='chunked': {name} adds a router load-balancing loss through load_balancing_loss_func"
+            f"{parameters}, not the {_ROUTER_LOSS_PARAMETERS} form the chunked loss reproduces; drop loss:chunked for this "
+            "model (its own loss then trains the routers)")
+    missing = [what for what, value in zip(("num_experts", "num_experts_per_tok", "router_aux_loss_coef"),
+                                           _router_numbers(target)) if value is None]
+    if missing:
+        raise ValueError(
+            f"policy.loss.mode='chunked': {name} adds a router load-balancing loss, but hf_memstack cannot find its "
+            f"{', '.join(missing)} (on the model or its config) to reproduce it; drop loss:chunked for this model")
+    return function
+
+
+def _router_numbers(model: nn.Module) -> tuple[Any, Any, Any]:
+    """``(num_experts, top_k, coefficient)`` as the model's forward reads them (its own attributes,
+    set from the config at init; JetMoE calls the coefficient ``aux_loss_coef``), else the config's."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+    def first(*names: str, sources: tuple[Any, ...] = (model, config)) -> Any:
+        return next((getattr(o, n) for o in sources for n in names if getattr(o, n, None) is not None), None)
+
+    return (first("num_experts", "num_local_experts"), first("num_experts_per_tok"),
+            first("router_aux_loss_coef", "aux_loss_coef"))
+
+
+def _router_logits_on(model: nn.Module, arguments: dict[str, Any]) -> bool | None:
+    """``output_router_logits`` as the model's forward resolves it (the call's, else the config's);
+    None for a model that has no such option."""
+    if arguments.get("output_router_logits") is not None:
+        return bool(arguments["output_router_logits"])
+    return getattr(model.config, "output_router_logits", None)
+
+
 def _check_matches_model(plan: _HeadPlan) -> None:
     """The chunked loss and the model's own, on eight tokens in three chunks, in eval mode (no dropout)."""
     target = plan.target
@@ -153,17 +216,56 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     ids = (torch.arange(8, device=device).unsqueeze(0) * 7919 + 3) % max(vocab, 1)
     labels = ids.clone()
     labels[0, 2] = -100  # a masked position (prompt masking) inside the window
-    probe = ChunkedLossForward(target, chunk_tokens=3, softcap=plan.result.softcap, logit_multiplier=plan.result.logit_multiplier)
-    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False):
-        expected = target(input_ids=ids, labels=labels).loss
-        got = probe.loss_from({"input_ids": ids, "labels": labels}).loss
+    probe = ChunkedLossForward(target, chunk_tokens=3, softcap=plan.result.softcap, logit_multiplier=plan.result.logit_multiplier,
+                               router_loss=plan.router_loss)
+    # A mixture-of-experts model is compared with its router loss on: the per-call flag must be
+    # reproduced whatever the config says.
+    arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    if "output_router_logits" in inspect.signature(type(target).forward).parameters:
+        arguments["output_router_logits"] = True
+    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False), _hooks_restored(target):
+        expected = target(**arguments)
+        got = probe.loss_from(dict(arguments))
     tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
-    if not torch.isfinite(got) or abs(float(got) - float(expected)) > tolerance * max(1.0, abs(float(expected))):
-        raise ValueError(
-            f"policy.loss.mode='chunked': on {type(target).__name__} the chunked loss ({float(got):.6f}) differs from the "
-            f"model's own ({float(expected):.6f}): its forward transforms the logits or the loss in a way hf_memstack does not "
-            "reproduce (known: final-logit soft-capping, logit scaling). Drop loss:chunked for this model"
-        )
+    name = type(target).__name__
+    for what, ours, theirs in (("loss", got.loss, expected.loss), ("aux_loss", getattr(got, "aux_loss", None),
+                                                                    getattr(expected, "aux_loss", None))):
+        if theirs is None and ours is None:
+            continue
+        if theirs is None or ours is None or not torch.isfinite(torch.as_tensor(ours)) or (
+                abs(float(ours) - float(theirs)) > tolerance * max(1.0, abs(float(theirs)))):
+            raise ValueError(
+                f"policy.loss.mode='chunked': on {name} the chunked {what} ({_show(ours)}) differs from the model's own "
+                f"({_show(theirs)}): its forward transforms the logits or adds a loss in a way hf_memstack does not reproduce "
+                "(known: final-logit soft-capping, logit scaling, the routers' load_balancing_loss_func). Drop loss:chunked "
+                "for this model"
+            )
+
+
+@contextlib.contextmanager
+def _hooks_restored(model: nn.Module) -> Iterator[None]:
+    """Within: forward hooks installed on ``model`` are removed on exit. Transformers installs its
+    output-capturing hooks (local functions: the model no longer pickles) on the first forward that
+    asks for router logits, and marks each model it hooked; the probe's forward must not leave them
+    on a model that never asked (the marks go too, so a later forward installs them again)."""
+    flag = "_output_capturing_hooks_installed"
+    before = {id(m): (set(m._forward_hooks), m.__dict__.get(flag)) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            hooks, installed = before.get(id(m), (set(), None))
+            for key in set(m._forward_hooks) - hooks:
+                for table in (m._forward_hooks, m._forward_hooks_with_kwargs, m._forward_hooks_always_called):
+                    table.pop(key, None)
+            if installed is None:
+                m.__dict__.pop(flag, None)
+            else:
+                m.__dict__[flag] = installed
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else f"{float(value):.6f}"
 
 
 # ------------------------------------------------------------------------------------------ apply
@@ -173,7 +275,8 @@ def apply_loss_head(plan: _HeadPlan | None) -> LossHeadResult:
         return LossHeadResult(mode="default")
     r = plan.result
     plan.target.forward = ChunkedLossForward(  # type: ignore[method-assign]
-        plan.target, chunk_tokens=r.chunk_tokens, softcap=r.softcap, logit_multiplier=r.logit_multiplier)
+        plan.target, chunk_tokens=r.chunk_tokens, softcap=r.softcap, logit_multiplier=r.logit_multiplier,
+        router_loss=plan.router_loss)
     return r
 
 
@@ -181,14 +284,14 @@ class ChunkedLossForward(_ForwardWrapper):
     """A causal LM's forward that, with labels and gradients on, computes the loss chunk by chunk
     from the backbone's hidden states, and returns ``logits=None``; otherwise the model's own forward."""
 
-    def __init__(self, module: nn.Module, *, chunk_tokens: int, softcap: float | None = None, logit_multiplier: float = 1.0) -> None:
+    def __init__(self, module: nn.Module, *, chunk_tokens: int, softcap: float | None = None, logit_multiplier: float = 1.0,
+                 router_loss: Callable[..., Any] | None = None) -> None:
         super().__init__(module)
         self.chunk_tokens = chunk_tokens
         self.softcap = softcap
         self.logit_multiplier = logit_multiplier
+        self.router_loss = router_loss
         self._without_gradients = False
-        import inspect
-
         # Positional parameter names, to read arguments by name without binding a signature per call
         # (a plain dict is also what dynamo traces without a graph break).
         parameters = inspect.signature(self.__wrapped__).parameters.values()
@@ -216,30 +319,94 @@ class ChunkedLossForward(_ForwardWrapper):
             self._without_gradients = previous
 
     def loss_from(self, arguments: dict[str, Any]) -> Any:
-        """The backbone, then the chunked head and loss; ``arguments`` are the forward's, by name."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
+        """The backbone, then the chunked head and loss (plus the routers' load-balancing loss, as the
+        model's forward adds it); ``arguments`` are the forward's, by name."""
         model = self.module
+        head = model.get_output_embeddings()
+        ignore_index = arguments.get("ignore_index", -100)
+        _check_token_ids(arguments, head, model, ignore_index)
         backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep", "return_dict")}
+        routed = _router_logits_on(model, arguments)
+        if routed is not None:
+            backbone_args["output_router_logits"] = routed
         outputs = model.base_model(**backbone_args, return_dict=True)
-        hidden = outputs[0]
-        loss = chunked_lm_loss(
-            hidden, model.get_output_embeddings(), labels=arguments.get("labels"), shift_labels=arguments.get("shift_labels"),
-            num_items_in_batch=arguments.get("num_items_in_batch"), ignore_index=arguments.get("ignore_index", -100),
+        loss = _chunked_lm_loss(
+            outputs[0], head, labels=arguments.get("labels"), shift_labels=arguments.get("shift_labels"),
+            num_items_in_batch=arguments.get("num_items_in_batch"), ignore_index=ignore_index,
             chunk_tokens=self.chunk_tokens, softcap=self.softcap, logit_multiplier=self.logit_multiplier)
-        fields = CausalLMOutputWithPast.__dataclass_fields__
-        cache = next((getattr(outputs, n, None) for n in ("cache", "past_key_values") if n in fields), None)
-        extra = {n: cache for n in ("cache", "past_key_values") if n in fields}
-        result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
-                                        attentions=getattr(outputs, "attentions", None), **extra)
-        if arguments.get("return_dict") is False:
-            # The model's own tuple keeps its positions (loss, logits, cache, ...): the logits' slot
-            # stays, as None, so that out[1] is still the logits and out[2] the cache.
-            return (loss, None, *result.to_tuple()[1:])
+        aux_loss = None
+        if routed and self.router_loss is not None:
+            # As the model's forward: aux_loss in the output, coefficient x aux_loss added to the loss.
+            experts, top_k, coefficient = _router_numbers(model)
+            aux_loss = self.router_loss(outputs.router_logits, experts, top_k, arguments.get("attention_mask"))
+            loss = loss + coefficient * (aux_loss.to(loss.device) if torch.is_tensor(aux_loss) else aux_loss)
+        result = _output(outputs, loss=loss, aux_loss=aux_loss, moe=routed is not None or self.router_loss is not None)
+        return_dict = arguments.get("return_dict")
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        if not return_dict:
+            # The model's own tuple (to_tuple: the fields that are not None) keeps its positions: the
+            # logits' slot stays, as None, so out[1] (out[2] after aux_loss) is still the logits.
+            return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
+                         if f.name == "logits" or getattr(result, f.name) is not None)
         return result
 
     def _options(self) -> dict[str, Any]:
-        return {"chunk_tokens": self.chunk_tokens, "softcap": self.softcap, "logit_multiplier": self.logit_multiplier}
+        return {"chunk_tokens": self.chunk_tokens, "softcap": self.softcap, "logit_multiplier": self.logit_multiplier,
+                "router_loss": self.router_loss}
+
+
+def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> Any:
+    """The model's output record, with the chunked loss and no logits (a mixture-of-experts model's
+    has ``aux_loss`` and ``router_logits``)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    cls = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    fields = cls.__dataclass_fields__
+    cache = next((getattr(outputs, n, None) for n in ("cache", "past_key_values") if n in fields), None)
+    extra: dict[str, Any] = {n: cache for n in ("cache", "past_key_values") if n in fields}
+    if moe:
+        extra.update(aux_loss=aux_loss, router_logits=getattr(outputs, "router_logits", None))
+    return cls(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+               attentions=getattr(outputs, "attentions", None), **extra)
+
+
+def _check_token_ids(arguments: dict[str, Any], head: nn.Module, model: nn.Module, ignore_index: int) -> None:
+    """Refuse ids outside the vocabulary before the forward: the embedding's and the loss's index
+    errors name neither the id nor the vocabulary (on CUDA they are device-side asserts)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    checks: list[tuple[str, Any, int, int | None]] = []
+    if isinstance(getattr(embedding, "num_embeddings", None), int):
+        checks.append(("input_ids", arguments.get("input_ids"), embedding.num_embeddings, None))
+    vocab = _vocab_size(head, model.config)
+    checks += [(name, arguments.get(name), vocab, ignore_index) for name in ("labels", "shift_labels")]
+    _check_ids_in_range(checks, model_name=type(model).__name__)
+
+
+def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model_name: str) -> None:
+    """``(name, ids, vocabulary size, ignored id)``: one host sync for all of them together (a min/max
+    per step, not per chunk); skipped while compiling, where it would break the graph."""
+    checks = [c for c in checks if torch.is_tensor(c[1]) and not c[1].is_floating_point() and c[1].numel()]
+    if not checks or torch.compiler.is_compiling():
+        return
+    # The smallest and largest id of each tensor (ignored labels counted as 0), fetched together.
+    device = checks[0][1].device
+    ranges = torch.stack([torch.stack(torch.aminmax(t if ignored is None else t.masked_fill(t == ignored, 0))).to(device)
+                          for _, t, _, ignored in checks]).tolist()
+    failing = [c for c, (low, high) in zip(checks, ranges) if low < 0 or high >= c[2]]
+    if not failing:
+        return
+    name, ids, size, ignored = failing[0]
+    mask = (ids < 0) | (ids >= size)
+    if ignored is not None:
+        mask &= ids != ignored
+    offending = ids[mask]
+    hint = f"; {ignored} (ignore_index) is the one label outside it, for positions without a loss" if ignored is not None else ""
+    raise ValueError(
+        f"loss:chunked: {name} holds id {int(offending.flatten()[0])} ({offending.numel()} id(s) in all) outside the "
+        f"vocabulary of {model_name} ({size} ids: 0-{size - 1}){hint}. The tokenizer and the model disagree (after adding "
+        "tokens, call model.resize_token_embeddings(len(tokenizer)) before prepare_model), or make_batch/the collator "
+        f"builds ids >= {size}")
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -265,7 +432,22 @@ def chunked_lm_loss(
         labels: ``[batch, seq]`` token ids (shifted here), or ``shift_labels`` already aligned with ``hidden``.
         chunk_tokens: tokens per chunk.
         softcap, logit_multiplier: the head's transform of its logits (``softcap * tanh(m * z / softcap)``).
+
+    Raises:
+        ValueError: a label (other than ``ignore_index``) outside the head's vocabulary.
     """
+    vocab = _head_outputs(head)
+    if vocab is not None:
+        _check_ids_in_range([(name, t, vocab, ignore_index) for name, t in (("labels", labels), ("shift_labels", shift_labels))],
+                            model_name=type(head).__name__)
+    return _chunked_lm_loss(hidden, head, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                            ignore_index=ignore_index, chunk_tokens=chunk_tokens, softcap=softcap,
+                            logit_multiplier=logit_multiplier)
+
+
+def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Tensor | None,
+                     shift_labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, ignore_index: int,
+                     chunk_tokens: int, softcap: float | None, logit_multiplier: float) -> torch.Tensor:
     if shift_labels is None:
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -415,10 +597,17 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _vocab_size(head: nn.Module | None, config: Any) -> int:
+    return _head_outputs(head) or int(getattr(config, "vocab_size", 0) or 32000)
+
+
+def _head_outputs(head: nn.Module | None) -> int | None:
+    """The head's number of outputs (through PEFT's wrappers: a LoRA layer's base layer), or None."""
     linear = _plain_linear(head)
     if linear is not None:
         return int(linear.out_features)
-    return int(getattr(config, "vocab_size", 0) or getattr(head, "out_features", 0) or 32000)
+    base = getattr(head, "base_layer", head)
+    out = getattr(base, "out_features", None)
+    return out if isinstance(out, int) else None
 
 
 def _has_values(model: nn.Module) -> bool:

@@ -269,21 +269,11 @@ def _doubled_llama() -> torch.nn.Module:
     return DoubledLlamaForCausalLM(_causal_lm("llama").config).train()
 
 
-def _moe() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=VOCAB, num_local_experts=2, num_experts_per_tok=1,
-                                        output_router_logits=True)
-    return transformers.MixtralForCausalLM(config).train()
-
-
 @pytest.mark.parametrize("build, fragments", [
     (lambda load: load("bert"), ("policy.loss.mode='chunked'", "BertForSequenceClassification", "not a causal language model",
                                  "drop loss:chunked")),
     (lambda load: PlainStack(), ("policy.loss.mode='chunked'", "PlainStack", "drop loss:chunked")),
     (lambda load: _doubled_llama(), ("differs from the model's own", "Drop loss:chunked")),
-    (lambda load: _moe(), ("output_router_logits=True", "router load-balancing loss")),
 ])
 def test_bad_input_is_refused_with_the_model_untouched(load_model, build, fragments):
     model = build(load_model)
@@ -292,6 +282,36 @@ def test_bad_input_is_refused_with_the_model_untouched(load_model, build, fragme
         prepare_model(model, "bf16+ckpt+loss:chunked")
     assert all(f in str(e.value) for f in fragments), str(e.value)
     assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("field, position, value", [
+    ("input_ids", (0, 3), VOCAB), ("input_ids", (1, 0), -1), ("labels", (0, 5), VOCAB + 7), ("labels", (1, 2), -1),
+])
+def test_ids_outside_the_vocabulary_are_named(load_model, field, position, value):
+    """Before the forward, one check over input_ids and labels names the field, the id and the
+    vocabulary (the embedding's and the loss's own index errors name neither); -100 stays allowed."""
+    model = prepare_model(load_model("llama"), _chunked())
+    batch = _masked_batch()
+    batch[field][position] = value
+    with pytest.raises(ValueError) as e:
+        model(**batch)
+    message = str(e.value)
+    assert f"{field} holds id {value}" in message and f"{VOCAB} ids: 0-{VOCAB - 1}" in message, message
+    assert "resize_token_embeddings" in message
+    assert all(p.grad is None for p in model.parameters())  # refused before anything ran
+
+
+def test_chunked_lm_loss_names_a_label_outside_the_head():
+    from hf_memstack import chunked_lm_loss
+
+    head = torch.nn.Linear(8, 16, bias=False)
+    hidden = torch.randn(2, 5, 8)
+    labels = torch.tensor([[1, 2, -100, 3, 4], [5, 6, 7, 16, 0]])
+    with pytest.raises(ValueError, match=r"labels holds id 16 .*16 ids: 0-15.*-100 \(ignore_index\)"):
+        chunked_lm_loss(hidden, head, labels=labels, chunk_tokens=3)
+    labels[1, 3] = 15
+    want = torch.nn.functional.cross_entropy(head(hidden)[:, :-1].reshape(-1, 16), labels[:, 1:].reshape(-1))
+    assert float(chunked_lm_loss(hidden, head, labels=labels, chunk_tokens=3)) == pytest.approx(float(want), rel=1e-5)
 
 
 def test_policy_tokens_round_trip():
