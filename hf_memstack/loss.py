@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from ._device import module_mode, preserved_rng
@@ -387,7 +388,8 @@ def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model
     """``(name, ids, vocabulary size, ignored id)``: one host sync for all of them together (a min/max
     per step, not per chunk); skipped while compiling, where it would break the graph."""
     checks = [c for c in checks if torch.is_tensor(c[1]) and not c[1].is_floating_point() and c[1].numel()]
-    if not checks or torch.compiler.is_compiling():
+    # Fake and meta tensors (the estimator's trace) hold no values to check.
+    if not checks or torch.compiler.is_compiling() or any(is_fake(t) or t.is_meta for _, t, _, _ in checks):
         return
     # The smallest and largest id of each tensor (ignored labels counted as 0), fetched together.
     device = checks[0][1].device
