@@ -16,8 +16,10 @@ than fp32 AdamW's (it is memory that it saves, not time).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -78,11 +80,11 @@ def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps
 def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> None:
     """A loop that accumulates 0 micro-batches never steps, and a negative clipping norm flips every gradient."""
     problems = []
-    if not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool) \
+    if not isinstance(gradient_accumulation_steps, numbers.Integral) or isinstance(gradient_accumulation_steps, bool) \
             or gradient_accumulation_steps < 1:
         problems.append(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be a positive integer (micro-batches "
                         "per optimizer step), e.g. 1")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
                                           and max_grad_norm >= 0):  # nan fails >= 0
         problems.append(f"max_grad_norm={max_grad_norm!r} must be None or a number >= 0 (0 or None: no clipping), e.g. 1.0")
     if problems:
@@ -98,7 +100,7 @@ def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, 
     def number(x: Any, *, tensor: bool = False) -> bool:
         if tensor and torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():
             x = x.item()
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # numpy's too
 
     problems = [f"{where}{name}={value!r} must be a finite number >= 0{' (or a one-value float tensor)' if tensor else ''}, "
                 f"e.g. {example}" for name, value, example, tensor in
@@ -139,12 +141,27 @@ def _param_groups(model: nn.Module, param_groups: Any, defaults: dict[str, Any])
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"make_optimizer: param_groups[{i}]={_short(group)} ({type(group).__name__}) must be a dict with a "
                             f"'params' entry, e.g. {_GROUPS_EXAMPLE}")
+        _check_group_keys(i, group)
         out.append({**group, "params": _group_params(i, group["params"])})
         options = {**defaults, **group}
         _check_hyperparameters(lr=options["lr"], eps=options["eps"], weight_decay=options["weight_decay"],
                                betas=options["betas"], where=f"param_groups[{i}].")
     _check_group_parameters(model, out, given=True)
     return out
+
+
+# What AdamW reads from a group (torch.optim keeps any other key, e.g. a "name", and ignores it).
+_GROUP_KEYS = ("params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+               "differentiable", "fused", "decoupled_weight_decay")
+
+
+def _check_group_keys(i: int, group: dict[str, Any]) -> None:
+    """A misspelt setting (``"weight_decy"``) would be kept and ignored: the group trains with the default."""
+    for key in group:
+        close = difflib.get_close_matches(str(key), _GROUP_KEYS, n=1, cutoff=0.8) if key not in _GROUP_KEYS else []
+        if close:
+            raise ValueError(f"make_optimizer: param_groups[{i}] has {key!r}, which AdamW does not read (it would be ignored, and "
+                             f"the group would use the default); did you mean {close[0]!r}?")
 
 
 def _group_params(i: int, params: Any) -> list[Any]:
@@ -225,7 +242,12 @@ def make_optimizer(
     """
     from .record import record_of, unwrap_model
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_optimizer: model must be a torch.nn.Module (the prepared model), got {type(model).__name__}")
     _check_hyperparameters(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+    # Plain floats for torch.optim (numpy scalars, or betas given as ints, which AdamW refuses).
+    lr = lr if torch.is_tensor(lr) else float(lr)
+    eps, weight_decay, betas = float(eps), float(weight_decay), (float(betas[0]), float(betas[1]))
     record = record_of(model)
     resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     cfg = resolved.optimizer

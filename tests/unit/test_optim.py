@@ -286,6 +286,8 @@ def test_a_tensor_learning_rate_is_accepted_as_torch_accepts_it():
     ({"lr": 1e-3, "param_groups": []}, ValueError, ("no trainable parameter (requires_grad) in param_groups",)),
     ({"lr": 1e-3, "param_groups": [{"params": PlainStack().parameters()}]}, ValueError,
      ("param_groups[0] holds 22 tensor(s) that are not parameters of PlainStack", "the model never changes")),
+    ({"lr": 1e-3, "param_groups": [{"params": [], "weight_decy": 0.0}]}, ValueError,
+     ("param_groups[0] has 'weight_decy', which AdamW does not read", "did you mean 'weight_decay'?")),
 ])
 def test_odd_optimizer_arguments_are_clear_errors(kwargs, error, fragments):
     model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
@@ -334,3 +336,18 @@ def test_loading_a_torch_optimizer_state_is_refused():
     optimizer = make_optimizer(model, lr=1e-2)
     with pytest.raises(ValueError, match="not one an OptimizerInBackward saved"):
         optimizer.load_state_dict(torch.optim.AdamW(PlainStack().parameters()).state_dict())
+
+
+def test_numpy_scalars_and_integer_betas_are_taken_as_torch_adamw_takes_floats():
+    import numpy as np
+
+    reference = PlainStack().train()
+    ours = prepare_model(copy.deepcopy(reference), "fp32")
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=0.25, betas=(0.0, 0.99))  # 0.25: exact in float32
+    optimizer = make_optimizer(ours, lr=np.float32(0.25), betas=(0, np.float64(0.99)), gradient_accumulation_steps=np.int64(2))
+    assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .*got NoneType"):
+        make_optimizer(None, lr=1e-3)
