@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import warnings
 from dataclasses import dataclass
@@ -122,16 +123,35 @@ def _config_from_dict(data: dict[str, Any]) -> Any:
 
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise ValueError(f"model= a config dict without a 'model_type' (keys {sorted(map(str, data))[:8]}...): it does not say "
-                         "which architecture it is; add it (e.g. {'model_type': 'llama', ...}) or pass the config object")
+        raise ValueError(f"model= a config dict without a 'model_type' string (model_type={model_type!r}; keys "
+                         f"{sorted(map(str, data))[:8]}...): it does not say which architecture it is; add it (e.g. "
+                         "{'model_type': 'llama', ...}) or pass the config object")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"model= a config dict with model_type={model_type!r}, which this Transformers does not know (a model with "
                          "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)")
+    cls = CONFIG_MAPPING[model_type]
+    _check_dict_keys(cls, data)
     try:
-        return CONFIG_MAPPING[model_type].from_dict({k: v for k, v in data.items() if k != "model_type"})
+        return cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as e:  # noqa: BLE001 - a config class's own validation raises its own types
         raise ValueError(f"model= a config dict with model_type={model_type!r} is not a valid Transformers config ({_reason(e)}); "
                          "fix its values") from None
+
+
+def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
+    """A config keeps keys it does not define, and builds its defaults instead: ``"hiden_size": 64`` would
+    estimate a 4096-wide model. A key that is not the config's (nor a generation setting, which older
+    configs carry) but is close to one of its keys is refused as the typo it most likely is; other
+    extra keys are kept, as Transformers keeps them."""
+    from transformers import GenerationConfig
+
+    default = cls()
+    known = set(default.to_dict()) | set(getattr(cls, "attribute_map", {})) | set(GenerationConfig().to_dict())
+    for key in (str(k) for k in data if k not in known):
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"model= a config dict with {key!r}, which {cls.__name__} does not define (the model would be "
+                             f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?")
 
 
 def _short(value: Any) -> str:

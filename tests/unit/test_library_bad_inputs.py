@@ -251,6 +251,8 @@ ESTIMATE = [
     C("estimate-model-int", lambda c: _est(c, model=7), TypeError, "model=7 (int)", "a config dict with its 'model_type'"),
     C("estimate-config-dict-untyped", lambda c: _est(c, model={"hidden_size": 64}), ValueError,
       "a config dict without a 'model_type'", "{'model_type': 'llama', ...}"),
+    C("estimate-config-dict-typo", lambda c: _est(c, model={"model_type": "llama", "hiden_size": 64}), ValueError,
+      "'hiden_size', which LlamaConfig does not define", "default hidden_size=4096", "did you mean 'hidden_size'?"),
     C("estimate-config-dict-unknown-type", lambda c: _est(c, model={"model_type": "no_such_arch"}), ValueError,
       "model_type='no_such_arch', which this Transformers does not know"),
     C("estimate-config-dict-invalid", lambda c: _est(c, model=json.loads(BAD_HEADS)), ValueError,
