@@ -11,6 +11,13 @@ Files are written to a unique temporary file (``mkstemp``) and renamed over the 
 finders writing at once never read a partial file or each other's temporary file; the folder is
 private (0700). A file that cannot be read, parsed or validated is discarded with a warning, and
 a folder that cannot be written costs a warning, never the search's result.
+
+An entry is checked against itself and the budget before its size runs again: it records the
+steps its search ran (sizes, peaks, outcomes), and its size must be the largest of them that
+fitted, with that step's peak, under this budget. A file edited by hand (``batch_size=60000``) or
+damaged in a way JSON does not notice is discarded before ``make_batch`` is asked for its size -
+a batch that large could exhaust the host's memory before any step measures it. (A file forged
+consistently in every field still passes: the folder is private to its user for that reason.)
 """
 
 from __future__ import annotations
@@ -30,9 +37,24 @@ from torch import nn
 
 from ._finder_ranks import agree
 
-__all__ = ["CacheEntry", "agree_entry", "cache_key", "read_entry", "write_entry"]
+__all__ = ["CacheEntry", "CachedStep", "agree_entry", "cache_key", "read_entry", "write_entry"]
 
 DEFAULT_CACHE_DIR = Path("~/.cache/hf_memstack")
+
+
+# More steps than any search runs (its bound, the warm-up and a stale cache step): a longer list is not ours.
+MAX_RECORDED_STEPS = 32
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CachedStep:
+    """One step the search ran, as the entry records it."""
+
+    batch_size: int
+    peak_bytes: int | None
+    """This rank's peak; None when it ran out of memory part-way."""
+    fits: bool
+    """It ran to the end under the budget on every rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +69,8 @@ class CacheEntry:
     """The slope of the line holding the peak there: a size one larger needs about this much more."""
     capped: bool
     """The search stopped at ``max_batch_size``: the true maximum may be larger."""
+    steps: tuple[CachedStep, ...]
+    """The steps the search ran (not its warm-up): ``batch_size`` must be the largest that fitted."""
 
 
 def cache_path(cache_dir: str | Path | None, key: str) -> Path:
@@ -80,9 +104,10 @@ def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, poli
     return hashlib.sha256(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def read_entry(path: Path) -> CacheEntry | None:
-    """The entry at ``path``; None when there is none. An unreadable or invalid file is removed
-    (with a warning naming it and why) and counts as none."""
+def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
+    """The entry at ``path``; None when there is none. A file that is unreadable, invalid, not
+    consistent with the steps it records or over ``budget`` is removed (with a warning naming it
+    and why) and counts as none: nothing runs at its size."""
     try:
         text = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
@@ -94,12 +119,18 @@ def read_entry(path: Path) -> CacheEntry | None:
     try:
         data = json.loads(text)
         entry = _validate(data)
+        problem = _inconsistency(entry, budget)
     except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         problem, entry = str(e), None
     if entry is None:
         warnings.warn(f"hf_memstack: discarding the invalid batch-size cache entry {path} ({problem}); searching again",
                       stacklevel=3)
         path.unlink(missing_ok=True)
+    elif problem is not None:
+        warnings.warn(f"hf_memstack: discarding the batch-size cache entry {path}: {problem} - edited or damaged; "
+                      "measuring again", stacklevel=3)
+        path.unlink(missing_ok=True)
+        entry = None
     return entry
 
 
@@ -109,14 +140,52 @@ def _validate(data: Any) -> CacheEntry:
     problems = []
     for name in ("batch_size", "peak_bytes", "bytes_per_sample"):
         value = data.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "bytes_per_sample" else 1):
+        if not _count(value, least=0 if name == "bytes_per_sample" else 1):
             problems.append(f"{name}={value!r}")
     if not isinstance(data.get("capped"), bool):
         problems.append(f"capped={data.get('capped')!r}")
+    steps = data.get("steps")
+    if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_RECORDED_STEPS or not all(map(_step_ok, steps)):
+        shown = repr(steps) if len(repr(steps)) <= 80 else repr(steps)[:77] + "..."
+        problems.append(f"steps={shown} (a list of 1 to {MAX_RECORDED_STEPS} {{batch_size, peak_bytes, fits}}; an entry "
+                        "written before hf_memstack recorded them has none)")
     if problems:
         raise ValueError("missing or out-of-range " + ", ".join(problems))
     return CacheEntry(batch_size=data["batch_size"], peak_bytes=data["peak_bytes"],
-                      bytes_per_sample=data["bytes_per_sample"], capped=data["capped"])
+                      bytes_per_sample=data["bytes_per_sample"], capped=data["capped"],
+                      steps=tuple(CachedStep(batch_size=d["batch_size"], peak_bytes=d["peak_bytes"], fits=d["fits"]) for d in steps))
+
+
+def _count(value: Any, *, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _step_ok(step: Any) -> bool:
+    return (isinstance(step, dict) and set(step) == {"batch_size", "peak_bytes", "fits"} and _count(step["batch_size"], least=1)
+            and (step["peak_bytes"] is None or _count(step["peak_bytes"], least=1)) and isinstance(step["fits"], bool)
+            and (not step["fits"] or step["peak_bytes"] is not None))
+
+
+def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
+    """Why ``entry`` cannot be what a search under ``budget`` found, or None. A search's answer is
+    the largest size that fitted, every size that did not fit is larger, and what fitted peaked
+    under the budget (the budget is part of the key, so it is the one the entry was found under)."""
+    if entry.peak_bytes > budget:
+        return f"its peak_bytes={entry.peak_bytes} is above the budget of {budget} bytes it was found under"
+    fitted = [s for s in entry.steps if s.fits]
+    if not fitted:
+        return "none of its recorded steps fitted"
+    best = max(fitted, key=lambda s: s.batch_size)
+    if (best.batch_size, best.peak_bytes) != (entry.batch_size, entry.peak_bytes):
+        return (f"batch_size={entry.batch_size} with peak_bytes={entry.peak_bytes} is not what its recorded steps found "
+                f"(the largest that fitted: {best.batch_size}, peak {best.peak_bytes} bytes)")
+    over = [s for s in fitted if (s.peak_bytes or 0) > budget]
+    if over:
+        return f"a recorded step at batch size {over[0].batch_size} fitted with a peak above the budget"
+    below = [s.batch_size for s in entry.steps if not s.fits and s.batch_size <= entry.batch_size]
+    if below:
+        return f"batch size {below[0]} did not fit, yet the larger batch_size={entry.batch_size} did"
+    return None
 
 
 def write_entry(path: Path, entry: CacheEntry) -> None:
@@ -147,7 +216,7 @@ def agree_entry(entry: CacheEntry | None) -> CacheEntry | None:
     if not ok or entry is None:
         return None
     return CacheEntry(batch_size=smallest, peak_bytes=entry.peak_bytes, bytes_per_sample=entry.bytes_per_sample,
-                      capped=ok == 1 or smallest != entry.batch_size)
+                      capped=ok == 1 or smallest != entry.batch_size, steps=entry.steps)
 
 
 def _private_dir(folder: Path) -> None:

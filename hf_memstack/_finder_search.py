@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._finder_cache import CacheEntry
+from ._finder_cache import CachedStep, CacheEntry
 from ._finder_fit import Lines, fit_lines
 from ._finder_probe import Measured, ProbeKind, StepRunner
 from ._finder_ranks import agree
@@ -88,6 +88,14 @@ class Search:
         if not agree("cached size still the maximum", int(still_max))[0]:
             return None
         return Found(best=m, lines=None, capped=False)
+
+    def entry(self, found: Found) -> CacheEntry:
+        """What to cache for ``found``, with the steps that found it (a later read checks the entry against them)."""
+        per_sample = found.lines.binding(found.best.batch_size)[1] if found.lines is not None else 0
+        steps = tuple(CachedStep(batch_size=m.batch_size, peak_bytes=m.peak_bytes, fits=m.fits)
+                      for m in self.runner.steps if m.kind != "warmup")
+        return CacheEntry(batch_size=found.best.batch_size, peak_bytes=found.best.peak_bytes or 1,
+                          bytes_per_sample=max(0, int(per_sample)), capped=found.capped, steps=steps)
 
     # -- internals ---------------------------------------------------------------------------
     def _first_fitting(self, size: int) -> Measured:

@@ -24,7 +24,6 @@ from torch import nn
 
 from ._device import device_of, preserved_rng
 from ._finder_cache import (
-    CacheEntry,
     agree_entry,
     cache_key,
     cache_path,
@@ -251,7 +250,7 @@ def find_batch_size(
     with step_state_restored(model, optimizer, scheduler, grad_scaler) as state, preserved_rng(device):
         found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size)
     if path is not None and status != "hit" and is_local_leader():
-        write_entry(path, _entry(found))
+        write_entry(path, search.entry(found))
     return _result(found, runner, status, path, sample=sample, budget=budget_bytes, mode=mode, record=record,
                    global_batch_size=global_batch_size, snapshot_bytes=state.copied_bytes)
 
@@ -269,7 +268,7 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
         runner.run(min(probe_size, search.cap), "warmup")
     status: CacheStatus = "off"
     if path is not None:
-        entry = agree_entry(read_entry(path))
+        entry = agree_entry(read_entry(path, budget=search.budget))
         status = "miss"
         if entry is not None:
             found = search.warm(entry)
@@ -329,12 +328,6 @@ def _result(found: Found, runner: StepRunner, status: CacheStatus, path: Path | 
 
 def _probe(m: Measured) -> Probe:
     return Probe(batch_size=m.batch_size, kind=m.kind, fits=m.fits, peak_bytes=m.peak_bytes, seconds=m.seconds)
-
-
-def _entry(found: Found) -> CacheEntry:
-    per_sample = found.lines.binding(found.best.batch_size)[1] if found.lines is not None else 0
-    return CacheEntry(batch_size=found.best.batch_size, peak_bytes=found.best.peak_bytes or 1,
-                      bytes_per_sample=max(0, per_sample), capped=found.capped)
 
 
 def _global_batch(batch_size: int, global_batch: int | None, world: int) -> tuple[int, bool, int | None, tuple[str, ...]]:

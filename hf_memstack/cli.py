@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import traceback
 from typing import Any
@@ -68,7 +69,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
+        args = _parser().parse_args(_negative_sizes_joined(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     try:
@@ -169,6 +170,25 @@ def _positive_int(flag: str) -> Any:
 
 def _batch_or_max(value: str) -> int | str:
     return "max" if value == "max" else _positive_int("--batch-size")(value)
+
+
+def _negative_sizes_joined(argv: list[str]) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse reads a value starting with '-' that is not a
+    plain number as another option, and says "expected one argument"; joined, the size's own check
+    says what is wrong with it (sizes must be positive)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return out + argv[i:]
+        if token == "--budget" and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"--budget={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def _budget(value: str) -> int:

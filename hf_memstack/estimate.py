@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import warnings
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ from .memory import StepMemory, measure_step
 from .policy import MemoryPolicy
 from .sizes import format_bytes
 
-__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "estimate_memory", "load_config", "peft_config_from"]
+__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "load_config",
+           "peft_config_from"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,13 +74,19 @@ class MemoryEstimate:
                 f"peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})")
 
 
+_ACCEPTED = ("a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
+             "dict with its 'model_type' (config.to_dict()), or a model")
+
+
 def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> Any:
-    """A Transformers config from a config object, a local directory, or a hub id already in the
-    local cache. Nothing is downloaded, so an unknown id fails at once instead of hanging offline.
+    """A Transformers config from a config object, a config dict, a local directory, or a hub id
+    already in the local cache. Nothing is downloaded, so an unknown id fails at once instead of
+    hanging offline.
 
     Raises:
         ValueError: not a directory with a config.json and not in the local Hugging Face cache; or
-            its config.json is not valid JSON, has no ``model_type``, or describes an invalid model.
+            its config.json (or the dict) is not valid JSON, has no ``model_type``, or describes an invalid model.
+        TypeError: ``model`` is none of the above (e.g. a config class rather than a config).
     """
     from transformers import AutoConfig, PretrainedConfig
 
@@ -86,6 +94,11 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
         return model
     if isinstance(model, nn.Module):
         return model.config
+    if isinstance(model, dict):
+        return _config_from_dict(model)
+    if not isinstance(model, (str, Path)):
+        what = f"the class {model.__name__}, not a config: pass {model.__name__}(...)" if isinstance(model, type) else type(model).__name__
+        raise TypeError(f"model={_short(model)} ({what}); pass {_ACCEPTED}")
     path = Path(str(model)).expanduser()
     if path.is_dir():
         _check_config_file(path)
@@ -101,6 +114,49 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
         ) from None
+
+
+def _config_from_dict(data: dict[str, Any]) -> Any:
+    """The config a ``config.to_dict()`` (or a parsed config.json) describes, built as
+    ``AutoConfig.from_pretrained`` builds one from its file: the class named by ``model_type``."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model= a config dict without a 'model_type' string (model_type={model_type!r}; keys "
+                         f"{sorted(map(str, data))[:8]}...): it does not say which architecture it is; add it (e.g. "
+                         "{'model_type': 'llama', ...}) or pass the config object")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model= a config dict with model_type={model_type!r}, which this Transformers does not know (a model with "
+                         "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)")
+    cls = CONFIG_MAPPING[model_type]
+    _check_dict_keys(cls, data)
+    try:
+        return cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
+    except Exception as e:  # noqa: BLE001 - a config class's own validation raises its own types
+        raise ValueError(f"model= a config dict with model_type={model_type!r} is not a valid Transformers config ({_reason(e)}); "
+                         "fix its values") from None
+
+
+def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
+    """A config keeps keys it does not define, and builds its defaults instead: ``"hiden_size": 64`` would
+    estimate a 4096-wide model. A key that is not the config's (nor a generation setting, which older
+    configs carry) but is close to one of its keys is refused as the typo it most likely is; other
+    extra keys are kept, as Transformers keeps them."""
+    from transformers import GenerationConfig
+
+    default = cls()
+    known = set(default.to_dict()) | set(getattr(cls, "attribute_map", {})) | set(GenerationConfig().to_dict())
+    for key in (str(k) for k in data if k not in known):
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
+        if close:
+            raise ValueError(f"model= a config dict with {key!r}, which {cls.__name__} does not define (the model would be "
+                             f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _reason(e: BaseException) -> str:
@@ -166,7 +222,8 @@ def estimate_memory(
     """Estimate one training step's peak memory per rank, by category.
 
     Args:
-        model: a hub id (from the local cache), a local directory, a config, or a model (its config is used).
+        model: a hub id (from the local cache), a local directory, a config, a config dict with its
+            ``model_type`` (``config.to_dict()``), or a model (its config is used).
         policy: the memory policy (string, dict, :class:`MemoryPolicy`).
         batch_size: per-device micro-batch size.
         seq_len: tokens per sample.
@@ -182,8 +239,10 @@ def estimate_memory(
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
-            policy the model cannot use.
-        TypeError: ``trainable`` of a type that is none of the above.
+            policy the model cannot use - what ``prepare_model`` would refuse on the real model,
+            also ``loss:chunked`` on a head it does not reproduce (checked on a one-block copy
+            with random weights when that is small; the notes say when it was not checked).
+        TypeError: ``model`` or ``trainable`` of a type that is none of the above.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -213,6 +272,11 @@ def estimate_memory(
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
     check_seq_len(config, seq_len)
+    if policy.loss.mode == "chunked":
+        problem, note = _chunked_loss_verdict(config, task, trust_remote_code)
+        if problem is not None:
+            raise ValueError(problem)
+        notes += [note] if note else []
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = _fake_model(config, task, peft_config, trust_remote_code, mode)
@@ -228,6 +292,60 @@ def estimate_memory(
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
     return _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+
+
+# Past this many parameters (one block kept), the chunked loss is not compared with the model's own here.
+_LOSS_CHECK_MAX_PARAMETERS = 32 * 2**20  # building more costs seconds on a CPU
+_LOSS_VERDICTS: dict[tuple[str, str, str], tuple[str | None, str | None]] = {}
+
+
+def chunked_loss_problem(config: Any, task: str, *, trust_remote_code: bool = False) -> str | None:
+    """Why ``prepare_model`` would refuse ``loss:chunked`` on the model of ``config`` for ``task``, or None.
+
+    The estimator's model has no values (fake tensors), so ``prepare_model`` cannot run the part of
+    its check that compares the chunked loss with the model's own on a few tokens (BERT's LM head
+    transforms the hidden states before the output layer, which the chunked loss skips). This runs
+    that same check (:func:`hf_memstack.loss.check_loss_head`) on the same architecture with one
+    block and random weights - when that is small enough; otherwise the estimate says it was not checked.
+    """
+    return _chunked_loss_verdict(config, task, trust_remote_code)[0]
+
+
+def _chunked_loss_verdict(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
+    """(the refusal, a note), computed once per config and task."""
+    key = (type(config).__qualname__, config.to_json_string(use_diff=False), task)
+    if key not in _LOSS_VERDICTS:
+        if len(_LOSS_VERDICTS) > 64:
+            _LOSS_VERDICTS.clear()
+        _LOSS_VERDICTS[key] = _check_chunked_loss(config, task, trust_remote_code)
+    return _LOSS_VERDICTS[key]
+
+
+def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
+    from .loss import check_loss_head
+    from .policy import LossConfig
+
+    small = copy.deepcopy(config)
+    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    if isinstance(getattr(text, "num_hidden_layers", None), int) and text.num_hidden_layers > 1:
+        text.num_hidden_layers = 1  # what happens between the backbone and the output head does not depend on the depth
+    with torch.device("meta"):
+        try:
+            shape = build_model(small, task, trust_remote_code=trust_remote_code)
+        except ValueError:
+            return None, None  # the full model's build (next) says what is wrong with the config
+    if sum(p.numel() for p in shape.parameters()) > _LOSS_CHECK_MAX_PARAMETERS:
+        return None, ("loss:chunked was not compared with the model's own loss here (too large to build for that check); "
+                      "prepare_model compares them on the real weights before training")
+    del shape
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        real = build_model(small, task, trust_remote_code=trust_remote_code)
+    try:
+        check_loss_head(real, LossConfig(mode="chunked"))
+    except ValueError as e:
+        return f"{e} (estimate_memory refuses what prepare_model refuses)", None
+    return None, None
 
 
 def _what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:

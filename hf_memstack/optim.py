@@ -16,7 +16,10 @@ than fp32 AdamW's (it is memory that it saves, not time).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
+import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
@@ -52,8 +55,10 @@ def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps
     norm needs every gradient, torchtune#1934) or let fp16's GradScaler skip a step on overflow.
 
     Raises:
-        ValueError: naming each setting, its value and the fix.
+        ValueError: naming each setting, its value and the fix (also, for any rung, a
+            ``gradient_accumulation_steps`` that is not a positive integer, or a negative or nan ``max_grad_norm``).
     """
+    _check_loop_values(gradient_accumulation_steps, max_grad_norm)
     if cfg.step != "in_backward":
         return
     problems = []
@@ -72,19 +77,135 @@ def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps
                          + "\n".join(f"  - {p}" for p in problems))
 
 
-def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any) -> None:
-    """Names the argument before torch.optim would fail on it with a bare comparison error (e.g.
-    ``lr="1e-3"`` read from a config without a type)."""
-    def number(x: Any) -> bool:
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> None:
+    """A loop that accumulates 0 micro-batches never steps, and a negative clipping norm flips every gradient."""
+    problems = []
+    if not isinstance(gradient_accumulation_steps, numbers.Integral) or isinstance(gradient_accumulation_steps, bool) \
+            or gradient_accumulation_steps < 1:
+        problems.append(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be a positive integer (micro-batches "
+                        "per optimizer step), e.g. 1")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+                                          and max_grad_norm >= 0):  # nan fails >= 0
+        problems.append(f"max_grad_norm={max_grad_norm!r} must be None or a number >= 0 (0 or None: no clipping), e.g. 1.0")
+    if problems:
+        raise ValueError("make_optimizer: " + "; ".join(problems))
 
-    problems = [f"{name}={value!r} must be a number >= 0, e.g. {example}" for name, value, example in
-                (("lr", lr, "lr=1e-4"), ("eps", eps, "eps=1e-8"), ("weight_decay", weight_decay, "weight_decay=0.01"))
-                if not number(value)]
+
+def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, where: str = "") -> None:
+    """Names the argument before torch.optim would fail on it with a bare comparison error (e.g.
+    ``lr="1e-3"`` read from a config without a type), or would accept it and train on nonsense
+    (``lr=inf`` or ``nan`` turns every weight into nan at the first step). ``lr`` may be a one-value
+    float tensor, as torch.optim allows (e.g. for a learning rate changed inside a compiled step).
+    ``where``: ``"param_groups[1]."`` for a group's own value."""
+    def number(x: Any, *, tensor: bool = False) -> bool:
+        if tensor and torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():
+            x = x.item()
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # numpy's too
+
+    problems = [f"{where}{name}={value!r} must be a finite number >= 0{' (or a one-value float tensor)' if tensor else ''}, "
+                f"e.g. {example}" for name, value, example, tensor in
+                (("lr", lr, "lr=1e-4", True), ("eps", eps, "eps=1e-8", False),
+                 ("weight_decay", weight_decay, "weight_decay=0.01", False))
+                if not number(value, tensor=tensor)]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and b < 1 for b in betas)):
-        problems.append(f"betas={betas!r} must be two numbers in [0, 1), e.g. betas=(0.9, 0.999)")
+        problems.append(f"{where}betas={betas!r} must be two numbers in [0, 1), e.g. betas=(0.9, 0.999)")
     if problems:
         raise ValueError("make_optimizer: " + "; ".join(problems) + " (a value read from a file may need float(...))")
+
+
+_GROUPS_EXAMPLE = 'param_groups=[{"params": [...], "weight_decay": 0.0}, {"params": [...]}]'
+
+
+def _param_groups(model: nn.Module, param_groups: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+    """The groups as lists, each iterable read once (as torch.optim does: ``model.parameters()`` is a
+    generator, and a check that iterates it first would leave the optimizer nothing), copied so the
+    caller's dicts are not changed, and checked: every parameter is one of ``model``'s and at least
+    one is trainable.
+
+    Raises:
+        TypeError: ``param_groups`` is not a list of dicts with ``"params"`` (or of parameters).
+        ValueError: a group's hyperparameter; a parameter that ``model`` does not have; nothing trainable.
+    """
+    if param_groups is None:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        _check_group_parameters(model, groups, given=False)
+        return groups
+    if isinstance(param_groups, (str, bytes, dict, set, torch.Tensor)) or not isinstance(param_groups, Iterable):
+        raise TypeError(f"make_optimizer: param_groups={_short(param_groups)} ({type(param_groups).__name__}) must be a list of "
+                        f"dicts, e.g. {_GROUPS_EXAMPLE}; or leave it out to optimize every trainable parameter")
+    groups = list(param_groups)
+    if groups and all(torch.is_tensor(_tensor_of(g)) for g in groups):  # parameters (or named ones) are one group, as for torch.optim
+        groups = [{"params": groups}]
+    out = []
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"make_optimizer: param_groups[{i}]={_short(group)} ({type(group).__name__}) must be a dict with a "
+                            f"'params' entry, e.g. {_GROUPS_EXAMPLE}")
+        _check_group_keys(i, group)
+        out.append({**group, "params": _group_params(i, group["params"])})
+        options = {**defaults, **group}
+        _check_hyperparameters(lr=options["lr"], eps=options["eps"], weight_decay=options["weight_decay"],
+                               betas=options["betas"], where=f"param_groups[{i}].")
+    _check_group_parameters(model, out, given=True)
+    return out
+
+
+# What AdamW reads from a group (torch.optim keeps any other key, e.g. a "name", and ignores it).
+_GROUP_KEYS = ("params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
+               "differentiable", "fused", "decoupled_weight_decay")
+
+
+def _check_group_keys(i: int, group: dict[str, Any]) -> None:
+    """A misspelt setting (``"weight_decy"``) would be kept and ignored: the group trains with the default."""
+    for key in group:
+        close = difflib.get_close_matches(str(key), _GROUP_KEYS, n=1, cutoff=0.8) if key not in _GROUP_KEYS else []
+        if close:
+            raise ValueError(f"make_optimizer: param_groups[{i}] has {key!r}, which AdamW does not read (it would be ignored, and "
+                             f"the group would use the default); did you mean {close[0]!r}?")
+
+
+def _group_params(i: int, params: Any) -> list[Any]:
+    if torch.is_tensor(params):
+        return [params]
+    if isinstance(params, (str, bytes, dict, set)) or not isinstance(params, Iterable):
+        raise TypeError(f"make_optimizer: param_groups[{i}]['params'] has type {type(params).__name__}: it must be a parameter or "
+                        "an ordered iterable of them (a list, or model.parameters()); a set has no fixed order")
+    items = list(params)
+    for item in items:
+        tensor = _tensor_of(item)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"make_optimizer: param_groups[{i}]['params'] holds {_short(tensor)} (type {type(tensor).__name__}): "
+                            "only the model's parameters (tensors) can be optimized")
+    return items
+
+
+def _check_group_parameters(model: nn.Module, groups: list[dict[str, Any]], *, given: bool) -> None:
+    """A parameter from another model (a copy, a model loaded twice) would be stepped while this one never
+    changes: a run that trains nothing and says nothing."""
+    own = {id(p) for p in model.parameters()}
+    tensors = [(i, _tensor_of(item)) for i, g in enumerate(groups) for item in g["params"]]
+    foreign = [(i, t) for i, t in tensors if id(t) not in own]
+    if foreign:
+        i, t = foreign[0]
+        raise ValueError(f"make_optimizer: param_groups[{i}] holds {len(foreign)} tensor(s) that are not parameters of "
+                         f"{type(model).__name__} (the first has shape {tuple(t.shape)}): they would be updated while the model never "
+                         "changes; build the groups from this model's parameters (e.g. after prepare_model or PEFT wrapped it)")
+    if not any(t.requires_grad for _, t in tensors):
+        where = " in param_groups" if given else ""
+        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad){where}: nothing to optimize; "
+                         "unfreeze some, or check the PEFT config")
+
+
+def _tensor_of(item: Any) -> Any:
+    """``(name, parameter)`` (from ``named_parameters()``, which torch.optim accepts) -> the parameter."""
+    return item[1] if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else item
+
+
+def _short(value: Any) -> str:
+    if torch.is_tensor(_tensor_of(value)):
+        return f"a tensor of shape {tuple(_tensor_of(value).shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def make_optimizer(
@@ -121,7 +242,12 @@ def make_optimizer(
     """
     from .record import record_of, unwrap_model
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"make_optimizer: model must be a torch.nn.Module (the prepared model), got {type(model).__name__}")
     _check_hyperparameters(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+    # Plain floats for torch.optim (numpy scalars, or betas given as ints, which AdamW refuses).
+    lr = lr if torch.is_tensor(lr) else float(lr)
+    eps, weight_decay, betas = float(eps), float(weight_decay), (float(betas[0]), float(betas[1]))
     record = record_of(model)
     resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     cfg = resolved.optimizer
@@ -133,13 +259,10 @@ def make_optimizer(
     check_training_settings(cfg, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                             grad_scaler=grad_scaler)
     check_optimizer_policy(cfg)
-    groups = param_groups if param_groups is not None else [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    if not any(list(g["params"]) for g in groups):
-        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad): nothing to optimize; unfreeze "
-                         "some, or check the PEFT config")
-    if cfg.step == "in_backward":
-        _check_not_replicated([p for g in groups for p in g["params"]])
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    groups = _param_groups(model, param_groups, defaults)
+    if cfg.step == "in_backward":
+        _check_in_backward_parameters([_tensor_of(item) for g in groups for item in g["params"]])
     factory = _factory(cfg)
     if cfg.step == "after_backward":
         return factory(groups, defaults)
@@ -148,7 +271,7 @@ def make_optimizer(
         previous.remove_hooks()
         warnings.warn("make_optimizer: this model already had an optimizer stepping in the backward; its hooks were removed and "
                       "the new optimizer replaces it (do not use the old one)", stacklevel=2)
-    optimizer = OptimizerInBackward(groups, factory, defaults)
+    optimizer = OptimizerInBackward(groups, factory, defaults, names={p: n for n, p in model.named_parameters()})
     # verify() finds it here, to pause it: a check must not update the weights.
     unwrap_model(model).__dict__["_memstack_optimizer_in_backward"] = weakref.ref(optimizer)
     return optimizer
@@ -156,6 +279,17 @@ def make_optimizer(
 
 def _describe(cfg: OptimizerConfig) -> str:
     return f"state={cfg.state!r}, step={cfg.step!r}"
+
+
+def _check_in_backward_parameters(params: list[torch.Tensor]) -> None:
+    """Each parameter gets a hook that fires when its gradient is complete: a frozen one never has a
+    gradient (and torch refuses the hook)."""
+    frozen = [p for p in params if not p.requires_grad]
+    if frozen:
+        raise ValueError(f"make_optimizer: param_groups holds {len(frozen)} frozen parameter(s) (requires_grad=False, the first "
+                         f"of shape {tuple(frozen[0].shape)}); policy.optimizer.step='in_backward' steps each parameter when its "
+                         "gradient is complete, and these have none: leave them out of param_groups, or unfreeze them first")
+    _check_not_replicated(params)
 
 
 def _check_not_replicated(params: list[torch.Tensor]) -> None:
@@ -244,8 +378,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
     ``step()`` call in between - gradient accumulation, which this optimizer cannot do.
     """
 
-    def __init__(self, params: Iterable[Any], factory: Factory, defaults: dict[str, Any]) -> None:
+    def __init__(self, params: Iterable[Any], factory: Factory, defaults: dict[str, Any], *,
+                 names: dict[nn.Parameter, str] | None = None) -> None:
         super().__init__(params, defaults)
+        self._names = dict(names or {})  # for messages: "model.layers.0.weight has shape ..."
         self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
         self._groups: dict[int, dict[str, Any]] = {}
         for group in self.param_groups:
@@ -298,18 +434,44 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         order = list(self.optimizers)
         return {"optimizers": [self.optimizers[p].state_dict() for p in order],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]}
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "shapes": [list(p.shape) for p in order]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        saved = state_dict["optimizers"]
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"this OptimizerInBackward has {len(self.optimizers)} parameters, the state dict {len(saved)}: "
-                             "load a state saved from the same model and trainable parameters")
-        for optimizer, inner in zip(self.optimizers.values(), saved):
+        """Restore what :meth:`state_dict` saved, after checking (before anything changes) that it was
+        saved for parameters of these shapes, in this order.
+
+        Raises:
+            ValueError: a state dict of another form, for another number of parameters or groups, or
+                for a parameter of another shape (named, with both shapes); this optimizer is unchanged.
+        """
+        self._check_loadable(state_dict)
+        for optimizer, inner in zip(self.optimizers.values(), state_dict["optimizers"]):
             optimizer.load_state_dict(inner)
         for group, options in zip(self.param_groups, state_dict["param_groups"]):
             group.update(options)
         self._stepped.clear()
+
+    def _check_loadable(self, state_dict: Any) -> None:
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("optimizers"), list) \
+                or not isinstance(state_dict.get("param_groups"), list):
+            keys = sorted(state_dict)[:6] if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"OptimizerInBackward.load_state_dict: the state dict (keys {keys}) is not one an OptimizerInBackward "
+                             "saved (it needs 'optimizers' and 'param_groups'); a torch.optim optimizer's state dict cannot be "
+                             "loaded here: load the state saved from make_optimizer's optimizer for the same policy")
+        saved, groups = state_dict["optimizers"], state_dict["param_groups"]
+        if len(saved) != len(self.optimizers) or len(groups) != len(self.param_groups):
+            raise ValueError(f"this OptimizerInBackward has {len(self.optimizers)} parameters in {len(self.param_groups)} group(s), "
+                             f"the state dict {len(saved)} in {len(groups)}: load a state saved from the same model and trainable "
+                             "parameters")
+        shapes = state_dict.get("shapes")
+        for i, (param, inner) in enumerate(zip(self.optimizers, saved)):
+            shape = tuple(shapes[i]) if isinstance(shapes, list) and i < len(shapes) else _state_shape(inner)
+            if shape is not None and shape != tuple(param.shape):
+                name = self._names.get(param, f"parameter {i}")
+                raise ValueError(f"OptimizerInBackward.load_state_dict: {name} has shape {tuple(param.shape)} but the state dict's "
+                                 f"parameter {i} has shape {shape}: it was saved from another model (or other trainable "
+                                 "parameters); load a state saved from this model, with the same parameters trainable")
 
     def remove_hooks(self) -> None:
         """Stop stepping in the backward (e.g. before building another optimizer for this model)."""
@@ -339,6 +501,16 @@ class _MergedState(MutableMapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def _state_shape(inner: Any) -> tuple[int, ...] | None:
+    """The parameter's shape as its saved moments show it (a state saved before ``"shapes"`` was recorded)."""
+    state = inner.get("state") if isinstance(inner, dict) else None
+    for value in (state or {}).values():
+        for key, tensor in (value.items() if isinstance(value, dict) else ()):
+            if key != "step" and torch.is_tensor(tensor) and tensor.dim() > 0:
+                return tuple(tensor.shape)
+    return None
 
 
 def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:

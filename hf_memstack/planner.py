@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .estimate import MemoryEstimate, estimate_memory, infer_task, load_config
+from .estimate import MemoryEstimate, chunked_loss_problem, estimate_memory, infer_task, load_config
 from .ladder import memory_rungs
 from .policy import MemoryPolicy
 from .sizes import format_bytes, parse_bytes
@@ -124,7 +124,9 @@ def plan_policy(
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []
-    rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
+    # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
+    chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
+    rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=chunked,
                          eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward)
     for rung in rungs:
         fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (

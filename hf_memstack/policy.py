@@ -17,6 +17,7 @@ the bad value, the allowed values and the fix.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -34,6 +35,9 @@ __all__ = [
     "OptimizerConfig",
     "PolicyError",
 ]
+
+# The largest ckpt:N / every_n: one block in N is checkpointed, and no model has more blocks.
+MAX_EVERY_N = 10_000
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 CheckpointingMode = Literal["none", "full", "every_n", "offload", "selective"]
@@ -63,7 +67,9 @@ class CheckpointingConfig:
     (less memory, more recompute)."""
 
     every_n: int = 2
-    """With ``mode="every_n"``: checkpoint one block in ``every_n`` (>= 2; 1 is ``full``)."""
+    """With ``mode="every_n"``: checkpoint one block in ``every_n`` (2 to 10,000; 1 is ``full``).
+    Another value with another mode is refused (it would be ignored); 2, the default, is accepted
+    with any mode, as ``to_dict`` writes it."""
 
     use_reentrant: bool = False
     """PyTorch's old reentrant implementation. Off: it breaks with frozen inputs and left the last
@@ -183,6 +189,27 @@ class MemoryPolicy:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
     string such as ``"8bit"``, ``"in_backward"`` or ``"8bit+in_backward"``, is accepted too."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a field of a built policy validates it (a policy is never left invalid: a refused
+        value is not set); the fields of a sub-config are validated when the policy is next used
+        (``validate``, ``to_string``, ``to_dict``, ``prepare_model``)."""
+        try:
+            old = getattr(self, name)
+        except AttributeError:  # the first assignment, by __init__ (or copy, or unpickling): validated in __post_init__
+            object.__setattr__(self, name, value)
+            return
+        problems: list[str] = []
+        cls = _SUBCONFIGS.get(name)
+        coerced = _coerce_subconfig(name, cls, value, problems) if cls is not None else None
+        if problems:
+            raise PolicyError(problems)
+        object.__setattr__(self, name, value if coerced is None else coerced)
+        try:
+            self.validate()
+        except PolicyError:
+            object.__setattr__(self, name, old)
+            raise
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -316,7 +343,12 @@ class MemoryPolicy:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain nested dict (YAML/JSON friendly) that ``from_dict`` turns back into an equal policy."""
+        """A plain nested dict (YAML/JSON friendly) that ``from_dict`` turns back into an equal policy.
+
+        Raises:
+            PolicyError: a field was changed to an invalid value since the policy was built.
+        """
+        self.validate()
         out = dataclasses.asdict(self)
         ck = out["checkpointing"]
         if ck["block_classes"] is not None:
@@ -363,7 +395,13 @@ class MemoryPolicy:
         return text
 
     def to_string(self) -> str:
-        """The shortest ``+`` string for this policy, when one exists (options without a token are dropped)."""
+        """The shortest ``+`` string for this policy, when one exists (options without a token are dropped).
+
+        Raises:
+            PolicyError: a field was changed to an invalid value since the policy was built (an
+                invalid policy is never printed as if it were one).
+        """
+        self.validate()
         parts = [self.precision]
         ck = self.checkpointing
         if ck.mode == "full":
@@ -397,7 +435,8 @@ def _parse_ckpt(arg: str, _: Any) -> CheckpointingConfig | None:
         return CheckpointingConfig(mode="offload")
     if arg in ("selective", "selective:alternate"):
         return CheckpointingConfig(mode="selective", selective_matmuls="save_alternate" if arg.endswith("alternate") else "save_all")
-    if arg.isdigit() and int(arg) >= 2:
+    # ASCII digits only: '²'.isdigit() is True, and int('²') fails.
+    if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_EVERY_N:
         return CheckpointingConfig(mode="every_n", every_n=int(arg))
     return None
 
@@ -427,7 +466,7 @@ def _parse_optim(arg: str, current: OptimizerConfig | None) -> OptimizerConfig |
 
 # token name -> (policy field, parser(arg, value so far) -> config or None when arg is bad, allowed spellings)
 _TOKENS: dict[str, tuple[str, Any, str]] = {
-    "ckpt": ("checkpointing", _parse_ckpt, "'ckpt', 'ckpt:N' (N >= 2), 'ckpt:offload', 'ckpt:selective', 'ckpt:selective:alternate'"),
+    "ckpt": ("checkpointing", _parse_ckpt, "'ckpt', 'ckpt:N' (2 <= N <= 10000), 'ckpt:offload', 'ckpt:selective', 'ckpt:selective:alternate'"),
     "compile": ("compile", _parse_compile, "'compile', 'compile:full', 'compile:regional'"),
     "fsdp": ("fsdp", _parse_fsdp, "'fsdp', 'fsdp:shard_grad_op', 'fsdp:hybrid_shard', 'fsdp:offload'"),
     "loss": ("loss", _parse_loss, "'loss:chunked'"),
@@ -460,6 +499,13 @@ def _validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> Non
             f"policy.checkpointing.every_n={ck.every_n!r} must be an integer >= 2 "
             "(use mode='full' to checkpoint every block)"
         )
+    elif ck.every_n > MAX_EVERY_N:
+        problems.append(f"policy.checkpointing.every_n={ck.every_n} must be at most {MAX_EVERY_N} (one block in N is "
+                        "checkpointed; no model has that many blocks); use a number of blocks, or mode='full'")
+    elif ck.every_n != 2 and ck.mode != "every_n":
+        # 2 is the default, written by to_dict for every mode: it cannot be told from an explicit 2.
+        problems.append(f"policy.checkpointing.every_n={ck.every_n} only applies to mode='every_n' (mode is {ck.mode!r}, "
+                        "which would ignore it); set mode='every_n' or drop every_n")
     _check_bool(problems, "policy.checkpointing.use_reentrant", ck.use_reentrant)
     _check_choice(problems, "policy.checkpointing.selective_matmuls", ck.selective_matmuls, SelectiveMatmuls)
     if ck.selective_matmuls != "save_all" and ck.mode != "selective":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal
@@ -42,6 +43,7 @@ from .sizes import format_bytes, parse_bytes
 __all__ = ["SimulatedMemory", "current_limit", "simulated_memory_limit", "untracked"]
 
 Countable = nn.Module | torch.optim.Optimizer | torch.Tensor
+_DEVICES = ("cpu", "cuda", "xpu", "mps")
 
 
 class SimulatedMemory:
@@ -99,24 +101,68 @@ def simulated_memory_limit(
         torch.OutOfMemoryError: at entry when the counted tensors alone exceed the budget, and at
             any allocation inside the context that would exceed it (its ``requested_bytes`` is
             the refused allocation's size).
+        RuntimeError: no ``device`` is available here (nothing would be counted).
+        ValueError: the tensors of ``count`` all live on another device than ``device``.
+        TypeError: ``count`` is not ``"all"``, a model, optimizer or tensor, or an iterable of them.
+
+    Warns (on exit) when nothing on ``device`` was ever seen while operators ran on another
+    device: the limit counted nothing and refused nothing (e.g. ``device="cuda"`` around a model
+    on the CPU).
 
     Nothing is left behind: on exit the dispatch mode is popped and every weak reference dropped.
     Composes with autocast and activation checkpointing (their operators are seen like any other);
     see the module docstring for ``torch.compile``.
     """
     limit = parse_bytes(budget, field="budget")
-    if not isinstance(device, str) or device not in ("cpu", "cuda", "xpu", "mps"):
+    if not isinstance(device, str) or device not in _DEVICES:
         raise ValueError(f"device={device!r} is not one of 'cpu', 'cuda', 'xpu', 'mps'")
-    if isinstance(count, str) and count != "all":
-        raise ValueError(f"count={count!r}: pass 'all' or an iterable of models, optimizers and tensors")
+    _check_available(device)
     # What is on the device already, found before the mode starts (so the scan costs nothing).
-    existing = list(_all_tensors(device)) if count == "all" else list(_tensors_of(count))
+    existing = list(_all_tensors(device)) if count == "all" else _counted_tensors(count, device)
     mode = LiveBytes(device_type=device, budget=limit)
     mode.register(existing)
     del existing
     with mode:
         mode.check_entry()
         yield SimulatedMemory(mode)
+    if mode.peak == 0 and mode.elsewhere:
+        warnings.warn(f"simulated_memory_limit(device={device!r}) counted nothing: no tensor lived on {device!r} while operators "
+                      f"ran on {', '.join(map(repr, sorted(mode.elsewhere)))}, so nothing was limited; "
+                      f"{_fix(mode.elsewhere, device)}", stacklevel=3)
+
+
+def _fix(devices: set[str], device: str) -> str:
+    other = sorted(devices & set(_DEVICES))
+    return (f"pass device={other[0]!r} (where the tensors live), or move them to {device!r} first" if other
+            else f"move the tensors to {device!r} first")
+
+
+def _check_available(device: str) -> None:
+    """A device type that does not exist here has no tensors to count: the limit would limit nothing."""
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}.get(device)
+    if backend is not None and not backend.is_available():
+        raise RuntimeError(f"simulated_memory_limit(device={device!r}): no {device} device is available here, so no tensor would "
+                           f"be counted and nothing limited; use device='cpu' (the default: a device of that size simulated on "
+                           f"the CPU), or run where a {device} device is")
+
+
+def _counted_tensors(count: Any, device: str) -> list[torch.Tensor]:
+    """The tensors of ``count`` (one model, optimizer or tensor, or an iterable of them), checked to be
+    on ``device``: counting a model that lives elsewhere counts nothing."""
+    if isinstance(count, str):
+        raise ValueError(f"count={count!r}: pass 'all' or an iterable of models, optimizers and tensors")
+    if isinstance(count, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
+        count = [count]
+    elif not isinstance(count, Iterable):
+        raise TypeError(f"count={count!r} ({type(count).__name__}): expected 'all', a model, an optimizer or a tensor, or a "
+                        "list of them (e.g. count=[model, optimizer])")
+    tensors = list(_tensors_of(count))
+    devices = {t.device.type for t in tensors}
+    if tensors and device not in devices and not any(is_traceable_wrapper_subclass(t) for t in tensors):
+        raise ValueError(f"simulated_memory_limit(device={device!r}): the {len(tensors)} tensors of count= live on "
+                         f"{', '.join(map(repr, sorted(devices)))}, none on {device!r}, so none would be counted and nothing "
+                         f"limited; {_fix(devices, device)}")
+    return tensors
 
 
 def current_limit(device: str = "cpu") -> SimulatedMemory | None:
@@ -159,6 +205,8 @@ class LiveBytes(TorchDispatchMode):
         self.refused = 0
         self.paused = False
         self.timeline: list[int] | None = [] if record else None
+        # Device types of outputs seen while nothing on ``device_type`` was counted (a wrong device).
+        self.elsewhere: set[str] = set()
         # id(storage) -> (weak reference whose callback returns the bytes, bytes counted)
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
 
@@ -207,6 +255,8 @@ class LiveBytes(TorchDispatchMode):
     def _account(self, out: Any) -> torch.OutOfMemoryError | None:
         """Count ``out``'s new storages; the error to raise (nothing counted) when they do not fit."""
         leaves = [out] if isinstance(out, torch.Tensor) else [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if self.peak == 0 and len(self.elsewhere) < 4:  # cheap: only until the first counted byte
+            self.elsewhere.update(t.device.type for t in leaves if t.device.type != self.device_type)
         fresh: dict[int, torch.UntypedStorage] = {}
         resized: dict[int, torch.UntypedStorage] = {}  # grown or shrunk in place (resize_, set_)
         for t in leaves:

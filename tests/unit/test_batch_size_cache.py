@@ -10,8 +10,8 @@ import pytest
 import torch
 from tiny import batches
 
-from hf_memstack import find_batch_size, prepare_model
-from hf_memstack._finder_cache import CacheEntry, cache_key, read_entry, write_entry
+from hf_memstack import find_batch_size, parse_bytes, prepare_model
+from hf_memstack._finder_cache import CachedStep, CacheEntry, cache_key, read_entry, write_entry
 
 BUDGET = "12MiB"
 
@@ -37,12 +37,15 @@ def test_hit_costs_one_step_and_a_stale_entry_is_searched_again(llama, tmp_path)
     assert longer.cache == "miss" and longer.batch_size < first.batch_size and longer.cache_file != first.cache_file
     path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
     data = json.loads(path.read_text())
+    # As if found when the device held more (or less) besides: each entry consistent with its own steps.
+    def found_at(n):
+        return {**data, "batch_size": n, "steps": [{"batch_size": n, "peak_bytes": data["peak_bytes"], "fits": True}]}
     # A smaller entry fits, but it is not the maximum any more: searched again, not accepted.
-    path.write_text(json.dumps({**data, "batch_size": first.batch_size // 2}))
+    path.write_text(json.dumps(found_at(first.batch_size // 2)))
     smaller = find(model, opt, tmp_path)
     assert smaller.cache == "stale" and smaller.batch_size == first.batch_size
     # A larger entry that no longer fits: searched again.
-    path.write_text(json.dumps({**data, "batch_size": first.batch_size * 4}))
+    path.write_text(json.dumps(found_at(first.batch_size * 4)))
     larger = find(model, opt, tmp_path)
     assert larger.cache == "stale" and larger.batch_size == first.batch_size and larger.over_budget_probes == 1
     assert json.loads(path.read_text())["batch_size"] == first.batch_size
@@ -73,8 +76,16 @@ def test_key_sees_real_parameter_dtypes_and_trainability(load_model):
     assert len({key(fp32), key(bf16), key(frozen)}) == 3 and key(fp32) == key(load_model("llama"))
 
 
+STEPS = '"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": true}]'
+
+
 @pytest.mark.parametrize("content", [
     '{"batch_size": 12, "peak_by',  # truncated
+    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # an older entry: no steps
+    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": []}',
+    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": [{"batch_size": 12}]}',
+    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": '
+    '[{"batch_size": 12, "peak_bytes": null, "fits": true}]}',
     '{"peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # missing batch_size
     '{"batch_size": 0, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
     '{"batch_size": -3, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
@@ -86,8 +97,46 @@ def test_invalid_entries_are_discarded_with_a_warning(tmp_path, content):
     path = tmp_path / "entry.json"
     path.write_text(content, errors="surrogateescape")
     with pytest.warns(UserWarning, match=r"discarding the invalid batch-size cache entry .*entry.json"):
-        assert read_entry(path) is None
+        assert read_entry(path, budget=1000) is None
     assert not path.exists()
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"batch_size": 60000}, "batch_size=60000 with peak_bytes=100 is not what its recorded steps found"),
+    ({"peak_bytes": 5000}, "peak_bytes=5000 is above the budget of 1000 bytes"),
+    ({"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": False}]}, "none of its recorded steps fitted"),
+    ({"steps": [{"batch_size": 4, "peak_bytes": None, "fits": False}, {"batch_size": 12, "peak_bytes": 100, "fits": True}]},
+     "batch size 4 did not fit, yet the larger batch_size=12 did"),
+    ({"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": True}, {"batch_size": 2, "peak_bytes": 2000, "fits": True}]},
+     "a recorded step at batch size 2 fitted with a peak above the budget"),
+])
+def test_an_entry_inconsistent_with_its_own_steps_or_the_budget_is_discarded(tmp_path, edit, why):
+    path = tmp_path / "entry.json"
+    good = {"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": False, **json.loads("{" + STEPS + "}")}
+    path.write_text(json.dumps(good))
+    assert read_entry(path, budget=1000).batch_size == 12  # as written: consistent
+    path.write_text(json.dumps({**good, **edit}))
+    with pytest.warns(UserWarning, match="discarding the batch-size cache entry .*entry.json") as warned:
+        assert read_entry(path, budget=1000) is None
+    assert why in str(warned[0].message), str(warned[0].message)
+    assert not path.exists()
+
+
+def test_an_edited_entry_never_asks_make_batch_for_its_size(llama, tmp_path):
+    """A cache file edited to batch_size=60000: discarded, with a warning naming the file, before a
+    batch that size is built (it used to be built, then measured)."""
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "batch_size": 60000}))
+    asked = []
+    def make(n):
+        asked.append(n)
+        return batches()(n)
+    with pytest.warns(UserWarning, match=f"discarding the batch-size cache entry {path}: batch_size=60000"):
+        again = find(model, opt, tmp_path, make=make)
+    assert max(asked) < 60000 and again.cache == "miss" and again.batch_size == first.batch_size
+    assert json.loads(path.read_text())["batch_size"] == first.batch_size  # measured again and rewritten
 
 
 def test_a_damaged_entry_is_searched_again_and_replaced(llama, tmp_path):
@@ -98,12 +147,13 @@ def test_a_damaged_entry_is_searched_again_and_replaced(llama, tmp_path):
     with pytest.warns(UserWarning, match="discarding the invalid"):
         again = find(model, opt, tmp_path)
     assert again.cache == "miss" and again.batch_size == first.batch_size
-    assert read_entry(path).batch_size == first.batch_size
+    assert read_entry(path, budget=parse_bytes(BUDGET)).batch_size == first.batch_size
 
 
 def test_concurrent_writers_never_crash_or_mix(tmp_path):
     path = tmp_path / "batch_size" / "job.json"
-    entries = [CacheEntry(batch_size=n, peak_bytes=1000 * n, bytes_per_sample=10, capped=False) for n in range(1, 9)]
+    entries = [CacheEntry(batch_size=n, peak_bytes=1000 * n, bytes_per_sample=10, capped=False,
+                          steps=(CachedStep(batch_size=n, peak_bytes=1000 * n, fits=True),)) for n in range(1, 9)]
     errors, seen = [], []
 
     def writer(entry):
@@ -117,7 +167,7 @@ def test_concurrent_writers_never_crash_or_mix(tmp_path):
         for _ in range(200):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a partial file would be discarded with a warning
-                entry = read_entry(path)
+                entry = read_entry(path, budget=10_000)
             if entry is not None:
                 seen.append(entry)
 
@@ -128,7 +178,7 @@ def test_concurrent_writers_never_crash_or_mix(tmp_path):
         t.join()
     assert not errors
     assert all(e in entries for e in seen)  # every read is one writer's whole entry, never a mix
-    assert read_entry(path) in entries and not list(path.parent.glob("*.tmp"))
+    assert read_entry(path, budget=10_000) in entries and not list(path.parent.glob("*.tmp"))
 
 
 def test_unwritable_cache_folder_warns_and_returns_the_result(llama, tmp_path):

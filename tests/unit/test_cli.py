@@ -58,3 +58,16 @@ def test_usage_errors_exit_2(pretrained_dirs, capsys, argv, fragment):
 def test_missing_arguments_exit_2(capsys):
     assert main(["estimate"]) == 2
     assert "the following arguments are required: model, --seq-len, --batch-size" in capsys.readouterr().err
+
+
+def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
+    """The real entry point (the console script), with the size as its own word."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli"
+    done = subprocess.run([*script.split(), "estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "16", "--budget", "-1GiB"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert "--budget='-1GiB' must be positive" in done.stderr and "expected one argument" not in done.stderr, done.stderr

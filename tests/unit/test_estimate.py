@@ -174,3 +174,57 @@ def test_estimate_bad_input(pretrained_dirs, kwargs, fragment):
 def test_unknown_model_offline_is_a_clear_error():
     with pytest.raises(ValueError, match="not a local directory with a config.json and not in the local Hugging Face cache"):
         estimate_memory("no-such-org/no-such-model", "bf16", batch_size=1, seq_len=16)
+
+
+def _bert_lm_config():
+    from tiny import configs
+
+    return configs()["bert"]  # as a causal LM: BertLMHeadModel, whose head transforms the hidden states first
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arch):
+    """BERT's LM head (dense + activation + LayerNorm before the output layer) is not what the chunked
+    loss computes: prepare_model refuses it on real weights; the estimator, on fake ones, used to return a number."""
+    import transformers
+    from tiny import configs
+
+    config = configs()[arch]
+    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertLMHeadModel}[arch]
+    torch.manual_seed(0)
+    try:
+        prepare_model(cls(config).train(), "fp32+loss:chunked")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    assert (refused is not None) == (arch == "bert")
+    if refused is None:
+        estimate = estimate_memory(config, "fp32+loss:chunked", batch_size=2, seq_len=16, task="causal-lm")
+        assert estimate.peak_bytes > 0 and not estimate.notes  # accepted, and checked (no "not compared" note)
+    else:
+        with pytest.raises(ValueError, match="on BertLMHeadModel the chunked loss .* differs from the model's own") as e:
+            estimate_memory(config, "fp32+loss:chunked", batch_size=2, seq_len=16, task="causal-lm")
+        assert "Drop loss:chunked" in str(e.value) and "Drop loss:chunked" in refused
+
+
+def test_the_planner_offers_no_chunked_loss_rung_prepare_model_would_refuse():
+    from hf_memstack.precision import resolve_precision
+
+    precision = resolve_precision("auto", "cpu").name
+    job = {"batch_size": 4, "seq_len": 32, "task": "causal-lm"}
+    plain = estimate_memory(_bert_lm_config(), precision, **job)
+    ckpt = estimate_memory(_bert_lm_config(), f"{precision}+ckpt", **job)
+    budget = int((plain.peak_bytes + ckpt.peak_bytes) / 2 / 0.9)  # the first rung does not fit; a checkpointing one does
+    plan = plan_policy(_bert_lm_config(), budget=budget, device="cpu", **job)
+    assert len(plan.rows) >= 2 and plan.fits, plan.table()
+    assert not any("loss:chunked" in r.policy for r in plan.rows), [r.policy for r in plan.rows]
+
+
+def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
+    """config.to_dict() used to fail with OSError: File name too long (it was read as a path)."""
+    from hf_memstack.estimate import load_config
+
+    config = load_config(pretrained_dirs["llama"])
+    as_dict = estimate_memory(config.to_dict(), "bf16+ckpt", batch_size=2, seq_len=16)
+    as_config = estimate_memory(config, "bf16+ckpt", batch_size=2, seq_len=16)
+    assert as_dict.peak_bytes == as_config.peak_bytes and as_dict.total_parameters == as_config.total_parameters

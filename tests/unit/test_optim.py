@@ -227,8 +227,8 @@ def test_an_optimizer_built_before_prepare_model_is_refused(load_model):
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    ({"lr": "1e-3"}, "lr='1e-3' must be a number >= 0"),
-    ({"lr": 1e-3, "eps": -1.0}, "eps=-1.0 must be a number >= 0"),
+    ({"lr": "1e-3"}, "lr='1e-3' must be a finite number >= 0"),
+    ({"lr": 1e-3, "eps": -1.0}, "eps=-1.0 must be a finite number >= 0"),
     ({"lr": 1e-3, "betas": (0.9, 1.5)}, "betas=(0.9, 1.5) must be two numbers in [0, 1)"),
 ])
 def test_bad_hyperparameters_are_named_before_torch_sees_them(load_model, kwargs, fragment):
@@ -237,3 +237,117 @@ def test_bad_hyperparameters_are_named_before_torch_sees_them(load_model, kwargs
         make_optimizer(model, **kwargs)
     assert fragment in str(e.value), str(e.value)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # nothing was built
+
+
+def _changed(before: list[torch.Tensor], model: nn.Module) -> list[bool]:
+    return [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+
+
+@pytest.mark.parametrize("spec", ["fp32", "fp32+optim:in_backward"])
+def test_param_groups_from_generators_step_what_torch_adamw_steps(spec):
+    """model.parameters() is a generator: read once, as torch.optim reads it (it used to be consumed by
+    a check first, leaving an optimizer over nothing whose step changed nothing)."""
+    reference = PlainStack().train()
+    ours = prepare_model(copy.deepcopy(reference), spec)
+    def groups(model):
+        return [{"params": model.layers.parameters(), "weight_decay": 0.0},
+                {"params": (p for n, p in model.named_parameters() if not n.startswith("layers.")), "lr": 5e-3}]
+    torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, weight_decay=0.1)
+    optimizer = make_optimizer(ours, lr=1e-2, weight_decay=0.1, param_groups=groups(ours))
+    before = [p.detach().clone() for p in ours.parameters()]
+    assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
+    assert all(_changed(before, ours))  # every parameter stepped ...
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters()))  # ... exactly as torch's AdamW
+
+
+def test_a_tensor_learning_rate_is_accepted_as_torch_accepts_it():
+    reference = PlainStack().train()
+    ours = prepare_model(copy.deepcopy(reference), "fp32")
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=torch.tensor(1e-2))
+    optimizer = make_optimizer(ours, lr=torch.tensor(1e-2))
+    assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, error, fragments", [
+    ({"lr": float("inf")}, ValueError, ("lr=inf must be a finite number >= 0", "lr=1e-4")),
+    ({"lr": float("nan")}, ValueError, ("lr=nan must be a finite number",)),
+    ({"lr": -1e-3}, ValueError, ("lr=-0.001 must be a finite number >= 0",)),
+    ({"lr": torch.tensor([1e-3, 1e-4])}, ValueError, ("one-value float tensor",)),
+    ({"lr": 1e-3, "weight_decay": float("inf")}, ValueError, ("weight_decay=inf",)),
+    ({"lr": 1e-3, "gradient_accumulation_steps": 0}, ValueError, ("gradient_accumulation_steps=0 must be a positive integer",)),
+    ({"lr": 1e-3, "gradient_accumulation_steps": 2.0}, ValueError, ("gradient_accumulation_steps=2.0",)),
+    ({"lr": 1e-3, "max_grad_norm": -1.0}, ValueError, ("max_grad_norm=-1.0 must be None or a number >= 0",)),
+    ({"lr": 1e-3, "param_groups": "all"}, TypeError, ("param_groups='all' (str) must be a list of dicts", "leave it out")),
+    ({"lr": 1e-3, "param_groups": {"params": []}}, TypeError, ("(dict) must be a list of dicts",)),
+    ({"lr": 1e-3, "param_groups": [{"lr": 1e-3}]}, TypeError, ("param_groups[0]={'lr': 0.001} (dict) must be a dict with a 'params'",)),
+    ({"lr": 1e-3, "param_groups": [{"params": 3}]}, TypeError, ("param_groups[0]['params'] has type int",)),
+    ({"lr": 1e-3, "param_groups": [{"params": [], "lr": float("nan")}]}, ValueError, ("param_groups[0].lr=nan",)),
+    ({"lr": 1e-3, "param_groups": []}, ValueError, ("no trainable parameter (requires_grad) in param_groups",)),
+    ({"lr": 1e-3, "param_groups": [{"params": PlainStack().parameters()}]}, ValueError,
+     ("param_groups[0] holds 22 tensor(s) that are not parameters of PlainStack", "the model never changes")),
+    ({"lr": 1e-3, "param_groups": [{"params": [], "weight_decy": 0.0}]}, ValueError,
+     ("param_groups[0] has 'weight_decy', which AdamW does not read", "did you mean 'weight_decay'?")),
+])
+def test_odd_optimizer_arguments_are_clear_errors(kwargs, error, fragments):
+    model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
+    with pytest.raises(error) as e:
+        make_optimizer(model, **kwargs)
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())  # nothing was built
+
+
+def test_in_backward_refuses_a_frozen_parameter_in_param_groups():
+    model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
+    model.head.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"1 frozen parameter\(s\).*shape \(1, 32\).*leave them out"):
+        make_optimizer(model, lr=1e-3, param_groups=[{"params": model.parameters()}])
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("with_shapes", [True, False], ids=["saved-now", "saved-before-shapes-were-recorded"])
+def test_loading_another_models_state_is_refused_and_changes_nothing(with_shapes):
+    """The same number of parameters, another shape: refused at load, naming the parameter and both
+    shapes (it used to load, and the next backward failed inside a hook)."""
+    other = PlainStack().train()
+    other.head = nn.Linear(PlainStack.DIM, 2)  # one more output: the same parameter count, other shapes
+    other = prepare_model(other, "fp32+optim:in_backward")
+    saved = make_optimizer(other, lr=1e-2)
+    _run(other, saved, 1, arch="plain")
+    state = copy.deepcopy(saved.state_dict())
+    if not with_shapes:
+        del state["shapes"]
+    model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
+    optimizer = make_optimizer(model, lr=1e-2)
+    _run(model, optimizer, 1, arch="plain")
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match=r"head\.weight has shape \(1, 32\) but the state dict's parameter 20 has shape \(2, 32\)"):
+        optimizer.load_state_dict(state)
+    after = optimizer.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for a, b in zip(after["optimizers"], before["optimizers"]):
+        assert a["state"].keys() == b["state"].keys()
+        assert all(torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+    assert _run(model, optimizer, 1, arch="plain")  # and it still trains
+
+
+def test_loading_a_torch_optimizer_state_is_refused():
+    model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
+    optimizer = make_optimizer(model, lr=1e-2)
+    with pytest.raises(ValueError, match="not one an OptimizerInBackward saved"):
+        optimizer.load_state_dict(torch.optim.AdamW(PlainStack().parameters()).state_dict())
+
+
+def test_numpy_scalars_and_integer_betas_are_taken_as_torch_adamw_takes_floats():
+    import numpy as np
+
+    reference = PlainStack().train()
+    ours = prepare_model(copy.deepcopy(reference), "fp32")
+    torch_adamw = torch.optim.AdamW(reference.parameters(), lr=0.25, betas=(0.0, 0.99))  # 0.25: exact in float32
+    optimizer = make_optimizer(ours, lr=np.float32(0.25), betas=(0, np.float64(0.99)), gradient_accumulation_steps=np.int64(2))
+    assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module .*got NoneType"):
+        make_optimizer(None, lr=1e-3)

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_memstack import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError
+from hf_memstack import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError, prepare_model
 
 
 def test_defaults_are_eager_fp32():
@@ -117,6 +117,46 @@ def test_validate_catches_mutation_after_construction():
     p.checkpointing.mode = "partial"
     with pytest.raises(PolicyError, match="policy.checkpointing.mode='partial'"):
         p.validate()
+    # Nor is it printed or saved as if it were a policy (describe prints to_string).
+    for use in (p.to_string, p.to_dict, p.to_yaml):
+        with pytest.raises(PolicyError, match="policy.checkpointing.mode='partial'"):
+            use()
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("precision", "nonsense", "policy.precision='nonsense' is not one of"),
+    ("checkpointing", 3, "policy.checkpointing=3 has type int"),
+    ("checkpointing", "offload", "checkpointing.mode='offload' with policy.fsdp.mode='full_shard'"),
+    ("optimizer", "in_backward", "optimizer.step='in_backward' with policy.precision='fp16'"),
+])
+def test_setting_a_field_of_a_built_policy_validates_it_and_keeps_the_old_value(field, value, fragment):
+    """policy.precision = "nonsense" after construction used to be kept, and printed by to_string."""
+    p = MemoryPolicy.from_string("fp16+ckpt+fsdp")
+    before = p.to_dict()
+    with pytest.raises(PolicyError) as e:
+        setattr(p, field, value)
+    assert fragment in str(e.value), str(e.value)
+    assert p.to_dict() == before and p.to_string() == "fp16+ckpt+fsdp:full_shard"
+
+
+def test_setting_a_valid_field_coerces_it_as_the_constructor_does(load_model):
+    p = MemoryPolicy.from_string("bf16")
+    p.checkpointing = "full"
+    p.precision = "fp32"
+    assert p == MemoryPolicy.from_string("fp32+ckpt") and p.to_string() == "fp32+ckpt"
+    assert prepare_model(load_model("llama"), p).memstack.policy == p
+
+
+def test_every_n_is_refused_where_it_would_be_ignored_but_the_default_is_kept(tmp_path):
+    """every_n=3 with mode 'selective' used to be accepted and ignored; to_dict writes every_n=2 for every
+    mode (the default cannot be told from an explicit 2), so a saved policy still loads."""
+    for spec in ("bf16", "bf16+ckpt", "bf16+ckpt:selective", "bf16+ckpt:offload", "bf16+ckpt:7"):
+        p = MemoryPolicy.from_string(spec)
+        p.to_yaml(tmp_path / "policy.yaml")
+        assert MemoryPolicy.from_dict(p.to_dict()) == p == MemoryPolicy.from_yaml(tmp_path / "policy.yaml")
+    assert MemoryPolicy(checkpointing={"mode": "full", "every_n": 2}) == MemoryPolicy.from_string("ckpt")
+    with pytest.raises(PolicyError, match="every_n=3 only applies to mode='every_n'"):
+        MemoryPolicy(checkpointing={"mode": "full", "every_n": 3})
 
 
 def test_wrong_types():

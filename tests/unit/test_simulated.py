@@ -130,9 +130,52 @@ def test_untracked_copies_do_not_count():
         ({"budget": 100, "count": "none"}, ValueError, "count='none': pass 'all' or an iterable"),
         ({"budget": 100, "count": [3]}, TypeError, "count=3 .int.: expected 'all' or modules"),
         ({"budget": 100, "device": "tpu"}, ValueError, "device='tpu' is not one of"),
+        ({"budget": 100, "count": 5}, TypeError, r"count=5 \(int\): expected 'all', a model, an optimizer or a tensor"),
+        ({"budget": 100, "count": None}, TypeError, r"count=None \(NoneType\)"),
     ],
 )
 def test_bad_arguments(kwargs, error, fragment):
     with pytest.raises(error, match=fragment), simulated_memory_limit(**kwargs):
         pass
     assert _get_current_dispatch_mode_stack() == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_a_device_that_is_not_here_is_refused():
+    """device='cuda' without a GPU used to count nothing and limit nothing, silently."""
+    with pytest.raises(RuntimeError, match=r"device='cuda'\): no cuda device is available here.*use device='cpu'"), \
+            simulated_memory_limit(16, device="cuda"):
+        pass
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_counting_a_model_that_lives_elsewhere_is_refused():
+    from tiny import PlainStack
+
+    with torch.device("meta"):
+        model = PlainStack()
+    with pytest.raises(ValueError, match=r"the 22 tensors of count= live on 'meta', none on 'cpu'.*move the tensors to 'cpu'"), \
+            simulated_memory_limit(16, count=[model]):
+        pass
+    assert _get_current_dispatch_mode_stack() == []
+
+
+def test_a_limit_that_saw_nothing_on_its_device_says_so():
+    with pytest.warns(UserWarning, match=r"device='cpu'\) counted nothing: no tensor lived on 'cpu' while operators ran on 'meta'"), \
+            simulated_memory_limit(16, count=()) as mem:
+        torch.ones(1000, device="meta") * 2  # 4 KB that a 16-byte device would have refused, were they counted
+    assert mem.peak_bytes == 0
+
+
+def test_count_takes_a_single_model_optimizer_or_tensor(load_model):
+    """count=model (no list) used to fail with "'LlamaForCausalLM' object is not iterable"."""
+    model = load_model("llama")
+    opt = torch.optim.AdamW(model.parameters())
+    train_step(model, make_batch("llama"), opt)
+    weights = sum(p.nbytes for p in model.parameters()) + sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    weights += sum(b.nbytes for b in model.buffers())
+    state = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    for count, expected in ((model, weights), (opt, state), (next(model.parameters()), next(model.parameters()).nbytes),
+                            ([model, opt], weights + state)):
+        with simulated_memory_limit("1GiB", count=count) as mem:
+            assert mem.live_bytes == expected, type(count).__name__
