@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Fine-tune a Hugging Face model with a memory policy, through Accelerate.
 
-    accelerate launch recipes/finetune.py            # embedded default: real pretrained MiniLM-L6, offline
-    accelerate launch recipes/finetune.py --model Qwen/Qwen2.5-0.5B --dataset ./my_data.jsonl \\
+    python recipes/finetune.py                       # embedded default: real pretrained MiniLM-L6, offline
+    python recipes/finetune.py --model Qwen/Qwen2.5-0.5B --dataset ./my_data.jsonl \\
         --policy bf16+compile+ckpt --batch-size auto --memory-budget 70GiB --global-batch-size 64 --seq-len 2048
-    accelerate launch recipes/finetune.py --config recipes/configs/finetune-default.yaml
-    python recipes/finetune.py ...  |  torchrun --nproc_per_node 2 recipes/finetune.py ...
+    python recipes/finetune.py --config recipes/configs/finetune-default.yaml
+    accelerate launch --num_processes 8 recipes/finetune.py ...  |  torchrun --nproc_per_node 2 recipes/finetune.py ...
+
+One process needs no launcher (accelerate launch would run this script in a child process and add
+its own CalledProcessError traceback after a refusal's message).
 
 Read top to bottom: 1. config (FinetuneConfig: defaults <- --config YAML/JSON <- flags, every value
 checked) -> 2. data -> 3. model -> 4. the output directory and checkpoints -> 5. setup(cfg) -> Job
