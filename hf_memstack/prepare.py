@@ -302,8 +302,9 @@ class _TrainingInEvalModeCheck:
         self.warned = False
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        # Inside a compiled graph the check would be traced (and break the graph): skipped there.
-        if self.warned or module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # Inside a compiled graph the check would be traced (and break the graph): skipped there,
+        # first, so that the graph guards on nothing of it.
+        if torch.compiler.is_compiling() or self.warned or module.training or not torch.is_grad_enabled():
             return
         self.warned = True
         warnings.warn(
