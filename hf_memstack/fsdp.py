@@ -379,8 +379,11 @@ def _mesh(cfg: FSDPConfig, device_type: str) -> Any:
 
 def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -> None:
     """Gather the full state dict on rank 0 (in CPU memory) and write it with ``save_pretrained``
-    (safetensors), loadable by ``from_pretrained`` in one process. Call it on every rank."""
+    (safetensors, mode ``0o666 & ~umask`` like the other files), loadable by ``from_pretrained`` in
+    one process. Call it on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from .files import weights_follow_umask
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -388,7 +391,9 @@ def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -
         # FSDP2 swaps the class for a generated `FSDP<Class>`: save under the model's own class name.
         model.__class__ = next(c for c in original.__mro__ if not c.__name__.startswith("FSDP"))
         try:
-            model.save_pretrained(save_directory, state_dict=state, safe_serialization=True, **kwargs)
+            # safetensors writes its files mode 0600: they get the umask's mode, like config.json (see files.py).
+            with weights_follow_umask(save_directory):
+                model.save_pretrained(save_directory, state_dict=state, safe_serialization=True, **kwargs)
         finally:
             model.__class__ = original
     dist.barrier()

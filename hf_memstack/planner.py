@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -159,39 +158,50 @@ class _Estimates:
         return self.cache[key]
 
 
+_MAX_TRACES = 16  # per rung: a linear peak needs 4 (batch 1, 2, the answer, the answer + 1)
+
+
 def _max_batch(est: _Estimates, policy: str, usable: float) -> tuple[int, MemoryEstimate]:
-    """The largest batch whose estimated peak fits ``usable``, and its estimate (0 and batch 1's when none).
+    """The largest batch whose estimated peak fits ``usable`` - that batch fits and the next one
+    does not - and its estimate (0 and batch 1's when none fits).
 
     The forward+backward peak grows about linearly with the batch, the optimizer step's does
     not (the finder's model): a line through the *total* peaks would mostly measure the fixed
-    optimizer cost. The prediction is then estimated itself and stepped down until it fits.
+    optimizer cost, so the next size is read off the forward+backward peaks; bisection takes over
+    where the line misses. Stops when the answer's neighbour was estimated and does not fit.
     """
-    one = est(policy, 1)
-    if one.peak_bytes > usable:
-        return 0, one
-    slope = max(1.0, est(policy, 2).forward_backward_peak - one.forward_backward_peak)
-    guess = max(1, 1 + int((usable - one.forward_backward_peak) // slope))
+    points = {1: est(policy, 1)}
+    if points[1].peak_bytes > usable:
+        return 0, points[1]
     good, bad = 1, None
-    for _ in range(16):
-        e = est(policy, guess)
-        if e.peak_bytes <= usable:
-            good = guess
-        else:
-            bad = guess
-        if bad is None:
-            # Fits: step up by the room left, until within one sample of the budget.
-            room = int((usable - e.peak_bytes) // slope)
-            if room < 1:
-                break
-            guess = good + room
-        elif bad - good <= max(1, good // 50):  # within 2%: stop spending traces
+    for _ in range(_MAX_TRACES):
+        if bad == good + 1:
             break
-        elif guess == bad and e.peak_bytes > usable and bad - good > 2 * max(1, good // 50):
-            # Over: step down by the measured excess first, then bisect.
-            guess = min(bad - 1, max(good + 1, bad - math.ceil((e.peak_bytes - usable) / slope)))
+        size = _next_size(points, good, bad, usable)
+        points[size] = est(policy, size)
+        if points[size].peak_bytes <= usable:
+            good = size
         else:
-            guess = (good + bad) // 2
-    return good, est(policy, good)
+            bad = size
+    return good, points[good]
+
+
+def _next_size(points: dict[int, MemoryEstimate], good: int, bad: int | None, usable: float) -> int:
+    """The next batch to estimate, strictly between ``good`` (fits) and ``bad`` (does not; None: none
+    seen yet): where the line through the forward+backward peaks of the two nearest sizes reaches
+    ``usable``; the midpoint when that line points outside the bracket."""
+    if len(points) == 1:
+        return 2
+    lo = max(b for b in points if b < good) if bad is None else good
+    hi = good if bad is None else bad
+    slope = (points[hi].forward_backward_peak - points[lo].forward_backward_peak) / (hi - lo)
+    if bad is None:
+        if slope <= 0:  # nothing grows with the batch here: look further out
+            return good * 2
+        reach = good + int((usable - points[good].forward_backward_peak) // slope)
+        return min(max(reach, good + 1), good * 64)
+    reach = good + int((usable - points[good].forward_backward_peak) // slope) if slope > 0 else good
+    return reach if good < reach < bad else (good + bad) // 2
 
 
 def _optimizer_notes(policy: MemoryPolicy) -> list[str]:

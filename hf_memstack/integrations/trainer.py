@@ -196,10 +196,11 @@ def training_arguments(
         raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)")
     world = _world_size()
     if "per_device_train_batch_size" not in fields and budget is not None:
-        result = _find_batch_size(model, train_dataset, data_collator, budget, global_batch_size)
+        result = _find_batch_size(model, train_dataset, data_collator, budget, global_batch_size,
+                                  remove_unused_columns=fields.get("remove_unused_columns", True))
         fields["per_device_train_batch_size"] = result.batch_size
         fields.setdefault("per_device_eval_batch_size", result.batch_size)
-        logger.info("hf_memstack: %s", result.summary())
+        _report_batch_size(result)
     if global_batch_size is not None and "gradient_accumulation_steps" not in kwargs:
         per_step = fields.get("per_device_train_batch_size", 8) * world
         fields["gradient_accumulation_steps"] = max(1, math.ceil(global_batch_size / per_step))
@@ -207,6 +208,20 @@ def training_arguments(
     for note in check_training_arguments(model, args):
         warnings.warn(note, stacklevel=2)
     return args
+
+
+def _report_batch_size(result: Any) -> None:
+    """Say once, on the main process, what the finder chose: the batch size is the answer the
+    caller asked for, and a logger at INFO level is silent unless logging was configured."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    logger.info("hf_memstack: %s", result.summary())
+    if rank == 0:
+        print(f"hf_memstack training_arguments: per_device_train_batch_size={result.batch_size} from the batch-size finder: "
+              f"{result.summary()}", flush=True)
 
 
 def _world_size() -> int:
@@ -221,18 +236,23 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int | str, global_batch_size: int | None) -> Any:
+def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int | str, global_batch_size: int | None, *,
+                     remove_unused_columns: bool = True) -> Any:
+    """The finder on the batches Trainer's loader will build: the longest samples of ``dataset``,
+    with the columns Trainer removes removed (``remove_unused_columns``), through ``collator``,
+    so each probe has the padding and the length of the widest training batch."""
     from ..batch_size import find_batch_size
 
     if dataset is None or collator is None or not isinstance(dataset, Sized) or len(dataset) == 0:
         raise ValueError("budget= needs train_dataset (a non-empty, indexable dataset) and data_collator to measure steps "
                          "with; pass both, or per_device_train_batch_size instead of budget")
-    longest = max(range(len(dataset)), key=lambda i: _length(dataset[i]))
-    sample = dataset[longest]
+    order = _longest_first(dataset)
+    keep = _signature_columns(model) if remove_unused_columns else None
     device = device_of(model)
 
     def make_batch(n: int) -> Any:
-        batch = collator([sample] * n)
+        rows = [_trainer_columns(dataset[order[i % len(order)]], keep) for i in range(n)]
+        batch = collator(rows)
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -242,9 +262,39 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 
+def _longest_first(dataset: Any) -> list[int]:
+    """The dataset's indices, longest sample first (ties in dataset order)."""
+    column = getattr(dataset, "column_names", None)
+    if isinstance(column, list) and "input_ids" in column:  # a datasets.Dataset: one column read, not every row
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+    else:
+        lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
 def _length(sample: Any) -> int:
-    ids = sample.get("input_ids") if isinstance(sample, dict) else None
-    return len(ids) if ids is not None else 0
+    """A sample's length: its ``input_ids``, else its longest sequence field (a collator pads to those)."""
+    if not isinstance(sample, dict):
+        return 0
+    if sample.get("input_ids") is not None:
+        return len(sample["input_ids"])
+    return max((len(v) if not torch.is_tensor(v) else v.numel() for v in sample.values() if isinstance(v, (list, tuple)) or torch.is_tensor(v)),
+               default=0)
+
+
+def _signature_columns(model: nn.Module) -> set[str]:
+    """The columns Trainer keeps (``Trainer._set_signature_columns_if_needed``): the forward's
+    arguments (a PEFT model's base model's), plus the label names."""
+    import inspect
+
+    from transformers.utils import find_labels
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(inner.forward).parameters) | {"label", "label_ids"} | set(find_labels(type(inner)))
+
+
+def _trainer_columns(sample: Any, keep: set[str] | None) -> Any:
+    return {k: v for k, v in sample.items() if k in keep} if keep is not None and isinstance(sample, dict) else sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

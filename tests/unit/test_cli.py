@@ -71,3 +71,68 @@ def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
     assert "--budget='-1GiB' must be positive" in done.stderr and "expected one argument" not in done.stderr, done.stderr
+def _peaks(d, policies, **kw):
+    from hf_memstack import estimate_memory
+
+    return {p: estimate_memory(d, p, **kw).peak_bytes for p in policies}
+
+
+def test_several_policies_each_get_their_verdict(pretrained_dirs, capsys):
+    """Issue 18: --policy bf16,bf16+ckpt with a budget only bf16+ckpt fits printed 'does not fit' and
+    exited 1. Each policy gets its own verdict; the status is 0 when one fits, 1 when none does."""
+    d = str(pretrained_dirs["llama"])
+    peaks = _peaks(d, ["fp32", "fp32+ckpt"], batch_size=8, seq_len=64)
+    assert peaks["fp32+ckpt"] < peaks["fp32"]
+    budget = (peaks["fp32+ckpt"] + peaks["fp32"]) // 2
+    argv = ["estimate", d, "--policy", "fp32,fp32+ckpt", "--batch-size", "8", "--seq-len", "64", "--budget", str(budget)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fp32: does not fit in" in out and "fp32+ckpt: fits in" in out and "1 of 2 policies fit" in out
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["fitting_policies"] == ["fp32+ckpt"]
+    assert [e["fits"] for e in data["estimates"]] == [False, True]
+    below = ["estimate", d, "--policy", "fp32,fp32+ckpt", "--batch-size", "8", "--seq-len", "64", "--budget", str(peaks["fp32+ckpt"] - 1)]
+    assert main(below) == 1
+    assert "none does, exit 1" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_fails_before_estimating(pretrained_dirs, tmp_path):
+    """Without matplotlib, --plot is refused at once with the extra that installs it: no table, no verdict first."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['matplotlib'] = None\n"  # what an environment without matplotlib sees
+            "from hf_memstack.cli import main\n"
+            f"sys.exit(main(['estimate', {str(pretrained_dirs['llama'])!r}, '--batch-size', '2', '--seq-len', '16', "
+            f"'--budget', '1GiB', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--plot needs matplotlib" in done.stderr and "pip install 'hf_memstack[plot]'" in done.stderr
+    assert "| policy |" not in done.stdout and "fits" not in done.stdout, done.stdout
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_the_recipes_minilm_alias_is_an_encoder_estimated_as_a_classifier(minilm_dir, capsys, caplog):
+    """`hf-memstack estimate minilm` is the recipe's model (one alias table, hf_memstack.models), and
+    that BertModel checkpoint is estimated with a classification head, as the recipe trains it -
+    not as a BertLMHeadModel (one is_decoder warning per layer)."""
+    import logging
+
+    from hf_memstack import estimate_memory
+
+    caplog.set_level(logging.WARNING)
+    assert main(["estimate", "minilm", "--batch-size", "2", "--seq-len", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["estimates"][0]
+    reference = estimate_memory(minilm_dir, "fp32", batch_size=2, seq_len=16, task="classification")
+    assert (data["parameters"], data["peak_bytes"]) == (reference.parameters, reference.peak_bytes)
+    assert any("task: classification" in n for n in data["notes"])
+    assert "is_decoder" not in caplog.text
+
+
+def test_an_alias_whose_package_is_missing_says_what_to_install(monkeypatch, capsys):
+    from hf_memstack import models
+
+    monkeypatch.setitem(models.MODEL_ALIASES, "tinyzoo", ("no_such_package_xyz", "model", "no-such-package-xyz"))
+    assert main(["estimate", "tinyzoo", "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert "pip install no-such-package-xyz" in capsys.readouterr().err
