@@ -11,6 +11,7 @@ PEFT adapters, ``save_pretrained`` and FSDP2 see the model exactly as before.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._device import device_of
 
-__all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper"]
+__all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper", "fused_lm_head_installed"]
 
 
 class _ForwardWrapper:
@@ -117,3 +118,27 @@ def forward_wrapper(module: nn.Module, kind: type[_ForwardWrapper]) -> _ForwardW
             return None
         seen += 1
     return None
+
+
+def fused_lm_head_installed(module: nn.Module) -> bool:
+    """True when ``module.forward`` is TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``,
+    installed by SFTTrainer, DPOTrainer, GRPOTrainer, ...), seen through hf_memstack's and
+    Accelerate's wrappers: a forward taking ``fused_lm_head=True`` that then calls the backbone
+    and ``lm_head.weight`` directly, around the model's own forward. Each function's own
+    parameters are read, not the signature it copies from the model's forward (``functools.wraps``).
+    For a PEFT model, the model it wraps is looked at too (TRL patches that one)."""
+    if type(module).__module__.startswith("peft.") and hasattr(module, "get_base_model") and module.get_base_model() is not module:
+        return _fused_forward(module.__dict__.get("forward")) or _fused_forward(module.get_base_model().__dict__.get("forward"))
+    return _fused_forward(module.__dict__.get("forward"))
+
+
+def _fused_forward(forward: Any) -> bool:
+    for _ in range(16):
+        if isinstance(forward, types.MethodType):
+            forward = forward.__func__
+        if forward is None:
+            return False
+        if isinstance(forward, types.FunctionType) and "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False

@@ -202,45 +202,62 @@ class _Applied:
 
 class CheckpointingGuard:
     """Stands in for a prepared model's ``activation_checkpointing_enable`` and
-    ``gradient_checkpointing_enable``: a later call (``TrainingArguments(gradient_checkpointing=True)``,
-    a PEFT helper, user code) that asks for what the policy already applied changes nothing and
-    says so; one that asks for something else is refused, instead of silently replacing the
-    policy's checkpointing while ``model.memstack`` still describes the old one."""
+    ``gradient_checkpointing_enable``. A later call (``TrainingArguments(gradient_checkpointing=True)``,
+    TRL's default ``SFTConfig``, a PEFT helper, user code) changes nothing and says so once, when it
+    asks for what the policy already applied or for the default checkpointing (every layer, no
+    keyword arguments) over a policy that already checkpoints its own way (``ckpt:2``,
+    ``ckpt:selective``, ``ckpt:offload``): the policy's is kept. One that asks for something else
+    (other keyword arguments, ``every_n_layers`` or ``offload``; any checkpointing over a policy
+    without it) is refused, instead of silently replacing the policy's checkpointing while
+    ``model.memstack`` still describes the old one."""
 
-    def __init__(self, name: str, applied: _Applied, policy: str) -> None:
+    def __init__(self, name: str, applied: _Applied, policy: str, told: list[bool] | None = None) -> None:
         self.name = name
         self.applied = applied
         self.policy = policy
+        self.told = told if told is not None else [False]
+        """Shared by a model's two guards: whether the "nothing changed" warning was given."""
 
     def __call__(self, checkpointing_kwargs: dict[str, Any] | None = None, every_n_layers: int = 1, offload: bool = False,
                  **kwargs: Any) -> None:
         checkpointing_kwargs = kwargs.pop("activation_checkpointing_kwargs", kwargs.pop("gradient_checkpointing_kwargs", checkpointing_kwargs))
         if kwargs:
             raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(kwargs)}")
-        problem = self.conflict(checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload, caller=f"{self.name}()")
+        caller = f"{self.name}()"
+        problem = self.conflict(checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload, caller=caller)
         if problem:
             raise RuntimeError(problem)
-        warnings.warn(
-            f"{self.name}() on a model prepared by hf_memstack with policy {self.policy!r}: the policy already applies "
-            "this checkpointing, nothing changed (with transformers.Trainer, leave gradient_checkpointing=False)",
-            stacklevel=2,
-        )
+        if not self.told[0]:
+            self.told[0] = True
+            warnings.warn(self.kept_note(caller), stacklevel=2)
+
+    def kept_note(self, caller: str) -> str:
+        """What a call that changes nothing is told."""
+        return (f"{caller} on a model prepared by hf_memstack with policy {self.policy!r}, which already checkpoints "
+                f"({self._applied_text()}): the policy's checkpointing is kept and this call changed nothing. Set "
+                "gradient_checkpointing=False in your TrainingArguments/SFTConfig to silence this")
 
     def conflict(self, checkpointing_kwargs: dict[str, Any] | None, *, every_n_layers: int = 1, offload: bool = False,
-                 caller: str) -> str | None:
-        """Why enabling checkpointing this way would replace the policy's (None: it asks for the same)."""
+                 caller: str, fix: str = "set gradient_checkpointing=False in your TrainingArguments/SFTConfig") -> str | None:
+        """Why enabling checkpointing this way would replace the policy's (None: it asks for the
+        same, or for the default over a policy that checkpoints)."""
         requested = _Applied(every_n_layers, offload, _normalised(checkpointing_kwargs))
-        if requested == self.applied:
+        if requested == self.applied or (self.applied.every_n_layers is not None and requested == _DEFAULT_REQUEST):
             return None
-        now = "no checkpointing" if self.applied.every_n_layers is None else (
-            f"every_n_layers={self.applied.every_n_layers}, offload={self.applied.offload}, kwargs={dict(self.applied.checkpoint_kwargs)}")
+        instead = (f"with checkpointing in the policy (e.g. '{self.policy}+ckpt')" if self.applied.every_n_layers is None
+                   else "with the checkpointing you want in the policy")
         return (
             f"{caller} asks for checkpointing with every_n_layers={every_n_layers}, offload={offload}, "
             f"kwargs={dict(requested.checkpoint_kwargs)}, which would replace the checkpointing of this model's hf_memstack "
-            f"policy {self.policy!r} ({now}). Checkpointing is set by the policy: with transformers.Trainer set "
-            "TrainingArguments(gradient_checkpointing=False) (hf_memstack's training_arguments() does), or prepare a fresh "
-            "model with the checkpointing you want (e.g. 'bf16+ckpt')"
+            f"policy {self.policy!r} ({self._applied_text()}). Checkpointing is set by the policy: {fix} (hf_memstack's "
+            f"training_arguments() does), or prepare a fresh model {instead}"
         )
+
+    def _applied_text(self) -> str:
+        a = self.applied
+        if a.every_n_layers is None:
+            return "no checkpointing"
+        return f"every_n_layers={a.every_n_layers}, offload={a.offload}, kwargs={dict(a.checkpoint_kwargs)}"
 
 
 def install_checkpointing_guard(model: nn.Module, cfg: CheckpointingConfig, result: CheckpointingResult, policy: str) -> bool:
@@ -255,8 +272,9 @@ def install_checkpointing_guard(model: nn.Module, cfg: CheckpointingConfig, resu
         every_n = cfg.every_n if cfg.mode == "every_n" else 1
         offload = cfg.mode == "offload" and not result.note
         applied = _Applied(every_n, offload, _normalised(_checkpoint_kwargs(cfg)))
+    told = [False]
     for name in names:
-        setattr(model, name, CheckpointingGuard(name, applied, policy))
+        setattr(model, name, CheckpointingGuard(name, applied, policy, told))
     return True
 
 
@@ -273,3 +291,7 @@ def _comparable(value: Any) -> Any:
             return f"selective({', '.join(map(str, value.args))})"
         return (getattr(value.func, "__qualname__", repr(value.func)), value.args, tuple(sorted(value.keywords.items())))
     return value
+
+
+# What Trainer asks for with gradient_checkpointing=True and no keyword arguments (TRL's default).
+_DEFAULT_REQUEST = _Applied(1, False, _normalised(None))

@@ -1,6 +1,12 @@
 """Mixed precision: resolve the policy's precision for a device, check the hardware, and run the
 model's forward under autocast with fp32 outputs (Accelerate's recipe), so that a plain
-``loss.backward()`` loop works for fp32 and bf16, and fp16 adds a GradScaler."""
+``loss.backward()`` loop works for fp32 and bf16, and fp16 adds a GradScaler.
+
+The autocast goes around the outer forward, as Accelerate's does. Code that replaces
+``model.forward`` afterwards and calls the backbone itself (TRL's fused LM head) would run
+outside it: a guard on the backbone refuses such a training forward instead of letting it
+compute in fp32 under a bf16 record, and :func:`restore_autocast` puts the autocast back
+around the replaced forward (the Trainer callback does)."""
 
 from __future__ import annotations
 
@@ -11,9 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._wrappers import AutocastForward
+from ._device import device_of
+from ._wrappers import AutocastForward, forward_wrapper, fused_lm_head_installed
 
-__all__ = ["ResolvedPrecision", "apply_precision", "check_accelerator_precision", "cpu_has_native_bf16", "resolve_precision"]
+__all__ = [
+    "AutocastBypassGuard",
+    "ResolvedPrecision",
+    "apply_precision",
+    "check_accelerator_precision",
+    "cpu_has_native_bf16",
+    "resolve_precision",
+    "restore_autocast",
+]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Accelerate's names for the same settings.
@@ -113,7 +128,103 @@ def apply_precision(model: nn.Module, precision: ResolvedPrecision) -> None:
     The parameters stay in their dtype (fp32 master weights for mixed precision); only the
     computation is autocast. This is what ``Accelerator.prepare`` does to a model, without
     creating Accelerate's global state, so it works in a notebook with no Accelerator. The
-    forward keeps its signature, docstring, pickling and ``torch.compile``-ability.
+    forward keeps its signature, docstring, pickling and ``torch.compile``-ability. The
+    backbone (``model.base_model``) gets an :class:`AutocastBypassGuard`.
     """
     if precision.mixed:
         model.forward = AutocastForward(model, dtype=precision.dtype)  # type: ignore[method-assign]
+        backbone = getattr(model, "base_model", None)
+        if isinstance(backbone, nn.Module) and backbone is not model:
+            backbone.register_forward_pre_hook(AutocastBypassGuard(model, precision.dtype))
+
+
+def restore_autocast(model: nn.Module) -> bool:
+    """Put hf_memstack's autocast back around the prepared model's forward when it was replaced
+    after :func:`prepare_model` by one that no longer goes through it (TRL's trainers install
+    their fused LM head this way, in ``__init__``): the new forward then runs under the policy's
+    autocast with fp32 outputs, as the old one did. ``model`` may be wrapped (PEFT, DDP).
+
+    Returns:
+        True when the autocast was put back; False when nothing was to do (the autocast is
+        still in place, or the policy's precision is not applied by hf_memstack).
+    """
+    from .record import record_of, unwrap_model
+
+    record = record_of(model)
+    if record is None or record.autocast_by != "hf_memstack":
+        return False
+    inner = unwrap_model(model)
+    if forward_wrapper(inner, AutocastForward) is not None:
+        return False
+    inner.forward = AutocastForward(inner, dtype=record.precision.dtype)  # type: ignore[method-assign]
+    return True
+
+
+class AutocastBypassGuard:
+    """A forward pre-hook on the backbone of a model whose forward hf_memstack autocasts: a
+    training forward (train mode, gradients on) that reaches the backbone outside an autocast
+    of the policy's dtype would compute in fp32 while ``model.memstack`` records bf16/fp16, so
+    it is refused, with the fixes. This happens when ``model.forward`` was replaced after
+    ``prepare_model`` by code calling the backbone directly (TRL's fused LM head) and nothing
+    autocasts around it. Under ``loss:chunked`` it also says, once, that TRL's head computes
+    the loss instead of hf_memstack's. Costs a few attribute reads per forward; it is skipped
+    inside a compiled graph (dynamo traces the autocast there)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.told_chunked = False
+        self.looked_at: Any = None
+        """The forward last looked at for TRL's fused head (looked at again only when it changes)."""
+        self.probe: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+            return
+        record = self.model.__dict__.get("memstack")
+        if record is None or record.fsdp is not None:  # FSDP2 computes in its param_dtype anyway
+            return
+        if record.loss.mode == "chunked" and not self.told_chunked:
+            self._tell_if_trl_head(record.policy.to_string())
+        device_type = self._device_type(module)
+        if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == self.dtype:
+            return
+        raise RuntimeError(
+            f"a training forward reached {type(module).__name__} (the backbone of this model prepared with policy "
+            f"{record.policy.to_string()!r}) outside hf_memstack's {record.precision.name} autocast: its matmuls would run in "
+            f"fp32 while model.memstack says {record.precision.name}. model.forward was replaced after prepare_model by code "
+            "that calls the backbone itself (TRL's fused LM head in SFTTrainer/DPOTrainer/GRPOTrainer does), or the backbone "
+            "was called directly. Fix: pass callbacks=[hf_memstack.integrations.trainer.MemstackCallback()] to the trainer "
+            "(it puts the autocast back around TRL's forward), or set "
+            f"{record.precision.name}=True in the SFTConfig/TrainingArguments (Accelerate's autocast then wraps TRL's forward), "
+            "or call hf_memstack.precision.restore_autocast(model) after building the trainer; when calling the backbone "
+            f"yourself, run it under torch.autocast({device_type!r}, dtype=torch.{str(self.dtype).removeprefix('torch.')})"
+        )
+
+    def _device_type(self, module: nn.Module) -> str:
+        # One parameter, looked up once (device_of walks the module tree: ~30 us a call); it keeps
+        # its identity when the model moves, so its device stays the model's.
+        if self.probe is None:
+            self.probe = next(module.parameters(), None)
+        return self.probe.device.type if self.probe is not None else device_of(module).type
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The forward looked at and the probe are the model's own: a copy looks its own up again.
+        return {**self.__dict__, "looked_at": None, "probe": None}
+
+    def _tell_if_trl_head(self, policy: str) -> None:
+        forward = self.model.__dict__.get("forward")
+        if forward is self.looked_at:
+            return
+        self.looked_at = forward
+        if fused_lm_head_installed(self.model):
+            self.told_chunked = True
+            warnings.warn(trl_replaces_chunked_loss(policy), stacklevel=3)
+
+
+def trl_replaces_chunked_loss(policy: str) -> str:
+    """What to tell a user whose ``loss:chunked`` policy trains under TRL's fused LM head."""
+    return (f"policy {policy!r} has loss:chunked, but TRL's trainer computes the training loss with its own chunked LM head "
+            "(model(..., fused_lm_head=True) calls the backbone and lm_head.weight directly), so hf_memstack's chunked loss "
+            "does not run in training: TRL's head takes its place, and it never builds the full logits either. "
+            "MemstackCallback's memory/peak_mib measures TRL's head; prepare the model without loss:chunked to silence this")

@@ -11,8 +11,11 @@ TrainingArguments from the policy and the batch-size finder, and watch training 
                       callbacks=[MemstackCallback()])              # 3. verify + memory in the logs
     trainer.train()
 
-Nothing here patches Trainer: the model is prepared before the Trainer sees it (as TRL and Liger
-do), and what happens during training goes through Trainer's own callback events.
+TRL's trainers (``SFTTrainer(..., callbacks=[MemstackCallback()])``) work the same way; their
+fused LM head replaces ``model.forward`` after the model was prepared, and the callback puts the
+policy's autocast back around it. Nothing here patches Trainer: the model is prepared before the
+Trainer sees it (as TRL and Liger do), and what happens during training goes through Trainer's
+own callback events.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 import warnings
 from collections.abc import Sized
 from dataclasses import dataclass
@@ -29,12 +33,14 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 
-from .._device import device_of, module_mode, preserved_rng
+from .._device import device_of, module_mode, preserved_rng, synchronize
+from .._wrappers import fused_lm_head_installed
 from ..accounting import optimizer_state_bytes
 from ..checkpointing import CheckpointingGuard
 from ..memory import StepMemory, measure_step
 from ..optim import OptimizerInBackward, optimizer_in_backward_of
-from ..record import MemstackRecord, record_of
+from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
+from ..record import MemstackRecord, record_of, unwrap_model
 from ..verify import VerifyReport, verify
 
 __all__ = ["MemstackCallback", "add_memstack_callback", "check_optimizer", "check_training_arguments", "training_arguments"]
@@ -46,35 +52,42 @@ _CHECKPOINTING_FIELD = "activation_checkpointing" if "activation_checkpointing" 
 
 
 def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[str]:
-    """Compare ``args`` with the policy ``model`` was prepared with.
+    """Compare ``args`` (``TrainingArguments`` or a subclass such as TRL's ``SFTConfig``) with the
+    policy ``model`` was prepared with.
+
+    ``gradient_checkpointing=True`` without keyword arguments (TRL's default) over a policy that
+    already checkpoints is accepted: the policy's checkpointing is kept, and Trainer's call to
+    ``activation_checkpointing_enable`` changes nothing and says so once.
 
     Returns:
         Warnings for settings that repeat what the policy already does (harmless, but to drop).
 
     Raises:
         ValueError: every setting that contradicts the policy or would apply part of it a second
-            time in a way that changes training (listed together, each with its fix).
+            time in a way that changes training (listed together, each with its fix, naming the
+            arguments' class).
     """
     record = _record(model)
+    cls = type(args).__name__
     problems: list[str] = []
     repeats: list[str] = []
-    _check_checkpointing_args(model, args, record, problems, repeats)
-    _check_precision_args(args, record, problems, repeats)
+    _check_checkpointing_args(model, args, record, problems)
+    _check_precision_args(args, record, problems)
     _check_optimizer_args(args, record, problems)
     if getattr(args, "torch_compile", False):
         if record.policy.compile.mode != "none":
-            problems.append(f"TrainingArguments.torch_compile=True would compile the model a second time; the policy "
+            problems.append(f"{cls}.torch_compile=True would compile the model a second time; the policy "
                             f"{record.policy.to_string()!r} already compiles it ({record.policy.compile.mode}): set torch_compile=False")
         else:
-            repeats.append("TrainingArguments.torch_compile=True compiles the model outside its hf_memstack policy, which "
+            repeats.append(f"{cls}.torch_compile=True compiles the model outside its hf_memstack policy, which "
                            "model.memstack does not record; prefer adding compile to the policy (e.g. "
                            f"'{record.policy.to_string()}+compile:regional') and torch_compile=False")
     if getattr(args, "fsdp", None):
-        problems.append(f"TrainingArguments.fsdp={args.fsdp!r}: Trainer's FSDP would shard a model hf_memstack already "
+        problems.append(f"{cls}.fsdp={args.fsdp!r}: Trainer's FSDP would shard a model hf_memstack already "
                         "checkpointed (and maybe sharded) without knowing where its checkpoints are; set fsdp='' and put "
                         "fsdp in the policy, launched with torchrun or the recipe (recipes/finetune.py)")
     if problems:
-        raise ValueError("TrainingArguments contradict the model's hf_memstack policy "
+        raise ValueError(f"{cls} contradicts the model's hf_memstack policy "
                          f"{record.policy.to_string()!r}:\n  - " + "\n  - ".join(problems))
     return repeats
 
@@ -87,23 +100,35 @@ def _record(model: nn.Module | None) -> MemstackRecord:
     return record
 
 
-def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecord, problems: list[str], repeats: list[str]) -> None:
+def _checkpointing_field(args: Any) -> str:
+    """The field to name in a fix: TRL's configs document ``gradient_checkpointing`` (default True);
+    Transformers >= 5.20 names it ``activation_checkpointing``."""
+    return "gradient_checkpointing" if _is_trl(args) else _CHECKPOINTING_FIELD
+
+
+def _is_trl(args: Any) -> bool:
+    return type(args).__module__.startswith("trl.")
+
+
+def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecord, problems: list[str]) -> None:
     enabled = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     if not enabled:
         return
-    flag = f"TrainingArguments({_CHECKPOINTING_FIELD}=True)"
+    field = _checkpointing_field(args)
+    setting = f"{type(args).__name__}({field}=True)"
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     every_n, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
     guard = getattr(model, "activation_checkpointing_enable", None)
     if not isinstance(guard, CheckpointingGuard):
-        problems.append(f"{flag}, but {type(model).__name__} has no Transformers checkpointing API for Trainer to call; "
-                        f"checkpointing comes from the policy ({record.policy.to_string()!r}): set {_CHECKPOINTING_FIELD}=False")
+        problems.append(f"{setting}, but {type(model).__name__} has no Transformers checkpointing API for Trainer to call; "
+                        f"checkpointing comes from the policy ({record.policy.to_string()!r}): set {field}=False")
         return
-    conflict = guard.conflict(kwargs or None, every_n_layers=every_n, offload=offload, caller=flag)
+    conflict = guard.conflict(kwargs or None, every_n_layers=every_n, offload=offload, caller=setting,
+                              fix=f"set {type(args).__name__}({field}=False)" + (" (TRL's configs default to True)" if _is_trl(args) else ""))
     if conflict:
         problems.append(conflict)
-    else:
-        repeats.append(f"{flag} repeats the policy's checkpointing (nothing changes); set {_CHECKPOINTING_FIELD}=False")
+    # Otherwise Trainer's call repeats the policy or asks for the default checkpointing over the
+    # policy's own: the guard keeps the policy's and says so once, when Trainer calls it.
 
 
 def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
@@ -135,22 +160,31 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
                          "model, lr=args.learning_rate, weight_decay=args.weight_decay), None))")
 
 
-def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str], repeats: list[str]) -> None:
+def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
+    cls = type(args).__name__
     asked = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
     policy = record.precision.name
+    if policy == "fp16" and record.precision.device_type == "cpu":
+        # Accelerate creates neither an autocast nor a GradScaler for fp16 on the CPU
+        # (accelerator.scaler is None): Trainer would run hf_memstack's fp16 autocast unscaled.
+        problems.append("the policy computes in fp16 on the CPU, where Accelerate (and so Trainer) creates no loss scaler "
+                        "(trainer.accelerator.scaler is None): fp16 gradients would underflow unscaled. Use a bf16 or fp32 "
+                        "policy on the CPU, train fp16 on a GPU (there fp16=True gives Trainer's GradScaler), or use your own "
+                        "loop with model.memstack.grad_scaler")
+        return
     if asked == "no":
         if policy == "fp16":
             problems.append("the policy computes in fp16, which needs a loss scaler, and Trainer only creates one with "
-                            "fp16=True: set TrainingArguments(fp16=True)")
+                            f"fp16=True: set {cls}(fp16=True)")
         elif record.autocast_by == "accelerator.prepare":
             problems.append(f"the model was prepared for an Accelerator with mixed_precision={policy!r}; set "
-                            f"TrainingArguments({policy}=True) so Trainer's Accelerator applies it")
+                            f"{cls}({policy}=True) so Trainer's Accelerator applies it")
         return
     if policy == "fp32":
-        problems.append(f"TrainingArguments.{asked}=True autocasts a model whose policy is fp32; set {asked}=False, or "
+        problems.append(f"{cls}.{asked}=True autocasts a model whose policy is fp32; set {asked}=False, or "
                         f"prepare the model with precision {asked!r} (e.g. '{asked}+ckpt')")
     elif asked != policy:
-        problems.append(f"TrainingArguments.{asked}=True contradicts the policy's precision {policy!r}; set {asked}=False"
+        problems.append(f"{cls}.{asked}=True contradicts the policy's precision {policy!r}; set {asked}=False"
                         + (" and fp16=True" if policy == "fp16" else ""))
     # The same precision in both is consistent: Trainer's autocast around the prepared model's own is
     # the same dtype twice, and it also covers code that bypasses model.forward (TRL's fused LM head).
@@ -170,7 +204,8 @@ def training_arguments(
 
     Precision flags follow the policy (``bf16=True`` / ``fp16=True``: Trainer's autocast around the
     model's own is the same dtype twice, covers code that bypasses ``model.forward`` such as TRL's
-    fused LM head, and gives fp16 Trainer's loss scaler), checkpointing and compile are left to the policy
+    fused LM head, and on a GPU gives fp16 Trainer's loss scaler; on the CPU Accelerate creates no
+    scaler, so an fp16 policy is refused there), checkpointing and compile are left to the policy
     (``gradient_checkpointing=False``, ``torch_compile=False``). The per-device batch size comes
     from ``per_device_train_batch_size`` when given, else from :func:`hf_memstack.find_batch_size`
     under ``budget`` (measured steps on the longest sample of ``train_dataset``, padded by
@@ -178,8 +213,8 @@ def training_arguments(
     as the finder does). Any other ``TrainingArguments`` field passes through ``kwargs``.
 
     Raises:
-        ValueError: the model is not prepared; ``kwargs`` contradict the policy; a budget without
-            a dataset to measure; a bad ``global_batch_size``.
+        ValueError: the model is not prepared; ``kwargs`` contradict the policy; an fp16 policy on
+            the CPU; a budget without a dataset to measure; a bad ``global_batch_size``.
     """
     record = _record(model)
     # The deprecated name is what most scripts still pass: it means the same field.
@@ -304,21 +339,26 @@ class FirstStepReport:
     verify: VerifyReport | None
     """``hf_memstack.verify`` on the first batch (None when verification is off or no batch could be built)."""
     memory: StepMemory | None
-    """The meter's forward + backward on the first batch (None when measuring is off)."""
+    """The meter on the same forward + backward (None when measuring is off)."""
+    seconds: float | None = None
+    """Wall time of that extra forward + backward (verify and the meter together)."""
 
 
 class MemstackCallback(TrainerCallback):
-    """Watches a Trainer run of a model prepared by hf_memstack.
+    """Watches a Trainer (or TRL trainer) run of a model prepared by hf_memstack.
 
-    * at ``Trainer(...)`` construction: refuses ``TrainingArguments`` that contradict the policy
-      (:func:`check_training_arguments`) and warns about those that repeat it;
-    * before the first step: runs :func:`hf_memstack.verify` on the first training batch (logged;
-      with ``raise_on_failure`` a failed check stops training) and measures the forward + backward
-      with the memory meter (weights, gradients and RNG are left as they were);
+    * when the Trainer is built: puts itself first among the callbacks, so that the reporting
+      callbacks (TensorBoard, W&B, trackio) log its figures; refuses arguments that contradict
+      the policy (:func:`check_training_arguments`) and warns about those that repeat it;
+    * before the first step: puts the policy's autocast back around a forward that replaced the
+      prepared one (TRL's fused LM head: :func:`hf_memstack.precision.restore_autocast`), then
+      runs :func:`hf_memstack.verify` on the first training batch through the forward that
+      trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
+      forward + backward: one extra pass, its time in the log (weights, gradients and RNG are
+      left as they were); with ``raise_on_failure`` a failed check stops training;
     * at every log: adds ``memory/peak_mib`` (CUDA: the allocator's peak since the last log; CPU:
-      the meter's first-step peak plus the optimizer state) and ``memstack/verify_ok`` (numbers, as
-      trackers want them) to the logs. Reporting callbacks (TensorBoard, W&B, trackio) that
-      come *after* this one see them: use :func:`add_memstack_callback` to put it first.
+      the meter's first-batch peak plus the optimizer state) and ``memstack/verify_ok`` (numbers,
+      as trackers want them).
     """
 
     def __init__(self, *, verify: bool = True, measure: bool = True, raise_on_failure: bool = False) -> None:
@@ -327,8 +367,10 @@ class MemstackCallback(TrainerCallback):
         self.raise_on_failure = raise_on_failure
         self.first_step: FirstStepReport | None = None
         self._optimizer_bytes = 0
+        self._step_started = 0.0
 
     def on_init_end(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        _put_first(self)
         for note in check_training_arguments(model, args):
             warnings.warn(note, stacklevel=2)
 
@@ -336,30 +378,46 @@ class MemstackCallback(TrainerCallback):
                        train_dataloader: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         check_training_arguments(model, args)
         check_optimizer(model, optimizer)
+        record = _record(model)
+        if restore_autocast(model):
+            logger.info("hf_memstack: the model's forward was replaced after prepare_model (TRL's fused LM head); "
+                        "the policy's %s autocast is put back around it", record.precision.name)
+        fused = fused_lm_head_installed(unwrap_model(model))
+        if fused and record.loss.mode == "chunked":
+            _tell_chunked_once(model, record)
         batch = _first_batch(train_dataloader, model)
-        report = memory = None
-        if batch is not None:
+        if fused and isinstance(batch, dict):
+            batch = {**batch, "fused_lm_head": True, "use_cache": False}  # the forward TRL's compute_loss runs
+        report = memory = seconds = None
+        if batch is not None and (self.run_verify or self.measure):
+            start = time.perf_counter()
             with module_mode(model, training=True):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
-                report, memory = self._first_step(model, batch)
-        self.first_step = FirstStepReport(verify=report, memory=memory)
+                report, memory = _verify_and_measure(model, batch, run_verify=self.run_verify, measure=self.measure)
+            seconds = time.perf_counter() - start
+            self._log_first_batch(report, memory, seconds)
+        self.first_step = FirstStepReport(verify=report, memory=memory, seconds=seconds)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
-    def _first_step(self, model: nn.Module, batch: Any) -> tuple[VerifyReport | None, StepMemory | None]:
-        report = memory = None
-        if self.run_verify:
-            report = verify(model, batch)
+    def _log_first_batch(self, report: VerifyReport | None, memory: StepMemory | None, seconds: float) -> None:
+        what = " and ".join(x for x, on in (("verify", report is not None), ("the memory meter", memory is not None)) if on)
+        logger.info("hf_memstack: %s on the first batch: one extra forward + backward before the first step, %.2f s", what, seconds)
+        if memory is not None:
+            logger.info("hf_memstack memory meter, first batch (forward + backward): %s", memory.summary())
+        if report is not None:
             (logger.info if report.ok else logger.warning)("hf_memstack.verify on the first batch:\n%s", report)
             if self.raise_on_failure and not report.ok:
                 raise RuntimeError(f"hf_memstack.verify found problems on the first batch:\n{report}")
-        if self.measure:
-            memory = _measure_forward_backward(model, batch)
-            logger.info("hf_memstack memory meter, first batch (forward + backward): %s", memory.summary())
-        return report, memory
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_started = time.perf_counter()
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
         if not self._optimizer_bytes and optimizer is not None:
             self._optimizer_bytes = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer))
+        if state.global_step == 1 and self.first_step is not None and self.first_step.seconds is not None:
+            logger.info("hf_memstack: the first training step took %.2f s; the callback's pass on the first batch added %.2f s "
+                        "before it", time.perf_counter() - self._step_started, self.first_step.seconds)
 
     def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if logs is None or self.first_step is None:
@@ -379,12 +437,113 @@ class MemstackCallback(TrainerCallback):
 
 
 def add_memstack_callback(trainer: Any, callback: MemstackCallback | None = None) -> MemstackCallback:
-    """Put a :class:`MemstackCallback` first among ``trainer``'s callbacks, so that the reporting
-    callbacks (TensorBoard, W&B, trackio) log its memory figures too. Returns the callback."""
-    callback = callback or MemstackCallback()
+    """Put a :class:`MemstackCallback` first among ``trainer``'s callbacks (the one it has, when
+    ``callback`` is None and it has one), so that the reporting callbacks (TensorBoard, W&B,
+    trackio) log its memory figures too. Returns the callback."""
+    callbacks = trainer.callback_handler.callbacks
+    if callback is None:
+        callback = next((c for c in callbacks if isinstance(c, MemstackCallback)), None) or MemstackCallback()
     check_training_arguments(trainer.model, trainer.args)
-    trainer.callback_handler.callbacks.insert(0, callback)
+    if callback in callbacks:
+        callbacks.remove(callback)
+    callbacks.insert(0, callback)
     return callback
+
+
+def _put_first(callback: MemstackCallback) -> None:
+    """Move ``callback`` to the front of the Trainer's callback list, ahead of the reporting
+    callbacks Trainer placed before the user's. Trainer gives callbacks no handle on its
+    CallbackHandler, so it is found as the ``self`` of the frame dispatching this event
+    (``CallbackHandler.call_event``); without one (a direct call), nothing moves."""
+    import inspect
+
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = inspect.currentframe()
+    for _ in range(4):
+        frame = frame.f_back if frame is not None else None
+        handler = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
+            handler.callbacks.remove(callback)
+            handler.callbacks.insert(0, callback)
+            return
+    logger.info("hf_memstack: MemstackCallback could not find the Trainer's callback list; use add_memstack_callback(trainer) "
+                "to put it before the reporting callbacks")
+
+
+def _tell_chunked_once(model: nn.Module, record: MemstackRecord) -> None:
+    """Warn that TRL's fused head replaces loss:chunked, unless the backbone's guard already did."""
+    inner = unwrap_model(model)
+    backbone = getattr(inner, "base_model", None)
+    hooks = backbone._forward_pre_hooks.values() if isinstance(backbone, nn.Module) else ()
+    guard = next((h for h in hooks if isinstance(h, AutocastBypassGuard)), None)
+    if guard is not None:
+        if guard.told_chunked:
+            return
+        guard.told_chunked = True
+    warnings.warn(trl_replaces_chunked_loss(record.policy.to_string()), stacklevel=3)
+
+
+def _verify_and_measure(model: nn.Module, batch: Any, *, run_verify: bool, measure: bool) -> tuple[VerifyReport | None, StepMemory | None]:
+    """``verify`` on ``batch`` with the memory meter's tracker (PyTorch's MemTracker) around it:
+    one forward + backward gives both. verify's later passes (the chunked-loss check's forwards
+    without gradients, the compile check's compiled step) call the model again, which MemTracker
+    takes for a new iteration: its per-module figures restart there, and the figures reported
+    are those at the end of the observed training step (under compile, the eager step verify
+    observes). Without verify, the meter runs its own forward + backward."""
+    if not measure:
+        return verify(model, batch), None
+    if not run_verify:
+        return None, _measure_forward_backward(model, batch)
+    from ..memory import _frozen_aware_tracker
+
+    tracker = _frozen_aware_tracker()
+    if tracker is None:  # private API: it may move; verify alone, the meter on its own step
+        return verify(model, batch), _measure_forward_backward(model, batch)
+    at_step_end: dict[str, Any] = {}
+
+    def new_iteration(module: nn.Module, args: Any) -> None:
+        # A global hook registered before MemTracker's runs first: restart its module figures
+        # before it would refuse a second call of the model it tracks.
+        if module is model and module in tracker.memory_tracking:
+            at_step_end.setdefault("peak", tracker.get_tracker_snapshot("peak"))
+            tracker.reset_mod_stats()
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(new_iteration)
+    try:
+        tracker.track_external(model)
+        with tracker, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            report = verify(model, batch)
+    finally:
+        handle.remove()
+    peak = at_step_end.get("peak") or tracker.get_tracker_snapshot("peak")
+    return report, _step_memory(peak, device_of(model))
+
+
+def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepMemory:
+    from ..memory import _category
+
+    cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
+    total, method = cat["total"], "memtracker"
+    if device.type == "cuda":
+        synchronize(device)
+        total, method = max(total, torch.cuda.max_memory_allocated(device)), "memtracker+cuda-allocator"
+    return StepMemory(peak_bytes=total, parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
+                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], step_seconds=None, device=str(device),
+                      method=method)
+
+
+def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
+    """The meter on one forward + backward; the gradients it leaves are removed again."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    stepping = optimizer_in_backward_of(model)  # it would update the weights in this backward: pause it
+    with preserved_rng(device_of(model)), stepping.paused() if stepping is not None else contextlib.nullcontext():
+        memory = measure_step(model, batch, None, timed=False)
+    for p, g in zip(params, grads):
+        p.grad = g
+    return memory
 
 
 def _first_batch(dataloader: Any, model: nn.Module | None) -> Any:
@@ -400,16 +559,3 @@ def _first_batch(dataloader: Any, model: nn.Module | None) -> Any:
     with preserved_rng(device):  # a collator may draw random numbers (masking)
         batch = collate([dataset[i] for i in range(min(size, len(dataset)))])
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} if isinstance(batch, dict) else batch
-
-
-def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
-    """The meter on one forward + backward; the gradients it leaves are removed again."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params]
-    stepping = optimizer_in_backward_of(model)  # it would update the weights in this backward: pause it
-    with preserved_rng(device_of(model)), stepping.paused() if stepping is not None else contextlib.nullcontext():
-        memory = measure_step(model, batch, None, timed=False)
-    for p, g in zip(params, grads):
-        p.grad = g
-    return memory
-

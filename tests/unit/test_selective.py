@@ -100,16 +100,19 @@ def test_composes_with_compile_and_lora(load_model):
     assert model.memstack.compile.graph_calls > 0
 
 
-def test_trainer_style_re_enabling_is_refused_and_the_same_request_is_a_no_op(load_model):
+def test_trainer_style_re_enabling_keeps_the_policy_and_another_request_is_refused(load_model):
     from hf_memstack.checkpointing import selective_context_fn
 
     model = prepare_model(load_model("llama"), "bf16+ckpt:selective")
-    with pytest.raises(RuntimeError, match=r"every_n_layers=1, offload=False, kwargs=\{'use_reentrant': False\}.*selective\(save_all\)"):
-        model.gradient_checkpointing_enable()  # what TrainingArguments(gradient_checkpointing=True) calls
-    with pytest.warns(UserWarning, match="already applies this checkpointing"):
-        model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": selective_context_fn("save_all")})
-    with pytest.raises(RuntimeError, match="selective"):
+    want = verify(model, make_batch("llama")).recompute_flops
+    with pytest.warns(UserWarning, match="already checkpoints .*selective\\(save_all\\).*the policy's checkpointing is kept"):
+        model.gradient_checkpointing_enable()  # what TrainingArguments(gradient_checkpointing=True) calls (TRL's default)
+    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": selective_context_fn("save_all")})  # the same
+    with pytest.raises(RuntimeError, match="selective\\(save_alternate\\).*would replace"):
         model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": selective_context_fn("save_alternate")})
+    with pytest.raises(RuntimeError, match="every_n_layers=2.*would replace"):
+        model.activation_checkpointing_enable(every_n_layers=2)
+    assert verify(model, make_batch("llama")).recompute_flops == want  # nothing changed
 
 
 @pytest.mark.parametrize("arch, copies", [

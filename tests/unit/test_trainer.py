@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import warnings
 from pathlib import Path
 
 import pytest
@@ -141,9 +142,11 @@ def test_trainer_trains_the_real_minilm_with_padding_collator(minilm_dir, tmp_pa
 @pytest.mark.parametrize(
     "spec, overrides, fragment",
     [
-        ("bf16+ckpt:2", {"gradient_checkpointing": True}, "every_n_layers=1.*policy 'bf16\\+ckpt:2'"),
+        ("bf16+ckpt:2", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 3}},
+         "TrainingArguments\\(activation_checkpointing=True\\) asks for.*every_n_layers=3.*policy 'bf16\\+ckpt:2'.*"
+         "set TrainingArguments\\(activation_checkpointing=False\\)"),
         ("bf16+ckpt", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
-         "use_reentrant': True.*gradient_checkpointing=False"),
+         "use_reentrant': True.*activation_checkpointing=False"),
         ("bf16", {"gradient_checkpointing": True}, "no checkpointing"),
         ("fp32", {"bf16": True}, "bf16=True autocasts a model whose policy is fp32"),
         ("bf16", {"fp16": True}, "fp16=True contradicts the policy's precision 'bf16'"),
@@ -165,7 +168,8 @@ def test_without_the_callback_trainer_cannot_silently_replace_checkpointing(load
     from transformers import DataCollatorForLanguageModeling, Trainer
 
     model = prepare_model(load_model("llama"), "bf16+ckpt:2")
-    trainer = Trainer(model=model, args=_args(tmp_path, gradient_checkpointing=True), train_dataset=_lm_dataset(word_tokenizer),
+    args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 3})
+    trainer = Trainer(model=model, args=args, train_dataset=_lm_dataset(word_tokenizer),
                       data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
     with pytest.raises(RuntimeError, match="would replace the checkpointing of this model's hf_memstack policy 'bf16\\+ckpt:2'"):
         trainer.train()
@@ -173,16 +177,22 @@ def test_without_the_callback_trainer_cannot_silently_replace_checkpointing(load
     assert verify(model, make_batch("llama")).recomputed_blocks == [0]  # still every 2nd block
 
 
-def test_repeating_the_policy_warns_and_changes_nothing(load_model, word_tokenizer, tmp_path):
+@pytest.mark.parametrize("callbacks", [False, True], ids=["alone", "with-callback"])
+def test_default_checkpointing_flag_over_the_policy_keeps_it_and_warns_once(load_model, word_tokenizer, tmp_path, callbacks):
+    """gradient_checkpointing=True without kwargs over a policy that checkpoints its own way
+    (every 2nd block): the policy's is kept, one warning says so, the same block recomputes."""
     from transformers import DataCollatorForLanguageModeling
 
-    model = prepare_model(load_model("llama"), "bf16+ckpt")
-    notes = check_training_arguments(model, _args(tmp_path, gradient_checkpointing=True, bf16=True))
-    assert notes == [notes[0]] and "repeats the policy's checkpointing" in notes[0]  # bf16=True matches the bf16 policy
-    _, losses = _train(model, _args(tmp_path, gradient_checkpointing=True, max_steps=3), _lm_dataset(word_tokenizer),
-                       DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
-    assert len(losses) == 3
-    assert verify(model, make_batch("llama")).ok
+    model = prepare_model(load_model("llama"), "bf16+ckpt:2")
+    assert check_training_arguments(model, _args(tmp_path, gradient_checkpointing=True, bf16=True)) == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, losses = _train(model, _args(tmp_path, gradient_checkpointing=True, max_steps=2), _lm_dataset(word_tokenizer),
+                           DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()] if callbacks else None)
+    assert len(losses) == 2
+    assert len([w for w in caught if "the policy's checkpointing is kept" in str(w.message)]) == 1
+    report = verify(model, make_batch("llama"))
+    assert report.ok and report.recomputed_blocks == [0]
 
 
 # ----------------------------------------------------------------------------- memory rungs in Trainer
@@ -317,3 +327,75 @@ def test_callback_verifies_and_logs_memory(load_model, word_tokenizer, tmp_path)
     assert again == losses
     third = add_memstack_callback(trainer)
     assert trainer.callback_handler.callbacks[0] is third
+
+
+def test_reporting_callbacks_placed_before_the_callback_see_its_figures(load_model, word_tokenizer, tmp_path):
+    """Trainer(callbacks=[...]) puts the user's callbacks after its reporting ones (TensorBoard,
+    W&B); the callback moves itself first when the Trainer is built, so a reporter listed before
+    it still logs memory/peak_mib."""
+    from transformers import DataCollatorForLanguageModeling, TrainerCallback
+
+    class Reporter(TrainerCallback):
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    model = prepare_model(load_model("llama"), "bf16")
+    reporter, callback = Reporter(), MemstackCallback()
+    trainer, _ = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
+                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[reporter, callback])
+    assert trainer.callback_handler.callbacks[0] is callback
+    logged = [entry for entry in reporter.logs if "loss" in entry]
+    assert len(logged) == 2 and all(entry["memory/peak_mib"] > 0 and entry["memstack/verify_ok"] == 1.0 for entry in logged)
+    assert add_memstack_callback(trainer) is callback and trainer.callback_handler.callbacks.count(callback) == 1
+
+
+def test_verify_and_the_meter_share_one_extra_forward(load_model, word_tokenizer, tmp_path):
+    """Before the first step the callback runs one extra forward + backward, for verify and the
+    meter together (it ran two), and logs what it cost."""
+    import logging
+
+    from transformers import DataCollatorForLanguageModeling, TrainerCallback
+
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    calls = []
+    model.model.register_forward_pre_hook(lambda m, a: calls.append(1) if m.training and torch.is_grad_enabled() else None)
+
+    class CountAtFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                self.calls = len(calls)
+
+    callback, count = MemstackCallback(), CountAtFirstStep()
+    logger = logging.getLogger("hf_memstack")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        _train(model, _args(tmp_path, max_steps=2, gradient_accumulation_steps=2), _lm_dataset(word_tokenizer),
+               DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback, count])
+    finally:
+        logger.removeHandler(handler)
+    assert count.calls == 1 + 2  # the callback's pass, then the first step's two micro-batches
+    assert callback.first_step.verify.ok and callback.first_step.memory.peak_bytes > 0 and callback.first_step.seconds > 0
+    messages = [r.getMessage() for r in records]
+    assert any("verify and the memory meter on the first batch: one extra forward + backward" in m for m in messages), messages
+    assert any("the first training step took" in m for m in messages), messages
+
+
+def test_fp16_through_trainer_on_cpu_is_refused(load_model, tmp_path):
+    """On the CPU Accelerate creates no GradScaler for fp16 (nor an autocast): Trainer would run
+    hf_memstack's fp16 autocast with unscaled gradients. Refused, naming what to do."""
+    from transformers import Trainer, TrainingArguments
+
+    plain = Trainer(model=load_model("llama"), args=TrainingArguments(output_dir=str(tmp_path / "p"), fp16=True, use_cpu=True, report_to=[]))
+    assert plain.accelerator.scaler is None  # what Accelerate does on the CPU: the reason for the refusal
+    model = prepare_model(load_model("llama"), "fp16")
+    with pytest.raises(ValueError, match="fp16 on the CPU, where Accelerate.*creates no loss scaler.*bf16 or fp32"):
+        training_arguments(model, output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[])
+    with pytest.raises(ValueError, match="creates no loss scaler"):
+        Trainer(model=model, args=_args(tmp_path, fp16=True), callbacks=[MemstackCallback()])
