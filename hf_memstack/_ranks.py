@@ -30,6 +30,7 @@ from .errors import DistributedMismatchError
 __all__ = ["RankFailure", "on_every_rank", "reraise", "runs_collectives", "share_error", "world_size"]
 
 T = TypeVar("T")
+_MAX_VALUES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +72,18 @@ def share_error(step: str, error: BaseException | None, *, values: Sequence[int]
         if error is not None:
             reraise(error)
         return list(values)
-    code = zlib.crc32(step.encode()) & 0x7FFFFFFF
-    t = torch.tensor([code, -code, int(error is None), *values], dtype=torch.int64, device=_collective_device())
+    if len(values) > _MAX_VALUES:
+        raise ValueError(f"share_error carries at most {_MAX_VALUES} values, got {len(values)}")
+    # One tensor of the same size on every rank, whatever each passed: ranks whose all-reduces
+    # differ in size make gloo abort the process. The step's code and the count of values both go
+    # in as (x, -x), so their minimum tells whether every rank sent the same.
+    code = (zlib.crc32(step.encode()) & 0x3FFFFFFF) * (_MAX_VALUES + 1) + len(values)
+    padded = [*values, *[0] * (_MAX_VALUES - len(values))]
+    t = torch.tensor([code, -code, int(error is None), *padded], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     same_step, none_failed = int(t[0]) == -int(t[1]), bool(t[2])
     if same_step and none_failed:
-        return [int(v) for v in t[3:]]
+        return [int(v) for v in t[3:3 + len(values)]]
     reports: list[RankFailure | None] = [None] * world_size()
     mine = RankFailure(dist.get_rank(), step, None if error is None else f"{type(error).__name__}: {error}",
                        None if error is None else type(error).__name__)

@@ -126,15 +126,20 @@ def read_metadata(directory: Path) -> Any:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as e:  # noqa: BLE001 - whatever stopped it (a refused global, a damaged file), it is not loaded
+        why = str(e) if isinstance(e, pickle.UnpicklingError) else f"it is damaged or not DCP metadata ({type(e).__name__}: {e})"
         raise UntrustedCheckpointError(
-            f"checkpoint {str(directory)!r}: its .metadata was not loaded, because {e}; loading it with plain pickle "
+            f"checkpoint {str(directory)!r}: its .metadata was not loaded, because {why}; loading it with plain pickle "
             f"(as torch.distributed.checkpoint does) could run code from the file. {HOW_TO_TRUST}") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise UntrustedCheckpointError(f"checkpoint {str(directory)!r}: its .metadata holds a {type(metadata).__name__}, "
                                        f"not torch.distributed.checkpoint Metadata. {HOW_TO_TRUST}")
-    for info in metadata.storage_data.values():
-        name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not _own_file(directory, name):
+    for index, info in metadata.storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise UntrustedCheckpointError(
+                f"checkpoint {str(directory)!r}: its .metadata records where {getattr(index, 'fqn', index)!r} is stored as a "
+                f"{type(info).__name__}, not the _StorageInfo DCP writes: it is damaged or forged. {HOW_TO_TRUST}")
+        name = info.relative_path
+        if not _own_file(directory, name):
             raise UntrustedCheckpointError(
                 f"checkpoint {str(directory)!r}: its .metadata points to the data file {name!r}, which is not a file "
                 f"of the folder (a path outside it, a symlink, or missing). {HOW_TO_TRUST}")

@@ -41,7 +41,7 @@ from ._finder_probe import (
     check_batch_size,
     seq_len_of,
 )
-from ._finder_ranks import agree_no_error, is_local_leader, world_size
+from ._finder_ranks import agree_arguments, agree_no_error, is_local_leader, world_size
 from ._finder_search import Found, Search
 from ._ranks import on_every_rank
 from ._snapshot import step_state_restored
@@ -232,6 +232,9 @@ def find_batch_size(
     """
     budget_bytes, sample = _preflight(model, make_batch, optimizer, budget=budget, mode=mode,
                                       global_batch_size=global_batch_size, max_batch_size=max_batch_size, probe_size=probe_size)
+    # What decides the probes must match on every rank (the budget may differ: the search takes the minimum).
+    agree_arguments(mode=mode, max_batch_size=max_batch_size, global_batch_size=global_batch_size, probe_size=probe_size,
+                    cache=bool(cache))
     device = device_of(model)
     record = record_of(model)
     grad_scaler = record.grad_scaler if record is not None else None

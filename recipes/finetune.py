@@ -931,8 +931,8 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
     outside = [f"{kind}: {name!r}" for kind in ("files", "dirs", "trees") for name in _listed(manifest, kind)
                if _relative_inside(name) is None]
     if outside:
-        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory, which the recipe never "
-                          f"writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
+        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory (or no path at all), which "
+                          f"the recipe never writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
                           "entries (or the manifest, to keep every file) or choose another --output-dir")
     return manifest
 

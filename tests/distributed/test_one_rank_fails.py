@@ -118,7 +118,15 @@ def _scenarios(rank, world, directory):
         "budget": find(budget=["64MiB", "lots"][rank]),
         "argument": find(max_batch_size=[32, 0][rank]),
         "oom_in_make_batch": find(out_of_memory_at_8),
+        # A smaller cap on one rank would end its search while the other probes on (was: a hang).
+        "different_cap": find(max_batch_size=[32, 4][rank]),
+        "different_mode": find(mode=["train", "eval"][rank]),
+        "different_global_batch": find(global_batch_size=[64, 8][rank]),
     }
+    from hf_memstack._ranks import share_error
+
+    # Two ranks at different steps, carrying different numbers of values (was: gloo aborted the process).
+    out["different_steps"] = _timed(lambda: share_error(["step a", "step b"][rank], None, values=[(1, 2), ()][rank]))
     model, opt = sharded()
     out["verify"] = _timed(lambda: verify(model, unlabelled()).ok)
     model, opt = sharded()
@@ -198,3 +206,12 @@ def test_local_world_size_zero_under_hybrid_shard_is_a_clear_error(ranks):
     for kind, message in _both(ranks, "local_world_size"):
         assert kind == "ValueError", message
         assert "LOCAL_WORLD_SIZE='0'" in message and "positive whole number" in message and "unset it" in message
+
+
+def test_different_search_arguments_on_the_ranks_end_every_rank(ranks):
+    for case, field in (("different_cap", "max_batch_size=4 where rank 0 has 32"), ("different_mode", "mode='eval' where rank 0 has 'train'"),
+                        ("different_global_batch", "global_batch_size=8 where rank 0 has 64")):
+        for kind, message in _both(ranks, case):
+            assert kind == "DistributedMismatchError" and f"rank 1: {field}" in message, (case, message)
+    for kind, message in _both(ranks, "different_steps"):
+        assert kind == "DistributedMismatchError" and "rank 0 at 'step a'" in message and "rank 1 at 'step b'" in message
