@@ -4,7 +4,9 @@ A probe builds the batch, runs forward, backward and the optimizer step (the sha
 ``step.py``) under a :class:`~hf_memstack.simulated.LiveBytes` tracker that records the live
 tensor bytes after every operator, and agrees with the other ranks whether it fitted. A real
 out-of-memory error (a GPU's, a CPU allocator's or :func:`~hf_memstack.simulated_memory_limit`'s)
-is an outcome, not a failure; any other error ends every rank with it.
+is an outcome, not a failure; any other error ends every rank with it. The ranks agree after
+building the batch and after the forward too: the next part of the step holds collectives (FSDP's,
+DDP's) that a rank which failed alone would never reach, leaving its peers waiting.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import nn
 
 from ._device import device_of
 from ._finder_ranks import agree, agree_no_error
-from .simulated import LiveBytes, current_limit
+from ._ranks import reraise, share_error
+from .simulated import LiveBytes, current_limit, untracked
 from .step import LossFn, backward, forward_loss, optimizer_step
 
 __all__ = ["Measured", "ProbeKind", "StepRunner", "batch_signature", "check_batch_size", "seq_len_of"]
@@ -126,13 +129,12 @@ class StepRunner:
     # -- internals ---------------------------------------------------------------------------
     def _step(self, n: int, tracker: LiveBytes, marks: list[int]) -> None:
         # The batch is built under the tracker: on a GPU it occupies device memory during the step.
-        batch = self.make_batch(n)
-        check_batch_size(batch, n)
+        batch = _agreed(f"make_batch({n})", lambda: _checked(self.make_batch(n), n))
         if self.mode == "eval":
             with torch.no_grad():
                 _call(self.model, batch)
             return
-        loss = forward_loss(self.model, batch, self.loss_fn)
+        loss = _agreed(f"the forward at batch size {n}", lambda: forward_loss(self.model, batch, self.loss_fn))
         marks.append(len(tracker.timeline))
         backward(loss, grad_scaler=self.grad_scaler)
         del loss
@@ -169,6 +171,32 @@ class StepRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _agreed(step: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, then agreed with the other ranks before the next part of the step, whose
+    collectives (FSDP's all-gathers in the forward, reduce-scatters in the backward, DDP's
+    all-reduces) every rank must reach: an error on one rank is raised on every rank (naming it),
+    and an out-of-memory error on one rank stops the step on every rank as out of memory."""
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks first
+        error = e
+    oom = error is not None and is_out_of_memory(error)
+    with untracked():  # the agreement's few bytes are not part of the step
+        (none_ran_out,) = share_error(step, None if oom else error, values=(int(not oom),))
+    if error is not None:
+        reraise(error)
+    if not none_ran_out:
+        raise torch.OutOfMemoryError(f"another rank ran out of memory in {step}; this rank stops the step with it")
+    return result
+
+
+def _checked(batch: Any, n: int) -> Any:
+    check_batch_size(batch, n)
+    return batch
 
 
 def is_out_of_memory(e: BaseException) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,8 +40,9 @@ from ._finder_probe import (
     check_batch_size,
     seq_len_of,
 )
-from ._finder_ranks import agree_no_error, is_local_leader, world_size
+from ._finder_ranks import agree_arguments, agree_no_error, is_local_leader, world_size
 from ._finder_search import Found, Search
+from ._ranks import on_every_rank
 from ._snapshot import step_state_restored
 from .accounting import model_state_bytes
 from .errors import BudgetTooSmallError
@@ -227,14 +229,15 @@ def find_batch_size(
             message says how much is needed and which rung of the ladder to try).
         DistributedMismatchError: another rank failed (every rank raises; none is left waiting).
     """
-    _check_arguments(model, make_batch, optimizer, mode=mode, global_batch_size=global_batch_size,
-                     max_batch_size=max_batch_size, probe_size=probe_size)
+    budget_bytes, sample = _preflight(model, make_batch, optimizer, budget=budget, mode=mode,
+                                      global_batch_size=global_batch_size, max_batch_size=max_batch_size, probe_size=probe_size)
+    # What decides the probes must match on every rank (the budget may differ: the search takes the minimum).
+    agree_arguments(mode=mode, max_batch_size=max_batch_size, global_batch_size=global_batch_size, probe_size=probe_size,
+                    cache=bool(cache))
     device = device_of(model)
-    budget_bytes = _resolve_budget(budget, device)
     record = record_of(model)
     grad_scaler = record.grad_scaler if record is not None else None
     optimizer = optimizer if mode == "train" else None
-    sample = _preflight(model, make_batch, optimizer, mode=mode, budget=budget_bytes, record=record)
     runner = StepRunner(model=model, make_batch=make_batch, optimizer=optimizer, loss_fn=loss_fn, grad_scaler=grad_scaler,
                         mode=mode, budget=budget_bytes)
     if global_batch_size is not None:
@@ -244,10 +247,13 @@ def find_batch_size(
                     too_small=lambda m: _too_small(m, mode=mode, budget=budget_bytes, record=record))
     path = None
     if cache:
-        key = cache_key(model, optimizer, policy=record.policy.to_dict() if record is not None else None,
-                        batch=batch_signature(sample), mode=mode, budget=budget_bytes, loss_fn=loss_fn)
-        path = cache_path(cache_dir, key)
-    with step_state_restored(model, optimizer, scheduler, grad_scaler) as state, preserved_rng(device):
+        path = on_every_rank("find_batch_size: the cache key", lambda: cache_path(cache_dir, cache_key(
+            model, optimizer, policy=record.policy.to_dict() if record is not None else None, batch=batch_signature(sample),
+            mode=mode, budget=budget_bytes, loss_fn=loss_fn)))
+    with ExitStack() as stack, preserved_rng(device):
+        # A rank that cannot copy its training state (host memory) stops every rank before the first probe.
+        state = on_every_rank("find_batch_size: the snapshot of the training state", lambda: stack.enter_context(
+            step_state_restored(model, optimizer, scheduler, grad_scaler)))
         found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size)
     if path is not None and status != "hit" and is_local_leader():
         write_entry(path, search.entry(found))
@@ -268,7 +274,7 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
         runner.run(min(probe_size, search.cap), "warmup")
     status: CacheStatus = "off"
     if path is not None:
-        entry = agree_entry(read_entry(path, budget=search.budget))
+        entry = agree_entry(on_every_rank("find_batch_size: reading the cache entry", lambda: read_entry(path, budget=search.budget)))
         status = "miss"
         if entry is not None:
             found = search.warm(entry)
@@ -278,29 +284,40 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
     return search.cold(probe_size), status
 
 
-def _preflight(model: nn.Module, make_batch: Callable[[int], Any], optimizer: Any, *, mode: str, budget: int,
-               record: MemstackRecord | None) -> Any:
-    """Checks before any step, agreed across ranks: a rank that fails makes every rank raise."""
+def _preflight(model: Any, make_batch: Any, optimizer: Any, *, budget: Any, mode: Any, global_batch_size: Any,
+               max_batch_size: Any, probe_size: Any) -> tuple[int, Any]:
+    """Every check before any step, agreed across ranks (a rank that fails - a wrong argument, a
+    budget that does not parse or cannot hold the weights, a ``make_batch`` that fails - makes
+    every rank raise). Returns the budget in bytes and a batch of one sample."""
     error: BaseException | None = None
-    sample = None
+    budget_bytes, sample = 0, None
     try:
-        if mode == "train" and not any(p.requires_grad for p in model.parameters()):
-            n = sum(1 for _ in model.parameters())
-            raise ValueError(f"mode='train' but every one of the model's {n} parameters is frozen (requires_grad=False): "
-                             "a training step would change nothing. Unfreeze what should train (e.g. PEFT's "
-                             "get_peft_model adds trainable adapters), or size evaluation with mode='eval'")
-        params = model_state_bytes(model).parameters  # this rank's local shards under FSDP
-        if params >= budget:
-            raise BudgetTooSmallError(
-                f"budget={format_bytes(budget)} is smaller than the model's parameters alone ({format_bytes(params)}); "
-                f"training needs about {format_bytes(4 * params)} before activations (parameters, gradients, AdamW "
-                f"state). {_next_rung(record, weights_dominate=True)}", budget_bytes=budget, needed_bytes=4 * params)
-        with untracked():  # a look at the batch's shapes, not part of any step
-            sample = make_batch(1)
-            check_batch_size(sample, 1)
+        _check_arguments(model, make_batch, optimizer, mode=mode, global_batch_size=global_batch_size,
+                         max_batch_size=max_batch_size, probe_size=probe_size)
+        budget_bytes = _resolve_budget(budget, device_of(model))
+        sample = _check_model_and_sample(model, make_batch, mode=mode, budget=budget_bytes, record=record_of(model))
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks first, then raised on every rank
         error = e
-    agree_no_error(error, "pre-flight checks", budget=budget)
+    agree_no_error(error, "pre-flight checks", budget=budget_bytes)
+    return budget_bytes, sample
+
+
+def _check_model_and_sample(model: nn.Module, make_batch: Callable[[int], Any], *, mode: str, budget: int,
+                            record: MemstackRecord | None) -> Any:
+    if mode == "train" and not any(p.requires_grad for p in model.parameters()):
+        n = sum(1 for _ in model.parameters())
+        raise ValueError(f"mode='train' but every one of the model's {n} parameters is frozen (requires_grad=False): "
+                         "a training step would change nothing. Unfreeze what should train (e.g. PEFT's "
+                         "get_peft_model adds trainable adapters), or size evaluation with mode='eval'")
+    params = model_state_bytes(model).parameters  # this rank's local shards under FSDP
+    if params >= budget:
+        raise BudgetTooSmallError(
+            f"budget={format_bytes(budget)} is smaller than the model's parameters alone ({format_bytes(params)}); "
+            f"training needs about {format_bytes(4 * params)} before activations (parameters, gradients, AdamW "
+            f"state). {_next_rung(record, weights_dominate=True)}", budget_bytes=budget, needed_bytes=4 * params)
+    with untracked():  # a look at the batch's shapes, not part of any step
+        sample = make_batch(1)
+        check_batch_size(sample, 1)
     return sample
 
 

@@ -11,16 +11,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._ranks import on_every_rank
+from ._safe_dcp import UntrustedCheckpointError
 from .blocks import Blocks
 from .policy import FSDPConfig
 from .precision import ResolvedPrecision
 
 __all__ = [
     "FSDPResult",
+    "UntrustedCheckpointError",
     "accelerate_fsdp_plugin",
     "apply_fsdp",
     "agree_before_sharding",
     "check_accelerate_fsdp",
+    "check_checkpoint_folder",
     "check_hybrid_shard",
     "from_pretrained_for_fsdp",
     "load_sharded_checkpoint",
@@ -139,10 +143,14 @@ def _policy_differences(reference: dict[str, Any], other: dict[str, Any], prefix
 
 def check_hybrid_shard(cfg: FSDPConfig) -> None:
     """Raise ValueError when hybrid sharding cannot split this world into nodes."""
-    if cfg.mode == "hybrid_shard" and dist.get_world_size() % _local_world_size():
+    if cfg.mode != "hybrid_shard":
+        return
+    local = _local_world_size()
+    if dist.get_world_size() % local:
         raise ValueError(
             f"policy.fsdp.mode='hybrid_shard': world size {dist.get_world_size()} is not a multiple of the "
-            f"processes per node ({_local_world_size()}); use mode='full_shard'"
+            f"processes per node (LOCAL_WORLD_SIZE={local}); set LOCAL_WORLD_SIZE to the processes on each node, "
+            "or use mode='full_shard'"
         )
 
 
@@ -362,9 +370,26 @@ def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs
 
 
 def _local_world_size() -> int:
+    """Processes per node, from ``LOCAL_WORLD_SIZE`` (torchrun and Accelerate set it), else the world size.
+
+    Raises:
+        ValueError: the variable is not a positive whole number.
+    """
     import os
 
-    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return dist.get_world_size()
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"policy.fsdp.mode='hybrid_shard' reads the processes per node from the environment variable "
+            f"LOCAL_WORLD_SIZE={raw!r}, which is not a positive whole number; launch with torchrun or accelerate launch "
+            "(they set it), set it to the number of processes on each node, or unset it (one node)")
+    return value
 
 
 def _mesh(cfg: FSDPConfig, device_type: str) -> Any:
@@ -412,31 +437,81 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
     dist.barrier()  # every rank's files are written before rank 0 describes them
-    if dist.get_rank() == 0:
-        _write_manifest(Path(checkpoint_dir))
-    dist.barrier()
+    # A manifest rank 0 cannot write (a full disk) ends every rank with its error, not a wait.
+    on_every_rank("save_sharded_checkpoint: the manifest",
+                  lambda: _write_manifest(Path(checkpoint_dir)) if dist.get_rank() == 0 else None)
 
 
 def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, *, trusted: bool = False) -> None:
     """Load what :func:`save_sharded_checkpoint` wrote into an already sharded model and optimizer.
+    Call it on every rank.
 
-    Security: torch.distributed.checkpoint unpickles the checkpoint's ``.metadata`` file, and
-    unpickling can run code. So a directory is refused unless its manifest (written last by
-    :func:`save_sharded_checkpoint`) is there and matches the files; ``trusted=True`` loads a
-    checkpoint written some other way - only for checkpoints you made yourself.
+    Security: torch.distributed.checkpoint unpickles the checkpoint's ``.metadata`` and loads its
+    non-tensor items with ``torch.load(weights_only=False)``, and unpickling can run code; a
+    manifest whose sizes and hash match proves only that the folder is self-consistent, not where
+    it came from. So without ``trusted=True`` nothing from the folder is unpickled as is: the
+    manifest must be there and match, ``.metadata`` is read by an unpickler that builds only DCP's
+    metadata types, the data files it names must be inside the folder, and every item is loaded
+    weights-only. ``trusted=True`` loads the folder as DCP does, also one written some other way:
+    only for checkpoints you made yourself.
 
     Raises:
-        ValueError: no manifest (an incomplete or foreign checkpoint), or files that differ from it.
+        ValueError: no manifest (an incomplete or foreign checkpoint), files that differ from it, or
+            (``UntrustedCheckpointError``) metadata or items that are not plain data - the message
+            says how to trust a folder you made. Raised on every rank when any rank finds it.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if not trusted:
-        _check_manifest(Path(checkpoint_dir))
+    directory = Path(checkpoint_dir)
+    # Every rank reads the folder before DCP's collectives: one that fails stops them all.
+    reader, planner = on_every_rank("load_sharded_checkpoint: checking the folder",
+                                    lambda: (None, None) if trusted else _vetted_reader(directory))
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=checkpoint_dir)
+    dcp.load(state, checkpoint_id=checkpoint_dir, storage_reader=reader, planner=planner)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def check_checkpoint_folder(checkpoint_dir: str | Path) -> None:
+    """Check, without unpickling anything as is, that a torch.distributed.checkpoint folder holds
+    only plain data: its ``.metadata`` only DCP's metadata types, its data files inside the folder,
+    its non-tensor items loadable with ``torch.load(weights_only=True)``. A folder that passes can
+    then be loaded by another reader (e.g. Accelerate's ``load_state`` under FSDP) without running
+    code from it.
+
+    Raises:
+        UntrustedCheckpointError: (a ``ValueError``) what is not plain data, and how to trust the folder.
+    """
+    from ._safe_dcp import vet_checkpoint
+
+    vet_checkpoint(checkpoint_dir)
+
+
+def _vetted_reader(directory: Path) -> tuple[Any, Any]:
+    """A DCP reader that hands out the metadata already read safely, and a planner that loads
+    non-tensor items weights-only (DefaultLoadPlanner's own ``load_bytes`` does not)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from ._safe_dcp import vet_checkpoint, weights_only_load
+
+    _check_manifest(directory)
+    metadata = vet_checkpoint(directory)  # refuses here, clearly, what the planner below would refuse inside DCP
+
+    class VettedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # Never the file again (nor DCP's fallback, a rank-local __N.metadata): the object read safely.
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            super().load_bytes(read_item, weights_only_load(value))
+
+    return VettedReader(str(directory)), WeightsOnlyPlanner()
 
 
 def _write_manifest(directory: Path) -> None:
@@ -454,19 +529,25 @@ def _write_manifest(directory: Path) -> None:
 def _check_manifest(directory: Path) -> None:
     import json
 
+    from ._safe_dcp import plain_file_name
+
     path = directory / MANIFEST
-    fix = ("a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; torch.distributed.checkpoint "
-           "unpickles the checkpoint's .metadata, which can run code: pass trusted=True only for a checkpoint you made")
+    fix = ("a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; a checkpoint written some other way "
+           "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)")
     if not path.is_file():
         raise ValueError(f"checkpoint {str(directory)!r} has no {MANIFEST} (incomplete, or not written by hf_memstack); {fix}")
     try:
         manifest = json.loads(path.read_text())
         files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError) as e:
+        odd = [name for name, size in files.items() if not plain_file_name(name) or not isinstance(size, int)]
+        if odd:
+            raise ValueError(f"it lists {odd[:3]}, which are not (file name in the folder, size) entries")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"checkpoint {str(directory)!r}: {MANIFEST} is unreadable ({e}); {fix}") from None
-    problems = [f"{name} is missing" if not (directory / name).is_file() else f"{name} has {(directory / name).stat().st_size} bytes, "
-                f"the manifest says {size}" for name, size in files.items()
-                if not (directory / name).is_file() or (directory / name).stat().st_size != size]
+    problems = [f"{name} is a symlink (a save writes files)" for name in files if (directory / name).is_symlink()]
+    problems += [f"{name} is missing" if not (directory / name).is_file() else f"{name} has {(directory / name).stat().st_size} "
+                 f"bytes, the manifest says {size}" for name, size in files.items()
+                 if not (directory / name).is_file() or (directory / name).stat().st_size != size]
     if not problems and manifest.get("metadata_sha256") != _sha256(directory / ".metadata"):
         problems.append(".metadata differs from the one the manifest describes")
     if problems:

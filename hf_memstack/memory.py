@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from ._device import device_of, synchronize
+from ._ranks import on_every_rank, runs_collectives
 from .accounting import model_state_bytes, tensor_bytes
 from .sizes import format_bytes
-from .step import LossFn, backward, forward_loss, optimizer_step, train_step
+from .step import LossFn, backward, forward_loss, optimizer_step
 
 __all__ = ["StepMemory", "measure_step"]
 
@@ -98,8 +99,13 @@ def measure_step(
 
     Returns:
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
+
+    Under FSDP or DDP every rank must call it (the step holds collectives): an error on one rank
+    in the forward (a batch without labels) or in ``step_fn`` is then raised on every rank, naming
+    that rank and its message, instead of leaving the others waiting in the backward's collectives.
     """
     phases: list[Callable[[], Any]] | None = None
+    shared = runs_collectives(model)
     if step_fn is None and not model.training:
         warnings.warn(
             f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "
@@ -107,15 +113,25 @@ def measure_step(
             stacklevel=2,
         )
     if step_fn is None:
+        def forward() -> torch.Tensor:
+            # Agreed before the backward, whose collectives a rank that failed here would never reach.
+            return on_every_rank("measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+
         def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
-            return train_step(m, b, o, loss_fn=loss_fn, grad_scaler=grad_scaler)
+            backward(forward(), grad_scaler=grad_scaler)
+            optimizer_step(o, grad_scaler=grad_scaler)
 
         # Split so the tracker can read what the forward left for the backward, and the
         # forward+backward peak before the optimizer step.
         held: dict[str, torch.Tensor] = {}
-        phases = [lambda: held.update(loss=forward_loss(model, batch, loss_fn)),
+        phases = [lambda: held.update(loss=forward()),
                   lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
                   lambda: optimizer_step(optimizer, grad_scaler=grad_scaler)]
+    elif shared:
+        users_step = step_fn
+
+        def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+            return on_every_rank("measure_step: step_fn", lambda: users_step(m, b, o))
     if warmup is None:
         warmup = optimizer is not None and not optimizer.state
     if warmup:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ._device import device_of, module_mode, preserved_rng
+from ._ranks import on_every_rank, reraise, runs_collectives, share_error
 from ._wrappers import forward_wrapper
 from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
@@ -100,41 +101,59 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
     The model's parameters are not updated (no optimizer step); gradients that were there before
     and the RNG state are restored afterwards.
 
+    Under FSDP or DDP every rank must call it (its forward and backward hold collectives); an error
+    on one rank - a batch without labels, a model that was not prepared, a failed check with
+    ``raise_on_failure`` - is then raised on every rank, naming that rank and its message.
+
     Raises:
         ValueError: ``model`` was not prepared by :func:`prepare_model`.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
+        DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
-    record = record_of(model)
-    if record is None:
-        raise ValueError(f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record")
     from .optim import optimizer_in_backward_of
 
+    shared = runs_collectives(model)
+    record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
     stepping = optimizer_in_backward_of(model)
+    error: BaseException | None = None
     try:
         # An optimizer stepping in the backward would update the weights: verify must not.
         with preserved_rng(device_of(model)), stepping.paused() if stepping is not None else contextlib.nullcontext():
-            _verify_into(report, model, batch, loss_fn, record, params)
+            _verify_into(report, model, batch, loss_fn, record, params, shared=shared)
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
+        error = e
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g
-    if raise_on_failure and not report.ok:
-        raise RuntimeError(f"hf_memstack.verify found problems:\n{report}")
+    if error is None and raise_on_failure and not report.ok:
+        error = RuntimeError(f"hf_memstack.verify found problems:\n{report}")
+    if shared:
+        share_error("verify", error)  # the other ranks raise too, instead of training on without this one
+    elif error is not None:
+        reraise(error)
     return report
 
 
+def _record(model: nn.Module) -> MemstackRecord:
+    record = record_of(model)
+    if record is None:
+        raise ValueError(f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record")
+    return record
+
+
 def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord,
-                 params: list[nn.Parameter]) -> None:
+                 params: list[nn.Parameter], *, shared: bool) -> None:
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
     # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
-        observed = _observe_step(model, batch, loss_fn, record)
-        loss_check = _check_loss_head(model, batch, loss_fn, record) if record.loss.mode == "chunked" else None
+        observed = _observe_step(model, batch, loss_fn, record, shared=shared)
+        loss_check = _check_loss_head(model, batch, loss_fn, record, shared=shared) if record.loss.mode == "chunked" else None
     report.saved_activation_bytes = observed.saved_bytes
     report.recomputed_blocks = observed.recomputed
     report.forward_flops, report.backward_flops = observed.flops.forward, observed.flops.backward
@@ -147,10 +166,10 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     if record.compile.regions and observed.backward_error is None:
         for p in params:
             p.grad = None
-        report.checks.append(_check_compile(report, model, batch, loss_fn, record))
+        report.checks.append(_check_compile(report, model, batch, loss_fn, record, shared=shared))
 
 
-def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> _Observed:
+def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool) -> _Observed:
     from torch.utils.flop_counter import FlopCounterMode
 
     observed = _Observed()
@@ -184,14 +203,20 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
         # kept nothing, else after its backward), whether the block kept anything: listen throughout.
         with _selective_warnings() as caught:
             with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = forward_loss(model, batch, loss_fn)
+                # Agreed before the backward, whose collectives a rank that failed here would never reach.
+                loss = on_every_rank("verify: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
             observed.flops.forward = counter.get_total_flops()
             observed.loss_dtype = loss.dtype
             in_backward = True
-            if loss.requires_grad:
+            every_rank_needs_grad = share_error("verify: the loss needs gradients", None, values=(int(loss.requires_grad),))[0] \
+                if shared else loss.requires_grad
+            if every_rank_needs_grad:
                 with counter:
                     loss.backward()
                 observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
+            elif loss.requires_grad:
+                observed.backward_error = ("the loss does not require grad on another rank, so no rank runs the backward "
+                                           "(its collectives need every rank)")
             else:
                 observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
             del loss  # the checkpoints' frames sit in reference cycles: free them while listening
@@ -323,7 +348,7 @@ def _recompute_summary(flops: _Flops) -> str:
             f"{grads / 1e9:.3g} GFLOP (the checkpointed blocks' forward: {flops.checkpointed_forward / 1e9:.3g} GFLOP)")
 
 
-def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> Check:
+def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
     from .loss import ChunkedLossForward
@@ -333,9 +358,10 @@ def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, recor
     # In eval mode: the check compares the head's arithmetic, so no dropout draws different masks
     # in the two forwards (nor per chunk, for a LoRA head with dropout).
     with torch.no_grad(), module_mode(model, training=False):
-        theirs = forward_loss(model, one, loss_fn)  # without gradients, the model's own forward runs
+        # without gradients, the model's own forward runs
+        theirs = on_every_rank("verify: the model's own loss", lambda: forward_loss(model, one, loss_fn), shared=shared)
         with chunked.without_gradients() if chunked is not None else contextlib.nullcontext():
-            ours = forward_loss(model, one, loss_fn)
+            ours = on_every_rank("verify: the chunked loss", lambda: forward_loss(model, one, loss_fn), shared=shared)
     a, b = float(ours.detach()), float(theirs)
     # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
     tolerance = 2e-2 if record.precision.mixed else 1e-4
@@ -397,10 +423,11 @@ def _frozen_input_hint(record: MemstackRecord) -> str:
     return "Check which parameters are frozen (requires_grad) and that the loss depends on them"
 
 
-def _check_compile(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord) -> Check:
+def _check_compile(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *,
+                   shared: bool) -> Check:
     before = record.compile.graph_calls
     breaks_before = dict(_graph_breaks())
-    forward_loss(model, batch, loss_fn).backward()
+    on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared).backward()
     report.compiled_calls = record.compile.graph_calls - before
     breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items() if v > breaks_before.get(k, 0)}
     n = len(record.compile.regions)

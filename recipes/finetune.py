@@ -42,7 +42,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Literal
 
 import torch
@@ -924,6 +924,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def read_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of what the recipe wrote in ``out`` (None: there is none).
+
+    Raises:
+        RecipeError: it is unreadable, or lists a name the recipe never writes - one outside the
+            directory ('..', an absolute path) or not a relative path at all: --overwrite would remove it.
+    """
     path = out / MANIFEST
     if not path.is_file():
         return None
@@ -931,10 +937,45 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
             raise ValueError("no 'files' list")
-        return manifest
     except (ValueError, UnicodeDecodeError) as e:
         raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({e}); the recipe cannot tell its files "
                           "from yours: choose another --output-dir") from None
+    outside = [f"{kind}: {name!r}" for kind in ("files", "dirs", "trees") for name in _listed(manifest, kind)
+               if _relative_inside(name) is None]
+    if outside:
+        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory (or no path at all), which "
+                          f"the recipe never writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
+                          "entries (or the manifest, to keep every file) or choose another --output-dir")
+    return manifest
+
+
+def _listed(manifest: dict[str, Any], kind: str) -> list[Any]:
+    names = manifest.get(kind, [])
+    return names if isinstance(names, list) else [names]
+
+
+def _relative_inside(name: Any) -> PurePosixPath | None:
+    """``name`` as a path below the output directory: relative, no '..', not empty; None otherwise."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None
+    path = PurePosixPath(name)
+    if path.is_absolute() or PureWindowsPath(name).drive or ".." in path.parts or path == PurePosixPath("."):
+        return None
+    return path
+
+
+def _owned_path(root: Path, name: str) -> Path | None:
+    """``root / name`` when every folder between ``root`` and it is a real folder, not a symlink
+    (through one, a removal would reach outside the output directory); None otherwise."""
+    relative = _relative_inside(name)
+    if relative is None:
+        return None
+    folder = root
+    for part in relative.parts[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            return None
+    return root / relative
 
 
 @dataclass
@@ -960,27 +1001,31 @@ class RunDir:
 
     def remove_recipe_files(self) -> list[str]:
         """Remove what the manifest lists and nothing else: files you added are kept, a symlink is
-        never followed (a listed name that is now a symlink was put there by you: kept). Returns what was kept."""
-        for name in self.manifest.get("trees", []):
-            path = self.path / name
+        never followed (a listed name that is now a symlink, or lies under one, was put there by
+        you: kept), and no name reaches outside the directory (read_manifest refuses those; they
+        are skipped here too). Returns what was kept."""
+        for path in self._owned("trees"):
             if path.is_symlink() or not path.exists():
                 continue
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         ckpts = self.path / "checkpoints"
-        if "checkpoints" in self.manifest.get("dirs", []) and ckpts.is_dir() and not ckpts.is_symlink():
+        if "checkpoints" in _listed(self.manifest, "dirs") and ckpts.is_dir() and not ckpts.is_symlink():
             for child in ckpts.iterdir():
                 if (_STEP_DIR.fullmatch(child.name) or _STEP_TMP.fullmatch(child.name)) and not child.is_symlink():
                     _remove_checkpoint(child)
-        for name in self.manifest.get("files", []):
-            path = self.path / name
+        for path in self._owned("files"):
             if path.is_file() and not path.is_symlink():
                 path.unlink()
-        for name in sorted(self.manifest.get("dirs", []), key=lambda n: -n.count("/")):
-            path = self.path / name
+        for path in sorted(self._owned("dirs"), key=lambda p: -len(p.parts)):
             if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
                 path.rmdir()
         (self.path / MANIFEST).unlink(missing_ok=True)
         return sorted(p.name for p in self.path.iterdir()) if self.path.exists() else []
+
+    def _owned(self, kind: str) -> list[Path]:
+        """The manifest's names of one kind that lie inside the directory, through real folders only."""
+        paths = (_owned_path(self.path, name) for name in _listed(self.manifest, kind))
+        return [p for p in paths if p is not None]
 
 
 @dataclass
@@ -1527,18 +1572,55 @@ def load_checkpoint(job: Job, path: Path) -> None:
     """Model, optimizer, schedule and RNG states (Accelerate's load_state, safetensors and
     weights-only loads); on the fully_shard route the DCP shards of the model and optimizer too.
 
+    Nothing in the folder is unpickled as is: a checkpoint given to --resume-from may come from
+    anyone. Accelerate's torch.loads are weights-only, but under FSDP its load_state reads DCP
+    folders (a pickled .metadata, items loaded without weights_only), so every DCP folder is
+    checked first (hf_memstack.fsdp.check_checkpoint_folder), and the fully_shard route's own load
+    reads them safely (load_sharded_checkpoint without trusted=True).
+
     Raises:
-        RecipeError: a file that does not load, naming the checkpoint.
+        RecipeError: a file that does not load, or holds more than plain data, naming the checkpoint.
     """
+    from hf_memstack.fsdp import UntrustedCheckpointError, check_checkpoint_folder, load_sharded_checkpoint
+
+    refused = None
+    try:
+        for metadata in sorted(path.rglob(".metadata")):
+            check_checkpoint_folder(metadata.parent)
+    except UntrustedCheckpointError as e:
+        refused = RecipeError(f"resume_from={str(path)!r}: refused without loading it, because loading would run code or read "
+                              f"files from outside it: {e}. The recipe's own checkpoints never hold such files: this one was "
+                              "altered or made elsewhere; resume from a checkpoint this recipe wrote, or start again")
+    refused = refused or _unreadable_rng_state(path, job.accelerator.process_index)
+    _agree(job.accelerator, refused)  # before load_state's collectives: every rank stops with it
     try:
         job.accelerator.load_state(str(path))
         if job.route == "fully_shard":
-            from hf_memstack.fsdp import load_sharded_checkpoint
-
             load_sharded_checkpoint(job.model, job.optimizer, str(path / "sharded"))
     except Exception as e:  # noqa: BLE001 - a foreign or damaged file the size check could not see: say which checkpoint
-        raise RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
-                          "resume from an earlier one or start again") from None
+        raise _unloadable(path, e) from None
+
+
+def _unreadable_rng_state(path: Path, process_index: int) -> RecipeError | None:
+    """Accelerate's load_state skips an RNG state it cannot load with only a log line, and the run
+    would go on with other random draws than the interrupted one: refuse it instead (loaded the
+    way Accelerate loads it, weights-only)."""
+    from accelerate.utils import load
+    from accelerate.utils.constants import RNG_STATE_NAME
+
+    rng = path / f"{RNG_STATE_NAME}_{process_index}.pkl"
+    try:
+        load(rng)
+    except Exception as e:  # noqa: BLE001 - missing, damaged or not plain data: the resume would not be exact
+        return RecipeError(f"resume_from={str(path)!r}: {rng.name} does not load ({type(e).__name__}: {str(e).strip()[:160]}), "
+                           "so the resumed run could not continue the interrupted one's random draws; resume from an "
+                           "earlier checkpoint or start again")
+    return None
+
+
+def _unloadable(path: Path, e: BaseException) -> RecipeError:
+    return RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
+                       "resume from an earlier one or start again")
 
 
 def commit_output(job: Job, plan: OutputPlan) -> None:
@@ -1564,8 +1646,10 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
 
 
 def _remove_model(run_dir: RunDir) -> None:
-    for name in [n for n in run_dir.manifest["files"] if n.startswith("model/")]:
-        (run_dir.path / name).unlink(missing_ok=True)
+    # Through real folders only, as --overwrite: a model/ you replaced by a symlink is not followed.
+    for path in [p for n, p in zip(_listed(run_dir.manifest, "files"), run_dir._owned("files")) if n.startswith("model/")]:
+        if not path.is_symlink():
+            path.unlink(missing_ok=True)
     for name in ("report.json",):
         (run_dir.path / name).unlink(missing_ok=True)
     model = run_dir.path / "model"
