@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ._ranks import RankFailure, share_error, world_size
+from ._ranks import RankFailure, same_arguments_on_every_rank, share_error, world_size
 from .errors import BudgetTooSmallError, DistributedMismatchError
 
 __all__ = ["agree", "agree_arguments", "agree_no_error", "is_local_leader", "world_size"]
@@ -44,19 +44,7 @@ def agree_arguments(**arguments: object) -> None:
     Raises:
         DistributedMismatchError: on every rank, naming each rank's differing argument and rank 0's value.
     """
-    if world_size() == 1:
-        return
-    everyone: list[dict[str, object] | None] = [None] * world_size()
-    dist.all_gather_object(everyone, arguments)
-    differences = [f"rank {rank}: {key}={theirs[key]!r} where rank 0 has {arguments_0[key]!r}"
-                   for arguments_0 in everyone[:1] if arguments_0 is not None
-                   for rank, theirs in enumerate(everyone) if theirs is not None
-                   for key in arguments_0 if theirs.get(key) != arguments_0[key]]
-    if differences:
-        raise DistributedMismatchError(
-            f"find_batch_size was called with different arguments on the ranks ({'; '.join(differences)}): pass the same "
-            f"{', '.join(arguments)} on every rank (only the budget may differ)",
-            failed_ranks=tuple(sorted({int(d.split(':')[0].split()[1]) for d in differences})))
+    same_arguments_on_every_rank("find_batch_size", "only the budget may differ", **arguments)
 
 
 def agree_no_error(error: BaseException | None, tag: str, *, budget: int, fits: bool = True) -> bool:

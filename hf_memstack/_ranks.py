@@ -27,7 +27,7 @@ from torch import nn
 
 from .errors import DistributedMismatchError
 
-__all__ = ["RankFailure", "on_every_rank", "reraise", "runs_collectives", "share_error", "world_size"]
+__all__ = ["RankFailure", "on_every_rank", "reraise", "runs_collectives", "same_arguments_on_every_rank", "share_error", "world_size"]
 
 T = TypeVar("T")
 _MAX_VALUES = 8
@@ -101,6 +101,28 @@ def share_error(step: str, error: BaseException | None, *, values: Sequence[int]
         raise peer_error(failed)
     raise DistributedMismatchError(f"{step} failed on rank(s) {[r.rank for r in failed]}, so every rank stops: "
                                    + "; ".join(r.describe() for r in failed), failed_ranks=tuple(r.rank for r in failed))
+
+
+def same_arguments_on_every_rank(call: str, allowed: str = "", **arguments: object) -> None:
+    """Check that every rank passed ``call`` the same ``arguments`` (one all-gather of small values).
+    Arguments that steer which collectives run (a search's cap, whether an optimizer steps) must
+    match: a rank that runs fewer collectives than its peers leaves them waiting until the timeout.
+
+    Raises:
+        DistributedMismatchError: on every rank, naming each rank's differing argument and rank 0's value.
+    """
+    if world_size() == 1:
+        return
+    everyone: list[dict[str, object] | None] = [None] * world_size()
+    dist.all_gather_object(everyone, arguments)
+    reference = everyone[0] or {}
+    differences = [(rank, f"rank {rank}: {key}={(theirs or {}).get(key)!r} where rank 0 has {reference[key]!r}")
+                   for rank, theirs in enumerate(everyone) for key in reference if (theirs or {}).get(key) != reference[key]]
+    if differences:
+        raise DistributedMismatchError(
+            f"{call} was called with different arguments on the ranks ({'; '.join(d for _, d in differences)}): pass the same "
+            f"{', '.join(arguments)} on every rank" + (f" ({allowed})" if allowed else ""),
+            failed_ranks=tuple(sorted({r for r, _ in differences})))
 
 
 def on_every_rank(step: str, fn: Callable[[], T], *, shared: bool = True) -> T:

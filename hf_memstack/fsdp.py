@@ -3,6 +3,7 @@ with a mixed-precision policy derived from the memory policy's precision."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -79,6 +80,8 @@ class _RankReport:
     """(name, shape, dtype) of every parameter."""
     meta: bool
     """This rank holds the model on the meta device (from_pretrained_for_fsdp)."""
+    local_world_size: str | None = None
+    """``LOCAL_WORLD_SIZE`` as this rank sees it: hybrid sharding builds its mesh from it."""
 
 
 def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None, local_error: BaseException | None) -> bool:
@@ -98,7 +101,7 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
     from .errors import DistributedMismatchError
 
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    mine = _RankReport(error, policy, _signature(model), model is not None and _on_meta(model))
+    mine = _RankReport(error, policy, _signature(model), model is not None and _on_meta(model), os.environ.get("LOCAL_WORLD_SIZE"))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     failed = tuple(r for r, e in enumerate(everyone) if e.error is not None)
@@ -114,6 +117,7 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
         raise DistributedMismatchError(
             f"the ranks were given different memory policies ({fields}); pass the same policy on every rank (e.g. from one "
             "config file)", failed_ranks=differing)
+    _agree_on_nodes(everyone)
     for r, e in enumerate(everyone):
         if e.model != everyone[0].model:
             first = next((a, b) for a, b in zip([*everyone[0].model, None], [*e.model, None]) if a != b)
@@ -127,6 +131,22 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
             "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp",
             failed_ranks=(0,))
     return any(e.meta for e in everyone)
+
+
+def _agree_on_nodes(everyone: list[_RankReport]) -> None:
+    """Hybrid sharding splits the world into nodes of LOCAL_WORLD_SIZE ranks: ranks that see different
+    sizes build different meshes and wait in each other's collectives until the group times out."""
+    from .errors import DistributedMismatchError
+
+    if (everyone[0].policy or {}).get("fsdp", {}).get("mode") != "hybrid_shard":
+        return
+    differing = tuple(r for r, e in enumerate(everyone) if e.local_world_size != everyone[0].local_world_size)
+    if differing:
+        seen = "; ".join(f"rank {r}: LOCAL_WORLD_SIZE={e.local_world_size!r}" for r, e in enumerate(everyone))
+        raise DistributedMismatchError(
+            f"policy.fsdp.mode='hybrid_shard' needs the same processes per node on every rank, and the ranks see different "
+            f"LOCAL_WORLD_SIZE values ({seen}): launch with torchrun or accelerate launch, which set it, or set it to the "
+            "same number on every rank", failed_ranks=differing)
 
 
 def _policy_differences(reference: dict[str, Any], other: dict[str, Any], prefix: str = "policy") -> list[str]:
@@ -375,7 +395,6 @@ def _local_world_size() -> int:
     Raises:
         ValueError: the variable is not a positive whole number.
     """
-    import os
 
     raw = os.environ.get("LOCAL_WORLD_SIZE")
     if raw is None:
@@ -516,7 +535,6 @@ def _vetted_reader(directory: Path) -> tuple[Any, Any]:
 
 def _write_manifest(directory: Path) -> None:
     import json
-    import os
 
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
     manifest = {"format": "hf_memstack sharded checkpoint 1", "files": files,

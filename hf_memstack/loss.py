@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from ._device import module_mode, preserved_rng
+from ._ranks import on_every_rank, runs_collectives
 from ._wrappers import _ForwardWrapper
 from .policy import LossConfig
 
@@ -325,7 +326,11 @@ class ChunkedLossForward(_ForwardWrapper):
         model = self.module
         head = model.get_output_embeddings()
         ignore_index = arguments.get("ignore_index", -100)
-        _check_token_ids(arguments, head, model, ignore_index)
+        # Under FSDP/DDP a rank that refused its ids here would leave the others waiting in the
+        # backbone's first all-gather: the refusal is shared first, so every rank ends with it.
+        # (Looked up per call: the model is sharded after this wrapper is installed. One rank: no walk.)
+        on_every_rank("loss:chunked: the batch's token ids", lambda: _check_token_ids(arguments, head, model, ignore_index),
+                      shared=not torch.compiler.is_compiling() and runs_collectives(model))
         backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep", "return_dict")}
         routed = _router_logits_on(model, arguments)
         if routed is not None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ._device import device_of, synchronize
-from ._ranks import on_every_rank, runs_collectives
+from ._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
 from .accounting import model_state_bytes, tensor_bytes
 from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
@@ -106,6 +106,10 @@ def measure_step(
     """
     phases: list[Callable[[], Any]] | None = None
     shared = runs_collectives(model)
+    if shared:
+        # A rank given no optimizer (or no warm-up) would run fewer collectives than its peers.
+        same_arguments_on_every_rank("measure_step", optimizer=optimizer is not None, step_fn=step_fn is not None,
+                                     warmup=warmup if warmup is None else bool(warmup), timed=bool(timed))
     if step_fn is None and not model.training:
         warnings.warn(
             f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "

@@ -111,6 +111,15 @@ def _scenarios(rank, world, directory):
             del batch["labels"]
         return batch
 
+    def chunked():
+        return prepare_model(_model(), "fp32+fsdp+loss:chunked")
+
+    def out_of_vocabulary():
+        batch = _make(2)
+        if rank == 1:
+            batch["input_ids"][0, 0] = 999  # the vocabulary holds 256 ids
+        return batch
+
     find()  # once first: the first sharded step's one-time costs do not count as waiting
     out = {
         "make_batch": find(make_or_fail),
@@ -133,9 +142,16 @@ def _scenarios(rank, world, directory):
     out["measure"] = _timed(lambda: measure_step(model, unlabelled(), opt, timed=False).peak_bytes)
     model, opt = sharded()
     out["verify_ok"] = _timed(lambda: verify(model, _make(2)).ok)  # every rank well: no error, the same verdict
+    model, opt = sharded()
+    # Each rank valid alone, but the ranks disagree: rank 0 steps an optimizer, rank 1 does not (was: a hang).
+    out["measure_optimizer_on_one_rank"] = _timed(lambda: measure_step(model, _make(2), opt if rank == 0 else None, timed=False).peak_bytes)
+    out["vocab_verify"] = _timed(lambda: verify(chunked(), out_of_vocabulary()).ok)
+    out["vocab_measure"] = _timed(lambda: measure_step(chunked(), out_of_vocabulary(), None, timed=False).peak_bytes)
     out["checkpoint"] = _checkpoints(rank, sharded, directory)
     os.environ["LOCAL_WORLD_SIZE"] = "0"
     out["local_world_size"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
+    os.environ["LOCAL_WORLD_SIZE"] = ["1", "2"][rank]  # each a divisor of the world size: only their difference is wrong
+    out["local_world_size_differs"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
     return out
 
 
@@ -215,3 +231,23 @@ def test_different_search_arguments_on_the_ranks_end_every_rank(ranks):
             assert kind == "DistributedMismatchError" and f"rank 1: {field}" in message, (case, message)
     for kind, message in _both(ranks, "different_steps"):
         assert kind == "DistributedMismatchError" and "rank 0 at 'step a'" in message and "rank 1 at 'step b'" in message
+
+
+def test_ids_outside_the_vocabulary_on_one_rank_end_every_rank_with_that_message(ranks):
+    """loss:chunked refuses such ids before the backbone; under FSDP the refusal is shared first
+    (was: the other rank waited in the backbone's all-gather, and rank 1's message was lost)."""
+    for case in ("vocab_verify", "vocab_measure"):
+        (kind0, msg0), (kind1, msg1) = _both(ranks, case)
+        assert kind1 == "ValueError" and "input_ids holds id 999" in msg1 and "256 ids" in msg1, (case, msg1)
+        assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: loss:chunked: input_ids holds id 999" in msg0, (case, msg0)
+
+
+def test_the_meter_given_an_optimizer_on_one_rank_only_ends_every_rank(ranks):
+    for kind, message in _both(ranks, "measure_optimizer_on_one_rank"):
+        assert kind == "DistributedMismatchError" and "rank 1: optimizer=False where rank 0 has True" in message, message
+
+
+def test_different_local_world_sizes_under_hybrid_shard_end_every_rank(ranks):
+    for kind, message in _both(ranks, "local_world_size_differs"):
+        assert kind == "DistributedMismatchError", message
+        assert "rank 0: LOCAL_WORLD_SIZE='1'; rank 1: LOCAL_WORLD_SIZE='2'" in message, message
