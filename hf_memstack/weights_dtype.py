@@ -110,7 +110,11 @@ def _of_module(model: nn.Module) -> WeightsDtype:
 
 
 def _config_dtype(config: Any) -> torch.dtype | None:
-    value = getattr(config, "dtype", None)
+    return _named_dtype(getattr(config, "dtype", None))
+
+
+def _named_dtype(value: Any) -> torch.dtype | None:
+    """A torch dtype, or its name as configs and checkpoint indexes write it (``"bfloat16"``)."""
     if isinstance(value, str):
         value = getattr(torch, value.removeprefix("torch."), None)
     return value if isinstance(value, torch.dtype) else None
@@ -146,8 +150,9 @@ def _checkpoint_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
             meta = data.get("metadata") or {}
-            if isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and _config_dtype(meta) is not None:
-                return _config_dtype(meta), f"the dtype in {index_name}"  # type: ignore[return-value]
+            named = _named_dtype(meta.get("dtype")) if isinstance(meta, dict) else None
+            if named is not None:
+                return named, f"the dtype in {index_name}"
             first = folder / shards[0] if shards else first
         if first.is_file():
             # map_location="meta": safetensors reads the header; a .bin goes through torch.load(weights_only=True)

@@ -202,3 +202,24 @@ def test_a_mixture_of_experts_model_is_refused_with_what_to_do(arch):
             estimate_memory(config, policy, batch_size=1, seq_len=16)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         plan_policy(config, budget="1GiB", seq_len=16)
+
+
+@pytest.mark.parametrize("index_dtype", [None, "float16"])
+def test_a_sharded_checkpoint_without_a_config_dtype_reads_what_from_pretrained_reads(tmp_path, index_dtype):
+    """No dtype in config.json: from_pretrained takes the index's metadata dtype, else the first shard's header."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(configs()["llama"]).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if index_dtype:
+        index["metadata"]["dtype"] = index_dtype
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    reference = LlamaForCausalLM.from_pretrained(tmp_path).dtype
+    est = _estimate(tmp_path, "bf16+ckpt", 1)
+    assert DTYPES[est.weights_dtype] == reference == (torch.float16 if index_dtype else torch.bfloat16)
+    assert est.weights_dtype_source.startswith("the dtype in model.safetensors.index.json" if index_dtype else "the weights in model-00001-of-")
