@@ -355,8 +355,9 @@ def estimate_memory(
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
     est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
-    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source,
-                               notes=(*est.notes, _dtype_note(weights, net, policy)))
+    # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
+    notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
+    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
 
 
 def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> str:

@@ -80,8 +80,9 @@ def test_a_lora_base_counts_at_its_dtype_and_the_adapters_as_peft_makes_them(sav
     _same_states(est, _measure(real_model, policy, 4))
     frozen = {p.dtype for p in real_model.parameters() if not p.requires_grad}
     trainable = {p.dtype for p in real_model.parameters() if p.requires_grad}
-    assert frozen == {DTYPES[name]}
-    assert f"trainable parameters {'/'.join(sorted(NAMES[d] for d in trainable))}, frozen {name}" in " ".join(est.notes)
+    assert frozen == {DTYPES[name]} and est.weights_dtype == name
+    said = f"weights counted in {name} (the config's dtype): trainable parameters {'/'.join(sorted(NAMES[d] for d in trainable))}, frozen {name}"
+    assert (said in " ".join(est.notes)) == (name != "fp32"), est.notes  # fp32 weights: the fields say it, no note
 
 
 def test_the_bf16_case_of_issue_20_is_no_longer_counted_twice(saved):
