@@ -13,6 +13,8 @@ pip install 'hf_memstack[plot]'; checked before any work).
 What trains: every parameter (--trainable all, the default), or LoRA adapters (--trainable lora,
 or --lora-r N [--lora-alpha A] [--lora-target q_proj,v_proj]); frozen weights get no gradient
 and no optimizer state.
+--dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
+for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).
 With several policies (estimate --policy a,b): each gets its own verdict, and the status is 0 when
 at least one fits the budget (that one is usable), 1 when none does.
@@ -45,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices sharing an FSDP policy (default 1)")
     e.add_argument("--budget", type=_budget, help="device memory, e.g. 24GiB: exit 1 when the estimate does not fit")
     e.add_argument("--plot", help="write the breakdown as a stacked bar per policy to this PNG")
+    _dtype_option(e)
     pl = sub.add_parser("plan", help="the cheapest policy that fits a budget", description="Walk the ladder and pick the cheapest policy that fits.")
     _common(pl)
     pl.add_argument("--budget", type=_budget, required=True, help="per-device memory, e.g. 80GiB")
@@ -52,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices (FSDP rungs are considered when > 1)")
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
+    _dtype_option(pl)
     f = sub.add_parser("find-batch-size", help="measure the largest batch that fits (real steps)",
                        description="Run the batch-size finder on the model built from its config (random weights: memory does not depend on their values).")
     _common(f)
@@ -73,6 +77,14 @@ def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
     sp.add_argument("--lora-target", help="comma-separated module names for LoRA (default: every linear layer but the head)")
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _dtype_option(sp: argparse.ArgumentParser) -> None:
+    from .weights_dtype import DTYPE_CHOICES
+
+    sp.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                    help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
+                         "weights'; fp32 for a config naming none), or fp32, bf16, fp16 to estimate another load")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +123,7 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory
 
     estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
-                                 task=args.task, trainable=_trainable(args)) for policy in args.policy.split(",")]
+                                 task=args.task, trainable=_trainable(args), dtype=args.dtype) for policy in args.policy.split(",")]
     verdicts = [args.budget is None or e.peak_bytes <= args.budget for e in estimates]
     # Several policies are alternatives: the run can use any that fits.
     fits = any(verdicts)
@@ -120,11 +132,11 @@ def _estimate(args: argparse.Namespace) -> int:
                           "fits": fits, "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok]}, indent=2))
     else:
         budget = args.budget is not None
-        print("| policy | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
+        print("| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
               + (" fits |" if budget else ""))
-        print("|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else ""))
         for e, ok in zip(estimates, verdicts):
-            print(f"| {e.policy} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
+            print(f"| {e.policy} | {e.weights_dtype} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
                   f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |" + (f" {'yes' if ok else 'no'} |" if budget else ""))
         for note in dict.fromkeys(n for e in estimates for n in e.notes):
@@ -144,13 +156,13 @@ def _plan(args: argparse.Namespace) -> int:
     from .planner import plan_policy
 
     plan = plan_policy(args.model, budget=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
-                       margin=args.margin, task=args.task, trainable=_trainable(args))
+                       margin=args.margin, task=args.task, trainable=_trainable(args), dtype=args.dtype)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
     _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
         _plot([(r.policy, estimate_memory(args.model, r.policy, batch_size=b, seq_len=args.seq_len, world_size=args.world_size,
-                                          task=args.task, trainable=_trainable(args))) for r in plan.rows], args.plot, plan.budget)
+                                          task=args.task, trainable=_trainable(args), dtype=args.dtype)) for r in plan.rows], args.plot, plan.budget)
     return FITS if plan.fits else DOES_NOT_FIT
 
 

@@ -29,6 +29,7 @@ from .accounting import tensor_bytes
 from .memory import StepMemory, measure_step
 from .policy import MemoryPolicy
 from .sizes import format_bytes
+from .weights_dtype import WeightsDtype, cast_like_from_pretrained, parse_dtype, resolve_weights_dtype, set_dtypes, short_name
 
 __all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "infer_task",
            "load_config", "peft_config_from", "task_note"]
@@ -63,6 +64,11 @@ class MemoryEstimate:
     """The peak of the forward + backward alone (grows about linearly with the batch)."""
     trainable_parameters: int
     total_parameters: int
+    weights_dtype: str = "fp32"
+    """The dtype the weights were counted at (``bf16``, ``fp16``, ``fp32``): what ``from_pretrained``
+    gives (``dtype="auto"``), the model's own, or the ``dtype=`` asked for."""
+    weights_dtype_source: str = ""
+    """Where that dtype was read: ``the config's dtype``, ``the weights in model.safetensors``, ``requested``..."""
     notes: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
@@ -70,8 +76,8 @@ class MemoryEstimate:
 
     def summary(self) -> str:
         cats = ", ".join(f"{k} {format_bytes(getattr(self, k))}" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries"))
-        return (f"{self.model} [{self.policy}] batch {self.batch_size} x seq {self.seq_len}, {self.world_size} rank(s): "
-                f"peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})")
+        return (f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
+                f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})")
 
 
 _ACCEPTED = ("a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
@@ -234,13 +240,17 @@ def _is_encoder(config: Any) -> bool:
     return getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False) -> nn.Module:
-    """The model of ``config`` for ``task`` (fp32, random weights), with PEFT adapters when given.
+def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of ``config`` for ``task`` (random weights in ``dtype``, the modules Transformers
+    keeps in fp32 kept there as ``from_pretrained`` keeps them), with PEFT adapters when given.
+    ``config`` is left as it was.
 
     Raises:
         ValueError: the config describes an invalid model, or the PEFT config matches no module.
     """
-    net = _build(config, task, trust_remote_code)
+    net = _build(config, task, trust_remote_code, dtype)
+    cast_like_from_pretrained(net, dtype)
     return _apply_peft(net, peft_config) if peft_config is not None else net
 
 
@@ -255,6 +265,7 @@ def estimate_memory(
     trainable: Any = "all",
     task: str | None = None,
     trust_remote_code: bool = False,
+    dtype: torch.dtype | str | None = "auto",
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category.
 
@@ -274,13 +285,19 @@ def estimate_memory(
         task: ``causal-lm`` or ``classification`` (which head the config gets); default: from the
             model given (its class, or its config's ``architectures``); an encoder without a
             causal-LM head (``BertModel``) is ``classification`` (said in the notes); else ``causal-lm``.
+        dtype: the weights' dtype: ``"auto"`` (default) counts what ``from_pretrained(model)`` gives
+            (the config's ``dtype``/``torch_dtype``, else the saved weights' own; fp32 for a config
+            naming none), a model object at its parameters' dtypes; or ``"bf16"``, ``"fp16"``,
+            ``"fp32"`` (or a torch dtype) to count another load. Frozen weights count at it;
+            trainable ones as ``prepare_model`` leaves them (it keeps their dtype). The estimate
+            says which it used (``weights_dtype``).
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
             policy the model cannot use - what ``prepare_model`` would refuse on the real model,
             also ``loss:chunked`` on a head it does not reproduce (checked on a one-block copy
             with random weights when that is small; the notes say when it was not checked).
-        TypeError: ``model`` or ``trainable`` of a type that is none of the above.
+        TypeError: ``model``, ``trainable`` or ``dtype`` of a type that is none of the above.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -294,9 +311,13 @@ def estimate_memory(
         raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
     if task is not None and task not in ("causal-lm", "classification"):
         raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
+    parse_dtype(dtype)  # a bad dtype= is refused before any work
+    given = model
     model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
     config = load_config(model, trust_remote_code=trust_remote_code)
+    # A model object counts at its own parameters' dtypes (a PEFT model's names match the traced one's).
+    weights = resolve_weights_dtype(given if isinstance(given, nn.Module) else model, config, dtype)
     inferred_note = task_note(model, config) if task is None else None
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
@@ -320,7 +341,8 @@ def estimate_memory(
         notes += [note] if note else []
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    net = _fake_model(config, task, peft_config, trust_remote_code, mode)
+    net = _fake_model(config, task, peft_config, trust_remote_code, mode, weights)
+    _refuse_mixture_of_experts(net, config)
     with mode:
         net.train()
         prepare_model(net, traced)
@@ -332,7 +354,23 @@ def estimate_memory(
         m = _traced_step(net, batch, opt, config, task)
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
-    return _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+    est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+    # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
+    notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
+    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
+
+
+def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> str:
+    """The weights' dtype, where it came from, and what trains in which dtype."""
+    trainable = sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()})
+    frozen = sorted({short_name(p.dtype) for p in net.parameters() if not p.requires_grad and p.is_floating_point()})
+    held = f"trainable parameters {'/'.join(trainable) or 'none'}" + (f", frozen {'/'.join(frozen)}" if frozen else "")
+    note = f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
+    if policy.precision != "fp32" and any(t != "fp32" for t in trainable):
+        # prepare_model keeps 16-bit trainable weights as they are (and warns): no fp32 master copy is counted.
+        note += (f". prepare_model keeps the {'/'.join(t for t in trainable if t != 'fp32')} trainable weights as loaded (no fp32 "
+                 "master copy; it warns that updates lose precision): load in fp32 (dtype='fp32') for fp32 master weights")
+    return note
 
 
 # Past this many parameters (one block kept), the chunked loss is not compared with the model's own here.
@@ -422,6 +460,26 @@ def _traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -
         ) from None
 
 
+def _refuse_mixture_of_experts(net: nn.Module, config: Any) -> None:
+    """A mixture-of-experts model cannot be traced on fake tensors: its default experts kernel
+    (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
+    experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
+    on the data). Said as such, with what to do, instead of the kernel's raw error."""
+    from .record import unwrap_model
+
+    inner = net.get_base_model() if callable(getattr(net, "get_base_model", None)) else net  # a PEFT model's own
+    cls = type(unwrap_model(inner))
+    can_set = getattr(cls, "_can_set_experts_implementation", None)
+    if callable(can_set) and can_set():
+        raise ValueError(
+            f"the estimator cannot trace {cls.__name__} ({type(config).__name__}): it is a mixture-of-experts model, whose "
+            "experts route each token by the router's values (shapes that depend on the data, which a trace without "
+            "values cannot follow; torch._grouped_mm has no fake-tensor kernel for fp32 either). Measure it instead: "
+            "hf_memstack.measure_step(model, batch, optimizer) on the real model, or find_batch_size "
+            "(hf-memstack find-batch-size MODEL --policy ... --seq-len ... --budget ...)"
+        )
+
+
 def peft_config_from(trainable: Any) -> Any | None:
     """``trainable`` as a PEFT config (None for ``"all"``).
 
@@ -455,12 +513,20 @@ def peft_config_from(trainable: Any) -> Any | None:
 DEFAULT_LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
-def _fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any) -> nn.Module:
-    """The model built on the meta device (PEFT adapters added there), then given fake tensors:
-    shapes and dtypes, no storage. Built on meta first because ``Module.to()`` (which PEFT calls
-    on its new adapters) cannot swap fake parameters; tied parameters stay tied."""
+def _fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any,
+                weights: WeightsDtype) -> nn.Module:
+    """The model built on the meta device in the weights' dtype (PEFT adapters added there, in the
+    dtype PEFT gives them), then given fake tensors: shapes and dtypes, no storage. Built on meta
+    first because ``Module.to()`` (which PEFT calls on its new adapters) cannot swap fake
+    parameters; tied parameters stay tied. A model object's own per-parameter dtypes are kept."""
     with torch.device("meta"):
-        net = build_model(config, task, peft_config, trust_remote_code=trust_remote_code)
+        net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
+        if weights.per_parameter:
+            set_dtypes(net, weights.per_parameter)
+        if peft_config is not None:
+            net = _apply_peft(net, peft_config)
+            if weights.per_parameter:
+                set_dtypes(net, weights.per_parameter)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
@@ -516,12 +582,13 @@ def _blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
         return ()
 
 
-def _build(config: Any, task: str, trust_remote_code: bool) -> nn.Module:
+def _build(config: Any, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
     try:
-        return auto.from_config(config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+        # A copy: from_config writes the dtype into the config it is given (the user's, or their model's).
+        return auto.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code, dtype=dtype)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise ValueError(f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "

@@ -12,6 +12,7 @@ from .estimate import MemoryEstimate, chunked_loss_problem, estimate_memory, inf
 from .ladder import memory_rungs
 from .policy import MemoryPolicy
 from .sizes import format_bytes, parse_bytes
+from .weights_dtype import parse_dtype, resolve_weights_dtype
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
 
@@ -43,6 +44,9 @@ class Plan:
     estimate: MemoryEstimate | None = None
     shortfall_bytes: int = 0
     suggestions: list[str] = field(default_factory=list)
+    weights_dtype: str = "fp32"
+    """The dtype every rung counted the weights at (see :attr:`MemoryEstimate.weights_dtype`)."""
+    weights_dtype_source: str = ""
 
     @property
     def fits(self) -> bool:
@@ -56,18 +60,20 @@ class Plan:
             if any(x.max_batch_size for x in self.rows):
                 line += f" {r.max_batch_size or 0} |"
             lines.append(line)
+        lines.append(f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load")
         if self.fits:
-            lines.append(f"\nchoose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})")
+            lines.append(f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})")
             lines += [f"  - {s}" for s in self.suggestions]
         else:
-            lines.append(f"\nnothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best")
+            lines.append(f"nothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best")
             lines += [f"  - {s}" for s in self.suggestions]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.to_string() if self.policy else None, "batch_size": self.batch_size, "budget": self.budget,
                 "fits": self.fits, "rows": [dataclasses.asdict(r) for r in self.rows], "shortfall_bytes": self.shortfall_bytes,
-                "suggestions": self.suggestions, "estimate": self.estimate.as_dict() if self.estimate else None}
+                "suggestions": self.suggestions, "weights_dtype": self.weights_dtype,
+                "weights_dtype_source": self.weights_dtype_source, "estimate": self.estimate.as_dict() if self.estimate else None}
 
 
 def plan_policy(
@@ -82,6 +88,7 @@ def plan_policy(
     device: str | None = None,
     trainable: Any = "all",
     step_in_backward: bool = True,
+    dtype: Any = "auto",
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -102,6 +109,8 @@ def plan_policy(
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
             rungs); pass False when the training loop accumulates gradients, clips them by their
             global norm or averages them with DDP, none of which that rung can do.
+        dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
+            ``from_pretrained`` gives); every rung is estimated at it.
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -117,11 +126,16 @@ def plan_policy(
     if batch_size != "max" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
     usable = budget_bytes * (1 - margin)
+    parse_dtype(dtype)  # a bad dtype= is refused before any work
     config = load_config(model)
     task = task or infer_task(model, config)
+    # Resolved once from what was given (the estimates below get its config, which no longer says
+    # where its weights are): every rung counts the same weights.
+    weights = resolve_weights_dtype(model, config, dtype)
     precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
-    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
-    plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
+    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, dtype=weights.dtype)
+    plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes,
+                weights_dtype=weights.name, weights_dtype_source=weights.source)
     shortfalls = []
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None

@@ -846,8 +846,10 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         # optim:in_backward rungs only when this run could train with them (no clipping, no
         # accumulation, no DDP): the planner does not offer what the loop would then refuse.
         in_backward = cfg.grad_clip == 0 and not cfg.global_batch_size and world == 1
+        # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
+        # master weights under mixed precision), so that is what the plan must count.
         plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
-                           world_size=world, task=task, step_in_backward=in_backward)
+                           world_size=world, task=task, step_in_backward=in_backward, dtype="fp32")
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise RecipeError(f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
                           "pass --policy explicitly") from None
