@@ -1042,6 +1042,9 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     manifest = path / CHECKPOINT_MANIFEST
     if not m:
         return Checkpoint(step, path, "its name is not step-N (a .tmp folder is a save that never finished)")
+    if manifest.is_symlink():
+        return Checkpoint(step, path, f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
+                                      "saves one, so it was altered; resume from a checkpoint this recipe wrote")
     if not manifest.is_file():
         return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
     try:
@@ -1050,6 +1053,12 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
         return Checkpoint(step, path, f"its {CHECKPOINT_MANIFEST} is unreadable")
     for name, size in files.items():
         f = path / name
+        link = _symlink_inside(path, name)
+        if link is not None:
+            # The sizes could still match: a symlink would resume from a file outside the checkpoint.
+            return Checkpoint(step, path, f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
+                                          "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
+                                          "wrote, or replace the link by the file itself")
         if not f.is_file():
             return Checkpoint(step, path, f"{name} is missing")
         if f.stat().st_size != size:
@@ -1059,6 +1068,17 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     except (OSError, ValueError) as e:
         return Checkpoint(step, path, f"trainer_state.json is not readable JSON ({e})")
     return Checkpoint(step, path, None)
+
+
+def _symlink_inside(root: Path, name: str) -> str | None:
+    """The first of ``name``'s parts below ``root`` (its folders, then the file) that is a symlink,
+    as a relative name; None when there is none."""
+    relative = PurePosixPath(name)
+    for depth in range(1, len(relative.parts) + 1):
+        part = PurePosixPath(*relative.parts[:depth])
+        if (root / part).is_symlink():
+            return str(part)
+    return None
 
 
 def list_checkpoints(out: Path) -> list[Checkpoint]:
@@ -1619,8 +1639,34 @@ def _unreadable_rng_state(path: Path, process_index: int) -> RecipeError | None:
 
 
 def _unloadable(path: Path, e: BaseException) -> RecipeError:
+    refused = _refused_pickle(path) if "Weights only load failed" in str(e) else None
+    if refused is not None:
+        name, reason = refused
+        return RecipeError(f"resume_from={str(path)!r}: {name} holds objects that weights-only loading refuses ({reason}): it was "
+                           "not made by this recipe or was tampered with, and nothing in it was run. Resume from a checkpoint "
+                           "this recipe wrote, or start again")
     return RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
                        "resume from an earlier one or start again")
+
+
+def _refused_pickle(path: Path) -> tuple[str, str] | None:
+    """After a weights-only load failed somewhere in Accelerate's load_state: the checkpoint's file
+    that weights-only loading refuses (loaded as Accelerate loads it, memory-mapped so the tensors
+    are not read) and the global it names, without torch's advice to load it with
+    weights_only=False (that would run the file's code)."""
+    import pickle
+
+    from accelerate.utils import load
+
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in {".bin", ".pt", ".pth", ".pkl"}):
+        try:
+            load(f, map_location="cpu", mmap=True)
+        except pickle.UnpicklingError as e:
+            named = re.search(r"GLOBAL:? ([\w.]+)", str(e))
+            return str(f.relative_to(path)), f"it names the global {named.group(1)}" if named else "not plain data"
+        except Exception:  # noqa: BLE001, S112 - not the file weights-only loading refused (damaged, or not a zip): look on
+            continue
+    return None
 
 
 def commit_output(job: Job, plan: OutputPlan) -> None:
