@@ -1124,6 +1124,23 @@ class OutputPlan:
     notes: list[str] = field(default_factory=list)
 
 
+# The folders the recipe writes in the output directory (save_model, save_checkpoint, the trackers).
+_WRITTEN_FOLDERS = ("model", "model.tmp", "model.old", "checkpoints", "hf_memstack-finetune")
+
+
+def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
+    """Refuse, before anything is loaded or trained, a folder the recipe will write that is a
+    symlink: its files would land in the linked folder, or the final rename of model.tmp fails
+    after the whole run (a file that is a symlink is fine: it is replaced, never followed)."""
+    listed = [n for kind in ("dirs", "trees") for n in _listed(manifest or {}, kind) if isinstance(n, str)]
+    for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed]):
+        path = _owned_path(out, name)
+        if path is not None and path.is_symlink():
+            raise RecipeError(f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
+                              f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
+                              "folder it points to is kept) or choose another --output-dir")
+
+
 def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     """Read (never write) the output directory and the checkpoint to resume from; refuse anything
     that would mix two runs, lose a file or resume something broken.
@@ -1149,6 +1166,7 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
             raise RecipeError(foreign.replace("; choose", "; --overwrite only removes files the recipe wrote itself (listed in "
                                               f"{MANIFEST}), so it leaves them alone: choose"))
         raise RecipeError(foreign)
+    _refuse_linked_folders(out, manifest)
     checkpoints = list_checkpoints(out)
     complete = [c for c in checkpoints if c.problem is None]
 
