@@ -139,7 +139,11 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     """
     from transformers import HfArgumentParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from hf_memstack.cli import _negative_sizes_joined
+
+    # '--memory-budget -1GiB' joined as '--memory-budget=-1GiB': argparse would read the size as a flag
+    # ("expected one argument"); joined, the size check says what is wrong with it.
+    argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv), ("--memory-budget", "--memory_budget"))
 
     class Parser(HfArgumentParser):
         def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and exit
