@@ -225,7 +225,20 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def check_batch_size(batch: Any, n: int) -> None:
-    """``make_batch(n)`` must return tensors whose first dimension is ``n``."""
+    """``make_batch(n)`` must return a dict of tensors (or a tensor, or a tuple of tensors passed
+    positionally) whose first dimension is ``n``.
+
+    Raises:
+        TypeError: another type (a list of dicts is a collator's input, not a batch).
+        ValueError: no tensors, or tensors of another sample count.
+    """
+    positional = isinstance(batch, (list, tuple)) and all(torch.is_tensor(t) for t in batch)
+    if not (isinstance(batch, Mapping) or torch.is_tensor(batch) or positional):
+        inner = sorted({type(v).__name__ for v in batch if not torch.is_tensor(v)}) if isinstance(batch, (list, tuple)) else []
+        what = f"{type(batch).__name__}" + (f" of {', '.join(inner)}" if inner else "")
+        raise TypeError(f"make_batch({n}) returned a {what}; it must return a dict of tensors (a Mapping such as the "
+                        "BatchEncoding a collator returns), which the model is called with as model(**batch): e.g. "
+                        f"return collator(rows) rather than [collator(rows)]")
     tensors = _tensors(batch)
     if not tensors:
         raise ValueError(f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "

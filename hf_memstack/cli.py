@@ -214,18 +214,19 @@ def _batch_or_max(value: str) -> int | str:
     return "max" if value == "max" else _positive_int("--batch-size")(value)
 
 
-def _negative_sizes_joined(argv: list[str]) -> list[str]:
-    """``--budget -1GiB`` as ``--budget=-1GiB``: argparse reads a value starting with '-' that is not a
-    plain number as another option, and says "expected one argument"; joined, the size's own check
-    says what is wrong with it (sizes must be positive)."""
+def _negative_sizes_joined(argv: list[str], flags: tuple[str, ...] = ("--budget",)) -> list[str]:
+    """``--budget -1GiB`` as ``--budget=-1GiB`` (for each of the size ``flags``; the recipe's
+    ``--memory-budget`` too): argparse reads a value starting with '-' that is not a plain number as
+    another option, and says "expected one argument"; joined, the size's own check says what is
+    wrong with it (sizes must be positive)."""
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         if token == "--":
             return out + argv[i:]
-        if token == "--budget" and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
-            out.append(f"--budget={argv[i + 1]}")
+        if token in flags and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{token}={argv[i + 1]}")
             i += 2
             continue
         out.append(token)

@@ -138,6 +138,8 @@ def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_
     for name, value in (("reduce_batch_size_fn", reduce_batch_size_fn), ("make_batch", options["make_batch"])):
         if value is not None and not callable(value):
             raise TypeError(f"{name}={value!r} must be callable")
+    if reduce_batch_size_fn is not None:
+        _check_no_arguments(reduce_batch_size_fn)
     if options["mode"] not in ("train", "eval"):
         raise ValueError(f"mode={options['mode']!r} is not one of 'train', 'eval' (train: forward, backward and optimizer "
                          "step; eval: forward under no_grad)")
@@ -147,6 +149,21 @@ def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_
         raise TypeError(f"optimizer={type(options['optimizer']).__name__} must be a torch.optim.Optimizer")
     if not isinstance(options["cache"], bool):
         raise TypeError(f"cache={options['cache']!r} must be True or False")
+
+
+def _check_no_arguments(reduce_batch_size_fn: Callable[..., Any]) -> None:
+    """Accelerate calls the hook with no arguments: one that needs some would fail only at the first
+    out-of-memory error, with a bare TypeError."""
+    try:
+        signature = inspect.signature(reduce_batch_size_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind()
+    except TypeError as e:
+        raise TypeError(f"reduce_batch_size_fn{signature} cannot be called with no arguments ({e}), and Accelerate's "
+                        "find_executable_batch_size calls it with none after an out-of-memory error; keep the batch size "
+                        "in a variable it closes over, e.g. lambda: int(state['batch_size'] * 0.9)") from None
 
 
 def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -> int:
@@ -159,9 +176,10 @@ def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -
         size = int(returned)
         previous = state["returned"]
         if size < 0 or (previous is not None and size >= previous):
-            why = "a negative size" if size < 0 else f"{size} after {previous}"
-            raise ValueError(f"reduce_batch_size_fn returned {why}: each call must return a smaller batch size than the last "
-                             "(0 ends the search), or the retries never end; e.g. return int(batch_size * 0.9) and store it")
+            why = "a negative size" if size < 0 else f"{size} after returning {previous} on its previous call"
+            raise ValueError(f"reduce_batch_size_fn returned {why}, and batch size {state['batch_size']} ran out of memory: "
+                             "each call must return a smaller batch size than the last (0 ends the search), or the retries "
+                             "never end; e.g. return int(batch_size * 0.9) and store it")
         state["returned"] = size
         # At or above the size that just ran out of memory: it counts down from starting_batch_size
         # while the prediction started lower; ask again (it falls each call, so this ends).

@@ -95,6 +95,9 @@ class _HeadPlan:
     result: LossHeadResult
     router_loss: Callable[..., Any] | None = None
     """The model's own ``load_balancing_loss_func`` (a mixture-of-experts model), or None."""
+    cache_default: bool = False
+    """The model's ``config.use_cache`` before ``prepare_model`` turned it off for training: whether
+    its own tuple output has a cache slot when the caller does not pass ``use_cache``."""
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -126,7 +129,8 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     result = LossHeadResult(mode="chunked", path="fused" if _plain_linear(head) is not None else "checkpointed",
                             chunk_tokens=chunk, softcap=float(softcap) if softcap else None, logit_multiplier=multiplier,
                             router_aux_loss=router_loss is not None)
-    plan = _HeadPlan(target=target, result=result, router_loss=router_loss)
+    plan = _HeadPlan(target=target, result=result, router_loss=router_loss,
+                     cache_default=bool(getattr(target.config, "use_cache", False)))
     if _has_values(target):
         _check_matches_model(plan)
     return plan
@@ -278,7 +282,7 @@ def apply_loss_head(plan: _HeadPlan | None) -> LossHeadResult:
     r = plan.result
     plan.target.forward = ChunkedLossForward(  # type: ignore[method-assign]
         plan.target, chunk_tokens=r.chunk_tokens, softcap=r.softcap, logit_multiplier=r.logit_multiplier,
-        router_loss=plan.router_loss)
+        router_loss=plan.router_loss, cache_default=plan.cache_default)
     return r
 
 
@@ -287,8 +291,9 @@ class ChunkedLossForward(_ForwardWrapper):
     from the backbone's hidden states, and returns ``logits=None``; otherwise the model's own forward."""
 
     def __init__(self, module: nn.Module, *, chunk_tokens: int, softcap: float | None = None, logit_multiplier: float = 1.0,
-                 router_loss: Callable[..., Any] | None = None) -> None:
+                 router_loss: Callable[..., Any] | None = None, cache_default: bool = False) -> None:
         super().__init__(module)
+        self.cache_default = cache_default
         self.chunk_tokens = chunk_tokens
         self.softcap = softcap
         self.logit_multiplier = logit_multiplier
@@ -351,15 +356,24 @@ class ChunkedLossForward(_ForwardWrapper):
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
         if not return_dict:
-            # The model's own tuple (to_tuple: the fields that are not None) keeps its positions: the
-            # logits' slot stays, as None, so out[1] (out[2] after aux_loss) is still the logits.
-            return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
-                         if f.name == "logits" or getattr(result, f.name) is not None)
+            return _as_tuple(result, cache_slot=self.cache_default if arguments.get("use_cache") is None
+                             else bool(arguments.get("use_cache")))
         return result
 
     def _options(self) -> dict[str, Any]:
         return {"chunk_tokens": self.chunk_tokens, "softcap": self.softcap, "logit_multiplier": self.logit_multiplier,
-                "router_loss": self.router_loss}
+                "router_loss": self.router_loss, "cache_default": self.cache_default}
+
+
+def _as_tuple(result: Any, *, cache_slot: bool) -> tuple[Any, ...]:
+    """The model's own tuple (to_tuple: the fields that are not None), at its positions: the logits'
+    slot stays, as None, so out[1] (out[2] after aux_loss) is still the logits; and so does the
+    cache's when the unprepared model would have returned one for this call (``use_cache`` as passed,
+    else its config's default, which prepare_model turned off: training never reads the cache), so
+    a mixture-of-experts model's router_logits stay at their index."""
+    kept = {"logits", *(("cache", "past_key_values") if cache_slot else ())}
+    return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
+                 if f.name in kept or getattr(result, f.name) is not None)
 
 
 def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> Any:

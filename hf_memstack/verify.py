@@ -106,7 +106,8 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
     ``raise_on_failure`` - is then raised on every rank, naming that rank and its message.
 
     Raises:
-        ValueError: ``model`` was not prepared by :func:`prepare_model`.
+        ValueError: ``model`` was not prepared by :func:`prepare_model`; an empty ``batch`` (a
+            tensor with 0 rows or 0 tokens).
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
@@ -146,6 +147,7 @@ def _record(model: nn.Module) -> MemstackRecord:
 
 def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord,
                  params: list[nn.Parameter], *, shared: bool) -> None:
+    _refuse_empty(batch)
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
@@ -167,6 +169,23 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
         for p in params:
             p.grad = None
         report.checks.append(_check_compile(report, model, batch, loss_fn, record, shared=shared))
+
+
+def _refuse_empty(batch: Any) -> None:
+    """An empty batch (0 rows or 0 tokens) runs no step to check: the model's own forward fails
+    deep inside (a reshape), so say which field is empty instead."""
+    from collections.abc import Mapping
+
+    if isinstance(batch, Mapping):
+        fields = [(f"batch[{k!r}]", v) for k, v in batch.items()]
+    elif isinstance(batch, (list, tuple)):
+        fields = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
+    else:
+        fields = [("batch", batch)]
+    for name, value in fields:
+        if torch.is_tensor(value) and value.ndim > 0 and value.numel() == 0:
+            raise ValueError(f"{name} has shape {tuple(value.shape)}: an empty batch (0 rows or 0 tokens) runs no step to "
+                             "verify; pass a batch of at least one sample with at least one token")
 
 
 def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool) -> _Observed:

@@ -139,7 +139,11 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     """
     from transformers import HfArgumentParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from hf_memstack.cli import _negative_sizes_joined
+
+    # '--memory-budget -1GiB' joined as '--memory-budget=-1GiB': argparse would read the size as a flag
+    # ("expected one argument"); joined, the size check says what is wrong with it.
+    argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv), ("--memory-budget", "--memory_budget"))
 
     class Parser(HfArgumentParser):
         def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and exit
@@ -1044,6 +1048,9 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     manifest = path / CHECKPOINT_MANIFEST
     if not m:
         return Checkpoint(step, path, "its name is not step-N (a .tmp folder is a save that never finished)")
+    if manifest.is_symlink():
+        return Checkpoint(step, path, f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
+                                      "saves one, so it was altered; resume from a checkpoint this recipe wrote")
     if not manifest.is_file():
         return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
     try:
@@ -1052,6 +1059,12 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
         return Checkpoint(step, path, f"its {CHECKPOINT_MANIFEST} is unreadable")
     for name, size in files.items():
         f = path / name
+        link = _symlink_inside(path, name)
+        if link is not None:
+            # The sizes could still match: a symlink would resume from a file outside the checkpoint.
+            return Checkpoint(step, path, f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
+                                          "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
+                                          "wrote, or replace the link by the file itself")
         if not f.is_file():
             return Checkpoint(step, path, f"{name} is missing")
         if f.stat().st_size != size:
@@ -1061,6 +1074,17 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     except (OSError, ValueError) as e:
         return Checkpoint(step, path, f"trainer_state.json is not readable JSON ({e})")
     return Checkpoint(step, path, None)
+
+
+def _symlink_inside(root: Path, name: str) -> str | None:
+    """The first of ``name``'s parts below ``root`` (its folders, then the file) that is a symlink,
+    as a relative name; None when there is none."""
+    relative = PurePosixPath(name)
+    for depth in range(1, len(relative.parts) + 1):
+        part = PurePosixPath(*relative.parts[:depth])
+        if (root / part).is_symlink():
+            return str(part)
+    return None
 
 
 def list_checkpoints(out: Path) -> list[Checkpoint]:
@@ -1106,6 +1130,23 @@ class OutputPlan:
     notes: list[str] = field(default_factory=list)
 
 
+# The folders the recipe writes in the output directory (save_model, save_checkpoint, the trackers).
+_WRITTEN_FOLDERS = ("model", "model.tmp", "model.old", "checkpoints", "hf_memstack-finetune")
+
+
+def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
+    """Refuse, before anything is loaded or trained, a folder the recipe will write that is a
+    symlink: its files would land in the linked folder, or the final rename of model.tmp fails
+    after the whole run (a file that is a symlink is fine: it is replaced, never followed)."""
+    listed = [n for kind in ("dirs", "trees") for n in _listed(manifest or {}, kind) if isinstance(n, str)]
+    for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed]):
+        path = _owned_path(out, name)
+        if path is not None and path.is_symlink():
+            raise RecipeError(f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
+                              f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
+                              "folder it points to is kept) or choose another --output-dir")
+
+
 def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     """Read (never write) the output directory and the checkpoint to resume from; refuse anything
     that would mix two runs, lose a file or resume something broken.
@@ -1131,6 +1172,7 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
             raise RecipeError(foreign.replace("; choose", "; --overwrite only removes files the recipe wrote itself (listed in "
                                               f"{MANIFEST}), so it leaves them alone: choose"))
         raise RecipeError(foreign)
+    _refuse_linked_folders(out, manifest)
     checkpoints = list_checkpoints(out)
     complete = [c for c in checkpoints if c.problem is None]
 
@@ -1621,8 +1663,34 @@ def _unreadable_rng_state(path: Path, process_index: int) -> RecipeError | None:
 
 
 def _unloadable(path: Path, e: BaseException) -> RecipeError:
+    refused = _refused_pickle(path) if "Weights only load failed" in str(e) else None
+    if refused is not None:
+        name, reason = refused
+        return RecipeError(f"resume_from={str(path)!r}: {name} holds objects that weights-only loading refuses ({reason}): it was "
+                           "not made by this recipe or was tampered with, and nothing in it was run. Resume from a checkpoint "
+                           "this recipe wrote, or start again")
     return RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
                        "resume from an earlier one or start again")
+
+
+def _refused_pickle(path: Path) -> tuple[str, str] | None:
+    """After a weights-only load failed somewhere in Accelerate's load_state: the checkpoint's file
+    that weights-only loading refuses (loaded as Accelerate loads it, memory-mapped so the tensors
+    are not read) and the global it names, without torch's advice to load it with
+    weights_only=False (that would run the file's code)."""
+    import pickle
+
+    from accelerate.utils import load
+
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in {".bin", ".pt", ".pth", ".pkl"}):
+        try:
+            load(f, map_location="cpu", mmap=True)
+        except pickle.UnpicklingError as e:
+            named = re.search(r"GLOBAL:? ([\w.]+)", str(e))
+            return str(f.relative_to(path)), f"it names the global {named.group(1)}" if named else "not plain data"
+        except Exception:  # noqa: BLE001, S112 - not the file weights-only loading refused (damaged, or not a zip): look on
+            continue
+    return None
 
 
 def commit_output(job: Job, plan: OutputPlan) -> None:

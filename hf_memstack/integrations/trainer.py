@@ -214,7 +214,8 @@ def training_arguments(
 
     Raises:
         ValueError: the model is not prepared; ``kwargs`` contradict the policy; an fp16 policy on
-            the CPU; a budget without a dataset to measure; a bad ``global_batch_size``.
+            the CPU; a budget without a dataset to measure; a bad ``global_batch_size``, or one
+            that an explicit ``gradient_accumulation_steps`` contradicts (they must agree exactly).
     """
     record = _record(model)
     # The deprecated name is what most scripts still pass: it means the same field.
@@ -230,19 +231,36 @@ def training_arguments(
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):
         raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)")
     world = _world_size()
+    accumulation = kwargs.get("gradient_accumulation_steps")
+    if global_batch_size is not None and accumulation is not None and global_batch_size % (accumulation * world):
+        # Refused before the finder measures anything: no per-device size can make them agree.
+        _refuse_accumulation(global_batch_size, accumulation, None, world)
     if "per_device_train_batch_size" not in fields and budget is not None:
         result = _find_batch_size(model, train_dataset, data_collator, budget, global_batch_size,
                                   remove_unused_columns=fields.get("remove_unused_columns", True))
         fields["per_device_train_batch_size"] = result.batch_size
         fields.setdefault("per_device_eval_batch_size", result.batch_size)
         _report_batch_size(result)
-    if global_batch_size is not None and "gradient_accumulation_steps" not in kwargs:
-        per_step = fields.get("per_device_train_batch_size", 8) * world
-        fields["gradient_accumulation_steps"] = max(1, math.ceil(global_batch_size / per_step))
+    per_device = fields.get("per_device_train_batch_size", 8)
+    if global_batch_size is not None and accumulation is None:
+        fields["gradient_accumulation_steps"] = max(1, math.ceil(global_batch_size / (per_device * world)))
+    elif global_batch_size is not None and per_device * world * accumulation != global_batch_size:
+        _refuse_accumulation(global_batch_size, accumulation, per_device, world)
     args = TrainingArguments(output_dir=output_dir, **fields)
     for note in check_training_arguments(model, args):
         warnings.warn(note, stacklevel=2)
     return args
+
+
+def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: int | None, world: int) -> None:
+    """A ``global_batch_size`` that an explicit ``gradient_accumulation_steps`` contradicts: the
+    run would silently step on another number of samples than the one asked for."""
+    per_step = (f"per_device_train_batch_size={per_device} x {world} process(es) x gradient_accumulation_steps={accumulation} "
+                f"= {per_device * world * accumulation} samples per optimizer step" if per_device is not None else
+                f"gradient_accumulation_steps={accumulation} x {world} process(es) does not divide it")
+    raise ValueError(f"global_batch_size={global_batch_size} contradicts gradient_accumulation_steps={accumulation}: {per_step}; "
+                     "pass one of them: global_batch_size (the accumulation is derived from the per-device batch size) "
+                     "or gradient_accumulation_steps")
 
 
 def _report_batch_size(result: Any) -> None:

@@ -136,6 +136,8 @@ CONFIG = [
     Case("config", "auto batch without budget (CPU)", lambda c: c.args("--batch-size", "auto"), ("batch_size='auto' needs --memory-budget",)),
     Case("config", "budget not a size", lambda c: c.args("--batch-size", "auto", "--memory-budget", "10XB"),
          ("memory_budget='10XB' is not a size", "e.g. '20GiB'")),
+    Case("config", "budget negative, as a separate argument", lambda c: c.args("--batch-size", "auto", "--memory-budget", "-1GiB"),
+         ("memory_budget='-1GiB' must be positive", "e.g. '20GiB'")),
     Case("config", "budget with no effect", lambda c: c.args("--memory-budget", "8GiB"), ("memory_budget='8GiB' has no effect", "--batch-size auto")),
     Case("config", "budget below the model (finder)", lambda c: c.args("--batch-size", "auto", "--memory-budget", "100KB"),
          ("batch_size=auto with memory_budget='100KB'",)),

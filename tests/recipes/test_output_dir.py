@@ -5,7 +5,9 @@ directory of someone else's files."""
 
 import json
 import os
+import shutil
 
+import pytest
 from recipe_utils import fails, lm_args, read_report, run, snapshot
 
 
@@ -90,3 +92,21 @@ def test_resume_into_a_directory_holding_another_run(recipe, tiny_lm, tmp_path, 
     assert snapshot(b) == before
     report = run(recipe, lm_args(tiny_lm, b, "--max-steps", "4", "--save-every", "2", "--resume-from", ckpt, "--overwrite"))
     assert report["steps"] == 4 and [h["step"] for h in report["history"]] == [2, 4]
+
+
+@pytest.mark.parametrize("name", ["model", "model.tmp", "checkpoints"])
+def test_a_folder_the_recipe_writes_that_is_a_symlink_is_refused_before_training(recipe, tiny_lm, tmp_path, capsys, name):
+    """New-user trial: with out/model a symlink to another folder, --overwrite trained, evaluated,
+    then crashed renaming model.tmp -> model (NotADirectoryError), model.tmp left behind."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    run(recipe, lm_args(tiny_lm, out, "--max-steps", "1"))
+    if (out / name).exists():
+        shutil.move(str(out / name), str(elsewhere))
+    else:
+        elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("mine")
+    (out / name).symlink_to(elsewhere, target_is_directory=True)
+    before, linked = snapshot(out), snapshot(elsewhere)
+    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "1", "--overwrite"), capsys,
+          f"{name} is a symlink (to {elsewhere})", "nothing was loaded or written", "Remove the link")
+    assert snapshot(out) == before and snapshot(elsewhere) == linked

@@ -120,9 +120,51 @@ def test_a_forged_optimizer_state_runs_no_code(recipe, tiny_lm, base, tmp_path, 
     marker = tmp_path / "MARKER"
     ckpt = out / "checkpoints" / "step-0000004"
     _forge_optimizer_state(ckpt, marker)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)), capsys,
-          f"resume_from={str(ckpt)!r}: the checkpoint does not load", "Weights only load failed")
-    assert not marker.exists()
+    before = snapshot(out)
+    err = fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)), capsys,
+                f"resume_from={str(ckpt)!r}: optimizer.bin holds objects that weights-only loading refuses",
+                "posix.system", "not made by this recipe or was tampered with")
+    # Torch's advice to load it with weights_only=False (which would run it) is not passed on.
+    assert "weights_only` set to `False" not in err and "Re-running" not in err
+    assert not marker.exists() and snapshot(out) == before
+
+
+def test_a_forged_scheduler_state_is_named(recipe, tiny_lm, base, tmp_path, capsys):
+    out = _copy(base, tmp_path)
+    marker = tmp_path / "MARKER"
+    ckpt = out / "checkpoints" / "step-0000004"
+    buffer = io.BytesIO()
+    torch.save(_RunsCommand(marker), buffer)
+    (ckpt / "scheduler.bin").write_bytes(buffer.getvalue())
+    _rewrite_checkpoint_manifest(ckpt)
+    err = fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"), capsys,
+                "scheduler.bin holds objects that weights-only loading refuses", "tampered with")
+    assert "Re-running" not in err and not marker.exists()
+
+
+@pytest.mark.parametrize("linked", ["model.safetensors", "FOLDER"], ids=["file", "folder"])
+def test_a_checkpoint_file_that_is_a_symlink_is_refused(recipe, tiny_lm, base, tmp_path, capsys, linked):
+    """New-user trial: a listed file replaced by a symlink to a same-size file outside the
+    checkpoint matched checkpoint.json, and the resume silently read the outside file."""
+    out = _copy(base, tmp_path)
+    ckpt = out / "checkpoints" / "step-0000004"
+    if linked == "FOLDER":  # a listed folder, as the fully_shard route's sharded/ is
+        (ckpt / "sharded").mkdir()
+        (ckpt / "sharded" / "shard.bin").write_bytes(b"0" * 16)
+        manifest = json.loads((ckpt / "checkpoint.json").read_text())
+        manifest["files"]["sharded/shard.bin"] = 16
+        (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
+    target = "sharded" if linked == "FOLDER" else linked
+    assert any(n.split("/")[0] == target for n in json.loads((ckpt / "checkpoint.json").read_text())["files"])
+    outside = tmp_path / "outside" / target
+    outside.parent.mkdir()
+    (shutil.copytree if (ckpt / target).is_dir() else shutil.copy2)(ckpt / target, outside)
+    shutil.rmtree(ckpt / target) if (ckpt / target).is_dir() else (ckpt / target).unlink()
+    (ckpt / target).symlink_to(outside)
+    before = snapshot(out)
+    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"), capsys,
+          f"{target} is a symlink (to {outside})", "not a file of this checkpoint")
+    assert snapshot(out) == before
 
 
 def test_a_damaged_rng_state_is_refused_not_skipped(recipe, tiny_lm, base, tmp_path, capsys):

@@ -160,9 +160,12 @@ def _reducer(sizes):
 
 
 @pytest.mark.parametrize("sizes, error, match", [
-    ([-3], ValueError, r"reduce_batch_size_fn returned a negative size: each call must return a smaller batch size"),
-    ([6, 6], ValueError, r"reduce_batch_size_fn returned 6 after 6: each call must return a smaller"),
-    ([6, 9], ValueError, r"reduce_batch_size_fn returned 9 after 6"),
+    ([-3], ValueError, r"reduce_batch_size_fn returned a negative size, and batch size 8 ran out of memory: each call must return a smaller"),
+    ([6, 6], ValueError, r"reduce_batch_size_fn returned 6 after returning 6 on its previous call, and batch size 6 ran out "
+                         r"of memory: each call must return a smaller"),
+    ([6, 9], ValueError, r"reduce_batch_size_fn returned 9 after returning 6 on its previous call, and batch size 6 ran out"),
+    # New-user trial: a hook above the start said "returned 32 after 32", not the size that failed (16).
+    ([32, 32], ValueError, r"returned 32 after returning 32 on its previous call, and batch size 8 ran out of memory"),
     ([4.5], TypeError, r"reduce_batch_size_fn returned 4.5 \(float\); it must return the next batch size as an int"),
     ([6, 3, 0], RuntimeError, r"No executable batch size found, reached zero"),  # Accelerate's end
     ([np.int64(6), np.int64(3), 0], RuntimeError, r"reached zero"),  # numpy's integers are integers
@@ -204,6 +207,9 @@ def test_a_reduce_hook_counting_down_from_the_start_skips_sizes_above_the_predic
     ({"optimizer": object()}, TypeError, r"optimizer=object must be a torch.optim.Optimizer"),
     ({"starting_batch_size": -4}, ValueError, r"starting_batch_size=-4 must be a positive integer"),
     ({"reduce_batch_size_fn": 8}, TypeError, r"reduce_batch_size_fn=8 must be callable"),
+    # New-user trial: a hook taking the batch size failed with a bare TypeError at the first OOM only.
+    ({"reduce_batch_size_fn": lambda bs: bs // 2}, TypeError,
+     r"reduce_batch_size_fn\(bs\) cannot be called with no arguments .*Accelerate's find_executable_batch_size calls it with none"),
 ])
 def test_bad_arguments_are_refused_when_decorating(kwargs, error, match):
     with pytest.raises(error, match=match):

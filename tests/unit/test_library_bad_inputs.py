@@ -269,7 +269,26 @@ ESTIMATE = [
     C("verify-unprepared", lambda c: verify(c.load("llama"), make_batch("llama")), ValueError, "verify needs a model returned by prepare_model"),
     C("verify-no-labels", lambda c: verify(prepare_model(c.load("llama"), "fp32"), {"input_ids": make_batch("llama")["input_ids"]}),
       ValueError, "returned no loss", "labels", "loss_fn"),
+    # New-user trial: an empty batch gave a raw reshape RuntimeError from inside the model.
+    C("verify-empty-rows", lambda c: verify(prepare_model(c.load("llama"), "fp32"), _empty((0, 8))), ValueError,
+      "batch['input_ids'] has shape (0, 8)", "an empty batch (0 rows or 0 tokens)"),
+    C("verify-empty-tokens", lambda c: verify(prepare_model(c.load("llama"), "fp32"), _empty((2, 0))), ValueError,
+      "batch['input_ids'] has shape (2, 0)", "at least one token"),
+    # New-user trial: a make_batch returning [batch] gave a raw TypeError from embedding().
+    C("finder-make-batch-list", lambda c: _find(c, lambda n: [make_batch("llama", batch_size=n)]), TypeError,
+      "make_batch(1) returned a list of dict", "must return a dict of tensors (a Mapping such as the BatchEncoding"),
 ]
+
+
+def _empty(shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 64, shape), "labels": torch.randint(0, 64, shape)}
+
+
+def _find(c: Any, make: Callable[[int], Any]) -> Any:
+    from hf_memstack import find_batch_size
+
+    model = prepare_model(c.load("llama"), "fp32")
+    return find_batch_size(model, make, torch.optim.AdamW(model.parameters()), budget="20MiB", cache=False)
 
 # argv -> exit 2 and these fragments on stderr ({d}: the tiny Llama's directory, {t}: tmp).
 CLI = [

@@ -133,6 +133,27 @@ def test_return_dict_false_keeps_the_models_tuple_positions(load_moe):
     assert len(ours[3]) == len(own[3]) == 2 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours[3], own[3]))
 
 
+@pytest.mark.parametrize("use_cache", [None, True, False], ids=["config-default", "true", "false"])
+def test_the_tuple_positions_follow_the_unprepared_model_for_any_use_cache(load_moe, use_cache):
+    """New-user trial: with use_cache left at the config's default (True) the unprepared model's tuple
+    is (loss, aux_loss, logits, cache, router_logits), but prepare_model turns the config's use_cache
+    off for training, so the chunked loss returned (loss, aux_loss, router_logits): the router logits
+    moved to index 2. The cache's slot now stays (None unless the call asks for the cache)."""
+    reference = load_moe("mixtral", output_router_logits=True)
+    model = prepare_model(copy.deepcopy(reference), "fp32+loss:chunked")
+    batch = {**_batch(), **({} if use_cache is None else {"use_cache": use_cache})}
+    own = reference(**batch, return_dict=False)
+    ours = model(**batch, return_dict=False)
+    assert len(ours) == len(own) == (4 if use_cache is False else 5)
+    # Per position: the same type, except the fields the prepared model does not build (logits,
+    # and the cache unless the call passes use_cache=True), whose slots hold None.
+    never_built = {2} | ({3} if use_cache is None else set())
+    for i, (a, b) in enumerate(zip(own, ours)):
+        assert (b is None) if i in never_built else (type(a) is type(b)), (i, type(a), type(b))
+    assert float(ours[1]) == pytest.approx(float(own[1]), rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours[-1], own[-1]))
+
+
 @pytest.mark.parametrize("spec", ["fp32+loss:chunked", "bf16+ckpt+loss:chunked"])
 def test_prepare_verify_and_a_real_step(load_moe, spec):
     model = prepare_model(load_moe("mixtral", output_router_logits=True), spec)

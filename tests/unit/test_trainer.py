@@ -399,3 +399,20 @@ def test_fp16_through_trainer_on_cpu_is_refused(load_model, tmp_path):
         training_arguments(model, output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[])
     with pytest.raises(ValueError, match="creates no loss scaler"):
         Trainer(model=model, args=_args(tmp_path, fp16=True), callbacks=[MemstackCallback()])
+
+
+def test_global_batch_size_and_an_explicit_accumulation_must_agree(load_model, word_tokenizer, tmp_path):
+    """New-user trial: global_batch_size=8 with gradient_accumulation_steps=4 trained on 8 x 4 = 32
+    samples per step, silently. They must agree exactly, or the call is refused naming both."""
+    from transformers import DataCollatorForLanguageModeling
+
+    model = prepare_model(load_model("llama"), "fp32")
+    collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
+    common = {"output_dir": str(tmp_path / "out"), "report_to": [], "use_cpu": True, "max_steps": 2}
+    with pytest.raises(ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=4: .*= 32 samples.*pass one"):
+        training_arguments(model, train_dataset=_lm_dataset(word_tokenizer), data_collator=collator, budget="200MiB",
+                           global_batch_size=8, gradient_accumulation_steps=4, **common)
+    with pytest.raises(ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=3: .*does not divide"):
+        training_arguments(model, global_batch_size=8, gradient_accumulation_steps=3, per_device_train_batch_size=2, **common)
+    agreed = training_arguments(model, global_batch_size=8, gradient_accumulation_steps=4, per_device_train_batch_size=2, **common)
+    assert (agreed.per_device_train_batch_size, agreed.gradient_accumulation_steps) == (2, 4)
