@@ -1,0 +1,419 @@
+"""4-bit base weights (QLoRA): quantize the frozen linear layers of a model's blocks to NF4
+(``check_quant`` decides, ``apply_quant`` swaps the weights), accept models loaded 4-bit with
+bitsandbytes, and report which tensors are 4-, 16- and 32-bit and whether the adapters on the
+4-bit layers got gradients (``verify_quant``).
+
+The backend was chosen by measurement (``bench/qlora.py``, README): both torchao's ``NF4Tensor``
+and bitsandbytes' ``Linear4bit`` train LoRA on a CPU with our pins, to the same loss, at the same
+bytes (4.13 bits per weight) and within noise of each other's step time. torchao quantizes what
+``prepare_model`` quantizes because it is plain PyTorch: the weight is swapped on the model's own
+``nn.Linear`` (module classes and state-dict keys unchanged, so PEFT wraps it as any linear layer),
+it runs on any device and under ``FakeTensorMode`` (the estimator traces it and counts its bytes to
+the byte), and it defines FSDP2's all-gather (``fsdp_pre_all_gather``), where bitsandbytes'
+quantization state is a Python object FSDP2 cannot shard. Models users load with
+``BitsAndBytesConfig(load_in_4bit=True)`` are accepted as they are.
+
+The NF4 layout (QLoRA; torchao's implementation): two 4-bit codes per byte; one int8 scale per
+``block_size`` weights; the scales themselves quantized around their mean with one scale factor
+per 256 of them (double quantization); a 16-entry code table. About 0.5 + 1/64 bytes per weight.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..accounting import tensor_bytes
+from ..blocks import Blocks
+from ..policy import QuantConfig
+
+__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "is_4bit", "verify_quant"]
+
+_INSTALL = "pip install 'hf_memstack[quant]' (torchao)"
+_BNB_LOAD = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
+_NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
+Backend = Literal["none", "torchao", "bitsandbytes"]
+
+
+def is_4bit(t: Any) -> bool:
+    """Whether ``t`` is a 4-bit weight: torchao's ``NF4Tensor`` or bitsandbytes' ``Params4bit``
+    (looked up among the modules already imported: neither library is imported for this)."""
+    return _backend_of(t) != "none"
+
+
+def _backend_of(t: Any) -> Backend:
+    nf4 = getattr(sys.modules.get(_NF4_MODULE), "NF4Tensor", None)
+    bnb = getattr(sys.modules.get("bitsandbytes.nn.modules"), "Params4bit", None)
+    if nf4 is not None and isinstance(t, nf4):
+        return "torchao"
+    if bnb is not None and isinstance(t, bnb):
+        return "bitsandbytes"
+    return "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Target:
+    name: str
+    module: nn.Linear
+    scaler_block_size: int
+    """Scales per second-level scale factor: 256 (QLoRA's), or the largest divisor of the layer's
+    (per-shard) number of blocks below it, for layers too small for 256."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuantPlan:
+    """What ``check_quant`` decided; ``apply_quant`` cannot fail on it."""
+
+    cfg: QuantConfig
+    dtype: torch.dtype
+    """The dtype the 4-bit weights dequantize to (the compute dtype)."""
+    targets: tuple[_Target, ...] = ()
+    """Layers to quantize now."""
+    loaded: tuple[tuple[str, nn.Module], ...] = ()
+    """Layers that came 4-bit (bitsandbytes, or an NF4 weight already there)."""
+    loaded_backend: Backend = "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuantResult:
+    """Which layers hold 4-bit weights, and their bytes."""
+
+    mode: str = "none"
+    """The policy's ``quant.mode``."""
+    backend: Backend = "none"
+    """Who holds the 4-bit weights: ``torchao`` (quantized by ``prepare_model`` or given so), ``bitsandbytes``
+    (loaded so), ``none``."""
+    layers: tuple[nn.Module, ...] = ()
+    """The modules whose weight is 4-bit (PEFT wraps them as ``base_layer``; they stay these objects)."""
+    names: tuple[str, ...] = ()
+    """Their names at ``prepare_model`` time."""
+    quantized: int = 0
+    """How many of them ``prepare_model`` quantized (the others came 4-bit)."""
+    weights: int = 0
+    """Weights (parameters) held in 4 bits."""
+    bytes_4bit: int = 0
+    """Bytes of those weights now: codes, scales, second-level scales and code tables."""
+    bytes_before: int = 0
+    """Bytes of the weights ``prepare_model`` quantized, before it did."""
+    upcast: int = 0
+    """Parameters cast to fp32 by ``quant.upcast``."""
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.bytes_4bit / self.weights if self.weights else 0.0
+
+    def describe(self) -> str:
+        if not self.layers:
+            return "off"
+        text = (f"{len(self.layers)} linear layer(s) in 4 bits ({self.backend}; {self.weights:,} weights, "
+                f"{self.bits_per_weight:.2f} bits each)")
+        if self.quantized:
+            text += f", {self.quantized} quantized here from {self.bytes_before / 2**20:.2f} MiB to {self.bytes_4bit / 2**20:.2f} MiB"
+        if self.upcast:
+            text += f"; {self.upcast} other parameter(s) upcast to fp32"
+        return text + "; they are frozen: train adapters on them (LoRA)"
+
+
+def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, blocks: Blocks | None, shards: int = 1,
+                fsdp: bool = False) -> QuantPlan:
+    """Decide what to quantize, refusing (before anything changes) what cannot work.
+
+    Args:
+        model: the model as given to ``prepare_model`` (a PEFT model or not).
+        cfg: the policy's ``quant``.
+        dtype: the compute dtype (what the 4-bit weights dequantize to).
+        blocks: the model's repeated blocks (the default targets), or None.
+        shards: ranks FSDP2 shards each weight over (its rows split into that many).
+        fsdp: the policy shards with FSDP2.
+
+    Raises:
+        ValueError: 8-bit or other integer weights; trainable 4-bit weights; trainable weights to
+            quantize in a model where something is frozen already; a target that is not an
+            ``nn.Linear`` (GPT-2's ``Conv1D``, an embedding), is tied to another module, or matches
+            nothing; a layer whose size the blocks do not divide; bitsandbytes weights under FSDP.
+        RuntimeError: ``mode="nf4"`` without torchao.
+    """
+    loaded = _loaded_4bit(model)
+    _refuse_other_integer_weights(model)
+    _refuse_trainable_4bit(loaded)
+    backends = {_backend_of(m.weight) for _, m in loaded}
+    if fsdp and "bitsandbytes" in backends:
+        raise ValueError(f"{type(model).__name__} holds bitsandbytes 4-bit weights and the policy shards with FSDP2, which cannot "
+                         "shard them (their quantization state is not a tensor); load the model in 16 bits and add quant:nf4 to the "
+                         "policy (torchao's NF4 weights define FSDP2's all-gather)")
+    loaded_backend: Backend = "bitsandbytes" if "bitsandbytes" in backends else ("torchao" if backends else "none")
+    plan = QuantPlan(cfg=cfg, dtype=dtype, loaded=tuple(loaded), loaded_backend=loaded_backend)
+    if cfg.mode == "none" or loaded:  # a model loaded 4-bit is the 4-bit base: nothing more is quantized
+        return plan
+    _nf4_module()  # torchao is there (RuntimeError otherwise)
+    found = _find_targets(model, cfg, blocks)
+    _refuse_trainable_targets(model, found)
+    targets = tuple(_Target(name=n, module=m, scaler_block_size=_scaler_block_size(n, m, cfg.block_size, shards))
+                    for n, m in found)
+    return QuantPlan(cfg=cfg, dtype=dtype, targets=targets, loaded_backend=loaded_backend)
+
+
+def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
+    """Swap each target's weight for its NF4 form (frozen), one layer at a time so that only one
+    layer's temporaries exist at once; cast the other 16-bit parameters to fp32 when asked."""
+    to_nf4 = _nf4_module().to_nf4
+    before = 0
+    for target in plan.targets:
+        weight = target.module.weight
+        before += tensor_bytes(weight)
+        with torch.no_grad():
+            nf4 = to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
+        target.module.weight = nn.Parameter(nf4, requires_grad=False)
+        del weight, nf4
+    layers = [t.module for t in plan.targets] or [m for _, m in plan.loaded]
+    names = [t.name for t in plan.targets] or [n for n, _ in plan.loaded]
+    upcast = _upcast(model) if plan.cfg.upcast else 0
+    return QuantResult(
+        mode=plan.cfg.mode, backend="torchao" if plan.targets else plan.loaded_backend, layers=tuple(layers), names=tuple(names),
+        quantized=len(plan.targets), weights=sum(m.in_features * m.out_features for m in layers),
+        bytes_4bit=sum(tensor_bytes(m.weight) for m in layers), bytes_before=before, upcast=upcast,
+    )
+
+
+def verify_quant(model: nn.Module, result: QuantResult) -> tuple[bool, str]:
+    """After one forward + backward: the layers recorded as 4-bit still are (nothing dequantized or
+    upcast them after ``prepare_model``), none of them trains, and the adapters on them got
+    gradients; with the model's tensors counted as 4-, 16- and 32-bit. Returns (ok, detail)."""
+    problems = []
+    dense = [n for n, m in zip(result.names, result.layers) if not is_4bit(m.weight)]
+    if dense:
+        problems.append(f"{len(dense)} of the {len(result.layers)} 4-bit layers are no longer 4-bit (e.g. {dense[0]!r}): something "
+                        "dequantized them after prepare_model (model.float(), .to(dtype), PEFT's prepare_model_for_kbit_training); "
+                        "drop that call, quant.upcast=True casts the other parameters instead")
+    trained = [n for n, m in zip(result.names, result.layers) if m.weight.requires_grad]
+    if trained:
+        problems.append(f"4-bit weights require grad ({trained[:3]}): they cannot train; freeze them (requires_grad_(False))")
+    adapters = _adapters_on(model, {id(m) for m in result.layers})
+    missing = [n for n, p in adapters if p.grad is None]
+    if missing:
+        problems.append(f"adapters on the 4-bit layers got no gradient: {missing[:3]}")
+    detail = f"{_census(model)}; adapters on the 4-bit layers: "
+    detail += f"{len(adapters) - len(missing)}/{len(adapters)} got gradients" if adapters else "none (the 4-bit layers stay as they are)"
+    return not problems, detail + ("" if not problems else ". " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------- the checks
+
+
+def _nf4_module() -> Any:
+    try:
+        import importlib
+
+        return importlib.import_module(_NF4_MODULE)
+    except ImportError:
+        try:  # torchao before 0.16 kept NF4 here
+            from torchao.dtypes import nf4tensor
+
+            return nf4tensor
+        except ImportError:
+            raise RuntimeError(f"policy.quant.mode='nf4' needs torchao's NF4 weights: {_INSTALL}; or load the model 4-bit with "
+                               f"bitsandbytes ({_BNB_LOAD}) and drop quant:nf4") from None
+
+
+def _loaded_4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor) and is_4bit(m.weight)]
+
+
+def _refuse_other_integer_weights(model: nn.Module) -> None:
+    """torch.ao's quantized modules, 8-bit bitsandbytes weights and other integer parameters cannot
+    take adapters the way 4-bit bases do (and torch.ao's hold no parameters to train at all)."""
+    fix = (f"load the model in 16 bits (from_pretrained(..., dtype=torch.bfloat16)) and add quant:nf4 to the policy (QLoRA-style), "
+           f"or load it 4-bit with bitsandbytes ({_BNB_LOAD}), or load it in fp32 (dtype=torch.float32) for full training")
+    other = sorted({type(m).__name__ for m in model.modules() if ".quantized." in type(m).__module__
+                    or type(m).__name__ in ("Linear8bitLt", "Int8Params")})
+    if other or getattr(model, "is_loaded_in_8bit", False):
+        raise ValueError(f"{type(model).__name__} has quantized modules ({', '.join(other) or '8-bit bitsandbytes'}) that are not "
+                         f"4-bit: hf_memstack trains 4-bit (NF4) bases only; {fix}")
+    integer = sorted({str(p.dtype) for p in model.parameters()
+                      if not p.dtype.is_floating_point and not p.dtype.is_complex and not is_4bit(p)})
+    if integer:
+        raise ValueError(f"{type(model).__name__} has quantized (integer) weights ({', '.join(integer)}) that are not 4-bit "
+                         f"bitsandbytes or torchao weights; {fix}")
+
+
+def _refuse_trainable_4bit(loaded: list[tuple[str, nn.Module]]) -> None:
+    trainable = [n for n, m in loaded if m.weight.requires_grad]
+    if trainable:
+        raise ValueError(f"4-bit weights require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}): 4-bit "
+                         "weights cannot train. Freeze them (module.weight.requires_grad_(False)) and train adapters on them "
+                         "(peft.get_peft_model with a LoraConfig freezes the base)")
+
+
+def _find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Linear`` layers to quantize: the blocks' (default) or those ``cfg.targets`` names;
+    PEFT's adapter layers never (they train), a PEFT wrapper's ``base_layer`` in its place."""
+    adapters = _adapter_module_ids(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    if cfg.targets is None:
+        if blocks is None:
+            raise ValueError(f"policy.quant.mode='nf4' quantizes the linear layers of the repeated blocks, and {type(model).__name__} "
+                             "has no blocks hf_memstack can find; name the layers with policy.quant.targets (e.g. ['fc1', 'fc2']) "
+                             "or the blocks with policy.checkpointing.block_classes")
+        scope = [m for block in blocks.modules for m in block.modules() if id(m) not in adapters]
+        odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in scope if _projection_like(m) and not isinstance(m, nn.Linear)})
+        if odd:
+            raise ValueError(_unsupported(model, odd, "the blocks' projections"))
+        found = [(names[id(m)], m) for m in scope if isinstance(m, nn.Linear)]
+        if not found:
+            raise ValueError(f"policy.quant.mode='nf4': the blocks of {type(model).__name__} hold no nn.Linear layer to quantize; "
+                             "name the layers with policy.quant.targets, or drop quant:nf4")
+        return _untied(model, found)
+    return _untied(model, _named_targets(model, cfg.targets, adapters, names))
+
+
+def _named_targets(model: nn.Module, targets: tuple[str, ...], adapters: set[int], names: dict[int, str]) -> list[tuple[str, nn.Module]]:
+    found: dict[int, tuple[str, nn.Module]] = {}
+    for target in targets:
+        hits = [m for n, m in model.named_modules()
+                if id(m) not in adapters and (_logical(n) == target or _logical(n).endswith(f".{target}"))]
+        hits = [_base_layer(m) for m in hits]
+        if not hits:
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in adapters})
+            raise ValueError(f"policy.quant.targets: {target!r} matches no module of {type(model).__name__}; its linear layers are "
+                             f"named {linear[:12]}")
+        odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in hits if not isinstance(m, nn.Linear)})
+        if odd:
+            raise ValueError(_unsupported(model, odd, f"policy.quant.targets {target!r}"))
+        found.update((id(m), (names[id(m)], m)) for m in hits)
+    return list(found.values())
+
+
+def _unsupported(model: nn.Module, odd: list[str], what: str) -> str:
+    return (f"policy.quant.mode='nf4': {what} in {type(model).__name__} include layers that are not nn.Linear ({', '.join(odd[:4])}"
+            f"{' ...' if len(odd) > 4 else ''}): 4-bit weights run through F.linear only (torchao's NF4), so embeddings and "
+            f"Transformers' Conv1D (GPT-2) cannot be quantized here. Load the model 4-bit with bitsandbytes ({_BNB_LOAD}, which "
+            "converts Conv1D) and drop quant:nf4, or set policy.quant.targets to nn.Linear layers only")
+
+
+def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """A weight shared with another module (a head tied to the embeddings) cannot become 4-bit in one of them."""
+    users: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        w = m.__dict__.get("_parameters", {}).get("weight")
+        if w is not None:
+            users.setdefault(id(w), []).append(n)
+    tied = [(n, users[id(m.weight)]) for n, m in found if len(set(users.get(id(m.weight), []))) > 1]
+    if tied:
+        name, shared = tied[0]
+        raise ValueError(f"policy.quant: {name!r} shares its weight with {[s for s in shared if s != name]} (tied weights): it cannot be "
+                         "4-bit in one and dense in the other; leave it out of policy.quant.targets")
+    return found
+
+
+def _refuse_trainable_targets(model: nn.Module, found: list[tuple[str, nn.Module]]) -> None:
+    """A model where every parameter trains is a base before its adapters (``get_peft_model`` after
+    ``prepare_model`` freezes it): its quantized layers are frozen. Once anything is frozen, what
+    trains was decided, and a trainable weight cannot become 4-bit."""
+    if all(p.requires_grad for p in model.parameters()):
+        return
+    trainable = [n for n, m in found if m.weight.requires_grad]
+    if trainable:
+        raise ValueError(f"policy.quant.mode='nf4' would quantize weights that train ({', '.join(trainable[:3])}"
+                         f"{' ...' if len(trainable) > 3 else ''}), and 4-bit weights cannot train. Freeze them and train adapters on "
+                         "them (LoRA: peft.get_peft_model freezes the base), or leave them out with policy.quant.targets")
+
+
+def _scaler_block_size(name: str, module: nn.Linear, block_size: int, shards: int) -> int:
+    """Validate the layer's size against the blocks (and the shards) and pick its second-level block size."""
+    rows, numel = module.out_features, module.weight.numel()
+    if numel % block_size:
+        raise ValueError(f"policy.quant.block_size={block_size}: {name!r} has {numel:,} weights ({tuple(module.weight.shape)}), not a "
+                         "multiple of the block size; use a block_size that divides it (e.g. 32) or leave the layer out with "
+                         "policy.quant.targets")
+    if rows % shards or (numel // shards) % block_size:
+        raise ValueError(f"policy.quant with FSDP over {shards} ranks: {name!r} ({tuple(module.weight.shape)}) does not split into "
+                         f"{shards} shards of whole {block_size}-weight blocks; use a number of ranks that divides its "
+                         f"{rows} rows, or leave the layer out with policy.quant.targets")
+    per_shard = numel // block_size // shards
+    return max(d for d in range(1, min(256, per_shard) + 1) if per_shard % d == 0)
+
+
+def _upcast(model: nn.Module) -> int:
+    """PEFT's ``prepare_model_for_kbit_training`` cast, without its freezing: 16-bit parameters to fp32."""
+    cast = [p for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16) and not is_4bit(p)]
+    for p in cast:
+        p.data = p.data.to(torch.float32)
+    return len(cast)
+
+
+# ------------------------------------------------------------------------------ PEFT, seen by duck typing
+
+
+def _is_tuner_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA's ``Linear`` and friends) wraps its ``base_layer``."""
+    return type(module).__module__.startswith("peft.") and isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+def _base_layer(module: nn.Module) -> nn.Module:
+    while _is_tuner_layer(module):
+        module = module.base_layer
+    return module
+
+
+def _adapter_module_ids(model: nn.Module) -> set[int]:
+    """Every module inside a PEFT tuner layer but its base layer: the adapters (LoRA's A and B)."""
+    out: set[int] = set()
+    for m in model.modules():
+        if _is_tuner_layer(m):
+            base = {id(b) for b in m.base_layer.modules()}
+            out |= {id(sub) for sub in m.modules() if id(sub) not in base and sub is not m}
+    return out
+
+
+def _logical(name: str) -> str:
+    """A module's name as the user sees it: without PEFT's ``base_model.model.`` and ``.base_layer``."""
+    name = name.removeprefix("base_model.model.")
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return name
+
+
+def _projection_like(module: nn.Module) -> bool:
+    """A layer with its own 2-D weight that is not a norm: a projection of another kind (Conv1D)."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
+
+
+def _adapters_on(model: nn.Module, layers: set[int]) -> list[tuple[str, nn.Parameter]]:
+    """The trainable parameters of the PEFT tuner layers that wrap a 4-bit layer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for m in model.modules():
+        if _is_tuner_layer(m) and id(_base_layer(m)) in layers:
+            base = {id(p) for p in m.base_layer.parameters()}
+            out += [(names.get(id(p), "?"), p) for p in m.parameters() if p.requires_grad and id(p) not in base]
+    return out
+
+
+def _census(model: nn.Module) -> str:
+    """The parameters by width: 4-bit, 16-bit, 32-bit (each with its bytes and the kinds of tensors)."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {"4-bit": [], "16-bit": [], "32-bit": []}
+    for name, p in model.named_parameters():
+        width = "4-bit" if is_4bit(p) else f"{8 * p.element_size()}-bit"
+        groups.setdefault(width, []).append((name, p))
+    parts = []
+    for width, members in groups.items():
+        if not members:
+            continue
+        kinds = sorted({_kind(n) for n, _ in members})
+        size = sum(tensor_bytes(p) for _, p in members)
+        parts.append(f"{width}: {len(members)} tensor(s), {size / 2**20:.2f} MiB ({', '.join(kinds[:5])}{' ...' if len(kinds) > 5 else ''})")
+    return "; ".join(parts)
+
+
+def _kind(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.lora_A.default.weight`` -> ``lora_A``; ``...q_proj.base_layer.weight`` -> ``q_proj``."""
+    parts = [p for p in _logical(name.removesuffix(".weight").removesuffix(".bias")).split(".")
+             if p not in ("default", "base_layer") and not p.isdigit()]
+    lora = next((p for p in parts if p.startswith("lora_")), None)
+    return lora or (parts[-1] if parts else name)
+
