@@ -31,7 +31,7 @@ from ..accounting import tensor_bytes
 from ..blocks import Blocks
 from ..policy import QuantConfig
 
-__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "is_4bit", "verify_quant"]
+__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "verify_quant"]
 
 _INSTALL = "pip install 'hf_memstack[quant]' (torchao)"
 _BNB_LOAD = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
@@ -167,6 +167,9 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
         before += tensor_bytes(weight)
         with torch.no_grad():
             nf4 = to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
+            # With a single second-level factor, torchao keeps it as a view of a temporary
+            # scaler_block_size long (up to 512 bytes a layer): hold only the factor.
+            nf4.quantization_factor = nf4.quantization_factor.clone()
         target.module.weight = nn.Parameter(nf4, requires_grad=False)
         del weight, nf4
     layers = [t.module for t in plan.targets] or [m for _, m in plan.loaded]
@@ -219,8 +222,15 @@ def _nf4_module() -> Any:
                                f"bitsandbytes ({_BNB_LOAD}) and drop quant:nf4") from None
 
 
+def four_bit_weight(module: nn.Module) -> nn.Parameter | None:
+    """The module's own 4-bit weight parameter, or None (a PEFT wrapper's ``weight`` property,
+    which returns its base layer's, does not count: the base layer is the 4-bit layer)."""
+    weight = module.__dict__.get("_parameters", {}).get("weight")
+    return weight if weight is not None and is_4bit(weight) else None
+
+
 def _loaded_4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), torch.Tensor) and is_4bit(m.weight)]
+    return [(n, m) for n, m in model.named_modules() if four_bit_weight(m) is not None]
 
 
 def _refuse_other_integer_weights(model: nn.Module) -> None:
