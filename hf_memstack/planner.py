@@ -86,8 +86,9 @@ def plan_policy(
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
-    the optimizer rungs (stepped in the backward, 8-bit moments where torchao is installed, both),
-    offload, FSDP (see :func:`hf_memstack.ladder.memory_rungs`).
+    4-bit base weights (LoRA runs, where torchao is installed), the optimizer rungs (stepped in the
+    backward, 8-bit moments where torchao is installed, both), offload, FSDP (see
+    :func:`hf_memstack.ladder.memory_rungs`).
 
     Args:
         model: hub id (local cache), local directory, config or model.
@@ -99,7 +100,8 @@ def plan_policy(
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
         task: ``causal-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
-        trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict).
+        trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict);
+            anything but ``"all"`` is a LoRA run, offered the 4-bit base weights rung (``quant:nf4``).
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
             rungs); pass False when the training loop accumulates gradients, clips them by their
             global norm or averages them with DDP, none of which that rung can do.
@@ -124,8 +126,9 @@ def plan_policy(
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []
+    torchao = importlib.util.find_spec("torchao") is not None
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
-                         eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward)
+                         eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable))
     for rung in rungs:
         fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
             batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
@@ -192,8 +195,16 @@ def _max_batch(est: _Estimates, policy: str, usable: float) -> tuple[int, Memory
     return good, est(policy, good)
 
 
+def _trains_all(trainable: Any) -> bool:
+    return isinstance(trainable, str) and trainable == "all"
+
+
 def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
     notes = []
+    if policy.quant.mode == "nf4":
+        notes.append("quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
+                     "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
+                     "hf_memstack.merge_adapters")
     if policy.optimizer != MemoryPolicy().optimizer:
         notes.append("build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung")
     if policy.optimizer.step == "in_backward":

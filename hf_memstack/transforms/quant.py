@@ -31,7 +31,7 @@ from ..accounting import tensor_bytes
 from ..blocks import Blocks
 from ..policy import QuantConfig
 
-__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "verify_quant"]
+__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable", "verify_quant"]
 
 _INSTALL = "pip install 'hf_memstack[quant]' (torchao)"
 _BNB_LOAD = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
@@ -46,6 +46,7 @@ def is_4bit(t: Any) -> bool:
 
 
 def _backend_of(t: Any) -> Backend:
+    t = getattr(t, "_local_tensor", t)  # under FSDP2 a DTensor holds this rank's shard: an NF4 weight too
     nf4 = getattr(sys.modules.get(_NF4_MODULE), "NF4Tensor", None)
     bnb = getattr(sys.modules.get("bitsandbytes.nn.modules"), "Params4bit", None)
     if nf4 is not None and isinstance(t, nf4):
@@ -202,6 +203,16 @@ def verify_quant(model: nn.Module, result: QuantResult) -> tuple[bool, str]:
     detail = f"{_census(model)}; adapters on the 4-bit layers: "
     detail += f"{len(adapters) - len(missing)}/{len(adapters)} got gradients" if adapters else "none (the 4-bit layers stay as they are)"
     return not problems, detail + ("" if not problems else ". " + "; ".join(problems))
+
+
+def quantizable(blocks: Blocks | None) -> bool:
+    """Whether 4-bit base weights would shrink this model: its blocks hold frozen ``nn.Linear``
+    weights that are not 4-bit yet (a LoRA base), and torchao is installed."""
+    import importlib.util
+
+    frozen = any(isinstance(m, nn.Linear) and not m.weight.requires_grad and not is_4bit(m.weight)
+                 for block in (blocks.modules if blocks is not None else ()) for m in block.modules())
+    return frozen and importlib.util.find_spec("torchao") is not None
 
 
 # ---------------------------------------------------------------------------------------- the checks

@@ -383,6 +383,21 @@ def test_trainable_4bit_weights_are_refused_naming_the_fix(load_model):
     assert not model.model.layers[0].gradient_checkpointing
 
 
+def test_sharding_checks_the_shapes_and_refuses_bitsandbytes(load_model, pretrained_dirs):
+    from hf_memstack import find_blocks
+    from hf_memstack.policy import QuantConfig
+    from hf_memstack.transforms.quant import check_quant
+
+    model = load_model("llama")
+    plan = check_quant(model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=2, fsdp=True)
+    assert len(plan.targets) == 14 and {t.scaler_block_size for t in plan.targets} == {16, 32, 64}  # per shard: 16-64 blocks
+    with pytest.raises(ValueError, match=r"FSDP over 3 ranks: 'model.layers.0.self_attn.q_proj' \(\(64, 64\)\) does not split into 3"):
+        check_quant(model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=3, fsdp=True)
+    bnb = _bnb_model(pretrained_dirs)
+    with pytest.raises(ValueError, match="bitsandbytes 4-bit weights and the policy shards with FSDP2.*add quant:nf4"):
+        check_quant(bnb, QuantConfig(), dtype=torch.bfloat16, blocks=find_blocks(bnb), fsdp=True)
+
+
 def test_policy_tokens_and_validation():
     policy = MemoryPolicy.from_string("bf16+ckpt+quant:nf4")
     assert policy.quant.mode == "nf4" and not policy.quant.upcast and policy.to_string() == "bf16+ckpt+quant:nf4"

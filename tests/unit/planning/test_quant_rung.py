@@ -1,0 +1,50 @@
+"""The 4-bit base weights rung: the planner offers it to LoRA runs only, after every activation
+rung and before the optimizer and FSDP rungs, keeps it on every rung after it, and picks it when it
+is the first that fits; the finder names it when a LoRA model's weights alone exceed the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import batches
+
+from hf_memstack import BudgetTooSmallError, estimate_memory, find_batch_size, plan_policy, prepare_model
+
+pytest.importorskip("torchao")
+pytest.importorskip("peft")
+
+LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+
+def test_the_planner_picks_4bit_base_weights_for_lora_when_checkpointing_is_not_enough(pretrained_dirs):
+    ckpt = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked", batch_size=1, seq_len=16, trainable=LORA)
+    quant = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked+quant:nf4", batch_size=1, seq_len=16, trainable=LORA)
+    assert quant.peak_bytes < ckpt.peak_bytes
+    budget = int((ckpt.peak_bytes + quant.peak_bytes) / 2 / 0.9)
+    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu", trainable=LORA)
+    names = [r.policy for r in plan.rows]
+    assert plan.fits and plan.policy.quant.mode == "nf4" and names[-1].endswith("+ckpt+quant:nf4"), plan.table()
+    assert names[-2].endswith("+ckpt") and all("quant" not in n for n in names[:-1])  # after every activation rung
+    assert any("merge_adapters" in s for s in plan.suggestions)
+
+
+def test_the_rung_comes_after_full_checkpointing_and_later_rungs_keep_it():
+    from hf_memstack.ladder import memory_rungs
+
+    names = [r.policy for r in memory_rungs("bf16", num_blocks=4, world_size=2, causal_lm=True, quantize=True)]
+    first = next(i for i, n in enumerate(names) if "quant:nf4" in n)
+    assert names[first] == "bf16+loss:chunked+ckpt+quant:nf4" and names[first - 1] == "bf16+loss:chunked+ckpt", names
+    assert all("quant:nf4" in n for n in names[first:]), names
+    assert any("optim:" in n for n in names[first + 1:]) and names[-1].endswith("+fsdp:offload")  # before optimizer and FSDP rungs
+    assert not any("quant" in r.policy for r in memory_rungs("bf16", num_blocks=4, world_size=2, causal_lm=True))
+
+
+def test_the_finder_names_4bit_weights_when_a_lora_models_weights_do_not_fit(load_model):
+    from peft import LoraConfig, get_peft_model
+
+    model = prepare_model(get_peft_model(load_model("llama"), LoraConfig(**LORA)), "bf16+ckpt")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(BudgetTooSmallError, match=r"parameters alone.*Next rung of the ladder: 'bf16\+ckpt\+quant:nf4' "
+                                                  r"\(the frozen linear weights in 4 bits\)"):
+        find_batch_size(model, batches(), optimizer, budget=params // 2, cache=False)
