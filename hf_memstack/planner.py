@@ -99,7 +99,8 @@ def plan_policy(
         world_size: devices; FSDP rungs are considered when > 1.
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
         task: ``causal-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
-        device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
+        device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32
+            (``cuda`` on a machine without a GPU: bf16).
         trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict);
             anything but ``"all"`` is a LoRA run, offered the 4-bit base weights rung (``quant:nf4``).
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
@@ -122,7 +123,9 @@ def plan_policy(
     usable = budget_bytes * (1 - margin)
     config = load_config(model)
     task = task or infer_task(model, config)
-    precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
+    precision = "bf16" if device.startswith("cuda") and not torch.cuda.is_available() else resolve_precision("auto", device).name
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []

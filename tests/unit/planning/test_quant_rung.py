@@ -48,3 +48,10 @@ def test_the_finder_names_4bit_weights_when_a_lora_models_weights_do_not_fit(loa
     with pytest.raises(BudgetTooSmallError, match=r"parameters alone.*Next rung of the ladder: 'bf16\+ckpt\+quant:nf4' "
                                                   r"\(the frozen linear weights in 4 bits\)"):
         find_batch_size(model, batches(), optimizer, budget=params // 2, cache=False)
+
+
+def test_planning_for_a_gpu_on_a_machine_without_one_plans_bf16(pretrained_dirs):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: 'cuda' is resolved from it")
+    plan = plan_policy(pretrained_dirs["llama"], budget="8GiB", seq_len=16, batch_size=1, device="cuda", trainable=LORA)
+    assert plan.fits and plan.policy.to_string() == "bf16", plan.table()
