@@ -161,16 +161,12 @@ def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, block
 def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
     """Swap each target's weight for its NF4 form (frozen), one layer at a time so that only one
     layer's temporaries exist at once; cast the other 16-bit parameters to fp32 when asked."""
-    to_nf4 = _nf4_module().to_nf4
     before = 0
     for target in plan.targets:
         weight = target.module.weight
         before += tensor_bytes(weight)
         with torch.no_grad():
-            nf4 = to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
-            # With a single second-level factor, torchao keeps it as a view of a temporary
-            # scaler_block_size long (up to 512 bytes a layer): hold only the factor.
-            nf4.quantization_factor = nf4.quantization_factor.clone()
+            nf4 = _to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
         target.module.weight = nn.Parameter(nf4, requires_grad=False)
         del weight, nf4
     layers = [t.module for t in plan.targets] or [m for _, m in plan.loaded]
@@ -181,6 +177,31 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
         quantized=len(plan.targets), weights=sum(m.in_features * m.out_features for m in layers),
         bytes_4bit=sum(tensor_bytes(m.weight) for m in layers), bytes_before=before, upcast=upcast,
     )
+
+
+def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    """torchao's NF4 form of ``weight``. On the estimator's fake tensors (shapes and dtypes, no
+    values) the same tensors are built empty instead of computed: quantizing a 7B model's fake
+    weights took over a minute of CPU for bytes known from the shapes (the estimator tests hold
+    both to the meter's real NF4 weights, byte for byte)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    nf4 = _nf4_module()
+    if isinstance(weight, FakeTensor) and hasattr(nf4, "SubclassTensorArgs"):
+        n_blocks = weight.numel() // block_size
+
+        def empty(size: int | tuple[()], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device=weight.device)
+
+        meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, False)
+        return nf4.NF4Tensor(meta, block_size, n_blocks, scaler_block_size, empty(n_blocks, torch.int8),
+                             empty(n_blocks // scaler_block_size, weight.dtype), empty((), weight.dtype),
+                             empty(weight.numel() // 2, torch.uint8), empty(16, weight.dtype))
+    out = nf4.to_nf4(weight, block_size, scaler_block_size)
+    # With a single second-level factor, torchao keeps it as a view of a temporary
+    # scaler_block_size long (up to 512 bytes a layer): hold only the factor.
+    out.quantization_factor = out.quantization_factor.clone()
+    return out
 
 
 def verify_quant(model: nn.Module, result: QuantResult) -> tuple[bool, str]:
