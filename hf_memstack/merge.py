@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from .record import record_of
-from .transforms.quant import _backend_of, _base_layer, _is_tuner_layer, four_bit_weight
+from .transforms._peft import base_layer_of, is_tuner_layer
+from .transforms.quant import _backend_of, four_bit_weight
 
 __all__ = ["dequantize", "merge_adapters"]
 
@@ -56,7 +57,7 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
         raise TypeError(f"merge_adapters needs a PEFT model (peft.get_peft_model or PeftModel.from_pretrained), got "
                         f"{type(model).__name__}; for a model without adapters use hf_memstack.dequantize(model)")
     record = record_of(model)
-    for layer in [m for m in model.modules() if _is_tuner_layer(m) and four_bit_weight(_base_layer(m)) is not None]:
+    for layer in [m for m in model.modules() if is_tuner_layer(m) and four_bit_weight(base_layer_of(m)) is not None]:
         _merge_into_base(layer, dtype)
     base = model.unload()
     dequantize(base, dtype=dtype)  # 4-bit layers that had no adapter
@@ -70,7 +71,7 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _merge_into_base(layer: nn.Module, dtype: torch.dtype) -> None:
     """``layer.base_layer`` becomes a dense ``nn.Linear`` holding base + every active adapter's delta."""
-    base = _base_layer(layer)
+    base = base_layer_of(layer)
     adapters = [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})]
     unmergeable = [a for a in adapters if getattr(layer, "use_dora", {}).get(a) or getattr(layer, "lora_bias", {}).get(a)]
     if unmergeable:

@@ -24,7 +24,7 @@ from ._device import device_of, module_mode, preserved_rng
 from ._wrappers import forward_wrapper
 from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
-from .transforms.quant import verify_quant
+from .transforms.quant_verify import verify_quant
 
 __all__ = ["Check", "VerifyReport", "verify"]
 

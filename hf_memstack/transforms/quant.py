@@ -30,11 +30,11 @@ from torch import nn
 from ..accounting import tensor_bytes
 from ..blocks import Blocks
 from ..policy import QuantConfig
+from .quant_targets import BNB_LOAD, find_targets, refuse_trainable_targets, scaler_block_size
 
-__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable", "verify_quant"]
+__all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable"]
 
 _INSTALL = "pip install 'hf_memstack[quant]' (torchao)"
-_BNB_LOAD = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
 _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 Backend = Literal["none", "torchao", "bitsandbytes"]
 
@@ -151,9 +151,9 @@ def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, block
     if cfg.mode == "none" or loaded:  # a model loaded 4-bit is the 4-bit base: nothing more is quantized
         return plan
     _nf4_module()  # torchao is there (RuntimeError otherwise)
-    found = _find_targets(model, cfg, blocks)
-    _refuse_trainable_targets(model, found)
-    targets = tuple(_Target(name=n, module=m, scaler_block_size=_scaler_block_size(n, m, cfg.block_size, shards))
+    found = find_targets(model, cfg, blocks)
+    refuse_trainable_targets(model, found)
+    targets = tuple(_Target(name=n, module=m, scaler_block_size=scaler_block_size(n, m, cfg.block_size, shards))
                     for n, m in found)
     return QuantPlan(cfg=cfg, dtype=dtype, targets=targets, loaded_backend=loaded_backend)
 
@@ -204,28 +204,6 @@ def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> to
     return out
 
 
-def verify_quant(model: nn.Module, result: QuantResult) -> tuple[bool, str]:
-    """After one forward + backward: the layers recorded as 4-bit still are (nothing dequantized or
-    upcast them after ``prepare_model``), none of them trains, and the adapters on them got
-    gradients; with the model's tensors counted as 4-, 16- and 32-bit. Returns (ok, detail)."""
-    problems = []
-    dense = [n for n, m in zip(result.names, result.layers) if not is_4bit(m.weight)]
-    if dense:
-        problems.append(f"{len(dense)} of the {len(result.layers)} 4-bit layers are no longer 4-bit (e.g. {dense[0]!r}): something "
-                        "dequantized them after prepare_model (model.float(), .to(dtype), PEFT's prepare_model_for_kbit_training); "
-                        "drop that call, quant.upcast=True casts the other parameters instead")
-    trained = [n for n, m in zip(result.names, result.layers) if m.weight.requires_grad]
-    if trained:
-        problems.append(f"4-bit weights require grad ({trained[:3]}): they cannot train; freeze them (requires_grad_(False))")
-    adapters = _adapters_on(model, {id(m) for m in result.layers})
-    missing = [n for n, p in adapters if p.grad is None]
-    if missing:
-        problems.append(f"adapters on the 4-bit layers got no gradient: {missing[:3]}")
-    detail = f"{_census(model)}; adapters on the 4-bit layers: "
-    detail += f"{len(adapters) - len(missing)}/{len(adapters)} got gradients" if adapters else "none (the 4-bit layers stay as they are)"
-    return not problems, detail + ("" if not problems else ". " + "; ".join(problems))
-
-
 def quantizable(blocks: Blocks | None) -> bool:
     """Whether 4-bit base weights would shrink this model: its blocks hold frozen ``nn.Linear``
     weights that are not 4-bit yet (a LoRA base), and torchao is installed."""
@@ -251,7 +229,7 @@ def _nf4_module() -> Any:
             return nf4tensor
         except ImportError:
             raise RuntimeError(f"policy.quant.mode='nf4' needs torchao's NF4 weights: {_INSTALL}; or load the model 4-bit with "
-                               f"bitsandbytes ({_BNB_LOAD}) and drop quant:nf4") from None
+                               f"bitsandbytes ({BNB_LOAD}) and drop quant:nf4") from None
 
 
 def four_bit_weight(module: nn.Module) -> nn.Parameter | None:
@@ -269,7 +247,7 @@ def _refuse_other_integer_weights(model: nn.Module) -> None:
     """torch.ao's quantized modules, 8-bit bitsandbytes weights and other integer parameters cannot
     take adapters the way 4-bit bases do (and torch.ao's hold no parameters to train at all)."""
     fix = (f"load the model in 16 bits (from_pretrained(..., dtype=torch.bfloat16)) and add quant:nf4 to the policy (QLoRA-style), "
-           f"or load it 4-bit with bitsandbytes ({_BNB_LOAD}), or load it in fp32 (dtype=torch.float32) for full training")
+           f"or load it 4-bit with bitsandbytes ({BNB_LOAD}), or load it in fp32 (dtype=torch.float32) for full training")
     other = sorted({type(m).__name__ for m in model.modules() if ".quantized." in type(m).__module__
                     or type(m).__name__ in ("Linear8bitLt", "Int8Params")})
     if other or getattr(model, "is_loaded_in_8bit", False):
@@ -290,95 +268,6 @@ def _refuse_trainable_4bit(loaded: list[tuple[str, nn.Module]]) -> None:
                          "(peft.get_peft_model with a LoraConfig freezes the base)")
 
 
-def _find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> list[tuple[str, nn.Module]]:
-    """The ``nn.Linear`` layers to quantize: the blocks' (default) or those ``cfg.targets`` names;
-    PEFT's adapter layers never (they train), a PEFT wrapper's ``base_layer`` in its place."""
-    adapters = _adapter_module_ids(model)
-    names = {id(m): n for n, m in model.named_modules()}
-    if cfg.targets is None:
-        if blocks is None:
-            raise ValueError(f"policy.quant.mode='nf4' quantizes the linear layers of the repeated blocks, and {type(model).__name__} "
-                             "has no blocks hf_memstack can find; name the layers with policy.quant.targets (e.g. ['fc1', 'fc2']) "
-                             "or the blocks with policy.checkpointing.block_classes")
-        scope = [m for block in blocks.modules for m in block.modules() if id(m) not in adapters]
-        odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in scope if _projection_like(m) and not isinstance(m, nn.Linear)})
-        if odd:
-            raise ValueError(_unsupported(model, odd, "the blocks' projections"))
-        found = [(names[id(m)], m) for m in scope if isinstance(m, nn.Linear)]
-        if not found:
-            raise ValueError(f"policy.quant.mode='nf4': the blocks of {type(model).__name__} hold no nn.Linear layer to quantize; "
-                             "name the layers with policy.quant.targets, or drop quant:nf4")
-        return _untied(model, found)
-    return _untied(model, _named_targets(model, cfg.targets, adapters, names))
-
-
-def _named_targets(model: nn.Module, targets: tuple[str, ...], adapters: set[int], names: dict[int, str]) -> list[tuple[str, nn.Module]]:
-    found: dict[int, tuple[str, nn.Module]] = {}
-    for target in targets:
-        hits = [m for n, m in model.named_modules()
-                if id(m) not in adapters and (_logical(n) == target or _logical(n).endswith(f".{target}"))]
-        hits = [_base_layer(m) for m in hits]
-        if not hits:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in adapters})
-            raise ValueError(f"policy.quant.targets: {target!r} matches no module of {type(model).__name__}; its linear layers are "
-                             f"named {linear[:12]}")
-        odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in hits if not isinstance(m, nn.Linear)})
-        if odd:
-            raise ValueError(_unsupported(model, odd, f"policy.quant.targets {target!r}"))
-        found.update((id(m), (names[id(m)], m)) for m in hits)
-    return list(found.values())
-
-
-def _unsupported(model: nn.Module, odd: list[str], what: str) -> str:
-    return (f"policy.quant.mode='nf4': {what} in {type(model).__name__} include layers that are not nn.Linear ({', '.join(odd[:4])}"
-            f"{' ...' if len(odd) > 4 else ''}): 4-bit weights run through F.linear only (torchao's NF4), so embeddings and "
-            f"Transformers' Conv1D (GPT-2) cannot be quantized here. Load the model 4-bit with bitsandbytes ({_BNB_LOAD}, which "
-            "converts Conv1D) and drop quant:nf4, or set policy.quant.targets to nn.Linear layers only")
-
-
-def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """A weight shared with another module (a head tied to the embeddings) cannot become 4-bit in one of them."""
-    users: dict[int, list[str]] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        w = m.__dict__.get("_parameters", {}).get("weight")
-        if w is not None:
-            users.setdefault(id(w), []).append(n)
-    tied = [(n, users[id(m.weight)]) for n, m in found if len(set(users.get(id(m.weight), []))) > 1]
-    if tied:
-        name, shared = tied[0]
-        raise ValueError(f"policy.quant: {name!r} shares its weight with {[s for s in shared if s != name]} (tied weights): it cannot be "
-                         "4-bit in one and dense in the other; leave it out of policy.quant.targets")
-    return found
-
-
-def _refuse_trainable_targets(model: nn.Module, found: list[tuple[str, nn.Module]]) -> None:
-    """A model where every parameter trains is a base before its adapters (``get_peft_model`` after
-    ``prepare_model`` freezes it): its quantized layers are frozen. Once anything is frozen, what
-    trains was decided, and a trainable weight cannot become 4-bit."""
-    if all(p.requires_grad for p in model.parameters()):
-        return
-    trainable = [n for n, m in found if m.weight.requires_grad]
-    if trainable:
-        raise ValueError(f"policy.quant.mode='nf4' would quantize weights that train ({', '.join(trainable[:3])}"
-                         f"{' ...' if len(trainable) > 3 else ''}), and 4-bit weights cannot train. Freeze them and train adapters on "
-                         "them (LoRA: peft.get_peft_model freezes the base), or leave them out with policy.quant.targets")
-
-
-def _scaler_block_size(name: str, module: nn.Linear, block_size: int, shards: int) -> int:
-    """Validate the layer's size against the blocks (and the shards) and pick its second-level block size."""
-    rows, numel = module.out_features, module.weight.numel()
-    if numel % block_size:
-        raise ValueError(f"policy.quant.block_size={block_size}: {name!r} has {numel:,} weights ({tuple(module.weight.shape)}), not a "
-                         "multiple of the block size; use a block_size that divides it (e.g. 32) or leave the layer out with "
-                         "policy.quant.targets")
-    if rows % shards or (numel // shards) % block_size:
-        raise ValueError(f"policy.quant with FSDP over {shards} ranks: {name!r} ({tuple(module.weight.shape)}) does not split into "
-                         f"{shards} shards of whole {block_size}-weight blocks; use a number of ranks that divides its "
-                         f"{rows} rows, or leave the layer out with policy.quant.targets")
-    per_shard = numel // block_size // shards
-    return max(d for d in range(1, min(256, per_shard) + 1) if per_shard % d == 0)
-
-
 def _upcast(model: nn.Module) -> int:
     """PEFT's ``prepare_model_for_kbit_training`` cast, without its freezing: 16-bit parameters to fp32."""
     cast = [p for p in model.parameters() if p.dtype in (torch.float16, torch.bfloat16) and not is_4bit(p)]
@@ -386,76 +275,4 @@ def _upcast(model: nn.Module) -> int:
         p.data = p.data.to(torch.float32)
     return len(cast)
 
-
-# ------------------------------------------------------------------------------ PEFT, seen by duck typing
-
-
-def _is_tuner_layer(module: nn.Module) -> bool:
-    """A PEFT tuner layer (LoRA's ``Linear`` and friends) wraps its ``base_layer``."""
-    return type(module).__module__.startswith("peft.") and isinstance(getattr(module, "base_layer", None), nn.Module)
-
-
-def _base_layer(module: nn.Module) -> nn.Module:
-    while _is_tuner_layer(module):
-        module = module.base_layer
-    return module
-
-
-def _adapter_module_ids(model: nn.Module) -> set[int]:
-    """Every module inside a PEFT tuner layer but its base layer: the adapters (LoRA's A and B)."""
-    out: set[int] = set()
-    for m in model.modules():
-        if _is_tuner_layer(m):
-            base = {id(b) for b in m.base_layer.modules()}
-            out |= {id(sub) for sub in m.modules() if id(sub) not in base and sub is not m}
-    return out
-
-
-def _logical(name: str) -> str:
-    """A module's name as the user sees it: without PEFT's ``base_model.model.`` and ``.base_layer``."""
-    name = name.removeprefix("base_model.model.")
-    while name.endswith(".base_layer"):
-        name = name.removesuffix(".base_layer")
-    return name
-
-
-def _projection_like(module: nn.Module) -> bool:
-    """A layer with its own 2-D weight that is not a norm: a projection of another kind (Conv1D)."""
-    weight = module.__dict__.get("_parameters", {}).get("weight")
-    return weight is not None and weight.dim() == 2 and not isinstance(module, nn.Embedding)
-
-
-def _adapters_on(model: nn.Module, layers: set[int]) -> list[tuple[str, nn.Parameter]]:
-    """The trainable parameters of the PEFT tuner layers that wrap a 4-bit layer."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = []
-    for m in model.modules():
-        if _is_tuner_layer(m) and id(_base_layer(m)) in layers:
-            base = {id(p) for p in m.base_layer.parameters()}
-            out += [(names.get(id(p), "?"), p) for p in m.parameters() if p.requires_grad and id(p) not in base]
-    return out
-
-
-def _census(model: nn.Module) -> str:
-    """The parameters by width: 4-bit, 16-bit, 32-bit (each with its bytes and the kinds of tensors)."""
-    groups: dict[str, list[tuple[str, torch.Tensor]]] = {"4-bit": [], "16-bit": [], "32-bit": []}
-    for name, p in model.named_parameters():
-        width = "4-bit" if is_4bit(p) else f"{8 * p.element_size()}-bit"
-        groups.setdefault(width, []).append((name, p))
-    parts = []
-    for width, members in groups.items():
-        if not members:
-            continue
-        kinds = sorted({_kind(n) for n, _ in members})
-        size = sum(tensor_bytes(p) for _, p in members)
-        parts.append(f"{width}: {len(members)} tensor(s), {size / 2**20:.2f} MiB ({', '.join(kinds[:5])}{' ...' if len(kinds) > 5 else ''})")
-    return "; ".join(parts)
-
-
-def _kind(name: str) -> str:
-    """``model.layers.0.self_attn.q_proj.lora_A.default.weight`` -> ``lora_A``; ``...q_proj.base_layer.weight`` -> ``q_proj``."""
-    parts = [p for p in _logical(name.removesuffix(".weight").removesuffix(".bias")).split(".")
-             if p not in ("default", "base_layer") and not p.isdigit()]
-    lora = next((p for p in parts if p.startswith("lora_")), None)
-    return lora or (parts[-1] if parts else name)
 
