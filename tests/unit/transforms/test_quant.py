@@ -152,6 +152,16 @@ def test_qlora_trains_in_either_order_with_checkpointing_and_verify_reports_the_
     assert {p.dtype for p in adapters.values()} == {torch.float32}
 
 
+def test_regional_compile_traces_the_4bit_layers(load_model):
+    policy = MemoryPolicy.from_string("bf16+ckpt+compile:regional+quant:nf4")
+    policy.compile.backend = "aot_eager"  # the graph is what is tested; one real inductor compile lives in test_compile.py
+    compiled, eager = _qlora(load_model, policy), _qlora(load_model, "bf16+ckpt+quant:nf4")
+    report = verify(compiled, make_batch("llama"))
+    assert report.ok and "graph breaks" not in report.check("compile").detail, str(report)
+    batch = make_batch("llama")
+    torch.testing.assert_close(compiled(**batch).loss, eager(**batch).loss, rtol=1e-3, atol=1e-3)
+
+
 def test_bf16_loaded_base_stays_16_bit_and_upcast_is_what_it_says(pretrained_dirs):
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
