@@ -31,6 +31,9 @@ class PlanRow:
     """Step speed relative to eager fp32 (from the ladder benchmark)."""
     max_batch_size: int | None = None
     """With ``batch_size="max"``: the largest batch whose estimate fits."""
+    traced: bool = True
+    """False: not traced, because a rung before it with the same weights and optimizer state
+    already held more than the budget in those alone (``peak_bytes`` is then that floor)."""
 
 
 @dataclass(slots=True)
@@ -53,7 +56,8 @@ class Plan:
         lines = ["| policy | estimated peak | fits | relative speed |" + (" max batch |" if any(r.max_batch_size for r in self.rows) else ""),
                  "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else "")]
         for r in self.rows:
-            line = f"| {r.policy} | {format_bytes(r.peak_bytes)} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
+            peak = format_bytes(r.peak_bytes) if r.traced else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)"
+            line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
             if any(x.max_batch_size for x in self.rows):
                 line += f" {r.max_batch_size or 0} |"
             lines.append(line)
@@ -132,13 +136,12 @@ def plan_policy(
     torchao = importlib.util.find_spec("torchao") is not None
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
                          eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable))
+    floors: dict[str, int] = {}
     for rung in rungs:
-        fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
-            batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
-        plan.rows.append(PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed,
-                                 fitted if batch_size == "max" else None))
-        shortfalls.append(int(e.peak_bytes - usable))
-        if fitted >= 1:
+        row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
+        plan.rows.append(row)
+        shortfalls.append(int(row.peak_bytes - usable))
+        if fitted >= 1 and e is not None:
             plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
             plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
                                 *_optimizer_notes(plan.policy)]
@@ -146,6 +149,31 @@ def plan_policy(
     plan.shortfall_bytes = max(0, min(shortfalls))
     plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
     return plan
+
+
+def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
+              floors: dict[str, int]) -> tuple[PlanRow, int, MemoryEstimate | None]:
+    """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
+    weights and optimizer state already held more than ``usable`` in those alone: what only saves
+    activations (the loss head, checkpointing) cannot bring the peak below them. Big models then
+    trace a handful of rungs instead of every one (a 7B LoRA base in fp32 is 25 GiB on each)."""
+    key = _states_key(rung.policy)
+    if floors.get(key, 0) > usable:
+        return PlanRow(rung.policy, floors[key], False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False), 0, None
+    if batch_size == "max":
+        fitted, e = _max_batch(est, rung.policy, usable)
+    else:
+        e = est(rung.policy, int(batch_size))
+        fitted = int(batch_size) if e.peak_bytes <= usable else 0
+    # Parameters and optimizer state are alive at every moment of a step, whatever saves activations.
+    floors[key] = min(floors.get(key, e.parameters + e.optimizer), e.parameters + e.optimizer)
+    return PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None), fitted, e
+
+
+def _states_key(policy: str) -> str:
+    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer rung, sharding."""
+    p = MemoryPolicy.coerce(policy)
+    return repr((p.quant, p.optimizer, p.fsdp))
 
 
 class _Estimates:

@@ -55,3 +55,22 @@ def test_planning_for_a_gpu_on_a_machine_without_one_plans_bf16(pretrained_dirs)
         pytest.skip("this machine has a GPU: 'cuda' is resolved from it")
     plan = plan_policy(pretrained_dirs["llama"], budget="8GiB", seq_len=16, batch_size=1, device="cuda", trainable=LORA)
     assert plan.fits and plan.policy.to_string() == "bf16", plan.table()
+
+
+def test_rungs_that_only_save_activations_are_not_traced_once_the_weights_alone_exceed_the_budget(tmp_path):
+    from transformers import LlamaConfig
+
+    # Weights that dominate: 4-bit weights fit where no activation rung over the 32-bit base can.
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=128).save_pretrained(tmp_path)
+    first = estimate_memory(tmp_path, "bf16", batch_size=1, seq_len=16, trainable=LORA)
+    quant = estimate_memory(tmp_path, "bf16+ckpt+loss:chunked+quant:nf4", batch_size=1, seq_len=16, trainable=LORA)
+    floor = first.parameters + first.optimizer
+    assert quant.peak_bytes < floor
+    plan = plan_policy(tmp_path, budget=int((quant.peak_bytes + floor) / 2 / 0.9), seq_len=16, batch_size=1, device="cpu", trainable=LORA)
+    rows = plan.rows
+    assert plan.fits and plan.policy.quant.mode == "nf4" and rows[-1].traced, plan.table()
+    assert rows[0].traced and all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[1:-1]), plan.table()
+    assert ">= " in plan.table() and "(weights + optimizer state)" in plan.table()
+    skipped = estimate_memory(tmp_path, rows[-2].policy, batch_size=1, seq_len=16, trainable=LORA)
+    assert skipped.peak_bytes >= floor  # the floor is a floor
