@@ -1,6 +1,6 @@
 """hf_memstack: activation checkpointing (block or op level), mixed precision, torch.compile, FSDP,
-a chunked loss head and low-memory optimizers for any Hugging Face model, applied in the order the
-field recommends, verified and measured.
+a chunked loss head, 4-bit base weights and low-memory optimizers for any Hugging Face model,
+applied in the order the field recommends, verified and measured.
 
     from hf_memstack import prepare_model
     model = prepare_model(model, "bf16+ckpt")
@@ -17,14 +17,16 @@ from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrai
 from .ladder import LADDER
 from .loss import LossHeadResult, chunked_lm_loss
 from .memory import StepMemory, measure_step
+from .merge import dequantize, merge_adapters
 from .optim import OptimizerInBackward, make_optimizer
 from .planner import Plan, plan_policy
-from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig
+from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig, QuantConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .simulated import SimulatedMemory, simulated_memory_limit
 from .sizes import format_bytes, parse_bytes
 from .step import forward_loss, train_step
+from .transforms.quant import QuantResult
 from .verify import VerifyReport, verify
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "Plan",
     "PolicyError",
     "Probe",
+    "QuantConfig",
+    "QuantResult",
     "SimulatedMemory",
     "StepMemory",
     "VerifyReport",
@@ -57,12 +61,14 @@ __all__ = [
     "estimate_memory",
     "find_batch_size",
     "chunked_lm_loss",
+    "dequantize",
     "find_blocks",
     "find_executable_batch_size",
     "format_bytes",
     "forward_loss",
     "from_pretrained_for_fsdp",
     "make_optimizer",
+    "merge_adapters",
     "measure_step",
     "model_state_bytes",
     "parse_bytes",

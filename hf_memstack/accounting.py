@@ -11,13 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "optimizer_state_bytes", "tensor_bytes"]
+__all__ = ["ModelStateBytes", "bnb_state_tensors", "model_state_bytes", "optimizer_state_bytes", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes this rank holds for ``t``: the local shard of a DTensor; the inner tensors of a tensor
-    subclass (an 8-bit optimizer state: uint8 codes and fp32 scales, whatever dtype it shows); else
-    the whole tensor."""
+    subclass (an 8-bit optimizer state: uint8 codes and fp32 scales, whatever dtype it shows; a 4-bit
+    NF4 weight: codes, scales, second-level scales and code table); a bitsandbytes 4-bit weight's
+    codes and its quantization state; else the whole tensor."""
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -26,7 +27,19 @@ def tensor_bytes(t: torch.Tensor) -> int:
     if is_traceable_wrapper_subclass(t):  # torchao's optimizer states: their inner tensors
         names, _ = t.__tensor_flatten__()
         return sum(tensor_bytes(inner) for inner in (getattr(t, name) for name in names) if torch.is_tensor(inner))
-    return t.numel() * t.element_size()
+    return t.numel() * t.element_size() + sum(tensor_bytes(s) for s in bnb_state_tensors(t))
+
+
+def bnb_state_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes 4-bit weight's quantization state (``Params4bit.quant_state``:
+    its scales, code table and offset, and the second-level ones), which live beside the weight and
+    are neither parameters nor buffers; empty for any other tensor."""
+    state = t.__dict__.get("quant_state") if isinstance(t, nn.Parameter) else None
+    out: list[torch.Tensor] = []
+    while state is not None and hasattr(state, "absmax"):
+        out += [x for x in (state.absmax, state.code, getattr(state, "offset", None)) if torch.is_tensor(x)]
+        state = getattr(state, "state2", None)
+    return out
 
 
 def _sum(tensors: Iterable[Any]) -> int:

@@ -407,8 +407,9 @@ def _too_small(m: Measured, *, mode: str, budget: int, record: MemstackRecord | 
 
 def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
     from .ladder import next_rung
+    from .transforms.quant import quantizable
 
     if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."
     return next_rung(record.policy, num_blocks=len(record.blocks or ()), weights_dominate=weights_dominate,
-                     causal_lm=record.chunkable_loss)
+                     causal_lm=record.chunkable_loss, quantize=quantizable(record.blocks))

@@ -352,6 +352,7 @@ def estimate_memory(
         opt = make_optimizer(net, traced, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
         batch = _batch(config, task, batch_size, seq_len)
         m = _traced_step(net, batch, opt, config, task)
+    notes += _quant_notes(net, peft_config is not None)
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
     est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
@@ -425,6 +426,22 @@ def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tupl
     except ValueError as e:
         return f"{e} (estimate_memory refuses what prepare_model refuses)", None
     return None, None
+
+
+def _quant_notes(net: nn.Module, lora: bool) -> list[str]:
+    """What the traced 4-bit base holds (its bytes are in ``parameters``, counted as traced)."""
+    from .record import record_of
+
+    record = record_of(net)
+    quant = record.quant if record is not None else None
+    if quant is None or not quant.layers:
+        return []
+    notes = [f"4-bit base weights: {len(quant.layers)} linear layers, {format_bytes(quant.bytes_4bit)} for {quant.weights:,} weights "
+             f"({quant.bits_per_weight:.2f} bits each; {format_bytes(quant.bytes_before)} before quantization)"]
+    if not lora:
+        notes.append("quant:nf4 with trainable='all': the 4-bit layers are frozen and only the rest trains; pass trainable='lora' "
+                     "(--lora-r) for QLoRA")
+    return notes
 
 
 def _what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:

@@ -6,10 +6,12 @@ Memory rung by rung, least memory saved (and fastest) first, as measured by ``be
 4. the chunked loss head (causal LMs: the logits and their fp32 copy go, at no cost in speed);
 5. selective (op-level) checkpointing (the cheap ops are recomputed, the matmuls kept); 6. block
 checkpointing (every 4th, 3rd, 2nd block, torchtitan's alternate-matmul selective policy, then
-every block); 7. the optimizer: stepped in the backward (no full set of gradients), then 8-bit
-moments, then both; 8. offloading the checkpoints to host memory; 9. FSDP over several devices
-(then with CPU offload). Activation rungs come before optimizer rungs: they change no arithmetic,
-while the optimizer rungs round the moments or forbid accumulation and global clipping.
+every block); 7. for LoRA runs, 4-bit base weights (the frozen linear layers of the blocks in NF4:
+a quarter of their 16-bit bytes); 8. the optimizer: stepped in the backward (no full set of
+gradients), then 8-bit moments, then both; 9. offloading the checkpoints to host memory; 10. FSDP
+over several devices (then with CPU offload). Activation rungs come before the 4-bit and optimizer
+rungs: they change no arithmetic, while those round the frozen weights or the moments, or forbid
+accumulation and global clipping. Each rung keeps the savings of the rungs before it.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ LADDER: dict[str, str] = {
 # (1.07x), selective (0.95x, its alternate variant read 1.00x: within noise of it, kept below it
 # since it recomputes more), in-backward (0.99x) and 8-bit (0.57x: torchao's step on a CPU; on a GPU
 # torchao reports it at par) on an EPYC. Offload and FSDP factors are assumptions; they only order
-# rungs that fit, so they need only be rough.
+# rungs that fit, so they need only be rough. 4-bit base weights: bench/qlora.py (LoRA r=16 on its
+# Llama, bf16 + full checkpointing, against the same run with 16-bit frozen weights).
 MEASURED_SPEED = {
     "bf16": 1.52, "ckpt": 0.86, "loss_chunked": 1.07, "selective": 0.95, "selective_alternate": 0.93,
-    "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2,
+    "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2, "quant": 0.8,
 }
 
 # How much of the activations each checkpointing mode drops (ordering only; measured on the ladder
@@ -58,11 +61,13 @@ class Rung:
 
 
 def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
-                 eightbit: bool = True, step_in_backward: bool = True) -> list[Rung]:
+                 eightbit: bool = True, step_in_backward: bool = True, quantize: bool = False) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
     first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
     memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
-    ``eightbit``: torchao is installed (the 8-bit optimizer rungs); FSDP rungs need several devices."""
+    ``eightbit``: torchao is installed (the 8-bit optimizer rungs); ``quantize``: a LoRA run with
+    torchao installed (4-bit base weights, after full checkpointing and kept on every rung after
+    it); FSDP rungs need several devices."""
     s = MEASURED_SPEED
     speed = s["bf16"] if precision != "fp32" else 1.0
     base = f"{precision}+loss:chunked" if causal_lm else precision
@@ -76,31 +81,41 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     rungs.append(Rung(policy=f"{base}+ckpt:selective:alternate", relative_speed=speed * s["selective_alternate"]))
     full = speed * s["ckpt"]
     rungs.append(Rung(policy=f"{base}+ckpt", relative_speed=full))
+    # From here on the frozen weights may be 4-bit (LoRA runs): every later rung keeps them so.
+    quant = "+quant:nf4" * quantize
+    if quantize:
+        full *= s["quant"]
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}", relative_speed=full))
     # fp16's GradScaler needs every gradient before the step: no stepping in the backward there.
     in_backward = step_in_backward and precision != "fp16"
     if in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt+optim:in_backward", relative_speed=full * s["in_backward"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}+optim:in_backward", relative_speed=full * s["in_backward"]))
     if eightbit:
-        rungs.append(Rung(policy=f"{base}+ckpt+optim:8bit", relative_speed=full * s["8bit"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}+optim:8bit", relative_speed=full * s["8bit"]))
     optim = "+optim:8bit" * eightbit + "+optim:in_backward" * in_backward
     if eightbit and in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
-    rungs.append(Rung(policy=f"{base}+ckpt:offload{optim}", relative_speed=full * s["offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
+    rungs.append(Rung(policy=f"{base}+ckpt:offload{quant}{optim}", relative_speed=full * s["offload"]))
     if world_size > 1:
-        rungs.append(Rung(policy=f"{base}+ckpt+fsdp", relative_speed=full * s["fsdp"]))
-        rungs.append(Rung(policy=f"{base}+ckpt+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}+fsdp", relative_speed=full * s["fsdp"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
     return rungs
 
 
-def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool = False, causal_lm: bool = False) -> str:
+def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool = False, causal_lm: bool = False,
+              quantize: bool = False) -> str:
     """What to try when ``policy`` does not fit, as a sentence: the first memory rung that adds a
     saving to ``policy`` (its features kept: compile, precision, what it already saves).
     ``weights_dominate``: the parameters alone do not fit, so neither activation nor optimizer
-    rungs can help; only sharding (or a larger budget) can."""
+    rungs can help; only 4-bit base weights (``quantize``: frozen linear layers that are not 4-bit
+    yet, and torchao), sharding or a larger budget can."""
     from .policy import MemoryPolicy
 
+    if weights_dominate and quantize and policy.quant.mode == "none":
+        candidate = _merged(policy, MemoryPolicy.from_string(f"{policy.precision}+quant:nf4"))
+        return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
     if not weights_dominate:
-        for rung in memory_rungs(policy.precision, num_blocks=num_blocks, causal_lm=causal_lm):
+        for rung in memory_rungs(policy.precision, num_blocks=num_blocks, causal_lm=causal_lm, quantize=quantize):
             candidate = _merged(policy, MemoryPolicy.from_string(rung.policy))
             if candidate != policy:
                 return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
@@ -113,7 +128,7 @@ def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool =
 
 def _merged(policy: MemoryPolicy, rung: MemoryPolicy) -> MemoryPolicy:
     """``policy`` with every saving of ``rung`` added: the stronger checkpointing, the chunked loss,
-    the optimizer rung; its own precision, compile and sharding kept."""
+    4-bit base weights, the optimizer rung; its own precision, compile and sharding kept."""
     from .policy import MemoryPolicy
 
     merged = policy.to_dict()
@@ -121,6 +136,8 @@ def _merged(policy: MemoryPolicy, rung: MemoryPolicy) -> MemoryPolicy:
         merged["checkpointing"] = rung.to_dict()["checkpointing"]
     if rung.loss.mode == "chunked":
         merged["loss"] = rung.to_dict()["loss"]
+    if rung.quant.mode != "none" and policy.quant.mode == "none":
+        merged["quant"] = rung.to_dict()["quant"]
     op = dict(merged["optimizer"])
     if rung.optimizer.state == "8bit":
         op["state"] = "8bit"
@@ -145,6 +162,8 @@ def _what_it_saves(policy: MemoryPolicy, candidate: MemoryPolicy) -> str:
         parts.append("no full logits")
     if candidate.checkpointing != policy.checkpointing:
         parts.append("less activation memory")
+    if candidate.quant != policy.quant:
+        parts.append("the frozen linear weights in 4 bits")
     if candidate.optimizer != policy.optimizer:
         parts.append("smaller optimizer state and gradients")
     return ", ".join(parts)

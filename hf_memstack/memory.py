@@ -21,7 +21,7 @@ from torch import nn
 
 from ._device import device_of, synchronize
 from ._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
-from .accounting import model_state_bytes, tensor_bytes
+from .accounting import bnb_state_tensors, model_state_bytes, tensor_bytes
 from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
 
@@ -198,7 +198,8 @@ def _frozen_aware_tracker() -> Any:
 
     MemTracker hooks every parameter it sees to count its gradient, and PyTorch refuses a hook on
     a tensor that does not require grad (every LoRA model, frozen embeddings). This subclass hooks
-    only the trainable ones; frozen parameters still count as parameters. ``None`` when this
+    only the trainable ones; frozen parameters still count as parameters, a bitsandbytes 4-bit
+    weight with its quantization state (tensors no module holds as a parameter or buffer). ``None`` when this
     PyTorch has no MemTracker (it is a private API).
     """
     try:
@@ -214,6 +215,8 @@ def _frozen_aware_tracker() -> Any:
             param_memory = buffer_memory = 0
             for param in module.parameters():
                 param_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
+                for state in bnb_state_tensors(param):  # a bitsandbytes 4-bit weight's scales, beside it
+                    param_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(state, _MemRefType.PARAM))
                 if param.grad is not None:
                     self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
                 if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:

@@ -31,6 +31,9 @@ class PlanRow:
     """Step speed relative to eager fp32 (from the ladder benchmark)."""
     max_batch_size: int | None = None
     """With ``batch_size="max"``: the largest batch whose estimate fits."""
+    traced: bool = True
+    """False: not traced, because a rung before it with the same weights and optimizer state
+    already held more than the budget in those alone (``peak_bytes`` is then that floor)."""
 
 
 @dataclass(slots=True)
@@ -56,7 +59,8 @@ class Plan:
         lines = ["| policy | estimated peak | fits | relative speed |" + (" max batch |" if any(r.max_batch_size for r in self.rows) else ""),
                  "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else "")]
         for r in self.rows:
-            line = f"| {r.policy} | {format_bytes(r.peak_bytes)} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
+            peak = format_bytes(r.peak_bytes) if r.traced else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)"
+            line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
             if any(x.max_batch_size for x in self.rows):
                 line += f" {r.max_batch_size or 0} |"
             lines.append(line)
@@ -92,8 +96,9 @@ def plan_policy(
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
-    the optimizer rungs (stepped in the backward, 8-bit moments where torchao is installed, both),
-    offload, FSDP (see :func:`hf_memstack.ladder.memory_rungs`).
+    4-bit base weights (LoRA runs, where torchao is installed), the optimizer rungs (stepped in the
+    backward, 8-bit moments where torchao is installed, both), offload, FSDP (see
+    :func:`hf_memstack.ladder.memory_rungs`).
 
     Args:
         model: hub id (local cache), local directory, config or model.
@@ -104,8 +109,10 @@ def plan_policy(
         world_size: devices; FSDP rungs are considered when > 1.
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
         task: ``causal-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
-        device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32.
-        trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict).
+        device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32
+            (``cuda`` on a machine without a GPU: bf16).
+        trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict);
+            anything but ``"all"`` is a LoRA run, offered the 4-bit base weights rung (``quant:nf4``).
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
             rungs); pass False when the training loop accumulates gradients, clips them by their
             global norm or averages them with DDP, none of which that rung can do.
@@ -132,22 +139,24 @@ def plan_policy(
     # Resolved once from what was given (the estimates below get its config, which no longer says
     # where its weights are): every rung counts the same weights.
     weights = resolve_weights_dtype(model, config, dtype)
-    precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
+    precision = "bf16" if device.startswith("cuda") and not torch.cuda.is_available() else resolve_precision("auto", device).name
     est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, dtype=weights.dtype)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes,
                 weights_dtype=weights.name, weights_dtype_source=weights.source)
     shortfalls = []
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
+    torchao = importlib.util.find_spec("torchao") is not None
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=chunked,
-                         eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward)
+                         eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable))
+    floors: dict[str, int] = {}
     for rung in rungs:
-        fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
-            batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
-        plan.rows.append(PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed,
-                                 fitted if batch_size == "max" else None))
-        shortfalls.append(int(e.peak_bytes - usable))
-        if fitted >= 1:
+        row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
+        plan.rows.append(row)
+        shortfalls.append(int(row.peak_bytes - usable))
+        if fitted >= 1 and e is not None:
             plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
             plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
                                 *_optimizer_notes(plan.policy)]
@@ -155,6 +164,31 @@ def plan_policy(
     plan.shortfall_bytes = max(0, min(shortfalls))
     plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
     return plan
+
+
+def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
+              floors: dict[str, int]) -> tuple[PlanRow, int, MemoryEstimate | None]:
+    """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
+    weights and optimizer state already held more than ``usable`` in those alone: what only saves
+    activations (the loss head, checkpointing) cannot bring the peak below them. Big models then
+    trace a handful of rungs instead of every one (a 7B LoRA base in fp32 is 25 GiB on each)."""
+    key = _states_key(rung.policy)
+    if floors.get(key, 0) > usable:
+        return PlanRow(rung.policy, floors[key], False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False), 0, None
+    if batch_size == "max":
+        fitted, e = _max_batch(est, rung.policy, usable)
+    else:
+        e = est(rung.policy, int(batch_size))
+        fitted = int(batch_size) if e.peak_bytes <= usable else 0
+    # Parameters and optimizer state are alive at every moment of a step, whatever saves activations.
+    floors[key] = min(floors.get(key, e.parameters + e.optimizer), e.parameters + e.optimizer)
+    return PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None), fitted, e
+
+
+def _states_key(policy: str) -> str:
+    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer rung, sharding."""
+    p = MemoryPolicy.coerce(policy)
+    return repr((p.quant, p.optimizer, p.fsdp))
 
 
 class _Estimates:
@@ -218,8 +252,16 @@ def _next_size(points: dict[int, MemoryEstimate], good: int, bad: int | None, us
     return reach if good < reach < bad else (good + bad) // 2
 
 
+def _trains_all(trainable: Any) -> bool:
+    return isinstance(trainable, str) and trainable == "all"
+
+
 def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
     notes = []
+    if policy.quant.mode == "nf4":
+        notes.append("quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
+                     "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
+                     "hf_memstack.merge_adapters")
     if policy.optimizer != MemoryPolicy().optimizer:
         notes.append("build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung")
     if policy.optimizer.step == "in_backward":

@@ -1,6 +1,6 @@
 """The memory policy: which of mixed precision, activation checkpointing (block or op level),
-torch.compile, FSDP, a chunked loss head and a low-memory optimizer to use, as a tree of typed
-dataclasses.
+torch.compile, FSDP, a chunked loss head, 4-bit base weights and a low-memory optimizer to use, as
+a tree of typed dataclasses.
 
 A policy can be built four ways, all validated the same way:
 
@@ -34,6 +34,7 @@ __all__ = [
     "MemoryPolicy",
     "OptimizerConfig",
     "PolicyError",
+    "QuantConfig",
 ]
 
 # The largest ckpt:N / every_n: one block in N is checkpointed, and no model has more blocks.
@@ -48,6 +49,7 @@ FSDPMode = Literal["none", "full_shard", "shard_grad_op", "hybrid_shard"]
 LossMode = Literal["default", "chunked"]
 OptimizerState = Literal["fp32", "8bit"]
 OptimizerStep = Literal["after_backward", "in_backward"]
+QuantMode = Literal["none", "nf4"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -154,11 +156,38 @@ class OptimizerConfig:
     GradScaler, and refuses them."""
 
 
+@dataclass(kw_only=True, slots=True)
+class QuantConfig:
+    """4-bit base weights (QLoRA): the frozen linear layers stored as NF4 - 4-bit NormalFloat codes
+    with one int8 scale per block, the scales quantized again (about 4.13 bits per weight) - with
+    torchao's ``NF4Tensor``, each layer dequantized in the compute dtype as it runs. For adapters
+    (LoRA) on a frozen base: 4-bit weights cannot train. Models loaded 4-bit with bitsandbytes are
+    accepted with or without it (see :mod:`hf_memstack.transforms.quant`)."""
+
+    mode: QuantMode = "none"
+    """``none``; ``nf4``: quantize the targets (needs torchao: ``pip install 'hf_memstack[quant]'``)."""
+
+    targets: tuple[str, ...] | None = None
+    """Which layers: ``None``, every ``nn.Linear`` inside the repeated blocks (the attention and MLP
+    projections; never the head or the embeddings); else module names or name suffixes, each an
+    ``nn.Linear`` (``["q_proj", "v_proj", "lm_head"]``)."""
+
+    block_size: int = 64
+    """Weights per 4-bit block, each block with its own scale (QLoRA's 64): smaller blocks round
+    less and cost more scale bytes."""
+
+    upcast: bool = False
+    """Also cast every other 16-bit parameter (norms, embeddings, head) to fp32, as PEFT's
+    ``prepare_model_for_kbit_training`` does: 2 more bytes for each of them. Off: nothing that is
+    not quantized is cast."""
+
+
 _SUBCONFIGS: dict[str, type] = {
     "checkpointing": CheckpointingConfig,
     "compile": CompileConfig,
     "fsdp": FSDPConfig,
     "loss": LossConfig,
+    "quant": QuantConfig,
     "optimizer": OptimizerConfig,
 }
 
@@ -185,6 +214,9 @@ class MemoryPolicy:
 
     loss: LossConfig = field(default_factory=LossConfig)
     """The causal-LM loss head; a mode string (``"chunked"``) or a dict is accepted too."""
+
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    """4-bit base weights; a mode string (``"nf4"``) or a dict is accepted too."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
@@ -231,6 +263,7 @@ class MemoryPolicy:
         _validate_compile(self.compile, problems)
         _validate_fsdp(self.fsdp, problems)
         _validate_loss(self.loss, problems)
+        _validate_quant(self.quant, problems)
         _validate_optimizer(self.optimizer, problems)
         if self.fsdp.mode != "none" and self.checkpointing.mode == "offload":
             problems.append(
@@ -281,6 +314,8 @@ class MemoryPolicy:
         * ``fsdp`` (full_shard), ``fsdp:shard_grad_op``, ``fsdp:hybrid_shard``, ``fsdp:offload``
           (full_shard with CPU offload);
         * ``loss:chunked`` (the causal-LM head and loss a chunk of tokens at a time);
+        * ``quant:nf4`` (the blocks' linear layers in 4 bits, for LoRA), ``quant:nf4:upcast`` (and
+          the other 16-bit parameters in fp32, as PEFT's ``prepare_model_for_kbit_training``);
         * ``optim:8bit`` (8-bit AdamW moments), ``optim:in_backward`` (step each parameter as its
           gradient is ready); both may be given.
 
@@ -303,7 +338,7 @@ class MemoryPolicy:
             if key in seen:
                 problems.append(
                     f"policy string {original!r}: {token!r} conflicts with {seen[key]!r}; give each of "
-                    "precision, ckpt, compile, fsdp and loss at most once (optim:8bit and optim:in_backward may go together)"
+                    "precision, ckpt, compile, fsdp, loss and quant at most once (optim:8bit and optim:in_backward may go together)"
                 )
                 continue
             seen[key] = token
@@ -322,7 +357,7 @@ class MemoryPolicy:
                 problems.append(
                     f"policy string {original!r}: unknown token {token!r}; allowed: a precision "
                     f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'ckpt:selective[:alternate]', "
-                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'optim:8bit', 'optim:in_backward', "
+                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'quant:nf4[:upcast]', 'optim:8bit', 'optim:in_backward', "
                     f"or a preset ({', '.join(LADDER)})"
                 )
         if problems:
@@ -353,6 +388,8 @@ class MemoryPolicy:
         ck = out["checkpointing"]
         if ck["block_classes"] is not None:
             ck["block_classes"] = list(ck["block_classes"])
+        if out["quant"]["targets"] is not None:
+            out["quant"]["targets"] = list(out["quant"]["targets"])
         return out
 
     @classmethod
@@ -420,6 +457,8 @@ class MemoryPolicy:
             parts.append("fsdp:offload" if self.fsdp.cpu_offload else f"fsdp:{self.fsdp.mode}")
         if self.loss.mode == "chunked":
             parts.append("loss:chunked")
+        if self.quant.mode == "nf4":
+            parts.append("quant:nf4" + (":upcast" if self.quant.upcast else ""))
         if self.optimizer.state == "8bit":
             parts.append("optim:8bit")
         if self.optimizer.step == "in_backward":
@@ -455,6 +494,12 @@ def _parse_loss(arg: str, _: Any) -> LossConfig | None:
     return LossConfig(mode="chunked") if arg == "chunked" else None
 
 
+def _parse_quant(arg: str, _: Any) -> QuantConfig | None:
+    if arg in ("nf4", "nf4:upcast"):
+        return QuantConfig(mode="nf4", upcast=arg.endswith("upcast"))
+    return None
+
+
 def _parse_optim(arg: str, current: OptimizerConfig | None) -> OptimizerConfig | None:
     current = current or OptimizerConfig()
     if arg == "8bit":
@@ -470,6 +515,7 @@ _TOKENS: dict[str, tuple[str, Any, str]] = {
     "compile": ("compile", _parse_compile, "'compile', 'compile:full', 'compile:regional'"),
     "fsdp": ("fsdp", _parse_fsdp, "'fsdp', 'fsdp:shard_grad_op', 'fsdp:hybrid_shard', 'fsdp:offload'"),
     "loss": ("loss", _parse_loss, "'loss:chunked'"),
+    "quant": ("quant", _parse_quant, "'quant:nf4', 'quant:nf4:upcast'"),
     "optim": ("optimizer", _parse_optim, "'optim:8bit', 'optim:in_backward'"),
 }
 
@@ -566,6 +612,22 @@ def _validate_loss(lo: LossConfig, problems: list[str]) -> None:
     elif n is not None and lo.mode != "chunked":
         problems.append(f"policy.loss.chunk_tokens={n!r} only applies to mode='chunked' (mode is {lo.mode!r}); set "
                         "mode='chunked' or drop chunk_tokens")
+
+
+def _validate_quant(qu: QuantConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.quant.mode", qu.mode, QuantMode)
+    _check_bool(problems, "policy.quant.upcast", qu.upcast)
+    n = qu.block_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 16 or n > 4096 or n & (n - 1):
+        problems.append(f"policy.quant.block_size={n!r} must be a power of two from 16 to 4096 (QLoRA's is 64)")
+    if isinstance(qu.targets, (list, str)):
+        object.__setattr__(qu, "targets", (qu.targets,) if isinstance(qu.targets, str) else tuple(qu.targets))
+    if qu.targets is not None and (not isinstance(qu.targets, tuple) or not qu.targets
+                                   or not all(isinstance(t, str) and t.strip() for t in qu.targets)):
+        problems.append(f"policy.quant.targets={qu.targets!r} must be a non-empty list of module names (e.g. ['q_proj', "
+                        "'v_proj']), or None for every linear layer of the blocks")
+    if qu.mode == "none" and (qu.upcast or qu.targets is not None):
+        problems.append("policy.quant.upcast / targets are set but policy.quant.mode='none'; set quant.mode='nf4' or drop them")
 
 
 def _validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:

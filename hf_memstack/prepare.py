@@ -1,5 +1,5 @@
-"""prepare_model: validate a policy against a model and the machine, then apply checkpointing,
-the loss head, precision, compile and sharding in one fixed order."""
+"""prepare_model: validate a policy against a model and the machine, then apply 4-bit base weights,
+checkpointing, the loss head, precision, compile and sharding in one fixed order."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of
+from .transforms.quant import QuantPlan, apply_quant, check_quant
 
 __all__ = ["describe", "prepare_model"]
 
@@ -49,6 +50,8 @@ class _Plan:
     """Some rank built the model on the meta device: rank 0's weights fill the shards."""
     loss_head: _HeadPlan | None = None
     """Where and how the chunked loss goes (None: the model's own loss)."""
+    quant: QuantPlan | None = None
+    """Which linear layers become 4-bit, and which came 4-bit."""
 
 
 def prepare_model(
@@ -81,7 +84,9 @@ def prepare_model(
         RuntimeError: the model was prepared already (also inside a DDP, compile or PEFT wrapper);
             the device, compile backend or launch (FSDP without a process group) cannot run the policy.
         ValueError: blocks are needed and cannot be found; the accelerator's precision differs;
-            the model has no weights (meta device) or integer (quantized) weights.
+            the model has no weights (meta device), integer weights other than 4-bit ones, or
+            4-bit weights that train; ``quant:nf4`` cannot quantize its targets (see
+            :func:`hf_memstack.transforms.quant.check_quant`).
         DistributedMismatchError (ValueError): under FSDP, another rank failed its checks or
             holds a different policy or model (raised on every rank, before any sharding collective).
 
@@ -124,6 +129,11 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
         error = e
     broadcast = agree_before_sharding(policy.to_dict(), model, error)
     assert plan is not None
+    if broadcast and plan.quant is not None and plan.quant.targets:
+        raise ValueError(
+            "a rank holds the model on the meta device, and the policy quantizes it (quant:nf4): rank 0's weights are broadcast "
+            "after sharding, when they are 4-bit already; load the model with from_pretrained on every rank"
+        )
     if broadcast and plan.sharded_by_accelerate:
         raise ValueError(
             "a rank holds the model on the meta device, but the Accelerator shards it (Accelerate's FSDP loads "
@@ -154,12 +164,13 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
     check_optimizer_policy(policy.optimizer)
-    _warn_on_training_setup(model, policy, precision, blocks)
+    quant = check_quant(model, policy.quant, dtype=precision.dtype, blocks=blocks, shards=_shards(policy), fsdp=policy.fsdp.mode != "none")
+    _warn_on_training_setup(model, policy, precision, blocks, quant)
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
     return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
-                 autocast_here=autocast_here, loss_head=loss_head)
+                 autocast_here=autocast_here, loss_head=loss_head, quant=quant)
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -170,6 +181,10 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     kv_cache_disabled = bool(getattr(getattr(model, "config", None), "use_cache", False))
     if kv_cache_disabled:
         model.config.use_cache = False
+    # 0. 4-bit base weights before anything wraps the layers: checkpointing's recompute, the loss
+    #    head, compile and FSDP2 (which shards NF4 weights with their own all-gather) all see them.
+    assert plan.quant is not None
+    quant = apply_quant(model, plan.quant)
     # 1. checkpointing first, so compile and FSDP wrap the checkpointed blocks: a recompute then
     #    re-runs the compiled block, and FSDP's all-gather stays outside the checkpoint (else every
     #    recompute gathers the parameters again).
@@ -203,7 +218,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss, chunkable_loss=supports_chunked_loss(model),
+        kv_cache_disabled=kv_cache_disabled, loss=loss, chunkable_loss=supports_chunked_loss(model), quant=quant,
     )
 
 
@@ -242,22 +257,8 @@ def _check_not_set_by_hand(model: nn.Module) -> None:
 
 
 def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
-    quantized = sorted({type(m).__name__ for m in model.modules()
-                        if ".quantized." in type(m).__module__ or type(m).__module__.startswith("bitsandbytes")})
-    if quantized:
-        raise ValueError(
-            f"{type(model).__name__} has quantized modules ({', '.join(quantized)}): quantized training (QLoRA-style) is not "
-            "supported by hf_memstack yet. Load the model in fp32 or bf16 (from_pretrained(..., dtype=torch.float32)) and use LoRA on it"
-        )
-    params = list(model.parameters())
-    integer = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point and not p.dtype.is_complex})
-    if integer or getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
-        raise ValueError(
-            f"{type(model).__name__} has quantized (integer) weights ({', '.join(integer) or 'bitsandbytes'}): QLoRA-style "
-            "training is not supported by hf_memstack yet. Load the model in fp32 or bf16 (from_pretrained(..., dtype=torch.float32)) "
-            "and use LoRA on it"
-        )
-    if policy.fsdp.mode == "none" and any(p.is_meta for p in params):
+    # Integer and 4-bit weights are checked with the rest of quantization (check_quant).
+    if policy.fsdp.mode == "none" and any(p.is_meta for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} has parameters on the meta device (no weights) and the policy does not shard: load the "
             "weights (from_pretrained) before prepare_model; only an fsdp policy fills meta ranks, from rank 0 "
@@ -265,7 +266,15 @@ def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
         )
 
 
-def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision, blocks: Blocks | None) -> None:
+def _shards(policy: MemoryPolicy) -> int:
+    """How many pieces FSDP2 cuts each weight into (at most the world size; 1 without FSDP)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if policy.fsdp.mode != "none" and dist.is_available() and dist.is_initialized() else 1
+
+
+def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision, blocks: Blocks | None,
+                            quant: QuantPlan) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         warnings.warn(
@@ -273,7 +282,9 @@ def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: R
             "frozen?). Unfreeze what should train (requires_grad_(True), or the PEFT config) before training",
             stacklevel=4,
         )
-    if precision.mixed and any(p.dtype != torch.float32 for p in trainable):
+    # A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it) is QLoRA's usual load.
+    base_before_adapters = bool(quant.targets) and len(trainable) == len(list(model.parameters()))
+    if precision.mixed and any(p.dtype != torch.float32 for p in trainable) and not base_before_adapters:
         warnings.warn(
             f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "
             f"{next(p.dtype for p in trainable if p.dtype != torch.float32)}: optimizer updates then lose precision. "

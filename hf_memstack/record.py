@@ -17,6 +17,7 @@ from .fsdp import FSDPResult
 from .loss import LossHeadResult
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision
+from .transforms.quant import QuantResult
 
 __all__ = ["MemstackRecord", "record_of", "unwrap_model"]
 
@@ -52,6 +53,8 @@ class MemstackRecord:
     chunkable_loss: bool = False
     """The model is a causal LM whose loss ``loss:chunked`` can compute (the ladder's first memory
     rung for it, when the policy does not chunk already)."""
+    quant: QuantResult = field(default_factory=QuantResult)
+    """Which linear layers hold 4-bit weights (quantized here or loaded so)."""
 
     def describe(self) -> str:
         """A few lines saying what was applied, and how."""
@@ -75,6 +78,7 @@ class MemstackRecord:
             lines.append("  compile: off")
         lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
         lines.append(f"  loss: {self.loss.describe()}")
+        lines.append(f"  4-bit base: {self.quant.describe()}")
         op = self.policy.optimizer
         if (op.state, op.step) != ("fp32", "after_backward"):
             lines.append(f"  optimizer: AdamW with {op.state} state, stepped {op.step.replace('_', ' ')} "

@@ -25,6 +25,7 @@ from ._ranks import on_every_rank, reraise, runs_collectives, share_error
 from ._wrappers import forward_wrapper
 from .record import MemstackRecord, record_of, unwrap_model
 from .step import LossFn, forward_loss
+from .transforms.quant_verify import verify_quant
 
 __all__ = ["Check", "VerifyReport", "verify"]
 
@@ -94,7 +95,10 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
           the loss comes back in fp32;
         * ``gradients``: every parameter with ``requires_grad`` received a finite gradient;
         * ``compile``: the compiled graphs were called in a compiled step (a second pass);
-        * ``loss`` (chunked loss head): the chunked loss equals the model's own on the first sample.
+        * ``loss`` (chunked loss head): the chunked loss equals the model's own on the first sample;
+        * ``quant`` (4-bit base weights): which parameters are 4-, 16- and 32-bit; the 4-bit layers
+          still are (nothing dequantized or upcast them after ``prepare_model``) and the adapters on
+          them got gradients.
 
     An optimizer stepping in the backward (``make_optimizer`` with ``optim:in_backward``) is
     paused meanwhile. ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
@@ -163,6 +167,8 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     report.checks.append(_check_checkpointing(report, record, model, observed))
     report.checks.append(_check_precision(record, observed))
     report.checks.append(_check_gradients(model, params, record, observed))
+    if record.quant.layers or record.policy.quant.mode != "none":
+        report.checks.append(Check("quant", *verify_quant(model, record.quant)))
     if loss_check is not None:
         report.checks.append(loss_check)
     if record.compile.regions and observed.backward_error is None:

@@ -136,3 +136,15 @@ def test_an_alias_whose_package_is_missing_says_what_to_install(monkeypatch, cap
     monkeypatch.setitem(models.MODEL_ALIASES, "tinyzoo", ("no_such_package_xyz", "model", "no-such-package-xyz"))
     assert main(["estimate", "tinyzoo", "--batch-size", "1", "--seq-len", "8"]) == 2
     assert "pip install no-such-package-xyz" in capsys.readouterr().err
+def test_estimate_and_find_batch_size_with_4bit_base_weights(pretrained_dirs, capsys):
+    pytest.importorskip("torchao")
+    d = str(pretrained_dirs["llama"])
+    assert main(["estimate", d, "--policy", "bf16+ckpt,bf16+ckpt+quant:nf4", "--batch-size", "2", "--seq-len", "16",
+                 "--lora-r", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    lora, qlora = data["estimates"]
+    assert qlora["policy"] == "bf16+ckpt+quant:nf4" and qlora["parameters"] < 0.5 * lora["parameters"]
+    assert qlora["trainable_parameters"] == lora["trainable_parameters"] and any("4-bit base weights: 14 linear" in n for n in qlora["notes"])
+    assert main(["find-batch-size", d, "--policy", "bf16+ckpt+quant:nf4", "--lora-r", "4", "--seq-len", "16", "--budget", "24MiB",
+                 "--no-cache", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["batch_size"] >= 1

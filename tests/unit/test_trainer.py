@@ -416,3 +416,25 @@ def test_global_batch_size_and_an_explicit_accumulation_must_agree(load_model, w
         training_arguments(model, global_batch_size=8, gradient_accumulation_steps=3, per_device_train_batch_size=2, **common)
     agreed = training_arguments(model, global_batch_size=8, gradient_accumulation_steps=4, per_device_train_batch_size=2, **common)
     assert (agreed.per_device_train_batch_size, agreed.gradient_accumulation_steps) == (2, 4)
+def test_trainer_trains_a_qlora_model_through_the_helper_and_the_callback(load_model, word_tokenizer, tmp_path):
+    pytest.importorskip("torchao")
+    from peft import LoraConfig, get_peft_model
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    model = get_peft_model(prepare_model(load_model("llama"), "bf16+ckpt+quant:nf4"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    frozen = model.base_model.model.model.layers[0].mlp.down_proj.weight.quantized_data.clone()
+    collator, dataset = DataCollatorForLanguageModeling(word_tokenizer, mlm=False), _lm_dataset(word_tokenizer)
+    args = training_arguments(model, output_dir=str(tmp_path / "out"), train_dataset=dataset, data_collator=collator, budget="24MiB",
+                              max_steps=6, logging_steps=1, learning_rate=3e-3, save_strategy="no", report_to=[], seed=0,
+                              disable_tqdm=True)
+    assert args.bf16 and args.per_device_train_batch_size >= 1
+    callback = MemstackCallback(raise_on_failure=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[callback])
+    trainer.train()
+    quant = callback.first_step.verify.check("quant")
+    assert quant.ok and "4-bit: 14 tensor(s)" in quant.detail and "8/8 got gradients" in quant.detail, quant.detail
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses[-1] < losses[0], losses
+    assert torch.equal(frozen, model.base_model.model.model.layers[0].mlp.down_proj.weight.quantized_data)
+    trainer.save_model(str(tmp_path / "saved"))  # the adapters alone
+    assert sorted(p.name for p in (tmp_path / "saved").glob("*.safetensors")) == ["adapter_model.safetensors"]
