@@ -344,6 +344,7 @@ def check_config(cfg: FinetuneConfig) -> None:
             policy = MemoryPolicy.coerce(cfg.policy)
             problems += _policy_problems(policy, cfg.policy)
             problems += _optimizer_problems(cfg, policy)
+            problems += _quant_problems(cfg, policy)
         except (PolicyError, ValueError, TypeError, OSError, yaml.YAMLError) as e:
             problems.append(f"policy={cfg.policy!r}: {str(e).strip()}")
 
@@ -413,12 +414,16 @@ def _lora_problems(cfg: FinetuneConfig) -> list[str]:
     return problems
 
 
+def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
+    return "all-linear" if cfg.lora_target.strip() == "all-linear" else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+
+
 def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
     """The model with LoRA adapters (PEFT) on ``--lora-target``; base weights frozen. A
     classification head stays trainable (PEFT's modules_to_save for sequence classification)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    targets = "all-linear" if cfg.lora_target.strip() == "all-linear" else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+    targets = _lora_targets(cfg)
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=cfg.lora_dropout, target_modules=targets,
                         task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM)
     try:
@@ -440,6 +445,14 @@ def _policy_problems(policy: Any, spec: str) -> list[str]:
     if policy.precision == "fp16" and not torch.cuda.is_available():
         problems.append(f"policy={spec!r}: fp16 needs a GPU (Accelerate refuses fp16 on CPU); use bf16 or fp32 here")
     return problems
+
+
+def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
+    """4-bit base weights (quant:nf4) are frozen: only adapters can train on them."""
+    if policy.quant.mode == "none" or cfg.lora_r:
+        return []
+    return [f"policy={cfg.policy!r} keeps the base weights in 4 bits, which cannot be trained: add --lora-r 16 (LoRA adapters "
+            "train on the frozen 4-bit base, as QLoRA does), or drop quant:nf4 for full fine-tuning"]
 
 
 def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
@@ -852,8 +865,11 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         in_backward = cfg.grad_clip == 0 and not cfg.global_batch_size and world == 1
         # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
         # master weights under mixed precision), so that is what the plan must count.
+        # A LoRA run plans for its adapters (which also opens the 4-bit base rung), not a full fine-tune.
+        trainable: Any = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target_modules": _lora_targets(cfg),
+                           "task_type": "SEQ_CLS" if task == "classification" else "CAUSAL_LM"} if cfg.lora_r else "all"
         plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
-                           world_size=world, task=task, step_in_backward=in_backward, dtype="fp32")
+                           world_size=world, task=task, step_in_backward=in_backward, dtype="fp32", trainable=trainable)
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise RecipeError(f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
                           "pass --policy explicitly") from None
@@ -1449,6 +1465,9 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     except (PolicyError, ValueError, TypeError, RuntimeError) as e:
         raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model}: {e}") from None
     log(describe(model))
+    if policy.quant.mode != "none":
+        accelerator.register_save_state_pre_hook(_checkpoint_without_4bit_weights)
+        accelerator.register_load_state_pre_hook(_load_without_4bit_weights)
 
     optimizer = build_optimizer(cfg, model, policy)
     # The model and optimizer go through Accelerate now (together: under its FSDP2 it shards the
@@ -1557,6 +1576,46 @@ def _apply_requested_hparams(job: Job) -> None:
     job.optimizer.param_groups[0]["weight_decay"] = job.cfg.weight_decay  # group 0 decays; biases and norms never
 
 
+def _checkpoint_without_4bit_weights(models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
+    """Accelerate's save_state hook for a 4-bit base (quant:nf4): the frozen 4-bit weights stay out of
+    the checkpoint (safetensors cannot hold torchao's NF4 tensors, and they never change): resuming
+    quantizes --model's weights again, which gives the same codes, and loads the rest."""
+    from hf_memstack.transforms.quant import is_4bit
+
+    for i, state in enumerate(weights):
+        weights[i] = {k: v for k, v in state.items() if not is_4bit(v)}
+
+
+def _load_without_4bit_weights(models: list[Any], input_dir: str) -> None:
+    """Accelerate's load_state hook for a 4-bit base: loads the model's saved (not 4-bit) weights
+    itself and takes the model off Accelerate's list (its loader reads every tensor's storage
+    pointer, which torchao's NF4 tensors do not have). The keys were checked before
+    (_check_4bit_checkpoint)."""
+    from safetensors.torch import load_file
+
+    for i, model in enumerate(models):
+        model.load_state_dict(load_file(str(Path(input_dir) / f"model{f'_{i}' if i else ''}.safetensors")), strict=False)
+    models.clear()
+
+
+def _check_4bit_checkpoint(job: Job, path: Path) -> None:
+    """A 4-bit run's checkpoint must hold exactly the model's weights that are not 4-bit (load_state
+    then loads it without the 4-bit ones it left out; anything else missing is refused)."""
+    from safetensors import safe_open
+
+    from hf_memstack.transforms.quant import is_4bit
+
+    model = job.accelerator.unwrap_model(job.model)
+    expected = {k for k, v in model.state_dict().items() if not is_4bit(v)}
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    if saved != expected:
+        missing, extra = sorted(expected - saved)[:5], sorted(saved - expected)[:5]
+        raise RecipeError(f"resume_from={str(path)!r}: its model.safetensors does not hold this run's trainable weights "
+                          f"(missing {missing}, unexpected {extra}); resume with the --policy, --lora-* flags and --model "
+                          "the checkpoint was written with")
+
+
 def save_checkpoint(job: Job) -> Path:
     """Write checkpoints/step-N atomically: everything goes into step-N.tmp (Accelerate's
     save_state: model, optimizer, schedule, RNG of every process; on the fully_shard route each
@@ -1637,6 +1696,9 @@ def load_checkpoint(job: Job, path: Path) -> None:
                               "altered or made elsewhere; resume from a checkpoint this recipe wrote, or start again")
     refused = refused or _unreadable_rng_state(path, job.accelerator.process_index)
     _agree(job.accelerator, refused)  # before load_state's collectives: every rank stops with it
+    four_bit = job.policy.quant.mode != "none"
+    if four_bit:
+        _check_4bit_checkpoint(job, path)
     try:
         job.accelerator.load_state(str(path))
         if job.route == "fully_shard":
@@ -1909,7 +1971,7 @@ def save_model(job: Job) -> Path:
                 acc.unwrap_model(job.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
                 if job.cfg.lora_r and job.cfg.merge_lora:
                     # Last use of the model: merging folds the adapters into the base weights in place.
-                    acc.unwrap_model(job.model).merge_and_unload().save_pretrained(tmp / "merged", safe_serialization=True)
+                    _merged(job).save_pretrained(tmp / "merged", safe_serialization=True)
                     job.tokenizer.save_pretrained(tmp / "merged")
     if acc.is_main_process:
         job.tokenizer.save_pretrained(tmp)
@@ -1931,6 +1993,19 @@ def save_model(job: Job) -> Path:
     return final
 
 
+def _merged(job: Job) -> Any:
+    """The adapters merged into the base. A 4-bit base (quant:nf4) is dequantized and merged by
+    hf_memstack.merge_adapters in the training precision's dtype (PEFT's merge_and_unload fails on
+    NF4 weights); a dense base by PEFT's merge_and_unload, in its own dtype."""
+    model = job.accelerator.unwrap_model(job.model)
+    if job.policy.quant.mode == "none":
+        return model.merge_and_unload()
+    from hf_memstack import merge_adapters
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.policy.precision, torch.float32)
+    return merge_adapters(model, dtype=dtype)
+
+
 def _fsdp_report(model: Any) -> dict[str, Any] | None:
     """How the model was sharded, as plain data for report.json (None: not sharded)."""
     fsdp = model.memstack.fsdp
@@ -1944,6 +2019,10 @@ def save(job: Job) -> dict[str, Any]:
     job.log("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
     model_dir = save_model(job)
+    if job.policy.quant.mode != "none" and not cfg.merge_lora:
+        job.log(f"{model_dir} holds the adapters; the base stayed 4-bit. For a 16-bit merged model, run again with --merge-lora, "
+                "or: prepare_model(base, '<policy>'), PeftModel.from_pretrained(it, model_dir), then "
+                "hf_memstack.merge_adapters(peft_model, dtype=torch.bfloat16).save_pretrained(...)")
     history = state.log_history
     seconds = time.perf_counter() - job.started
     report = {
