@@ -19,7 +19,7 @@ from .loss import LossHeadResult, chunked_lm_loss
 from .memory import StepMemory, measure_step
 from .optim import OptimizerInBackward, make_optimizer
 from .planner import Plan, plan_policy
-from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig
+from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, MLPConfig, OptimizerConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .simulated import SimulatedMemory, simulated_memory_limit
@@ -39,6 +39,7 @@ __all__ = [
     "Fit",
     "LossConfig",
     "LossHeadResult",
+    "MLPConfig",
     "MemoryEstimate",
     "MemoryPolicy",
     "MemstackRecord",

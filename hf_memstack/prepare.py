@@ -30,6 +30,7 @@ from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of
+from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 __all__ = ["describe", "prepare_model"]
 
@@ -49,6 +50,8 @@ class _Plan:
     """Some rank built the model on the meta device: rank 0's weights fill the shards."""
     loss_head: _HeadPlan | None = None
     """Where and how the chunked loss goes (None: the model's own loss)."""
+    tiles: _TilePlan | None = None
+    """Which MLPs run over tiles of tokens (None: none)."""
 
 
 def prepare_model(
@@ -150,16 +153,18 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
         (ck.mode != "none" and not uses_transformers_checkpointing(model, ck))
         or policy.compile.mode == "regional"
         or policy.fsdp.mode != "none"
+        or policy.mlp.mode != "default"
     )
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
+    tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
     _warn_on_training_setup(model, policy, precision, blocks)
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
     return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
-                 autocast_here=autocast_here, loss_head=loss_head)
+                 autocast_here=autocast_here, loss_head=loss_head, tiles=tiles)
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -175,6 +180,9 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     #    recompute gathers the parameters again).
     checkpointing = apply_checkpointing(model, policy.checkpointing, blocks=plan.blocks)
     install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
+    # 1b. the MLPs over tiles of tokens, inside the (checkpointed) blocks: before compile traces
+    #     them and FSDP shards them; a tile's checkpoint nests inside the block's.
+    mlp = apply_tiled_mlp(plan.tiles)
     # 2. the loss head, on the causal LM's own forward: inside the autocast that step 3 wraps around
     #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
     #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
@@ -201,7 +209,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss, chunkable_loss=supports_chunked_loss(model),
+        kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, chunkable_loss=supports_chunked_loss(model),
     )
 
 

@@ -1,0 +1,1 @@
+"""What prepare_model applies to a model, one module per transformation."""
