@@ -17,6 +17,7 @@ from ._device import device_of, shard_device
 from .blocks import Blocks, find_blocks
 from .checkpointing import apply_checkpointing, check_checkpointing, install_checkpointing_guard, uses_transformers_checkpointing
 from .compile import apply_compile, check_backend
+from .data.guard import install_packing_guard
 from .fsdp import (
     FSDPResult,
     agree_before_sharding,
@@ -29,7 +30,7 @@ from .loss import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_
 from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
-from .record import MemstackRecord, record_of
+from .record import MemstackRecord, record_of, unwrap_model
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 __all__ = ["describe", "prepare_model"]
@@ -187,6 +188,9 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
     #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
     loss = apply_loss_head(plan.loss_head)
+    # 2b. the packed-batch guard on the root forward, outside the loss head and inside autocast: it
+    #     sees the batch as the caller passes it (the mask, use_cache) before anything runs on it.
+    packing_guard = install_packing_guard(unwrap_model(model), probe=policy.fsdp.mode == "none")
     # 3. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
     if plan.autocast_here:
@@ -209,7 +213,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, chunkable_loss=supports_chunked_loss(model),
+        kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, packing_guard=packing_guard, chunkable_loss=supports_chunked_loss(model),
     )
 
 

@@ -36,12 +36,19 @@ __all__ = [
 _BOUNDARY_AWARE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def is_packed(position_ids: Any) -> bool:
+def is_packed(position_ids: Any, attention_mask: Any = None) -> bool:
     """True when some row of ``position_ids`` (``[rows, tokens]``) restarts: several samples share it.
-    (A row that is one sample counting 0, 1, 2, ... is not packed.) One device sync on a GPU."""
+
+    A row that is one sample counting 0, 1, 2, ... is not packed, and neither is a padded row whose
+    masked positions hold anything (left padding's ``[1, 1, 0, 1, 2]`` with mask ``[0, 0, 1, 1, 1]``):
+    with a 2-D ``attention_mask``, only restarts between two attended tokens count. One device sync on a GPU."""
     if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
         return False
-    return bool((position_ids.diff(dim=-1) != 1).any())
+    restarts = position_ids.diff(dim=-1) != 1
+    if torch.is_tensor(attention_mask) and attention_mask.shape == position_ids.shape:
+        attended = attention_mask.to(torch.bool)
+        restarts &= attended[:, 1:] & attended[:, :-1]
+    return bool(restarts.any())
 
 
 def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
@@ -63,20 +70,22 @@ def check_packed_batch(model: nn.Module, batch: Mapping[str, Any], *, probe: boo
             ``config.use_cache=False``); the model's attention ignores the boundaries (checked
             with a probe when ``probe``, else from the attention implementation's name).
     """
-    if not isinstance(batch, Mapping) or not is_packed(batch.get("position_ids")):
+    if not isinstance(batch, Mapping) or not is_packed(batch.get("position_ids"), batch.get("attention_mask")):
         return False
     _check_no_2d_mask(batch.get("attention_mask"))
     _check_no_cache(model, batch)
     respects = attention_respects_boundaries(model) if probe else _known_boundary_aware(model)
     if not respects:
-        impl = _attn_implementation(model)
-        raise ValueError(
-            f"{type(model).__name__} with attn_implementation={impl!r} lets the samples of a packed row attend to each other: "
-            "two samples packed in one row give the second other logits than it has alone. Load the model with an "
-            f"implementation that reads position_ids boundaries ({', '.join(_BOUNDARY_AWARE)}; a causal LM of "
-            "Transformers 5), or do not pack (pad each sample: DataCollatorWithPadding)"
-        )
+        raise ValueError(ignores_boundaries_message(model))
     return True
+
+
+def ignores_boundaries_message(model: nn.Module) -> str:
+    """The refusal for a model whose attention lets packed samples see each other."""
+    return (f"{type(_unwrapped(model)).__name__} (attn_implementation={_attn_implementation(model)!r}) lets the samples of a "
+            "packed batch attend to each other: two samples packed in one row give the second other logits than it has "
+            "alone. Packed batches need a causal LM whose attention reads position_ids boundaries (Transformers 5: "
+            f"{', '.join(_BOUNDARY_AWARE)}); load it with one, or do not pack (pad each sample: DataCollatorWithPadding)")
 
 
 def _check_no_2d_mask(mask: Any) -> None:
