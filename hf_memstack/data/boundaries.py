@@ -14,7 +14,8 @@ check: the per-token losses of packed rows against each sample run alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 
 __all__ = [
     "PackedComparison",
+    "packing_as_traced",
     "attention_respects_boundaries",
     "check_packed_batch",
     "compare_packed_to_separate",
@@ -153,6 +155,24 @@ def _known_boundary_aware(model: nn.Module) -> bool:
 def _attn_implementation(model: nn.Module) -> str | None:
     config = getattr(_unwrapped(model), "config", None)
     return getattr(config, "_attn_implementation", None)
+
+
+@contextlib.contextmanager
+def packing_as_traced(packed: bool) -> Iterator[None]:
+    """Within: Transformers' packed-sequence detection answers ``packed`` instead of reading the
+    position ids - for the estimator, whose fake tensors have no values. Transformers takes every
+    batch it cannot read for a packed one, and would build (and the estimate count) a dense
+    ``[batch, 1, seq, seq]`` mask that the real run of an unpacked batch never makes. For a packed
+    batch its own answer is kept (the mask, and its shape, are real). Restored on exit."""
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    if not packed:
+        masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
