@@ -83,6 +83,7 @@ def plan_policy(
     device: str | None = None,
     trainable: Any = "all",
     step_in_backward: bool = True,
+    packed: bool = False,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -103,6 +104,7 @@ def plan_policy(
         step_in_backward: whether the optimizer may step inside the backward (``optim:in_backward``
             rungs); pass False when the training loop accumulates gradients, clips them by their
             global norm or averages them with DDP, none of which that rung can do.
+        packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -121,11 +123,12 @@ def plan_policy(
     config = load_config(model)
     task = task or infer_task(model, config)
     precision = resolve_precision("auto", device or ("cuda" if torch.cuda.is_available() else "cpu")).name
-    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable)
+    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, packed=packed)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes)
     shortfalls = []
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=task == "causal-lm",
-                         eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward)
+                         eightbit=importlib.util.find_spec("torchao") is not None, step_in_backward=step_in_backward,
+                         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)))
     for rung in rungs:
         fitted, e = _max_batch(est, rung.policy, usable) if batch_size == "max" else (
             batch_size if est(rung.policy, batch_size).peak_bytes <= usable else 0, est(rung.policy, batch_size))
@@ -202,6 +205,16 @@ def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
     if policy.optimizer.state == "8bit":
         notes.append("optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs")
     return notes
+
+
+def _tiles_help(config: Any, tokens: int) -> bool:
+    """A step's tokens span more than one MLP tile (the mlp:tiled rung then saves memory)."""
+    from .transforms.tiled_mlp import auto_tile_tokens
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
+    experts = any(getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return bool(hidden) and not experts and tokens > auto_tile_tokens(hidden)
 
 
 def _num_blocks(config: Any) -> int:
