@@ -20,7 +20,7 @@ from .memory import StepMemory, measure_step
 from .merge import dequantize, merge_adapters
 from .optim import OptimizerInBackward, make_optimizer
 from .planner import Plan, plan_policy
-from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, OptimizerConfig, QuantConfig
+from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, MLPConfig, OptimizerConfig, QuantConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .simulated import SimulatedMemory, simulated_memory_limit
@@ -41,6 +41,7 @@ __all__ = [
     "Fit",
     "LossConfig",
     "LossHeadResult",
+    "MLPConfig",
     "MemoryEstimate",
     "MemoryPolicy",
     "MemstackRecord",

@@ -45,6 +45,7 @@ from ._finder_search import Found, Search
 from ._ranks import on_every_rank
 from ._snapshot import step_state_restored
 from .accounting import model_state_bytes
+from .data.boundaries import is_packed
 from .errors import BudgetTooSmallError
 from .record import MemstackRecord, record_of
 from .simulated import current_limit, untracked
@@ -138,6 +139,11 @@ class BatchSizeResult:
     """Host memory taken by the copy of what a step changes (frozen weights are not copied)."""
     notes: tuple[str, ...] = ()
     """Anything else worth knowing (compiled model, inexact global batch)."""
+    packed: bool = False
+    """The batches are packed rows (``position_ids`` restarting, :class:`hf_memstack.data.PackedCollator`):
+    ``batch_size`` counts rows of ``seq_len`` tokens, each holding several samples, and
+    ``tokens_per_batch`` is the token budget of a step (with SDPA or eager attention the probes
+    measured the dense mask such rows make)."""
 
     @property
     def steps_run(self) -> int:
@@ -158,7 +164,9 @@ class BatchSizeResult:
                  f"{format_bytes(self.budget)} budget, {self.steps_run} real step(s)"
                  + (f", {self.over_budget_probes} over budget" if self.over_budget_probes else "")
                  + (" (cache hit)" if self.cache_hit else "") + (" (max_batch_size)" if self.capped else "")]
-        if self.tokens_per_batch:
+        if self.tokens_per_batch and self.packed:
+            lines.append(f"  {self.tokens_per_batch} tokens per batch: {self.batch_size} packed rows of {self.seq_len} tokens")
+        elif self.tokens_per_batch:
             lines.append(f"  {self.tokens_per_batch} tokens per batch at sequence length {self.seq_len}")
         if self.global_batch_size:
             lines.append(f"  global batch {self.global_batch_size} = {self.batch_size} x {self.grad_accum} accumulation x "
@@ -340,6 +348,7 @@ def _result(found: Found, runner: StepRunner, status: CacheStatus, path: Path | 
         seq_len=seq_len, tokens_per_batch=best.batch_size * seq_len if seq_len else None,
         global_batch_size=global_batch_size, grad_accum=accum, exact_global_batch=exact, exact_batch_size=exact_size,
         cache=status, cache_file=str(path) if path is not None else None, snapshot_bytes=snapshot_bytes, notes=notes,
+        packed=isinstance(sample, dict) and is_packed(sample.get("position_ids"), sample.get("attention_mask")),
     )
 
 

@@ -18,6 +18,7 @@ from ._device import device_of
 from ._wrappers import CheckpointedForward
 from .blocks import Blocks
 from .policy import CheckpointingConfig
+from .transforms.tiled_mlp import inside_tiled_mlp
 
 __all__ = [
     "SAVED_OPS",
@@ -170,6 +171,9 @@ def _selective_contexts(matmuls: str) -> tuple[Any, Any]:
 def _selective_policy(matmuls: str, counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
+    if inside_tiled_mlp():
+        # A tiled MLP keeps one tile's intermediates at a time; saving its matmuls here would keep all.
+        return CheckpointPolicy.PREFER_RECOMPUTE
     counts["ops"] += 1
     save = op in SAVED_OPS
     if op in _MATMULS:

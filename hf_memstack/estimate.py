@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .accounting import tensor_bytes
+from .data.boundaries import packing_as_traced
 from .memory import StepMemory, measure_step
 from .policy import MemoryPolicy
 from .sizes import format_bytes
@@ -266,6 +267,7 @@ def estimate_memory(
     task: str | None = None,
     trust_remote_code: bool = False,
     dtype: torch.dtype | str | None = "auto",
+    packed: bool = False,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category.
 
@@ -291,6 +293,9 @@ def estimate_memory(
             ``"fp32"`` (or a torch dtype) to count another load. Frozen weights count at it;
             trainable ones as ``prepare_model`` leaves them (it keeps their dtype). The estimate
             says which it used (``weights_dtype``).
+        packed: each row of ``seq_len`` tokens holds several samples (``position_ids`` restarting, as
+            :class:`hf_memstack.data.PackedCollator` makes them). SDPA and eager attention then build a
+            dense ``[batch, 1, seq_len, seq_len]`` mask, which is counted; unpacked batches build none.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -350,8 +355,9 @@ def estimate_memory(
         # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
         # after or in the backward), so its state is traced as it will be allocated.
         opt = make_optimizer(net, traced, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
-        batch = _batch(config, task, batch_size, seq_len)
-        m = _traced_step(net, batch, opt, config, task)
+        batch = _batch(config, task, batch_size, seq_len, packed=packed and task == "causal-lm")
+        with packing_as_traced(packed):
+            m = _traced_step(net, batch, opt, config, task)
     notes += _quant_notes(net, peft_config is not None)
     total_params = sum(p.numel() for p in net.parameters())
     trainable_params = sum(p.numel() for p in params)
@@ -631,8 +637,12 @@ def _apply_peft(net: nn.Module, peft_config: Any) -> nn.Module:
                          f"its linear layers are named {names}: pass target_modules from those") from None
 
 
-def _batch(config: Any, task: str, batch: int, seq: int) -> dict[str, torch.Tensor]:
+def _batch(config: Any, task: str, batch: int, seq: int, *, packed: bool = False) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, max(2, config.vocab_size - 1), (batch, seq))
     if task == "classification":
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(batch, dtype=torch.long)}
+    if packed:  # two samples a row, positions restarting at the second: the collator's layout
+        half = seq // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, seq)
+        return {"input_ids": ids, "labels": ids, "position_ids": positions}
     return {"input_ids": ids, "labels": ids}

@@ -6,7 +6,8 @@ Memory rung by rung, least memory saved (and fastest) first, as measured by ``be
 4. the chunked loss head (causal LMs: the logits and their fp32 copy go, at no cost in speed);
 5. selective (op-level) checkpointing (the cheap ops are recomputed, the matmuls kept); 6. block
 checkpointing (every 4th, 3rd, 2nd block, torchtitan's alternate-matmul selective policy, then
-every block); 7. for LoRA runs, 4-bit base weights (the frozen linear layers of the blocks in NF4:
+every block, then - when a step holds more tokens than one tile - the blocks' MLPs over tiles of
+tokens, kept by every rung after it); 7. for LoRA runs, 4-bit base weights (the frozen linear layers of the blocks in NF4:
 a quarter of their 16-bit bytes); 8. the optimizer: stepped in the backward (no full set of
 gradients), then 8-bit moments, then both; 9. offloading the checkpoints to host memory; 10. FSDP
 over several devices (then with CPU offload). Activation rungs come before the 4-bit and optimizer
@@ -43,8 +44,9 @@ LADDER: dict[str, str] = {
 # Llama, bf16 + full checkpointing, against the same run with 16-bit frozen weights).
 MEASURED_SPEED = {
     "bf16": 1.52, "ckpt": 0.86, "loss_chunked": 1.07, "selective": 0.95, "selective_alternate": 0.93,
-    "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2, "quant": 0.8,
+    "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2, "quant": 0.8, "mlp_tiled": 0.9,
 }
+# mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, the README).
 
 # How much of the activations each checkpointing mode drops (ordering only; measured on the ladder
 # model, of all activations alive after the forward: selective 40%, selective:alternate 47%, every
@@ -61,13 +63,16 @@ class Rung:
 
 
 def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
-                 eightbit: bool = True, step_in_backward: bool = True, quantize: bool = False) -> list[Rung]:
+                 eightbit: bool = True, step_in_backward: bool = True, quantize: bool = False,
+                 tiled_mlp: bool = False) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
     first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
     memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
     ``eightbit``: torchao is installed (the 8-bit optimizer rungs); ``quantize``: a LoRA run with
     torchao installed (4-bit base weights, after full checkpointing and kept on every rung after
-    it); FSDP rungs need several devices."""
+    it); FSDP rungs need several devices; ``tiled_mlp``: a step holds more tokens than one MLP
+    tile, so tiling the MLPs saves memory (an activation rung placed by its measured speed, kept by
+    the rungs after it)."""
     s = MEASURED_SPEED
     speed = s["bf16"] if precision != "fp32" else 1.0
     base = f"{precision}+loss:chunked" if causal_lm else precision
@@ -81,24 +86,33 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     rungs.append(Rung(policy=f"{base}+ckpt:selective:alternate", relative_speed=speed * s["selective_alternate"]))
     full = speed * s["ckpt"]
     rungs.append(Rung(policy=f"{base}+ckpt", relative_speed=full))
+    if tiled_mlp:
+        # Activation rungs change no arithmetic and go before the 4-bit and optimizer rungs, fastest
+        # first; the rungs after this one keep the tiles (their other savings come on top of it).
+        tiled = Rung(policy=f"{base}+ckpt+mlp:tiled", relative_speed=full * s["mlp_tiled"])
+        at = next((i for i, r in enumerate(rungs) if i > causal_lm and r.relative_speed < tiled.relative_speed), len(rungs))
+        rungs.insert(at, tiled)
+        full *= s["mlp_tiled"]
+    tiles = "+mlp:tiled" * tiled_mlp
     # From here on the frozen weights may be 4-bit (LoRA runs): every later rung keeps them so.
     quant = "+quant:nf4" * quantize
     if quantize:
         full *= s["quant"]
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}", relative_speed=full))
+        rungs.append(Rung(policy=f"{base}+ckpt{quant}{tiles}", relative_speed=full))
+    keep = quant + tiles  # in to_string's order
     # fp16's GradScaler needs every gradient before the step: no stepping in the backward there.
     in_backward = step_in_backward and precision != "fp16"
     if in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}+optim:in_backward", relative_speed=full * s["in_backward"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:in_backward", relative_speed=full * s["in_backward"]))
     if eightbit:
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}+optim:8bit", relative_speed=full * s["8bit"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:8bit", relative_speed=full * s["8bit"]))
     optim = "+optim:8bit" * eightbit + "+optim:in_backward" * in_backward
     if eightbit and in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
-    rungs.append(Rung(policy=f"{base}+ckpt:offload{quant}{optim}", relative_speed=full * s["offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
+    rungs.append(Rung(policy=f"{base}+ckpt:offload{keep}{optim}", relative_speed=full * s["offload"]))
     if world_size > 1:
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}+fsdp", relative_speed=full * s["fsdp"]))
-        rungs.append(Rung(policy=f"{base}+ckpt{quant}+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp", relative_speed=full * s["fsdp"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
     return rungs
 
 

@@ -442,6 +442,7 @@ def chunked_lm_loss(
     chunk_tokens: int,
     softcap: float | None = None,
     logit_multiplier: float = 1.0,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Next-token cross-entropy of ``head(hidden)`` without the full logits; equal to Transformers'
     ``ForCausalLMLoss`` (labels shifted left, ``ignore_index`` skipped, ``sum / num_items_in_batch``
@@ -453,6 +454,9 @@ def chunked_lm_loss(
         labels: ``[batch, seq]`` token ids (shifted here), or ``shift_labels`` already aligned with ``hidden``.
         chunk_tokens: tokens per chunk.
         softcap, logit_multiplier: the head's transform of its logits (``softcap * tanh(m * z / softcap)``).
+        compiled: each chunk's softmax, loss and logit gradient run as one ``torch.compile``d function
+            (Inductor fuses the passes over the ``[chunk, vocab]`` logits; the matmuls stay eager). A
+            plain linear head only; the first call compiles (seconds).
 
     Raises:
         ValueError: a label (other than ``ignore_index``) outside the head's vocabulary.
@@ -463,12 +467,12 @@ def chunked_lm_loss(
                             model_name=type(head).__name__)
     return _chunked_lm_loss(hidden, head, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                             ignore_index=ignore_index, chunk_tokens=chunk_tokens, softcap=softcap,
-                            logit_multiplier=logit_multiplier)
+                            logit_multiplier=logit_multiplier, compiled=compiled)
 
 
 def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Tensor | None,
                      shift_labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, ignore_index: int,
-                     chunk_tokens: int, softcap: float | None, logit_multiplier: float) -> torch.Tensor:
+                     chunk_tokens: int, softcap: float | None, logit_multiplier: float, compiled: bool) -> torch.Tensor:
     if shift_labels is None:
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -478,7 +482,7 @@ def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Ten
     if linear is not None:
         weight, bias = _full(linear.weight), _full(linear.bias) if linear.bias is not None else None
         total = _FusedLinearCrossEntropy.apply(flat, weight, bias, targets, chunk_tokens, logit_multiplier, softcap,
-                                               _compute_dtype(flat, weight), ignore_index)
+                                               _compute_dtype(flat, weight), ignore_index, compiled)
     else:
         total = _checkpointed_chunks(flat, head, targets, chunk_tokens, logit_multiplier, softcap, ignore_index)
     if num_items_in_batch is None:
@@ -496,7 +500,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                chunk: int, multiplier: float, softcap: float | None, dtype: torch.dtype, ignore_index: int) -> torch.Tensor:
+                chunk: int, multiplier: float, softcap: float | None, dtype: torch.dtype, ignore_index: int,
+                compiled: bool = False) -> torch.Tensor:
         wants_h, wants_w = hidden.requires_grad, weight.requires_grad
         wants_b = bias is not None and bias.requires_grad
         with torch.autocast(hidden.device.type, enabled=False):
@@ -510,10 +515,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            step = _compiled_chunk_step if compiled else _chunk_step
             for start in range(0, h.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                total += _chunk_step(h[rows], w, b, targets[rows], multiplier, softcap, ignore_index, grad_h, grad_w, grad_b,
-                                     rows, wants_h or wants_w or wants_b)
+                total += step(h[rows], w, b, targets[rows], multiplier, softcap, ignore_index, grad_h, grad_w, grad_b,
+                              rows, wants_h or wants_w or wants_b)
         # Saved: the input's and the head's gradients, in the compute dtype - the head's takes the
         # bytes of the weight copy that the unchunked path saves for its backward.
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -528,7 +534,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         out_h = grad_h.to(h_dtype).mul_(scale) if grad_h is not None else None
         out_w = grad_w.to(w_dtype).mul_(scale) if grad_w is not None else None
         out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
-        return out_h, out_w, out_b, None, None, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
 def _chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, multiplier: float,
@@ -562,6 +568,59 @@ def _chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: tor
     if grad_b is not None:
         grad_b += g.sum(0)
     return loss
+
+
+def _compiled_chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, multiplier: float,
+                         softcap: float | None, ignore_index: int, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
+                         grad_b: torch.Tensor | None, rows: slice, wants_grad: bool) -> torch.Tensor:
+    """:func:`_chunk_step` with the work between the matmuls compiled (one fused function)."""
+    raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    loss, g_low, g_bias = _compiled_softmax_xent()(raw, y, multiplier, softcap, ignore_index, wants_grad, grad_b is not None)
+    if g_low is not None:
+        if grad_h is not None:
+            grad_h[rows] = g_low @ w
+        if grad_w is not None:
+            grad_w.addmm_(g_low.t(), h)
+        if grad_b is not None:
+            grad_b += g_bias
+    return loss
+
+
+def _softmax_xent(raw: torch.Tensor, y: torch.Tensor, multiplier: float, softcap: float | None, ignore_index: int,
+                  wants_grad: bool, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk's summed loss and the loss's gradient on the raw logits (in their dtype; its fp32
+    column sums for a bias), written out of place: Inductor fuses it into a few passes over the chunk."""
+    z = raw.float()
+    if multiplier != 1.0:
+        z = z * multiplier
+    squash = torch.tanh(z / softcap) if softcap is not None else None
+    if squash is not None:
+        z = squash * softcap
+    valid = (y != ignore_index).unsqueeze(1)
+    safe = torch.where(valid.squeeze(1), y, 0).unsqueeze(1)
+    top = z.amax(dim=-1, keepdim=True)
+    e = (z - top).exp()
+    norm = e.sum(dim=-1, keepdim=True)
+    loss = ((norm.log() + top - z.gather(1, safe)) * valid).sum()
+    if not wants_grad:
+        return loss, None, None
+    one_hot = torch.zeros_like(z).scatter_(1, safe, 1.0)
+    g = (e / norm - one_hot) * valid
+    if squash is not None:
+        g = g * (1 - squash * squash)
+    if multiplier != 1.0:
+        g = g * multiplier
+    return loss, g.to(raw.dtype), g.sum(0) if bias_grad else None
+
+
+_COMPILED: list[Any] = []
+
+
+def _compiled_softmax_xent() -> Any:
+    # Compiled once per process, for every chunk shape (dynamic): the last, shorter chunk reuses it.
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_softmax_xent, dynamic=True))
+    return _COMPILED[0]
 
 
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, multiplier: float,

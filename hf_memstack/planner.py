@@ -93,6 +93,7 @@ def plan_policy(
     trainable: Any = "all",
     step_in_backward: bool = True,
     dtype: Any = "auto",
+    packed: bool = False,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -118,6 +119,7 @@ def plan_policy(
             global norm or averages them with DDP, none of which that rung can do.
         dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
             ``from_pretrained`` gives); every rung is estimated at it.
+        packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -142,7 +144,8 @@ def plan_policy(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
     precision = "bf16" if device.startswith("cuda") and not torch.cuda.is_available() else resolve_precision("auto", device).name
-    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, dtype=weights.dtype)
+    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, dtype=weights.dtype,
+                     packed=packed)
     plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes,
                 weights_dtype=weights.name, weights_dtype_source=weights.source)
     shortfalls = []
@@ -150,7 +153,8 @@ def plan_policy(
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=chunked,
-                         eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable))
+                         eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable),
+                         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)))
     floors: dict[str, int] = {}
     for rung in rungs:
         row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
@@ -270,6 +274,16 @@ def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
     if policy.optimizer.state == "8bit":
         notes.append("optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs")
     return notes
+
+
+def _tiles_help(config: Any, tokens: int) -> bool:
+    """A step's tokens span more than one MLP tile (the mlp:tiled rung then saves memory)."""
+    from .transforms.tiled_mlp import auto_tile_tokens
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)
+    experts = any(getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return bool(hidden) and not experts and tokens > auto_tile_tokens(hidden)
 
 
 def _num_blocks(config: Any) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "FSDPConfig",
     "LADDER",
     "LossConfig",
+    "MLPConfig",
     "MemoryPolicy",
     "OptimizerConfig",
     "PolicyError",
@@ -47,6 +48,7 @@ CompileMode = Literal["none", "full", "regional"]
 CompileInductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 FSDPMode = Literal["none", "full_shard", "shard_grad_op", "hybrid_shard"]
 LossMode = Literal["default", "chunked"]
+MLPMode = Literal["default", "tiled"]
 OptimizerState = Literal["fp32", "8bit"]
 OptimizerStep = Literal["after_backward", "in_backward"]
 QuantMode = Literal["none", "nf4"]
@@ -140,6 +142,23 @@ class LossConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MLPConfig:
+    """Each block's MLP over tiles of tokens. For long sequences its intermediate activations
+    (``tokens x intermediate``, 2.7-5x the hidden size) are the largest tensors left while
+    checkpointing recomputes a block; tiled, one tile's exist at a time, for one more MLP forward."""
+
+    mode: MLPMode = "default"
+    """``default``: the MLP as the model runs it; ``tiled``: in tiles of ``tile_tokens`` tokens,
+    each checkpointed (forward and backward hold one tile's intermediates)."""
+
+    tile_tokens: int | None = None
+    """Tokens per tile with ``mode="tiled"``; None: the hidden size (at least 256)."""
+
+    module_name: str | None = None
+    """The MLP's name inside each block (``mlp`` or ``feed_forward`` are found by themselves)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     """How much memory AdamW's state and the gradients take. The policy records it and
     :func:`hf_memstack.make_optimizer` builds the optimizer from it (``prepare_model`` never sees
@@ -188,6 +207,7 @@ _SUBCONFIGS: dict[str, type] = {
     "fsdp": FSDPConfig,
     "loss": LossConfig,
     "quant": QuantConfig,
+    "mlp": MLPConfig,
     "optimizer": OptimizerConfig,
 }
 
@@ -217,6 +237,8 @@ class MemoryPolicy:
 
     quant: QuantConfig = field(default_factory=QuantConfig)
     """4-bit base weights; a mode string (``"nf4"``) or a dict is accepted too."""
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    """The blocks' MLPs (``"tiled"``: over tiles of tokens); a mode string or a dict is accepted too."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
@@ -264,6 +286,7 @@ class MemoryPolicy:
         _validate_fsdp(self.fsdp, problems)
         _validate_loss(self.loss, problems)
         _validate_quant(self.quant, problems)
+        _validate_mlp(self.mlp, problems)
         _validate_optimizer(self.optimizer, problems)
         if self.fsdp.mode != "none" and self.checkpointing.mode == "offload":
             problems.append(
@@ -316,6 +339,7 @@ class MemoryPolicy:
         * ``loss:chunked`` (the causal-LM head and loss a chunk of tokens at a time);
         * ``quant:nf4`` (the blocks' linear layers in 4 bits, for LoRA), ``quant:nf4:upcast`` (and
           the other 16-bit parameters in fp32, as PEFT's ``prepare_model_for_kbit_training``);
+        * ``mlp:tiled`` (each block's MLP over tiles of tokens);
         * ``optim:8bit`` (8-bit AdamW moments), ``optim:in_backward`` (step each parameter as its
           gradient is ready); both may be given.
 
@@ -338,7 +362,7 @@ class MemoryPolicy:
             if key in seen:
                 problems.append(
                     f"policy string {original!r}: {token!r} conflicts with {seen[key]!r}; give each of "
-                    "precision, ckpt, compile, fsdp, loss and quant at most once (optim:8bit and optim:in_backward may go together)"
+                    "precision, ckpt, compile, fsdp, loss, quant and mlp at most once (optim:8bit and optim:in_backward may go together)"
                 )
                 continue
             seen[key] = token
@@ -357,7 +381,7 @@ class MemoryPolicy:
                 problems.append(
                     f"policy string {original!r}: unknown token {token!r}; allowed: a precision "
                     f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'ckpt:selective[:alternate]', "
-                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'quant:nf4[:upcast]', 'optim:8bit', 'optim:in_backward', "
+                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'quant:nf4[:upcast]', 'mlp:tiled', 'optim:8bit', 'optim:in_backward', "
                     f"or a preset ({', '.join(LADDER)})"
                 )
         if problems:
@@ -459,6 +483,8 @@ class MemoryPolicy:
             parts.append("loss:chunked")
         if self.quant.mode == "nf4":
             parts.append("quant:nf4" + (":upcast" if self.quant.upcast else ""))
+        if self.mlp.mode == "tiled":
+            parts.append("mlp:tiled")
         if self.optimizer.state == "8bit":
             parts.append("optim:8bit")
         if self.optimizer.step == "in_backward":
@@ -498,6 +524,8 @@ def _parse_quant(arg: str, _: Any) -> QuantConfig | None:
     if arg in ("nf4", "nf4:upcast"):
         return QuantConfig(mode="nf4", upcast=arg.endswith("upcast"))
     return None
+def _parse_mlp(arg: str, _: Any) -> MLPConfig | None:
+    return MLPConfig(mode="tiled") if arg == "tiled" else None
 
 
 def _parse_optim(arg: str, current: OptimizerConfig | None) -> OptimizerConfig | None:
@@ -516,6 +544,7 @@ _TOKENS: dict[str, tuple[str, Any, str]] = {
     "fsdp": ("fsdp", _parse_fsdp, "'fsdp', 'fsdp:shard_grad_op', 'fsdp:hybrid_shard', 'fsdp:offload'"),
     "loss": ("loss", _parse_loss, "'loss:chunked'"),
     "quant": ("quant", _parse_quant, "'quant:nf4', 'quant:nf4:upcast'"),
+    "mlp": ("mlp", _parse_mlp, "'mlp:tiled'"),
     "optim": ("optimizer", _parse_optim, "'optim:8bit', 'optim:in_backward'"),
 }
 
@@ -628,6 +657,16 @@ def _validate_quant(qu: QuantConfig, problems: list[str]) -> None:
                         "'v_proj']), or None for every linear layer of the blocks")
     if qu.mode == "none" and (qu.upcast or qu.targets is not None):
         problems.append("policy.quant.upcast / targets are set but policy.quant.mode='none'; set quant.mode='nf4' or drop them")
+def _validate_mlp(ml: MLPConfig, problems: list[str]) -> None:
+    _check_choice(problems, "policy.mlp.mode", ml.mode, MLPMode)
+    n = ml.tile_tokens
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        problems.append(f"policy.mlp.tile_tokens={n!r} must be a positive integer (tokens per tile) or None (the hidden size)")
+    if ml.module_name is not None and (not isinstance(ml.module_name, str) or not ml.module_name):
+        problems.append(f"policy.mlp.module_name={ml.module_name!r} must be the MLP's name inside a block (e.g. 'mlp') or None")
+    if ml.mode != "tiled" and (n is not None or ml.module_name is not None):
+        problems.append(f"policy.mlp.tile_tokens / module_name only apply to mode='tiled' (mode is {ml.mode!r}); set "
+                        "mode='tiled' or drop them")
 
 
 def _validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:

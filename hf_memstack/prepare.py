@@ -17,6 +17,7 @@ from ._device import device_of, shard_device
 from .blocks import Blocks, find_blocks
 from .checkpointing import apply_checkpointing, check_checkpointing, install_checkpointing_guard, uses_transformers_checkpointing
 from .compile import apply_compile, check_backend
+from .data.guard import install_packing_guard
 from .fsdp import (
     FSDPResult,
     agree_before_sharding,
@@ -29,8 +30,9 @@ from .loss import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_
 from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
-from .record import MemstackRecord, record_of
+from .record import MemstackRecord, record_of, unwrap_model
 from .transforms.quant import QuantPlan, apply_quant, check_quant
+from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 __all__ = ["describe", "prepare_model"]
 
@@ -52,6 +54,8 @@ class _Plan:
     """Where and how the chunked loss goes (None: the model's own loss)."""
     quant: QuantPlan | None = None
     """Which linear layers become 4-bit, and which came 4-bit."""
+    tiles: _TilePlan | None = None
+    """Which MLPs run over tiles of tokens (None: none)."""
 
 
 def prepare_model(
@@ -160,9 +164,11 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
         (ck.mode != "none" and not uses_transformers_checkpointing(model, ck))
         or policy.compile.mode == "regional"
         or policy.fsdp.mode != "none"
+        or policy.mlp.mode != "default"
     )
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
+    tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
     quant = check_quant(model, policy.quant, dtype=precision.dtype, blocks=blocks, shards=_shards(policy), fsdp=policy.fsdp.mode != "none")
     _warn_on_training_setup(model, policy, precision, blocks, quant)
@@ -170,7 +176,8 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
     return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
-                 autocast_here=autocast_here, loss_head=loss_head, quant=quant)
+                 autocast_here=autocast_here, loss_head=loss_head, quant=quant,
+                 tiles=tiles)
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -192,10 +199,16 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
     if policy.checkpointing.mode != "none":
         model.register_forward_pre_hook(_TrainingInEvalModeCheck(type(model).__name__))
+    # 1b. the MLPs over tiles of tokens, inside the (checkpointed) blocks: before compile traces
+    #     them and FSDP shards them; a tile's checkpoint nests inside the block's.
+    mlp = apply_tiled_mlp(plan.tiles)
     # 2. the loss head, on the causal LM's own forward: inside the autocast that step 3 wraps around
     #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
     #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
     loss = apply_loss_head(plan.loss_head)
+    # 2b. the packed-batch guard on the root forward, outside the loss head and inside autocast: it
+    #     sees the batch as the caller passes it (the mask, use_cache) before anything runs on it.
+    packing_guard = install_packing_guard(unwrap_model(model), probe=policy.fsdp.mode == "none")
     # 3. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
     if plan.autocast_here:
@@ -218,7 +231,8 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     return MemstackRecord(
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss, chunkable_loss=supports_chunked_loss(model), quant=quant,
+        kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, packing_guard=packing_guard,
+        chunkable_loss=supports_chunked_loss(model), quant=quant,
     )
 
 

@@ -18,6 +18,7 @@ from .loss import LossHeadResult
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision
 from .transforms.quant import QuantResult
+from .transforms.tiled_mlp import TiledMLPResult
 
 __all__ = ["MemstackRecord", "record_of", "unwrap_model"]
 
@@ -50,6 +51,10 @@ class MemstackRecord:
     """``model.config.use_cache`` was turned off: training never reads the KV cache."""
     loss: LossHeadResult = field(default_factory=lambda: LossHeadResult(mode="default"))
     """How the training loss of the output head is computed."""
+    mlp: TiledMLPResult = field(default_factory=lambda: TiledMLPResult(mode="default"))
+    """Whether and how each block's MLP runs over tiles of tokens."""
+    packing_guard: bool = False
+    """The forward refuses packed batches that would let samples attend to each other (:mod:`hf_memstack.data.boundaries`)."""
     chunkable_loss: bool = False
     """The model is a causal LM whose loss ``loss:chunked`` can compute (the ladder's first memory
     rung for it, when the policy does not chunk already)."""
@@ -79,6 +84,8 @@ class MemstackRecord:
         lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
         lines.append(f"  loss: {self.loss.describe()}")
         lines.append(f"  4-bit base: {self.quant.describe()}")
+        if self.mlp.mode != "default":
+            lines.append(f"  mlp: {self.mlp.describe()}")
         op = self.policy.optimizer
         if (op.state, op.step) != ("fp32", "after_backward"):
             lines.append(f"  optimizer: AdamW with {op.state} state, stepped {op.step.replace('_', ' ')} "

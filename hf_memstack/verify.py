@@ -79,6 +79,8 @@ class _Observed:
     backward_error: str | None = None
     """Why the backward could not run (the loss needs no gradient), or None."""
     flops: _Flops = field(default_factory=lambda: _Flops())
+    tiles: dict[int, list[int]] = field(default_factory=dict)
+    """Per tiled MLP (block index): the calls of its first submodule in the forward and in the backward."""
 
 
 def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False) -> VerifyReport:
@@ -99,6 +101,9 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
         * ``quant`` (4-bit base weights): which parameters are 4-, 16- and 32-bit; the 4-bit layers
           still are (nothing dequantized or upcast them after ``prepare_model``) and the adapters on
           them got gradients.
+        * ``mlp`` (tiled MLP): each tiled MLP ran in tiles in the forward and recomputed them in the backward;
+        * ``packing`` (a packed batch: ``position_ids`` restarting inside a row): the per-token
+          losses of the packed rows equal those of each sample run alone (its first 8 samples).
 
     An optimizer stepping in the backward (``make_optimizer`` with ``optim:in_backward``) is
     paused meanwhile. ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
@@ -160,6 +165,7 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     with stance:
         observed = _observe_step(model, batch, loss_fn, record, shared=shared)
         loss_check = _check_loss_head(model, batch, loss_fn, record, shared=shared) if record.loss.mode == "chunked" else None
+        packing_check = _check_packing(model, batch, record, shared=shared)
     report.saved_activation_bytes = observed.saved_bytes
     report.recomputed_blocks = observed.recomputed
     report.forward_flops, report.backward_flops = observed.flops.forward, observed.flops.backward
@@ -171,6 +177,10 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
         report.checks.append(Check("quant", *verify_quant(model, record.quant)))
     if loss_check is not None:
         report.checks.append(loss_check)
+    if record.mlp.mode == "tiled":
+        report.checks.append(_check_tiles(record, observed))
+    if packing_check is not None:
+        report.checks.append(packing_check)
     if record.compile.regions and observed.backward_error is None:
         for p in params:
             p.grad = None
@@ -218,9 +228,20 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
         observed.saved_bytes += t.numel() * t.element_size()
         return t
 
+    def tile_hook(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module.training:  # not the packed-batch guard's probe (it runs in eval mode)
+                observed.tiles.setdefault(i, [0, 0])[int(in_backward)] += 1
+        return hook
+
     # Submodules, not the block itself: checkpointing re-runs the block's forward function, not
-    # its __call__, so only inner modules re-run visibly (their hooks fire during backward).
-    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()]
+    # its __call__, so only inner modules re-run visibly (their hooks fire during backward). A tiled
+    # MLP recomputes its tiles in the backward on its own: its modules are watched apart.
+    mlps = _tiled_mlps(record)
+    inside_mlps = {id(m) for mlp in mlps.values() for m in mlp.modules()}
+    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()
+               if id(sub) not in inside_mlps]
+    handles += [next(mlp.children(), mlp).register_forward_hook(tile_hook(i)) for i, mlp in mlps.items()]
     handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
     handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: in_backward)
     try:
@@ -395,6 +416,43 @@ def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, recor
     if not ok:
         detail += ": they differ; prepare the model without loss:chunked"
     return Check("loss", ok, detail)
+
+
+def _tiled_mlps(record: MemstackRecord) -> dict[int, nn.Module]:
+    if record.mlp.mode != "tiled" or record.blocks is None:
+        return {}
+    blocks = record.blocks.modules
+    return {i: blocks[i].get_submodule(record.mlp.module_name) for i in record.mlp.tiled}
+
+
+def _check_tiles(record: MemstackRecord, observed: _Observed) -> Check:
+    """Each tiled MLP ran more than one tile in the forward and re-ran every tile in the backward."""
+    if observed.backward_error is not None:
+        return Check("mlp", False, f"not observed: {observed.backward_error}")
+    counts = [observed.tiles.get(i, [0, 0]) for i in record.mlp.tiled]
+    forward, backward = min(c[0] for c in counts), min(c[1] for c in counts)
+    detail = (f"{len(counts)} tiled MLP(s), tiles of {record.mlp.tile_tokens} tokens: at least {forward} tile(s) each in the "
+              f"forward, {backward} recomputed in the backward")
+    if forward <= 1:
+        return Check("mlp", True, detail + f": this batch fits one tile per row set (<= {record.mlp.tile_tokens} tokens), so "
+                     "the MLPs ran whole; longer batches run in tiles")
+    ok = backward >= forward
+    return Check("mlp", ok, detail if ok else detail + ": some tiles were not recomputed in the backward - the tiles' "
+                 "intermediates were kept; prepare the model without mlp:tiled and report it")
+
+
+def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shared: bool) -> Check | None:
+    """A packed batch's rows against each of their first samples run alone (None: not a packed
+    batch, or a model whose forward is a collective: each rank's rows hold other samples, so the
+    per-sample forwards would not pair up across ranks; compare on one process)."""
+    from .data.boundaries import compare_packed_to_separate, is_packed
+
+    if shared or not isinstance(batch, dict) or not is_packed(batch.get("position_ids"), batch.get("attention_mask")):
+        return None
+    # fp32: the same arithmetic in other kernels (masked against causal attention); bf16/fp16: their rounding.
+    tolerance = 5e-2 if record.precision.mixed else 5e-3
+    comparison = compare_packed_to_separate(model, batch, tolerance=tolerance)
+    return Check("packing", comparison.ok, comparison.describe())
 
 
 def _first_sample(batch: Any) -> Any:
