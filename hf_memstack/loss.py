@@ -472,7 +472,7 @@ def chunked_lm_loss(
 
 def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Tensor | None,
                      shift_labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, ignore_index: int,
-                     chunk_tokens: int, softcap: float | None, logit_multiplier: float, compiled: bool) -> torch.Tensor:
+                     chunk_tokens: int, softcap: float | None, logit_multiplier: float, compiled: bool = False) -> torch.Tensor:
     if shift_labels is None:
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
