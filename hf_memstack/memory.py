@@ -22,6 +22,7 @@ from torch import nn
 from ._device import device_of, synchronize
 from ._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
 from .accounting import bnb_state_tensors, model_state_bytes, tensor_bytes
+from .data.guard import settle_packing_guard
 from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
 
@@ -146,6 +147,7 @@ def measure_step(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    settle_packing_guard(model, batch)  # its one-time probe runs outside the measured step
     tracked = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
     peak, method = tracked.peak_bytes, tracked.method
     if device.type == "cuda":

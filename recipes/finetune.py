@@ -86,7 +86,10 @@ class FinetuneConfig:
     prompt_field: str | None = field(default=None, metadata={"help": "prompt column: train on prompt+response with the loss masked on the prompt"})
     response_field: str | None = field(default=None, metadata={"help": "response column (with --prompt-field)"})
     label_field: str = field(default="label", metadata={"help": "label column for classification (all ints or all strings)"})
-    packing: bool = field(default=False, metadata={"help": "causal-lm plain text: concatenate texts into full --seq-len blocks"})
+    packing: Literal["off", "on", "wrapped"] = field(default="off", metadata={"help": (
+        "causal-lm: 'on' (or a bare --packing) packs whole samples into --seq-len rows, best-fit decreasing, with position_ids "
+        "restarting at each sample so no sample attends to another (plain text and prompt/response; the prompt stays masked); "
+        "'wrapped' concatenates the texts and cuts --seq-len blocks that cross samples (pretraining-style, plain text only)")})
     policy: str = field(default="auto", metadata={"help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
                                                           "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters on frozen weights (0: full fine-tuning)"})
@@ -144,6 +147,7 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     # '--memory-budget -1GiB' joined as '--memory-budget=-1GiB': argparse would read the size as a flag
     # ("expected one argument"); joined, the size check says what is wrong with it.
     argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv), ("--memory-budget", "--memory_budget"))
+    argv = _bare_packing_flag(argv)
 
     class Parser(HfArgumentParser):
         def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and exit
@@ -153,6 +157,8 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     parser.add_argument("--config", help="a YAML or JSON file of FinetuneConfig fields; flags override it")
     config_path = _peek_config_flag(argv)
     file_values = _read_config_file(config_path) if config_path else {}
+    if isinstance(file_values.get("packing"), bool):  # it was a switch: true is now 'on', false 'off'
+        file_values["packing"] = "on" if file_values["packing"] else "off"
     # File values become the flags' defaults: a string (YAML reads '2e-4' as one) goes through the
     # flag's type like a command-line value; other values are checked against the annotation below.
     parser.set_defaults(**file_values)
@@ -166,6 +172,12 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
     if problems:
         raise RecipeError("invalid configuration (nothing was loaded or written):\n  - " + "\n  - ".join(problems))
     return _resolve_paths(_widen(cfg))
+
+
+def _bare_packing_flag(argv: list[str]) -> list[str]:
+    """``--packing`` alone (it was a switch) means ``--packing on``."""
+    return [f"{a}=on" if a == "--packing" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a
+            for i, a in enumerate(argv)]
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -372,8 +384,11 @@ def check_config(cfg: FinetuneConfig) -> None:
             bad("validation_file", f"is not a {'/'.join(sorted(_FORMATS))} file; pass an existing file or leave it out")
     if (cfg.prompt_field is None) != (cfg.response_field is None):
         problems.append("prompt_field and response_field go together; give both or neither")
-    if cfg.packing and (cfg.prompt_field or cfg.task == "classification"):
-        bad("packing", "only applies to causal-lm plain text; drop --packing")
+    if cfg.packing != "off" and cfg.task == "classification":
+        bad("packing", "only applies to causal-lm (a classification row is one sample with one label); drop --packing")
+    elif cfg.packing == "wrapped" and cfg.prompt_field:
+        bad("packing", "cuts blocks across samples, which prompt/response data cannot be; use --packing on "
+            "(whole samples per row, the prompt stays masked)")
     if not _is_alias(cfg.model) and _looks_local(cfg.model) and not (Path(cfg.model) / "config.json").is_file():
         bad("model", "is not a model directory (no config.json); pass a directory saved by save_pretrained or a hub id")
     if cfg.tokenizer is not None and _looks_local(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
@@ -735,7 +750,7 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
                 # The loss is on the response only: prompt positions are -100.
                 labels.append(([-100] * len(p_ids) + r_ids)[: cfg.seq_len])
             return {"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids], "labels": labels}
-    elif cfg.packing:
+    elif cfg.packing == "wrapped":
         def enc(rows: dict) -> dict:
             stream = [t for text in rows[cfg.text_field] for t in tokenizer(text + eos, add_special_tokens=False)["input_ids"]]
             n = len(stream) // cfg.seq_len * cfg.seq_len
@@ -749,6 +764,35 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
 
     cols = train.column_names
     train_ds, val_ds = train.map(enc, batched=True, remove_columns=cols), val.map(enc, batched=True, remove_columns=cols)
+    _check_learnable(train_ds, val_ds, cfg)
+    if cfg.packing == "on":
+        train_ds, val_ds = pack_rows(train_ds, cfg), pack_rows(val_ds, cfg)
+    return train_ds, val_ds, 0
+
+
+def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:
+    """Whole samples packed into rows of --seq-len tokens (hf_memstack.data.pack_dataset: best-fit
+    decreasing; no sample is split, each is at most --seq-len tokens already)."""
+    from hf_memstack.data import pack_dataset
+
+    return pack_dataset(ds, cfg.seq_len)
+
+
+def packing_summary(packed: Any, cfg: FinetuneConfig) -> str:
+    """The training rows' padding packed (rows padded to --seq-len) against the same samples in
+    padded batches (each padded to its longest sample, at --batch-size or 8 with --batch-size auto)."""
+    from hf_memstack.data import padding_stats
+
+    lengths = [n for row in packed["seq_lengths"] for n in row]
+    tokens, slots = sum(lengths), len(packed) * cfg.seq_len
+    batch = int(cfg.batch_size) if cfg.batch_size.isdigit() else 8
+    padded = padding_stats(lengths, batch, seed=cfg.seed)
+    return (f"packing: {len(lengths)} training samples ({tokens} tokens) in {len(packed)} rows of {cfg.seq_len}: "
+            f"{1 - tokens / slots:.1%} padding, against {padded.padding_fraction:.1%} in padded batches of {batch}")
+
+
+def _check_learnable(train_ds: Any, val_ds: Any, cfg: FinetuneConfig) -> None:
+    """Rows with nothing to learn: no full wrapped block, a prompt filling all --seq-len tokens."""
     for name, ds in (("training", train_ds), ("validation", val_ds)):
         if len(ds) == 0:
             raise RecipeError(f"packing: the {name} texts hold fewer than --seq-len={cfg.seq_len} tokens in all; "
@@ -758,12 +802,17 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
             if empty:
                 raise RecipeError(f"{name} row {empty[0] + 1}: the prompt fills all --seq-len={cfg.seq_len} tokens, "
                                   f"no response token is left to learn ({len(empty)} such row(s)); raise --seq-len or shorten the prompts")
-    return train_ds, val_ds, 0
 
 
-def collate(tokenizer: Any, pad_to: int | None = None):
-    """Pad a list of samples into a batch; labels are padded with -100 (ignored by the loss)."""
+def collate(tokenizer: Any, pad_to: int | None = None, *, packed: bool = False):
+    """Pad a list of samples into a batch; labels are padded with -100 (ignored by the loss). Packed
+    rows (--packing on) go through hf_memstack.data.PackedCollator: position_ids restarting at each
+    sample and no attention_mask (a 2-D mask would let the samples attend to each other)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if packed:
+        from hf_memstack.data import PackedCollator
+
+        return PackedCollator(pad_token_id=pad_id, pad_to=pad_to)
 
     def fn(samples: list[dict]) -> dict[str, torch.Tensor]:
         width = pad_to or max(len(s["input_ids"]) for s in samples)
@@ -1408,6 +1457,8 @@ def setup(cfg: FinetuneConfig) -> Job:
                 log("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
         tokenizer = load_tokenizer(cfg, model_path)
         train_ds, val_ds, num_labels = tokenize(train_raw, val_raw, task, tokenizer, cfg)
+        if cfg.packing == "on":
+            log(packing_summary(train_ds, cfg))
     except RecipeError as e:
         error = e
     _agree(accelerator, error)
@@ -1480,7 +1531,7 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
     # recompile for each new padded length (pytorch#188150). The finder measures batches of this collate too.
     pad_to = cfg.seq_len if policy.compile.mode != "none" else None
-    batch_collate = collate(tokenizer, pad_to)
+    batch_collate = collate(tokenizer, pad_to, packed=cfg.packing == "on")
     state, resolved = TrainerState(), None
     if plan.resume is not None:
         saved = read_trainer_state(plan.resume.path)
@@ -1518,7 +1569,7 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=batch_collate,
                                            num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None,
                                            generator=torch.Generator().manual_seed(cfg.seed))
-    val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to),
+    val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to, packed=cfg.packing == "on"),
                                          num_workers=cfg.num_workers, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
     if len(train_dl) == 0:
         raise RecipeError(f"batch_size={batch_size}: the {len(train_ds)} training rows do not fill one batch (compile drops the "
@@ -1884,7 +1935,7 @@ def train(job: Job) -> None:
             measure_next = False
             state.batches_in_epoch += 1
             window.losses.append(loss)
-            window.tokens += int(batch["attention_mask"].sum()) * world
+            window.tokens += real_tokens(batch) * world
             window.samples += batch["input_ids"].shape[0] * world
             if lr is None:  # inside an accumulation window
                 continue
@@ -1911,6 +1962,21 @@ def train(job: Job) -> None:
             state.epoch += 1
             state.batches_in_epoch = 0
     bar.close()
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The batch's tokens that are not padding: the attention mask's ones; in packed rows (no mask),
+    every position but each row's trailing padding segment (PackedCollator's: its own restarting
+    positions, labels -100)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    positions, labels = batch["position_ids"], batch["labels"]
+    total = positions.numel()
+    for row_pos, row_labels in zip(positions, labels):
+        start = int((row_pos == 0).nonzero()[-1])  # the last segment
+        if start > 0 and bool((row_labels[start:] == -100).all()):
+            total -= row_pos.numel() - start
+    return total
 
 
 def _log_row(job: Job, window: _Window) -> dict[str, Any]:

@@ -45,6 +45,20 @@ def install_packing_guard(model: nn.Module, *, probe: bool) -> bool:
     return True
 
 
+def settle_packing_guard(model: nn.Module, batch: Any) -> None:
+    """Run the guard's checks of a packed ``batch`` now, before a measured step: its one-time probe
+    of the attention runs two extra forwards, which a memory meter would count (and PyTorch's
+    MemTracker refuses a module called twice in one tracked step). Nothing for other batches."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):  # DDP / Accelerate wrappers
+        inner = inner.module
+    guard = getattr(inner, "forward", None)
+    if isinstance(guard, PackedBatchGuard) and isinstance(batch, dict) and batch.get("position_ids") is not None:
+        positions = batch["position_ids"]
+        if not _is_fake(positions):
+            guard._check(dict(batch))
+
+
 class PackedBatchGuard(_ForwardWrapper):
     """Checks a packed batch before the model's forward runs it (see the module docstring)."""
 

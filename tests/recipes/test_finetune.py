@@ -66,8 +66,8 @@ def test_prompt_response_masks_the_prompt(recipe, tiny_lm, tmp_path):
     assert report["steps"] == 6
 
 
-def test_packing_fills_blocks(recipe, tiny_lm, tmp_path):
-    cfg = recipe.parse_config(lm_args(tiny_lm, tmp_path / "o", "--packing"))
+def test_wrapped_packing_fills_blocks(recipe, tiny_lm, tmp_path):
+    cfg = recipe.parse_config(lm_args(tiny_lm, tmp_path / "o", "--packing", "wrapped"))
     train, val, task, _ = recipe.load_raw_data(cfg)
     train_ds, _, _ = recipe.tokenize(train, val, task, recipe.load_tokenizer(cfg, str(tiny_lm["model"])), cfg)
     assert {len(r["input_ids"]) for r in train_ds} == {16}
@@ -84,7 +84,7 @@ def test_config_file_and_flags(recipe, tiny_lm, tmp_path):
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"lr": 1e-3, "epochs": 2, "packing": True}))
     cfg = recipe.parse_config(["--config", str(js)])
-    assert cfg.lr == 1e-3 and cfg.epochs == 2.0 and isinstance(cfg.epochs, float) and cfg.packing is True
+    assert cfg.lr == 1e-3 and cfg.epochs == 2.0 and isinstance(cfg.epochs, float) and cfg.packing == "on"
 
 
 def test_shipped_config_is_the_embedded_default(recipe, monkeypatch):
