@@ -297,7 +297,12 @@ def _suggestions(est: Any, precision: str, batch_size: Any, seq_len: int, world_
     ranks = max(2, world_size * 2)
     while ranks <= 4096 and states / ranks + (base.peak_bytes - states) > usable:
         ranks *= 2
-    out.append(f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and optimizer state")
+    if ranks <= 4096:
+        out.append(f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
+                   "optimizer state")
+    else:  # what is not sharded (the activations) alone exceeds the budget: more ranks cannot help
+        out.append(f"the activations alone ({format_bytes(base.peak_bytes - states)} at batch 1) exceed the budget: more ranks "
+                   "do not shard them")
     if isinstance(batch_size, int) and batch_size > 1:
         out.append(f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch")
     out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")

@@ -298,6 +298,13 @@ def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: R
         )
     # A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it) is QLoRA's usual load.
     base_before_adapters = bool(quant.targets) and len(trainable) == len(list(model.parameters()))
+    if base_before_adapters:
+        warnings.warn(
+            f"policy.quant.mode='nf4' freezes the {len(quant.targets)} linear weights it makes 4-bit (4-bit weights cannot train): "
+            "add LoRA adapters next (peft.get_peft_model(model, LoraConfig(...)), QLoRA's order), else only the other "
+            "parameters (embeddings, norms, head) train; for a full fine-tune drop quant:nf4",
+            stacklevel=4,
+        )
     if precision.mixed and any(p.dtype != torch.float32 for p in trainable) and not base_before_adapters:
         warnings.warn(
             f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "
@@ -329,7 +336,8 @@ class _TrainingInEvalModeCheck:
     def __call__(self, module: nn.Module, args: Any) -> None:
         # Inside a compiled graph the check would be traced (and break the graph): skipped there,
         # first, so that the graph guards on nothing of it.
-        if torch.compiler.is_compiling() or self.warned or module.training or not torch.is_grad_enabled():
+        # Every module, not only this one: a PEFT wrapper around a model from from_pretrained trains, its model not.
+        if torch.compiler.is_compiling() or self.warned or not torch.is_grad_enabled() or all(m.training for m in module.modules()):
             return
         self.warned = True
         warnings.warn(

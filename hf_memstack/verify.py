@@ -381,8 +381,10 @@ def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn
         ok = False
         detail += (": selective checkpointing recomputed all of the blocks' matmuls, as full checkpointing does - no op in "
                    "its save list (hf_memstack.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'")
-    if not got and not model.training:
-        detail += ": the model is in eval mode, and checkpointing only runs in training; call model.train()"
+    if not got and not all(m.training for m in model.modules()):
+        # A PEFT wrapper made around a model from from_pretrained is in training mode, its model not.
+        detail += (": the model (or a module inside it, e.g. the model a PEFT wrapper holds) is in eval mode, and "
+                   "checkpointing only runs in training; call model.train()")
     elif not ok:
         detail += ": checkpointing is not doing what the policy says"
     return Check("checkpointing", ok, detail)

@@ -2086,9 +2086,10 @@ def save(job: Job) -> dict[str, Any]:
     trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
     model_dir = save_model(job)
     if job.policy.quant.mode != "none" and not cfg.merge_lora:
-        job.log(f"{model_dir} holds the adapters; the base stayed 4-bit. For a 16-bit merged model, run again with --merge-lora, "
-                "or: prepare_model(base, '<policy>'), PeftModel.from_pretrained(it, model_dir), then "
-                "hf_memstack.merge_adapters(peft_model, dtype=torch.bfloat16).save_pretrained(...)")
+        job.log(f"{model_dir} holds the adapters; the base stayed 4-bit. To merge them into a 16-bit model: "
+                f"PeftModel.from_pretrained(prepare_model(<--model loaded in bf16>, '{job.policy.to_string()}'), '{model_dir}'), then "
+                "hf_memstack.merge_adapters(peft_model, dtype=torch.bfloat16).save_pretrained(...) (or pass --merge-lora when "
+                "training: the merge in the policy's dtype)")
     history = state.log_history
     seconds = time.perf_counter() - job.started
     report = {

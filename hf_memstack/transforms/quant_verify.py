@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..accounting import tensor_bytes
-from ._peft import adapters_on, logical_name
+from ._peft import adapters_on, is_tuner_layer, logical_name
 from .quant import QuantResult, is_4bit
 
 __all__ = ["verify_quant"]
@@ -29,6 +29,10 @@ def verify_quant(model: nn.Module, result: QuantResult) -> tuple[bool, str]:
         problems.append(f"4-bit weights require grad ({trained[:3]}): they cannot train; freeze them (requires_grad_(False))")
     adapters = adapters_on(model, {id(m) for m in result.layers})
     missing = [n for n, p in adapters if p.grad is None]
+    if not any(is_tuner_layer(m) for m in model.modules()):
+        problems.append("the model has no adapters: its 4-bit weights are frozen, so only the other parameters (embeddings, "
+                        "norms, head) train; add LoRA adapters (peft.get_peft_model(model, LoraConfig(...)) after prepare_model), "
+                        "or drop quant:nf4 for a full fine-tune")
     if missing:
         problems.append(f"adapters on the 4-bit layers got no gradient: {missing[:3]}")
     detail = f"{_census(model)}; adapters on the 4-bit layers: "

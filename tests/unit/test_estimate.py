@@ -270,3 +270,18 @@ def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
     as_dict = estimate_memory(config.to_dict(), "bf16+ckpt", batch_size=2, seq_len=16)
     as_config = estimate_memory(config, "bf16+ckpt", batch_size=2, seq_len=16)
     assert as_dict.peak_bytes == as_config.peak_bytes and as_dict.total_parameters == as_config.total_parameters
+
+
+def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_budget(pretrained_dirs):
+    """Sharding divides the model states, not the activations: below the activations alone no
+    number of ranks fits (it suggested FSDP over 8192 devices)."""
+    from hf_memstack.estimate import load_config
+    from hf_memstack.planner import _Estimates, _suggestions
+
+    est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
+    one = est("fp32+ckpt", 1)
+    activations = one.peak_bytes - (one.parameters + one.gradients + one.optimizer)
+    assert activations > 0, one
+    below, above = _suggestions(est, "fp32", 1, 64, 1, usable=activations * 0.9), _suggestions(est, "fp32", 1, 64, 1, usable=activations * 2)
+    assert "exceed the budget: more ranks do not shard them" in below[0] and "devices" not in below[0], below
+    assert "more ranks: FSDP over about" in above[0], above

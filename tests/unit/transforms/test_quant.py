@@ -436,3 +436,40 @@ def test_without_torchao_quant_is_a_clear_error_and_the_library_imports_without_
     with pytest.raises(RuntimeError, match=r"policy.quant.mode='nf4' needs torchao.*pip install 'hf_memstack\[quant\]'"):
         prepare_model(model, "bf16+quant:nf4")
     assert_untouched(model, before)
+
+
+# ------------------------------------------------------------------------------- new-user trial findings
+
+
+def test_quantizing_a_model_with_no_adapters_warns_and_verify_fails_until_adapters_are_added(load_model):
+    """A full fine-tune given quant:nf4 (no PEFT yet) is QLoRA's order - adapters come next - but left
+    alone it would train only the embeddings, norms and head: prepare_model says so, and verify fails
+    until adapters are on; with them it passes."""
+    from peft import get_peft_model
+
+    model = load_model("llama")
+    with pytest.warns(UserWarning, match="add LoRA adapters next"):
+        model = prepare_model(model, "fp32+quant:nf4")
+    batch = make_batch("llama")
+    report = verify(model, batch)
+    quant = next(c for c in report.checks if c.name == "quant")
+    assert not quant.ok and "the model has no adapters" in quant.detail, report
+    peft = get_peft_model(model, _lora())
+    assert next(c for c in verify(peft, batch).checks if c.name == "quant").ok
+
+
+def test_a_peft_wrapper_around_an_eval_mode_model_is_named_as_eval_mode(load_model):
+    """from_pretrained returns eval mode; get_peft_model's wrapper trains while the model inside does
+    not. verify names eval mode (not a broken checkpointing) and the first training forward warns."""
+    from peft import get_peft_model
+
+    model = get_peft_model(load_model("llama").eval(), _lora())
+    assert model.training and not model.base_model.model.training
+    model = prepare_model(model, "fp32+ckpt+quant:nf4")
+    batch = make_batch("llama")
+    with pytest.warns(UserWarning, match="in eval mode"):
+        model(**batch).loss.backward()
+    check = next(c for c in verify(model, batch).checks if c.name == "checkpointing")
+    assert not check.ok and "is in eval mode" in check.detail and "call model.train()" in check.detail
+    model.train()
+    assert next(c for c in verify(model, batch).checks if c.name == "checkpointing").ok
