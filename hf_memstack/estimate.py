@@ -309,14 +309,7 @@ def estimate_memory(
     from .optim import make_optimizer
     from .prepare import prepare_model
 
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if optimizer not in ("adamw", "sgd"):
-        raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
-    if task is not None and task not in ("causal-lm", "classification"):
-        raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
-    parse_dtype(dtype)  # a bad dtype= is refused before any work
+    _check_arguments(batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype)
     given = model
     model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
@@ -365,6 +358,18 @@ def estimate_memory(
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
     notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
     return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
+
+
+def _check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer: Any, task: Any, dtype: Any) -> None:
+    """The plain arguments of :func:`estimate_memory`, refused before any work."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if optimizer not in ("adamw", "sgd"):
+        raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
+    if task is not None and task not in ("causal-lm", "classification"):
+        raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
+    parse_dtype(dtype)
 
 
 def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> str:

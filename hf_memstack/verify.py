@@ -82,6 +82,11 @@ class _Observed:
     tiles: dict[int, list[int]] = field(default_factory=dict)
     """Per tiled MLP (block index): the calls of its first submodule in the forward and in the backward."""
 
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """The saved-tensors hook: counts what the forward saves for the backward (outside checkpoints)."""
+        self.saved_bytes += t.numel() * t.element_size()
+        return t
+
 
 def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False) -> VerifyReport:
     """Run one forward + backward on ``batch`` and check what ``prepare_model`` promised.
@@ -208,52 +213,19 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
     from torch.utils.flop_counter import FlopCounterMode
 
     observed = _Observed()
-    in_backward = False
-    blocks = record.blocks.modules if record.blocks is not None else ()
-    backward_calls = [0] * len(blocks)
-    checkpointed = set(record.checkpointing.checkpointed)
+    phase = _Phase()
     counter = FlopCounterMode(display=False)
-
-    def block_hook(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if in_backward:
-                backward_calls[i] += 1
-        return hook
-
-    def linear_hook(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_tensor(output):
-            observed.linear_dtypes.add(output.dtype)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        observed.saved_bytes += t.numel() * t.element_size()
-        return t
-
-    def tile_hook(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if module.training:  # not the packed-batch guard's probe (it runs in eval mode)
-                observed.tiles.setdefault(i, [0, 0])[int(in_backward)] += 1
-        return hook
-
-    # Submodules, not the block itself: checkpointing re-runs the block's forward function, not
-    # its __call__, so only inner modules re-run visibly (their hooks fire during backward). A tiled
-    # MLP recomputes its tiles in the backward on its own: its modules are watched apart.
-    mlps = _tiled_mlps(record)
-    inside_mlps = {id(m) for mlp in mlps.values() for m in mlp.modules()}
-    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()
-               if id(sub) not in inside_mlps]
-    handles += [next(mlp.children(), mlp).register_forward_hook(tile_hook(i)) for i, mlp in mlps.items()]
-    handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
-    handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: in_backward)
+    handles, backward_calls = _watch(model, record, observed, counter, phase)
     try:
         # Selective checkpointing says, when a block's contexts are done with (after its forward if it
         # kept nothing, else after its backward), whether the block kept anything: listen throughout.
         with _selective_warnings() as caught:
-            with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with counter, torch.autograd.graph.saved_tensors_hooks(observed.pack, lambda t: t):
                 # Agreed before the backward, whose collectives a rank that failed here would never reach.
                 loss = on_every_rank("verify: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
             observed.flops.forward = counter.get_total_flops()
             observed.loss_dtype = loss.dtype
-            in_backward = True
+            phase.backward = True
             every_rank_needs_grad = share_error("verify: the loss needs gradients", None, values=(int(loss.requires_grad),))[0] \
                 if shared else loss.requires_grad
             if every_rank_needs_grad:
@@ -269,11 +241,55 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
             gc.collect()
         observed.selective_saved_nothing = bool(caught)
     finally:
-        in_backward = False
+        phase.backward = False
         for h in handles:
             h.remove()
     observed.recomputed = [i for i, n in enumerate(backward_calls) if n]
     return observed
+
+
+class _Phase:
+    """Whether the observed step is in its backward (read by the hooks)."""
+
+    backward = False
+
+
+def _watch(model: nn.Module, record: MemstackRecord, observed: _Observed, counter: Any,
+           phase: _Phase) -> tuple[list[Any], list[int]]:
+    """Forward hooks counting each block's runs in the backward (its recompute), each tiled MLP's
+    tiles in the forward and the backward, and the Linear outputs' dtypes; the FLOP watch on the
+    checkpointed blocks. Returns the handles and the per-block backward run counts."""
+    blocks = record.blocks.modules if record.blocks is not None else ()
+    backward_calls = [0] * len(blocks)
+    checkpointed = set(record.checkpointing.checkpointed)
+
+    def block_hook(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if phase.backward:
+                backward_calls[i] += 1
+        return hook
+
+    def linear_hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_tensor(output):
+            observed.linear_dtypes.add(output.dtype)
+
+    def tile_hook(i: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module.training:  # not the packed-batch guard's probe (it runs in eval mode)
+                observed.tiles.setdefault(i, [0, 0])[int(phase.backward)] += 1
+        return hook
+
+    # Submodules, not the block itself: checkpointing re-runs the block's forward function, not
+    # its __call__, so only inner modules re-run visibly (their hooks fire during backward). A tiled
+    # MLP recomputes its tiles in the backward on its own: its modules are watched apart.
+    mlps = _tiled_mlps(record)
+    inside_mlps = {id(m) for mlp in mlps.values() for m in mlp.modules()}
+    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()
+               if id(sub) not in inside_mlps]
+    handles += [next(mlp.children(), mlp).register_forward_hook(tile_hook(i)) for i, mlp in mlps.items()]
+    handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
+    handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: phase.backward)
+    return handles, backward_calls
 
 
 @contextlib.contextmanager
