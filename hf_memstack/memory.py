@@ -205,7 +205,7 @@ def _frozen_aware_tracker() -> Any:
     PyTorch has no MemTracker (it is a private API).
     """
     try:
-        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
     except ImportError:
         return None
 
@@ -230,6 +230,15 @@ def _frozen_aware_tracker() -> Any:
             for buffer in module.buffers():
                 buffer_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER))
             return param_memory, buffer_memory
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # MemTracker walks every tracked module on every op to keep per-module peaks, which
+            # nothing here reads: O(modules) per op made a 7B estimate take minutes (its time grew
+            # with the square of the depth). Only the global peak is kept, as MemTracker keeps it.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
     return FrozenAwareMemTracker()
 
