@@ -86,7 +86,7 @@ def memory(args: argparse.Namespace) -> dict:
         saved = Path(tmp) / "model"
         reference_model(args.layers, args.hidden).to(torch.bfloat16).save_pretrained(saved)
         models, optimizers = {}, {}
-        for name, (how, policy) in VARIANTS.items():
+        for name, (how, policy) in [(n, v) for n, v in VARIANTS.items() if args.variants == "all" or n in args.variants.split(",")]:
             torch.manual_seed(0)
             model = prepare_model(_load(saved, how), policy)
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed steps per variant")
     ap.add_argument("--steps", type=int, default=100, help="--part curves: steps per run")
+    ap.add_argument("--variants", default="all", help="--part memory: comma-separated variant names (default all)")
     ap.add_argument("--configs", default="7b,70b", help="--part plan: which shapes")
     ap.add_argument("--plan-seq", type=int, default=2048)
     ap.add_argument("--plan-batch", default="max", help="--part plan: a batch size, or max")

@@ -193,8 +193,12 @@ def test_forward_signature_pickle_and_deepcopy_are_kept(load_model):
     batch = _masked_batch()
     loss = float(model(**batch).loss.detach())
     for copied in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
-        assert type(copied.forward).__name__ == "AutocastForward"
-        assert type(copied.forward.__wrapped__).__name__ == "ChunkedLossForward"
+        # The wrappers, outermost first: autocast, the packed-batch guard (it sees the batch as the caller passes it), the loss head.
+        chain, forward = [], copied.forward
+        while hasattr(forward, "__wrapped__"):
+            chain.append(type(forward).__name__)
+            forward = forward.__wrapped__
+        assert chain[:3] == ["AutocastForward", "PackedBatchGuard", "ChunkedLossForward"], chain  # then the bound forward
         assert copied(**batch).logits is None
         assert float(copied(**batch).loss.detach()) == pytest.approx(loss, rel=1e-6)
 
