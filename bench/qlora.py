@@ -122,8 +122,8 @@ def curves(args: argparse.Namespace) -> dict:
     """The recipe's default job (pretrained MiniLM-L6, topic classification), LoRA r=16, with and without 4-bit base weights."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for policy in ("bf16+ckpt", "bf16+ckpt+quant:nf4"):
-            for seed in (0, 1):
+        for policy in (f"{args.curve_precision}+ckpt", f"{args.curve_precision}+ckpt+quant:nf4"):
+            for seed in range(args.seeds):
                 out = Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}"
                 cmd = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--policy", policy, "--lora-r", "16", "--seed", str(seed),
                        "--max-steps", str(args.steps), "--log-every", "10", "--eval-every", "0", "--output-dir", str(out)]
@@ -163,7 +163,8 @@ def plan(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs.split(","):
             shape, budget = CONFIGS[name]
-            LlamaConfig(**shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2).save_pretrained(Path(tmp) / name)
+            # Saved as the real checkpoints are, in bf16 (Transformers 5 loads them so): the plan counts bf16 weights.
+            LlamaConfig(**shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(Path(tmp) / name)
             start = time.perf_counter()
             p = plan_policy(Path(tmp) / name, budget=budget, seq_len=args.plan_seq, batch_size=args.plan_batch, device="cuda",
                             trainable={"r": 16, "lora_alpha": 32})
@@ -182,6 +183,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed steps per variant")
     ap.add_argument("--steps", type=int, default=100, help="--part curves: steps per run")
     ap.add_argument("--variants", default="all", help="--part memory: comma-separated variant names (default all)")
+    ap.add_argument("--curve-precision", default="bf16", choices=["bf16", "fp32"],
+                    help="--part curves: the runs' precision (fp32 on a CPU without native bf16, where bf16 runs ~2x slower)")
+    ap.add_argument("--seeds", type=int, default=2, help="--part curves: seeds per policy")
     ap.add_argument("--configs", default="7b,70b", help="--part plan: which shapes")
     ap.add_argument("--plan-seq", type=int, default=2048)
     ap.add_argument("--plan-batch", default="max", help="--part plan: a batch size, or max")
