@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .._wrappers import _ForwardWrapper
+from ..record import unwrap_model
 from .boundaries import (
     _check_no_2d_mask,
     _check_no_cache,
@@ -49,10 +50,7 @@ def settle_packing_guard(model: nn.Module, batch: Any) -> None:
     """Run the guard's checks of a packed ``batch`` now, before a measured step: its one-time probe
     of the attention runs two extra forwards, which a memory meter would count (and PyTorch's
     MemTracker refuses a module called twice in one tracked step). Nothing for other batches."""
-    inner = model
-    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):  # DDP / Accelerate wrappers
-        inner = inner.module
-    guard = getattr(inner, "forward", None)
+    guard = getattr(unwrap_model(model), "forward", None)  # where prepare_model installed it
     if isinstance(guard, PackedBatchGuard) and isinstance(batch, dict) and batch.get("position_ids") is not None:
         positions = batch["position_ids"]
         if not _is_fake(positions):
