@@ -226,6 +226,7 @@ def training_arguments(
     # optim:in_backward steps inside the backward: no global-norm clipping there (Trainer's default is 1.0).
     no_clip = {"max_grad_norm": 0.0} if record.policy.optimizer.step == "in_backward" else {}
     fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **no_clip, **kwargs}
+    _keep_packed_rows(train_dataset, data_collator, fields)
     # Without a GPU, Trainer accepts bf16 only when told it trains on the CPU.
     fields.setdefault("use_cpu", not torch.cuda.is_available())
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):
@@ -250,6 +251,49 @@ def training_arguments(
     for note in check_training_arguments(model, args):
         warnings.warn(note, stacklevel=2)
     return args
+
+
+def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any]) -> None:
+    """Packed rows (``pack_dataset``'s ``seq_lengths`` column) reach a collator that reads them.
+
+    Trainer removes the columns the model's forward does not take before collating, and
+    ``seq_lengths`` is one of them: without it every row is collated as one sample, the samples
+    in it attend to each other, and the loss still falls (silently wrong, transformers#46634's
+    symptom). So a packed dataset keeps its columns (``remove_unused_columns=False``; the
+    collator builds the batch from ``input_ids``, ``labels`` and ``seq_lengths`` alone), and a
+    collator that ignores ``seq_lengths`` is refused.
+    """
+    if dataset is None or "seq_lengths" not in _columns_of(dataset):
+        return
+    if not _reads_seq_lengths(collator):
+        raise ValueError(f"train_dataset holds packed rows (a 'seq_lengths' column, from hf_memstack.data.pack_dataset) but "
+                         f"data_collator={type(collator).__name__ if collator is not None else None} collates each row as one "
+                         "sample: the samples in a row would attend to each other; pass "
+                         "data_collator=hf_memstack.data.PackedCollator(pad_token_id=tokenizer.pad_token_id)")
+    from ..data import PackedCollator
+
+    # TRL's trainers keep seq_lengths among their signature columns; Trainer does not.
+    if fields.setdefault("remove_unused_columns", False) and isinstance(collator, PackedCollator):
+        raise ValueError("remove_unused_columns=True: Trainer would drop the packed rows' 'seq_lengths' column (the model's "
+                         "forward does not take it) before the collator sees it, and each row would train as one sample "
+                         "whose parts attend to each other; leave remove_unused_columns unset (False for packed rows)")
+
+
+def _columns_of(dataset: Any) -> set[str]:
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list):
+        return set(names)
+    if isinstance(dataset, Sized) and hasattr(dataset, "__getitem__") and len(dataset) and isinstance(dataset[0], dict):
+        return set(dataset[0])
+    return set()
+
+
+def _reads_seq_lengths(collator: Any) -> bool:
+    """The collators that split a packed row at its ``seq_lengths``: the library's, and TRL's
+    padding-free one (``DataCollatorForLanguageModeling(padding_free=True)``)."""
+    from ..data import PackedCollator
+
+    return isinstance(collator, PackedCollator) or (type(collator).__module__.startswith("trl.") and getattr(collator, "padding_free", False))
 
 
 def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: int | None, world: int) -> None:
@@ -513,7 +557,10 @@ def _verify_and_measure(model: nn.Module, batch: Any, *, run_verify: bool, measu
         return verify(model, batch), None
     if not run_verify:
         return None, _measure_forward_backward(model, batch)
+    from ..data.guard import settle_packing_guard
     from ..memory import _frozen_aware_tracker
+
+    settle_packing_guard(model, batch)  # the packed-batch guard's one-time probe runs outside the tracked step
 
     tracker = _frozen_aware_tracker()
     if tracker is None:  # private API: it may move; verify alone, the meter on its own step
