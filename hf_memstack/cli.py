@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices (FSDP rungs are considered when > 1)")
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
+    pl.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="where it will train, which picks the precision (bf16/fp16 on cuda; default: this machine)")
     _dtype_option(pl)
     f = sub.add_parser("find-batch-size", help="measure the largest batch that fits (real steps)",
                        description="Run the batch-size finder on the model built from its config (random weights: memory does not depend on their values).")
@@ -156,7 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .planner import plan_policy
 
     plan = plan_policy(args.model, budget=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
-                       margin=args.margin, task=args.task, trainable=_trainable(args), dtype=args.dtype)
+                       margin=args.margin, task=args.task, trainable=_trainable(args), dtype=args.dtype, device=args.device)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
     _print_task_note(args)
     if args.plot:

@@ -32,6 +32,18 @@ def test_plan_fits_and_does_not_fit(pretrained_dirs, capsys):
     assert data["fits"] is False and data["shortfall_bytes"] > 0
 
 
+def test_plan_for_another_device(pretrained_dirs, capsys):
+    """Planning on a laptop for a GPU run: --device cuda plans bf16 rungs whatever this machine does natively."""
+    from hf_memstack import plan_policy
+
+    d = str(pretrained_dirs["llama"])
+    assert main(["plan", d, "--budget", "4GiB", "--seq-len", "16", "--device", "cuda", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rows"] and all(row["policy"].startswith("bf16") for row in data["rows"]), data["rows"]
+    reference = plan_policy(d, budget="4GiB", seq_len=16, device="cuda").as_dict()
+    assert [r["policy"] for r in data["rows"]] == [r["policy"] for r in reference["rows"]] and data["policy"] == reference["policy"]
+
+
 def test_find_batch_size_command(pretrained_dirs, capsys):
     code = main(["find-batch-size", str(pretrained_dirs["llama"]), "--policy", "bf16", "--seq-len", "16", "--budget", "24MiB",
                  "--global-batch-size", "32", "--json"])
