@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
 from ._device import module_mode, preserved_rng
@@ -76,6 +77,8 @@ class LossHeadResult:
     router_aux_loss: bool = False
     """A mixture-of-experts model whose forward adds its routers' load-balancing loss (with
     ``output_router_logits``): the chunked loss adds it too, with the model's own function."""
+    compiled: bool = False
+    """Each chunk's softmax, loss and logit gradient run compiled (``loss:chunked:compiled``)."""
 
     def describe(self) -> str:
         if self.mode == "default":
@@ -83,7 +86,7 @@ class LossHeadResult:
         extras = (f", softcap {self.softcap:g}" if self.softcap else "") + (
             f", logits x{self.logit_multiplier:g}" if self.logit_multiplier != 1.0 else "") + (
             ", + the router load-balancing loss when output_router_logits" if self.router_aux_loss else "")
-        return f"chunked, {self.chunk_tokens} tokens per chunk, {self.path} path{extras}"
+        return f"chunked, {self.chunk_tokens} tokens per chunk, {self.path} path{', compiled chunks' if self.compiled else ''}{extras}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,7 +131,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     chunk = cfg.chunk_tokens or auto_chunk_tokens(_vocab_size(head, config))
     result = LossHeadResult(mode="chunked", path="fused" if _plain_linear(head) is not None else "checkpointed",
                             chunk_tokens=chunk, softcap=float(softcap) if softcap else None, logit_multiplier=multiplier,
-                            router_aux_loss=router_loss is not None)
+                            router_aux_loss=router_loss is not None, compiled=cfg.compiled)
     plan = _HeadPlan(target=target, result=result, router_loss=router_loss,
                      cache_default=bool(getattr(target.config, "use_cache", False)))
     if _has_values(target):
@@ -282,7 +285,7 @@ def apply_loss_head(plan: _HeadPlan | None) -> LossHeadResult:
     r = plan.result
     plan.target.forward = ChunkedLossForward(  # type: ignore[method-assign]
         plan.target, chunk_tokens=r.chunk_tokens, softcap=r.softcap, logit_multiplier=r.logit_multiplier,
-        router_loss=plan.router_loss, cache_default=plan.cache_default)
+        router_loss=plan.router_loss, cache_default=plan.cache_default, compiled=r.compiled)
     return r
 
 
@@ -291,9 +294,10 @@ class ChunkedLossForward(_ForwardWrapper):
     from the backbone's hidden states, and returns ``logits=None``; otherwise the model's own forward."""
 
     def __init__(self, module: nn.Module, *, chunk_tokens: int, softcap: float | None = None, logit_multiplier: float = 1.0,
-                 router_loss: Callable[..., Any] | None = None, cache_default: bool = False) -> None:
+                 router_loss: Callable[..., Any] | None = None, cache_default: bool = False, compiled: bool = False) -> None:
         super().__init__(module)
         self.cache_default = cache_default
+        self.compiled = compiled
         self.chunk_tokens = chunk_tokens
         self.softcap = softcap
         self.logit_multiplier = logit_multiplier
@@ -344,7 +348,7 @@ class ChunkedLossForward(_ForwardWrapper):
         loss = _chunked_lm_loss(
             outputs[0], head, labels=arguments.get("labels"), shift_labels=arguments.get("shift_labels"),
             num_items_in_batch=arguments.get("num_items_in_batch"), ignore_index=ignore_index,
-            chunk_tokens=self.chunk_tokens, softcap=self.softcap, logit_multiplier=self.logit_multiplier)
+            chunk_tokens=self.chunk_tokens, softcap=self.softcap, logit_multiplier=self.logit_multiplier, compiled=self.compiled)
         aux_loss = None
         if routed and self.router_loss is not None:
             # As the model's forward: aux_loss in the output, coefficient x aux_loss added to the loss.
@@ -515,7 +519,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            step = _compiled_chunk_step if compiled else _chunk_step
+            # Eager under a dispatch mode (the meter's MemTracker, the estimator's fake tensors: Dynamo
+            # cannot compile there, and the peak is the same) and inside a compiled model (its graph has it).
+            eager = is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
+            step = _compiled_chunk_step if compiled and not eager else _chunk_step
             for start in range(0, h.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 total += step(h[rows], w, b, targets[rows], multiplier, softcap, ignore_index, grad_h, grad_w, grad_b,

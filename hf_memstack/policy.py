@@ -140,6 +140,13 @@ class LossConfig:
     """Tokens per chunk with ``mode="chunked"``. ``None`` sizes chunks to the vocabulary (about
     16M logits per chunk: 524 tokens for a 32k vocabulary, 130 for 128k)."""
 
+    compiled: bool = False
+    """With ``mode="chunked"``: each chunk's softmax, loss and logit gradient run as one
+    ``torch.compile``d function (the matmuls stay eager), as cut-cross-entropy's ``torch_compile``
+    implementation and torchtune's compiled chunk loss do: fewer passes over each chunk's logits.
+    The first step pays the compile; under a memory-tracking mode (the meter, the estimator) the
+    chunk runs eagerly, at the same peak."""
+
 
 @dataclass(kw_only=True, slots=True)
 class MLPConfig:
@@ -336,7 +343,8 @@ class MemoryPolicy:
         * ``compile`` (whole model), ``compile:regional`` (per block), ``compile:full``;
         * ``fsdp`` (full_shard), ``fsdp:shard_grad_op``, ``fsdp:hybrid_shard``, ``fsdp:offload``
           (full_shard with CPU offload);
-        * ``loss:chunked`` (the causal-LM head and loss a chunk of tokens at a time);
+        * ``loss:chunked`` (the causal-LM head and loss a chunk of tokens at a time),
+          ``loss:chunked:compiled`` (the per-chunk work between the matmuls compiled);
         * ``quant:nf4`` (the blocks' linear layers in 4 bits, for LoRA), ``quant:nf4:upcast`` (and
           the other 16-bit parameters in fp32, as PEFT's ``prepare_model_for_kbit_training``);
         * ``mlp:tiled`` (each block's MLP over tiles of tokens);
@@ -381,7 +389,7 @@ class MemoryPolicy:
                 problems.append(
                     f"policy string {original!r}: unknown token {token!r}; allowed: a precision "
                     f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'ckpt:selective[:alternate]', "
-                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked', 'quant:nf4[:upcast]', 'mlp:tiled', 'optim:8bit', 'optim:in_backward', "
+                    f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked[:compiled]', 'quant:nf4[:upcast]', 'mlp:tiled', 'optim:8bit', 'optim:in_backward', "
                     f"or a preset ({', '.join(LADDER)})"
                 )
         if problems:
@@ -480,7 +488,7 @@ class MemoryPolicy:
         if self.fsdp.mode != "none":
             parts.append("fsdp:offload" if self.fsdp.cpu_offload else f"fsdp:{self.fsdp.mode}")
         if self.loss.mode == "chunked":
-            parts.append("loss:chunked")
+            parts.append("loss:chunked" + (":compiled" if self.loss.compiled else ""))
         if self.quant.mode == "nf4":
             parts.append("quant:nf4" + (":upcast" if self.quant.upcast else ""))
         if self.mlp.mode == "tiled":
@@ -517,7 +525,7 @@ def _parse_fsdp(arg: str, _: Any) -> FSDPConfig | None:
 
 
 def _parse_loss(arg: str, _: Any) -> LossConfig | None:
-    return LossConfig(mode="chunked") if arg == "chunked" else None
+    return LossConfig(mode="chunked", compiled=arg.endswith(":compiled")) if arg in ("chunked", "chunked:compiled") else None
 
 
 def _parse_quant(arg: str, _: Any) -> QuantConfig | None:
@@ -542,7 +550,7 @@ _TOKENS: dict[str, tuple[str, Any, str]] = {
     "ckpt": ("checkpointing", _parse_ckpt, "'ckpt', 'ckpt:N' (2 <= N <= 10000), 'ckpt:offload', 'ckpt:selective', 'ckpt:selective:alternate'"),
     "compile": ("compile", _parse_compile, "'compile', 'compile:full', 'compile:regional'"),
     "fsdp": ("fsdp", _parse_fsdp, "'fsdp', 'fsdp:shard_grad_op', 'fsdp:hybrid_shard', 'fsdp:offload'"),
-    "loss": ("loss", _parse_loss, "'loss:chunked'"),
+    "loss": ("loss", _parse_loss, "'loss:chunked', 'loss:chunked:compiled'"),
     "quant": ("quant", _parse_quant, "'quant:nf4', 'quant:nf4:upcast'"),
     "mlp": ("mlp", _parse_mlp, "'mlp:tiled'"),
     "optim": ("optimizer", _parse_optim, "'optim:8bit', 'optim:in_backward'"),
@@ -641,6 +649,10 @@ def _validate_loss(lo: LossConfig, problems: list[str]) -> None:
     elif n is not None and lo.mode != "chunked":
         problems.append(f"policy.loss.chunk_tokens={n!r} only applies to mode='chunked' (mode is {lo.mode!r}); set "
                         "mode='chunked' or drop chunk_tokens")
+    _check_bool(problems, "policy.loss.compiled", lo.compiled)
+    if lo.compiled is True and lo.mode != "chunked":
+        problems.append(f"policy.loss.compiled=True only applies to mode='chunked' (mode is {lo.mode!r}); set "
+                        "mode='chunked' (token 'loss:chunked:compiled') or drop compiled")
 
 
 def _validate_quant(qu: QuantConfig, problems: list[str]) -> None:

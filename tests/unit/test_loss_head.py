@@ -323,3 +323,44 @@ def test_policy_tokens_round_trip():
     assert (p.loss.mode, p.loss.chunk_tokens) == ("chunked", None)
     assert MemoryPolicy.from_string(p.to_string()) == p
     assert MemoryPolicy.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_chunks_equal_the_models_own(arch):
+    """loss:chunked:compiled (issue 22): the per-chunk softmax, loss and gradient under torch.compile
+    give the model's own loss and gradients (soft-capping too), over chunks of two lengths (dynamic)."""
+    reference = _causal_lm(arch)
+    model = prepare_model(copy.deepcopy(reference), MemoryPolicy(precision="fp32", loss={"mode": "chunked", "chunk_tokens": 7,
+                                                                                           "compiled": True}))
+    assert model.memstack.loss.compiled and "compiled chunks" in model.memstack.loss.describe()
+    batch = _masked_batch()  # 3 x 16 tokens: chunks of 7, 7, ..., then a shorter one
+    want_loss, want = _step(reference, batch)
+    got_loss, got = _step(model, batch)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    _assert_grads_close(got, want, rel=1e-5)
+
+
+def test_compiled_chunks_are_estimated_and_metered_like_eager_ones(load_model, pretrained_dirs):
+    """Under the estimator's fake tensors and the meter's MemTracker the chunk runs eagerly (Dynamo
+    cannot compile there; a compile under fake tensors crashed the process): same peak as loss:chunked."""
+    from hf_memstack import estimate_memory
+
+    d = pretrained_dirs["llama"]
+    compiled = estimate_memory(d, "fp32+loss:chunked:compiled", batch_size=2, seq_len=16)
+    eager = estimate_memory(d, "fp32+loss:chunked", batch_size=2, seq_len=16)
+    assert compiled.peak_bytes == eager.peak_bytes and compiled.policy == "fp32+loss:chunked:compiled"
+    batch = make_batch("llama")
+    peaks = [measure_step(prepare_model(load_model("llama"), spec), batch, None, timed=False).peak_bytes
+             for spec in ("fp32+loss:chunked:compiled", "fp32+loss:chunked")]
+    assert peaks[0] == peaks[1]
+
+
+def test_compiled_token_round_trips_and_needs_the_chunked_mode():
+    p = MemoryPolicy.from_string("bf16+loss:chunked:compiled")
+    assert (p.loss.mode, p.loss.compiled) == ("chunked", True) and p.to_string() == "bf16+loss:chunked:compiled"
+    assert MemoryPolicy.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match=r"policy.loss.compiled=True only applies to mode='chunked'.*loss:chunked:compiled"):
+        MemoryPolicy(loss={"mode": "default", "compiled": True})
+    with pytest.raises(ValueError, match=r"'loss:compiled' is not one of 'loss:chunked', 'loss:chunked:compiled'"):
+        MemoryPolicy.from_string("bf16+loss:compiled")
