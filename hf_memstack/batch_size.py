@@ -173,7 +173,8 @@ class BatchSizeResult:
                          f"{self.world_size} device(s)" + ("" if self.exact_global_batch else " (not exact)"))
         if self.fit is not None:
             lines.append(f"  fit ({self.fit.method}, probes {self.fit.from_sizes[0]} and {self.fit.from_sizes[1]}): "
-                         f"{format_bytes(self.fit.bytes_per_sample)} per sample, peak in the {self.fit.binding_phase}")
+                         f"{format_bytes(self.fit.bytes_per_sample)} per {'packed row' if self.tokens_per_batch and self.packed else 'sample'}, "
+                         + (f"peak in the {self.fit.binding_phase}" if self.fit.binding_phase != "unknown" else "peak phase not measured"))
         lines.append("  probes: " + ", ".join(
             f"{p.batch_size}:{'OOM' if p.partial else format_bytes(p.peak_bytes or 0)}{'' if p.fits else '(over)'}"
             for p in self.probes))

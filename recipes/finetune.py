@@ -1408,6 +1408,9 @@ def setup(cfg: FinetuneConfig) -> Job:
     # Data before the model: a wrong field name fails in seconds, not after a download.
     model_path = resolve_model_path(cfg.model)
     train_raw, val_raw, task, data_digest = load_raw_data(cfg)
+    if cfg.packing != "off" and task == "classification":  # --task auto found labels: check_config could not know
+        raise RecipeError(f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
+                          "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text")
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
     try:

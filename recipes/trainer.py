@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     (script,) = HfArgumentParser(ScriptArguments).parse_args_into_dataclasses(args=argv)
     model_path = _resolve(script.model)
-    data = datasets.load_dataset("json" if script.dataset.endswith((".json", ".jsonl")) else "csv", data_files=script.dataset)["train"]
+    data = _read(script.dataset)
     task = _task(script, data.column_names)
     split = data.train_test_split(test_size=0.1, seed=script.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     labels = sorted(set(data[script.label_field])) if task == "classification" else []
     encode = _classification_encoder(script, tokenizer, labels) if task == "classification" else _lm_encoder(script, tokenizer)
     train, val = (split[s].map(encode, batched=True, remove_columns=data.column_names) for s in ("train", "test"))
+    if script.prompt_field:
+        _check_responses(train, script)
     if task == "classification":
         model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=len(labels), dtype=torch.float32)
     else:
@@ -97,6 +99,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer.save_pretrained(script.output_dir)
     print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
     return metrics
+
+
+def _read(path: str):
+    """The data file's rows (datasets.Dataset); an unreadable or empty file is named, with the fix."""
+    import datasets
+
+    try:
+        data = datasets.load_dataset("json" if path.endswith((".json", ".jsonl")) else "csv", data_files=path)["train"]
+    except (StopIteration, FileNotFoundError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        raise SystemExit(f"trainer.py: error: dataset={path!r} could not be read ({type(e).__name__}: {str(e)[:160]}); "
+                         "pass a .jsonl/.json/.csv file with one row per sample") from None
+    if len(data) < 2:
+        raise SystemExit(f"trainer.py: error: dataset={path!r} has {len(data)} row(s); it needs at least 2 (one is held out for evaluation)")
+    return data
+
+
+def _check_responses(train, script: ScriptArguments) -> None:
+    """Rows whose prompt fills all --seq_len tokens have nothing to learn (every label -100): a run
+    on them trains on nothing and reports a zero loss."""
+    empty = [i for i, labels in enumerate(train["labels"]) if all(t == -100 for t in labels[1:])]
+    if empty:
+        raise SystemExit(f"trainer.py: error: training row {empty[0] + 1}: the prompt fills all --seq_len={script.seq_len} tokens, "
+                         f"no response token is left to learn ({len(empty)} such row(s)); raise --seq_len or shorten the prompts")
 
 
 def _task(script: ScriptArguments, columns: list[str]) -> str:

@@ -43,14 +43,26 @@ def is_packed(position_ids: Any, attention_mask: Any = None) -> bool:
 
     A row that is one sample counting 0, 1, 2, ... is not packed, and neither is a padded row whose
     masked positions hold anything (left padding's ``[1, 1, 0, 1, 2]`` with mask ``[0, 0, 1, 1, 1]``):
-    with a 2-D ``attention_mask``, only restarts between two attended tokens count. One device sync on a GPU."""
+    with a 2-D ``attention_mask``, the positions of the attended tokens are read in order, masked
+    ones skipped - so samples separated by masked tokens (``attention_mask = input_ids != pad`` with
+    the pad token also ending every sample) are packed too. One device sync on a GPU."""
     if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[1] < 2:
         return False
     restarts = position_ids.diff(dim=-1) != 1
     if torch.is_tensor(attention_mask) and attention_mask.shape == position_ids.shape:
         attended = attention_mask.to(torch.bool)
         restarts &= attended[:, 1:] & attended[:, :-1]
+        restarts |= _restarts_across_masked_tokens(position_ids, attended)
     return bool(restarts.any())
+
+
+def _restarts_across_masked_tokens(position_ids: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """``[rows, tokens - 1]``: an attended token after masked ones whose position does not go on
+    from the last attended token before them (it restarts, or repeats)."""
+    index = torch.arange(position_ids.shape[1], device=position_ids.device).expand_as(position_ids)
+    last = torch.where(attended, index, -1).cummax(dim=1).values[:, :-1]  # the last attended token before each one
+    before = position_ids.gather(1, last.clamp(min=0))
+    return attended[:, 1:] & ~attended[:, :-1] & (last >= 0) & (position_ids[:, 1:] <= before)
 
 
 def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
@@ -219,7 +231,9 @@ def compare_packed_to_separate(model: nn.Module, batch: Mapping[str, Any], *, ma
     worst, rows, samples, tokens, biggest = None, 0, 0, 0, 0.0
     with torch.no_grad(), preserved_rng(device), module_mode(model, training=False):
         # The packed rows as the batch has them (its mask, its use_cache: what is being checked).
-        extra = {k: v for k, v in batch.items() if k not in ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch")}
+        # Not fused_lm_head: TRL's fused head returns a loss, not the per-token logits compared here.
+        extra = {k: v for k, v in batch.items()
+                 if k not in ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch", "fused_lm_head")}
         packed = _token_losses(model, ids, positions, labels, **extra)
         for r, lengths in enumerate(segment_lengths(positions)):
             if samples >= max_samples:

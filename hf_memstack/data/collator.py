@@ -26,9 +26,10 @@ __all__ = ["PackedCollator"]
 
 @dataclass(kw_only=True)
 class PackedCollator:
-    """Collate packed rows (``{"input_ids", "labels"?, "seq_lengths"}``, as
-    :func:`hf_memstack.data.pack_dataset` makes them) or plain samples (one sample per feature)
-    into ``{"input_ids", "labels", "position_ids"}`` of shape ``[rows, width]``.
+    """Collate packed rows (``{"input_ids", "labels"?, "seq_lengths", "position_ids"}``, as
+    :func:`hf_memstack.data.pack_dataset` makes them; the boundaries come from ``seq_lengths``, or
+    from ``position_ids`` restarting when Trainer dropped ``seq_lengths``) or plain samples (one
+    sample per feature) into ``{"input_ids", "labels", "position_ids"}`` of shape ``[rows, width]``.
 
     Labels default to the input ids; prompt tokens masked with -100 (prompt/response data) stay
     masked. No ``attention_mask`` is returned: on a packed batch it would make Transformers attend
@@ -83,7 +84,7 @@ def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[i
         raise ValueError(f"PackedCollator: feature {index} has padding inside it (attention_mask holds zeros): padded "
                          "samples cannot be packed, their pad tokens would train as text. Tokenize without padding "
                          "(padding=False), then pack")
-    lengths = _as_list(feature["seq_lengths"]) if feature.get("seq_lengths") is not None else [len(ids)]
+    lengths = _as_list(feature["seq_lengths"]) if feature.get("seq_lengths") is not None else _runs(feature.get("position_ids"), len(ids))
     if len(labels) != len(ids) or sum(lengths) != len(ids) or any(n < 1 for n in lengths):
         raise ValueError(f"PackedCollator: feature {index} has {len(ids)} input_ids, {len(labels)} labels and seq_lengths "
                          f"{lengths} (sum {sum(lengths)}): give one label per token and seq_lengths that add up to the row")
@@ -92,6 +93,18 @@ def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[i
         out.append({"input_ids": ids[start:start + n], "labels": labels[start:start + n]})
         start += n
     return out
+
+
+def _runs(positions: Any, n: int) -> list[int]:
+    """The sample lengths a row's ``position_ids`` give (a restart begins a sample): the boundaries
+    of a packed row whose ``seq_lengths`` Trainer dropped; one sample when there are none."""
+    if positions is None:
+        return [n]
+    row = _as_list(positions)
+    if len(row) != n:
+        return [n, len(row) - n]  # refused below: the lengths do not add up to the row
+    starts = [0] + [i for i in range(1, n) if row[i] != row[i - 1] + 1] + [n]
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 def _flatten(samples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:

@@ -2,10 +2,14 @@
 tokens by best-fit decreasing (as TRL's ``pack_dataset`` with ``strategy="bfd"``), each sample kept
 whole unless splitting is asked for, and the padding a batch spends before and after packing.
 
-A packed row is a dict with the samples' ``input_ids`` (and ``labels``) concatenated and their
-``seq_lengths``; :class:`hf_memstack.data.PackedCollator` turns rows into batches whose
-``position_ids`` restart at every sample, which is what keeps the samples of one row from
-attending to each other (Transformers' packed-sequence detection).
+A packed row is a dict with the samples' ``input_ids`` (and ``labels``) concatenated, their
+``seq_lengths`` and their ``position_ids`` (restarting at every sample);
+:class:`hf_memstack.data.PackedCollator` turns rows into batches whose ``position_ids`` restart at
+every sample, which is what keeps the samples of one row from attending to each other
+(Transformers' packed-sequence detection). The row carries its boundaries twice because
+``transformers.Trainer`` drops the dataset columns the model's forward does not take
+(``remove_unused_columns``, on by default): ``seq_lengths`` goes, ``position_ids`` stays, and the
+collator reads the boundaries from whichever is left.
 """
 
 from __future__ import annotations
@@ -135,7 +139,7 @@ def _pieces(lengths: Sequence[int], width: int, overflow: Overflow) -> tuple[lis
 
 def pack_dataset(samples: Any, tokens_per_row: int, *, overflow: Overflow = "error") -> Any:
     """Samples (dicts with ``input_ids`` and optionally ``labels`` of the same length; a list or a
-    ``datasets.Dataset``) packed into rows: ``{"input_ids", "labels"?, "seq_lengths"}``.
+    ``datasets.Dataset``) packed into rows: ``{"input_ids", "labels"?, "seq_lengths", "position_ids"}``.
 
     Other columns are dropped: an ``attention_mask`` in particular, which on a packed batch would
     make Transformers attend across samples. Returns a list of rows, or a ``datasets.Dataset`` when
@@ -182,6 +186,7 @@ def _row(columns: dict[str, list[Any]], pieces: tuple[tuple[int, int, int], ...]
         for k, values in columns.items():
             row[k] += values[i][start:stop]
     row["seq_lengths"] = [stop - start for _, start, stop in pieces]
+    row["position_ids"] = [p for n in row["seq_lengths"] for p in range(n)]
     return row
 
 

@@ -226,7 +226,7 @@ def training_arguments(
     # optim:in_backward steps inside the backward: no global-norm clipping there (Trainer's default is 1.0).
     no_clip = {"max_grad_norm": 0.0} if record.policy.optimizer.step == "in_backward" else {}
     fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **no_clip, **kwargs}
-    _keep_packed_rows(train_dataset, data_collator, fields)
+    _keep_packed_rows(train_dataset, data_collator, fields, "position_ids" in _signature_columns(model))
     # Without a GPU, Trainer accepts bf16 only when told it trains on the CPU.
     fields.setdefault("use_cpu", not torch.cuda.is_available())
     if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):
@@ -253,17 +253,20 @@ def training_arguments(
     return args
 
 
-def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any]) -> None:
+def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any], model_takes_position_ids: bool) -> None:
     """Packed rows (``pack_dataset``'s ``seq_lengths`` column) reach a collator that reads them.
 
     Trainer removes the columns the model's forward does not take before collating, and
-    ``seq_lengths`` is one of them: without it every row is collated as one sample, the samples
-    in it attend to each other, and the loss still falls (silently wrong, transformers#46634's
-    symptom). So a packed dataset keeps its columns (``remove_unused_columns=False``; the
-    collator builds the batch from ``input_ids``, ``labels`` and ``seq_lengths`` alone), and a
-    collator that ignores ``seq_lengths`` is refused.
+    ``seq_lengths`` is one of them: without it (and without the rows' ``position_ids``, which
+    ``pack_dataset`` also writes and Trainer keeps for a forward that takes them) every row is
+    collated as one sample, the samples in it attend to each other, and the loss still falls
+    (silently wrong, transformers#46634's symptom). So a packed dataset keeps its columns
+    (``remove_unused_columns=False``; the collator builds the batch from ``input_ids``,
+    ``labels`` and ``seq_lengths`` alone), ``remove_unused_columns=True`` is refused for rows whose
+    boundaries would not survive it, and a collator that ignores ``seq_lengths`` is refused.
     """
-    if dataset is None or "seq_lengths" not in _columns_of(dataset):
+    columns = _columns_of(dataset) if dataset is not None else set()
+    if "seq_lengths" not in columns:
         return
     if not _reads_seq_lengths(collator):
         raise ValueError(f"train_dataset holds packed rows (a 'seq_lengths' column, from hf_memstack.data.pack_dataset) but "
@@ -273,7 +276,8 @@ def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any]) -> No
     from ..data import PackedCollator
 
     # TRL's trainers keep seq_lengths among their signature columns; Trainer does not.
-    if fields.setdefault("remove_unused_columns", False) and isinstance(collator, PackedCollator):
+    kept = "position_ids" in columns and model_takes_position_ids
+    if fields.setdefault("remove_unused_columns", False) and isinstance(collator, PackedCollator) and not kept:
         raise ValueError("remove_unused_columns=True: Trainer would drop the packed rows' 'seq_lengths' column (the model's "
                          "forward does not take it) before the collator sees it, and each row would train as one sample "
                          "whose parts attend to each other; leave remove_unused_columns unset (False for packed rows)")
@@ -356,6 +360,7 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     # Under a launcher, before Trainer creates the process group, the finder sees one process:
     # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
+    cap = min(cap, len(dataset))  # a batch larger than the dataset is never built
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from recipe_utils import lm_args, run
+from recipe_utils import fails, lm_args, run, snapshot
 
 
 def _varied(tiny_lm, tmp_path):
@@ -80,3 +80,14 @@ def test_the_recipe_trains_packed_and_reports_it(recipe, tiny_lm, tmp_path, caps
     out = capsys.readouterr().out
     assert "packing: 160 training samples" not in out or "padding" in out
     assert "padding, against" in out
+
+
+def test_packing_labelled_rows_is_refused_when_task_auto_picks_classification(recipe, tiny_lm, tmp_path, capsys):
+    """Trial finding (issue 22): --packing on a file with labels (--task auto) crashed with
+    "Column 'seq_lengths' doesn't exist"; check_config only knew an explicit --task classification."""
+    data = tmp_path / "labelled.jsonl"
+    data.write_text("".join(json.dumps({"text": line, "label": i % 2}) + "\n" for i, line in enumerate(tiny_lm["lines"])))
+    before = snapshot(data)
+    argv = ["--model", tiny_lm["model"], "--dataset", data, "--output-dir", tmp_path / "out", "--seq-len", "16", "--packing"]
+    fails(recipe, argv, capsys, "packing='on'", "--task auto trains a classifier", "drop --packing, or pass --task causal-lm")
+    assert snapshot(data) == before and not (tmp_path / "out").exists()

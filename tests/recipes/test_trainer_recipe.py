@@ -66,3 +66,20 @@ def test_packing_a_classification_dataset_is_refused(trainer_recipe, tmp_path):
     with pytest.raises(SystemExit, match=r"packing=True only applies to causal-lm.*drop --packing"):
         trainer_recipe.main(["--dataset", str(data), "--packing", "--output_dir", str(tmp_path / "out")])
     assert data.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_prompts_filling_every_token_and_empty_files_are_refused(trainer_recipe, tiny_lm, tmp_path):
+    """Trial findings (issue 22): prompts longer than --seq_len trained on nothing (loss 0, eval nan)
+    and saved a model; an empty file ended in datasets' StopIteration."""
+    words = "the cat sat on a mat dog ran to park".split()
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": " ".join(words * 4), "response": "cat"}) + "\n" for _ in range(20)))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"training row 1: the prompt fills all --seq_len=8 tokens.*raise --seq_len"):
+        trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(long), "--prompt_field", "prompt", "--packing",
+                             "--seq_len", "8", "--output_dir", str(out)])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=r"dataset='.*empty.jsonl' (could not be read|has 0 row).*"):
+        trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(empty), "--output_dir", str(out)])
+    assert not out.exists()

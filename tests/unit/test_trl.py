@@ -160,3 +160,16 @@ def test_chunked_loss_under_trl_is_reported_and_the_forward_that_trains_is_measu
     assert callback.first_step.memory.peak_bytes == trl_forward.peak_bytes
     logged = [h["memory/peak_mib"] for h in trainer.state.log_history if "loss" in h]
     assert logged and logged[0] * 2**20 > trl_forward.peak_bytes  # plus AdamW's state
+
+
+def test_packed_sft_trainer_runs_with_the_callback_and_verify_checks_the_rows(load_model, word_tokenizer, tmp_path):
+    """SFTConfig(packing=True): verify's packed-vs-alone comparison ran TRL's fused head without
+    labels (TypeError at train start); it now compares the model's logits and reports the packing line."""
+    callback = MemstackCallback()
+    model = prepare_model(load_model("llama"), "fp32+ckpt")
+    trainer = _trainer(model, word_tokenizer, _config(tmp_path, bf16=False, gradient_checkpointing=False, packing=True,
+                                                      padding_free=True, max_length=32), callbacks=[callback])
+    trainer.train()
+    checks = {c.name: c for c in callback.first_step.verify.checks}
+    assert "packing" in checks and checks["packing"].ok, callback.first_step.verify
+    assert len(_losses(trainer)) == 2

@@ -116,6 +116,23 @@ def test_the_forward_refuses_a_packed_batch_that_would_attend_across_samples(pac
         model(**batch, **extra)
 
 
+def test_a_mask_hiding_the_separators_does_not_hide_the_packing(packed_model_and_batch):
+    """Trial finding (issue 22): with the pad token also ending every sample, the common
+    attention_mask = input_ids != pad masks the separators; the restarts then sat next to masked
+    tokens, the batch passed as padded, and the samples attended to each other (losses off by 0.12)."""
+    model, batch = packed_model_and_batch
+    mask = torch.ones_like(batch["input_ids"])
+    starts = batch["position_ids"][:, 1:] == 0
+    mask[:, :-1][starts] = 0  # the token before each restart (the previous sample's end) masked
+    assert is_packed(batch["position_ids"], mask)
+    with pytest.raises(ValueError, match="attention_mask: a packed batch .* 2-D attention_mask"):
+        model(**batch, attention_mask=mask)
+    # A mask with a hole in one sample, positions counting on across it, is not a packing.
+    positions = torch.arange(6).unsqueeze(0)
+    assert not is_packed(positions, torch.tensor([[1, 1, 0, 0, 1, 1]]))
+    assert not is_packed((torch.tensor([[1, 1, 0, 1, 1]]).cumsum(-1) - 1).clamp(min=0), torch.tensor([[1, 1, 0, 1, 1]]))
+
+
 def test_use_cache_turned_back_on_in_the_config_is_refused(packed_model_and_batch):
     model, batch = packed_model_and_batch
     model.config.use_cache = True

@@ -89,8 +89,9 @@ def test_pack_dataset_concatenates_tokens_and_labels_and_drops_the_mask():
                {"input_ids": [8, 9], "labels": [8, 9], "attention_mask": [1, 1], "text": "b"},
                {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4], "attention_mask": [1, 1, 1, 1], "text": "c"}]
     rows = pack_dataset(samples, 6)
-    assert rows == [{"input_ids": [1, 2, 3, 4, 8, 9], "labels": [-100, -100, 3, 4, 8, 9], "seq_lengths": [4, 2]},
-                    {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "seq_lengths": [3]}]
+    assert rows == [{"input_ids": [1, 2, 3, 4, 8, 9], "labels": [-100, -100, 3, 4, 8, 9], "seq_lengths": [4, 2],
+                     "position_ids": [0, 1, 2, 3, 0, 1]},
+                    {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "seq_lengths": [3], "position_ids": [0, 1, 2]}]
 
 
 def test_pack_dataset_keeps_a_datasets_dataset_a_dataset():
