@@ -49,7 +49,6 @@ class ScriptArguments:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser, Trainer
 
