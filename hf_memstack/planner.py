@@ -166,7 +166,8 @@ def plan_policy(
                                 *_optimizer_notes(plan.policy)]
             return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
-    plan.suggestions = _suggestions(est, precision, batch_size, seq_len, world_size, usable)
+    closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
+    plan.suggestions = _suggestions(est, closest, batch_size, seq_len, world_size, usable)
     return plan
 
 
@@ -290,20 +291,52 @@ def _num_blocks(config: Any) -> int:
     return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 4))
 
 
-def _suggestions(est: Any, precision: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:
-    base = est(f"{precision}+ckpt", 1)
+def _suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:
+    """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for its
+    model states, a smaller batch, a shorter sequence - with numbers from its batch-1 estimate."""
+    base = est(closest, 1)
     states = base.parameters + base.gradients + base.optimizer
+    activations = base.peak_bytes - states
     out = []
     ranks = max(2, world_size * 2)
-    while ranks <= 4096 and states / ranks + (base.peak_bytes - states) > usable:
+    while ranks <= 4096 and states / ranks + activations > usable:
         ranks *= 2
     if ranks <= 4096:
         out.append(f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
-                   "optimizer state")
+                   f"optimizer state of {closest}")
     else:  # what is not sharded (the activations) alone exceeds the budget: more ranks cannot help
-        out.append(f"the activations alone ({format_bytes(base.peak_bytes - states)} at batch 1) exceed the budget: more ranks "
+        out.append(f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
                    "do not shard them")
     if isinstance(batch_size, int) and batch_size > 1:
         out.append(f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch")
-    out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")
+    shorter = _shorter_sequence(est, closest, base, seq_len, usable)
+    if shorter is not None:
+        out.append(f"a shorter sequence: {shorter.seq_len} tokens instead of {seq_len} fits at batch 1 with {closest} "
+                   f"(estimated peak {format_bytes(shorter.peak_bytes)})")
+    else:
+        out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")
     return out
+
+
+def _shorter_sequence(est: Any, policy: str, full: MemoryEstimate, seq_len: int, usable: float) -> MemoryEstimate | None:
+    """The estimate of the longest sequence (a multiple of 64, or of 8 below 256) that fits at
+    batch 1, found on the line through the forward+backward peaks at ``seq_len`` and half of it
+    (the optimizer step's peak does not depend on the sequence), then confirmed by estimating it;
+    None when the line finds none or three tries do not fit."""
+    if seq_len < 16 or not isinstance(est, _Estimates):
+        return None
+    half = _Estimates(est.config, **{**est.job, "seq_len": seq_len // 2})(policy, 1)
+    slope = (full.forward_backward_peak - half.forward_backward_peak) / (seq_len - seq_len // 2)
+    if slope <= 0:
+        return None
+    tokens = int((usable - (full.forward_backward_peak - slope * seq_len)) / slope)
+    for _ in range(3):
+        tokens = min(tokens, seq_len - 1)
+        tokens = tokens // 64 * 64 if tokens >= 256 else tokens // 8 * 8
+        if tokens < 8:
+            return None
+        guess = _Estimates(est.config, **{**est.job, "seq_len": tokens})(policy, 1)
+        if guess.peak_bytes <= usable:
+            return guess
+        tokens = int(tokens * 0.9)
+    return None

@@ -142,6 +142,25 @@ def test_planner_nothing_fits_says_by_how_much(pretrained_dirs):
     assert "nothing fits" in text and "more ranks" in text and "gradient accumulation" in text
 
 
+def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_dirs):
+    """The 70B-on-48GiB plan (issue 21) missed by 1.28 GiB with quant:nf4, yet suggested FSDP over 4
+    devices for the 16-bit weights: the numbers now come from the closest rung, and the shorter
+    sequence they suggest fits when estimated."""
+    from hf_memstack.estimate import load_config
+    from hf_memstack.planner import _Estimates, _suggestions
+
+    est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
+    closest = "fp32+ckpt"
+    usable = est(closest, 1).peak_bytes * 0.95  # short by 5%: a shorter sequence fits (the optimizer step's peak stays)
+    notes = _suggestions(est, closest, 1, 64, 1, usable=usable)
+    assert "of fp32+ckpt" in notes[0], notes
+    shorter = next(n for n in notes if n.startswith("a shorter sequence: "))
+    tokens = int(shorter.split(": ")[1].split(" ")[0])
+    assert 0 < tokens < 64, notes
+    # Independent check: the estimator itself at that length, and at the next multiple of 8 above it.
+    assert estimate_memory(pretrained_dirs["llama"], closest, batch_size=1, seq_len=tokens, task="causal-lm").peak_bytes <= usable
+
+
 @pytest.mark.parametrize("budget", ["64MiB", "6MiB", "1GiB"])
 def test_planner_max_batch_fits_and_is_the_largest(pretrained_dirs, budget):
     from hf_memstack import parse_bytes
@@ -282,6 +301,7 @@ def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_bu
     one = est("fp32+ckpt", 1)
     activations = one.peak_bytes - (one.parameters + one.gradients + one.optimizer)
     assert activations > 0, one
-    below, above = _suggestions(est, "fp32", 1, 64, 1, usable=activations * 0.9), _suggestions(est, "fp32", 1, 64, 1, usable=activations * 2)
+    below, above = _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 0.9), _suggestions(est, "fp32+ckpt", 1, 64, 1,
+                                                                                                 usable=activations * 2)
     assert "exceed the budget: more ranks do not shard them" in below[0] and "devices" not in below[0], below
     assert "more ranks: FSDP over about" in above[0], above
