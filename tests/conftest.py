@@ -13,6 +13,11 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One pytest-xdist worker per core: one thread each, or every worker's torch would use every
+    # core (the tiny models' tests are bound by Python, not by the matmuls). Subprocesses inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 from tiny import PlainStack, configs, model_class  # noqa: E402
 
