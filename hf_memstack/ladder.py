@@ -18,21 +18,11 @@ accumulation and global clipping. Each rung keeps the savings of the rungs befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .policy import MemoryPolicy
+from .policy import MemoryPolicy
+from .presets import LADDER
 
 __all__ = ["LADDER", "MEASURED_SPEED", "Rung", "memory_rungs", "next_rung"]
-
-# The presets, cheapest first: each adds a tool only when the one before is not enough.
-LADDER: dict[str, str] = {
-    "fp32": "fp32",
-    "bf16": "bf16",
-    "bf16+compile": "bf16+compile",
-    "bf16+compile+ckpt": "bf16+compile+ckpt",
-    "fsdp": "bf16+ckpt+fsdp",
-}
 
 # Step speed relative to eager fp32 (mixed precision) or to the same rung without the feature.
 # Measured by bench/ladder.py on the ladder model (4-layer Llama h=1024, vocabulary 32k, batch 4,
@@ -123,8 +113,6 @@ def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool =
     ``weights_dominate``: the parameters alone do not fit, so neither activation nor optimizer
     rungs can help; only 4-bit base weights (``quantize``: frozen linear layers that are not 4-bit
     yet, and torchao), sharding or a larger budget can."""
-    from .policy import MemoryPolicy
-
     if weights_dominate and quantize and policy.quant.mode == "none":
         candidate = _merged(policy, MemoryPolicy.from_string(f"{policy.precision}+quant:nf4"))
         return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
@@ -143,8 +131,6 @@ def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool =
 def _merged(policy: MemoryPolicy, rung: MemoryPolicy) -> MemoryPolicy:
     """``policy`` with every saving of ``rung`` added: the stronger checkpointing, the chunked loss,
     4-bit base weights, the optimizer rung; its own precision, compile and sharding kept."""
-    from .policy import MemoryPolicy
-
     merged = policy.to_dict()
     if _strength(rung) > _strength(policy):
         merged["checkpointing"] = rung.to_dict()["checkpointing"]

@@ -117,7 +117,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     """
     if cfg.mode == "default":
         return None
-    from .record import unwrap_model
+    from ._unwrap import unwrap_model
 
     target = unwrap_model(model)
     _check_causal_lm(target)
@@ -141,7 +141,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether ``loss:chunked`` applies to ``model`` (a causal LM with an output head and a backbone)."""
-    from .record import unwrap_model
+    from ._unwrap import unwrap_model
 
     try:
         _check_causal_lm(unwrap_model(model))

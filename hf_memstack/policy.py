@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from .errors import PolicyError
-from .ladder import LADDER
+from .presets import LADDER
 
 __all__ = [
     "CheckpointingConfig",

@@ -148,7 +148,7 @@ def restore_autocast(model: nn.Module) -> bool:
         True when the autocast was put back; False when nothing was to do (the autocast is
         still in place, or the policy's precision is not applied by hf_memstack).
     """
-    from .record import record_of, unwrap_model
+    from ._unwrap import record_of, unwrap_model
 
     record = record_of(model)
     if record is None or record.autocast_by != "hf_memstack":

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch import nn
 
+from ._unwrap import RecordBase, record_of, unwrap_model
 from .blocks import Blocks
 from .checkpointing import CheckpointingResult
 from .compile import CompileStats
@@ -26,7 +26,7 @@ AutocastBy = Literal["hf_memstack", "accelerator.prepare", "none"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MemstackRecord:
+class MemstackRecord(RecordBase):
     """What :func:`hf_memstack.prepare_model` applied; kept on the model as ``model.memstack``."""
 
     policy: MemoryPolicy
@@ -94,40 +94,3 @@ class MemstackRecord:
             lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
         lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
         return "\n".join(lines)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module ``prepare_model`` recorded its work on, seen through DDP/FSDP1/DataParallel
-    (``.module``), ``torch.compile`` (``._orig_mod``) and PEFT (``get_base_model()``) wrappers, in
-    any nesting; the innermost model when none of them holds a record."""
-    current = model
-    for _ in range(16):  # wrappers nest a few deep at most; never loop on a cycle
-        if isinstance(current.__dict__.get("memstack"), MemstackRecord):
-            return current
-        inner = _inner(current)
-        if inner is None:
-            return current
-        current = inner
-    return current
-
-
-def record_of(model: nn.Module) -> MemstackRecord | None:
-    """``model.memstack`` of the prepared model inside ``model`` (through DDP, compile, PEFT), or None."""
-    record = unwrap_model(model).__dict__.get("memstack")
-    return record if isinstance(record, MemstackRecord) else None
-
-
-# Wrappers that hold the model as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine).
-_MODULE_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
-
-
-def _inner(model: nn.Module) -> nn.Module | None:
-    modules = model.__dict__.get("_modules", {})
-    if type(model).__name__ in _MODULE_WRAPPERS and isinstance(modules.get("module"), nn.Module):
-        return modules["module"]
-    if type(model).__name__ == "OptimizedModule" and isinstance(modules.get("_orig_mod"), nn.Module):  # torch.compile(model)
-        return modules["_orig_mod"]
-    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
-        base = model.get_base_model()
-        return base if base is not model else None
-    return None
