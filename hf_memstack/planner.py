@@ -318,12 +318,12 @@ def _suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_si
     return out
 
 
-def _shorter_sequence(est: Any, policy: str, full: MemoryEstimate, seq_len: int, usable: float) -> MemoryEstimate | None:
+def _shorter_sequence(est: _Estimates, policy: str, full: MemoryEstimate, seq_len: int, usable: float) -> MemoryEstimate | None:
     """The estimate of the longest sequence (a multiple of 64, or of 8 below 256) that fits at
     batch 1, found on the line through the forward+backward peaks at ``seq_len`` and half of it
     (the optimizer step's peak does not depend on the sequence), then confirmed by estimating it;
     None when the line finds none or three tries do not fit."""
-    if seq_len < 16 or not isinstance(est, _Estimates):
+    if seq_len < 16:
         return None
     half = _Estimates(est.config, **{**est.job, "seq_len": seq_len // 2})(policy, 1)
     slope = (full.forward_backward_peak - half.forward_backward_peak) / (seq_len - seq_len // 2)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .boundaries import segment_lengths
+
 __all__ = ["PackedCollator"]
 
 
@@ -96,15 +98,14 @@ def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[i
 
 
 def _runs(positions: Any, n: int) -> list[int]:
-    """The sample lengths a row's ``position_ids`` give (a restart begins a sample): the boundaries
+    """The sample lengths a row's ``position_ids`` give (:func:`segment_lengths`): the boundaries
     of a packed row whose ``seq_lengths`` Trainer dropped; one sample when there are none."""
     if positions is None:
         return [n]
-    row = _as_list(positions)
-    if len(row) != n:
-        return [n, len(row) - n]  # refused below: the lengths do not add up to the row
-    starts = [0] + [i for i in range(1, n) if row[i] != row[i - 1] + 1] + [n]
-    return [b - a for a, b in zip(starts, starts[1:])]
+    row = torch.as_tensor(positions).reshape(1, -1)
+    if row.shape[1] != n:
+        return [n, row.shape[1] - n]  # refused below: the lengths do not add up to the row
+    return segment_lengths(row)[0]
 
 
 def _flatten(samples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:

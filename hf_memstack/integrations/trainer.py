@@ -37,6 +37,8 @@ from .._device import device_of, module_mode, preserved_rng, synchronize
 from .._wrappers import fused_lm_head_installed
 from ..accounting import optimizer_state_bytes
 from ..checkpointing import CheckpointingGuard
+from ..data import PackedCollator
+from ..data.guard import settle_packing_guard
 from ..memory import StepMemory, measure_step
 from ..optim import OptimizerInBackward, optimizer_in_backward_of
 from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
@@ -273,8 +275,6 @@ def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any], model
                          f"data_collator={type(collator).__name__ if collator is not None else None} collates each row as one "
                          "sample: the samples in a row would attend to each other; pass "
                          "data_collator=hf_memstack.data.PackedCollator(pad_token_id=tokenizer.pad_token_id)")
-    from ..data import PackedCollator
-
     # TRL's trainers keep seq_lengths among their signature columns; Trainer does not.
     kept = "position_ids" in columns and model_takes_position_ids
     if fields.setdefault("remove_unused_columns", False) and isinstance(collator, PackedCollator) and not kept:
@@ -295,8 +295,6 @@ def _columns_of(dataset: Any) -> set[str]:
 def _reads_seq_lengths(collator: Any) -> bool:
     """The collators that split a packed row at its ``seq_lengths``: the library's, and TRL's
     padding-free one (``DataCollatorForLanguageModeling(padding_free=True)``)."""
-    from ..data import PackedCollator
-
     return isinstance(collator, PackedCollator) or (type(collator).__module__.startswith("trl.") and getattr(collator, "padding_free", False))
 
 
@@ -562,7 +560,6 @@ def _verify_and_measure(model: nn.Module, batch: Any, *, run_verify: bool, measu
         return verify(model, batch), None
     if not run_verify:
         return None, _measure_forward_backward(model, batch)
-    from ..data.guard import settle_packing_guard
     from ..memory import _frozen_aware_tracker
 
     settle_packing_guard(model, batch)  # the packed-batch guard's one-time probe runs outside the tracked step
