@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices sharing an FSDP policy (default 1)")
     e.add_argument("--budget", type=_budget, help="device memory, e.g. 24GiB: exit 1 when the estimate does not fit")
     e.add_argument("--plot", help="write the breakdown as a stacked bar per policy to this PNG")
+    e.add_argument("--full-trace", action="store_true",
+                   help="trace every block instead of two shallow depths extrapolated (the same bytes; slower on deep models)")
     _dtype_option(e)
     pl = sub.add_parser("plan", help="the cheapest policy that fits a budget", description="Walk the ladder and pick the cheapest policy that fits.")
     _common(pl)
@@ -125,7 +127,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory
 
     estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
-                                 task=args.task, trainable=_trainable(args), dtype=args.dtype) for policy in args.policy.split(",")]
+                                 task=args.task, trainable=_trainable(args), dtype=args.dtype, extrapolate=not args.full_trace)
+                 for policy in args.policy.split(",")]
     verdicts = [args.budget is None or e.peak_bytes <= args.budget for e in estimates]
     # Several policies are alternatives: the run can use any that fits.
     fits = any(verdicts)

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._depth import DepthPlan, extrapolate_line, extrapolate_phases, plan_depths, with_depth
 from .accounting import tensor_bytes
 from .data.boundaries import packing_as_traced
-from .memory import StepMemory, measure_step
+from .memory import PhasePeaks, StepMemory, step_memory_of, trace_training_step
 from .policy import MemoryPolicy
 from .sizes import format_bytes
 from .weights_dtype import WeightsDtype, cast_like_from_pretrained, parse_dtype, resolve_weights_dtype, set_dtypes, short_name
@@ -268,6 +269,7 @@ def estimate_memory(
     trust_remote_code: bool = False,
     dtype: torch.dtype | str | None = "auto",
     packed: bool = False,
+    extrapolate: bool = True,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category.
 
@@ -296,6 +298,9 @@ def estimate_memory(
         packed: each row of ``seq_len`` tokens holds several samples (``position_ids`` restarting, as
             :class:`hf_memstack.data.PackedCollator` makes them). SDPA and eager attention then build a
             dense ``[batch, 1, seq_len, seq_len]`` mask, which is counted; unpacked batches build none.
+        extrapolate: trace a few of the model's blocks and extrapolate the identical rest (seconds at
+            any depth, equal to the full trace: see :mod:`hf_memstack._depth`); a stack whose blocks
+            differ is traced in full, as is every one with ``extrapolate=False``.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -304,11 +309,6 @@ def estimate_memory(
             with random weights when that is small; the notes say when it was not checked).
         TypeError: ``model``, ``trainable`` or ``dtype`` of a type that is none of the above.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .optim import make_optimizer
-    from .prepare import prepare_model
-
     _check_arguments(batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype)
     given = model
     model, trainable = _what_trains(model, trainable)
@@ -338,26 +338,89 @@ def estimate_memory(
             raise ValueError(problem)
         notes += [note] if note else []
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    net = _fake_model(config, task, peft_config, trust_remote_code, mode, weights)
-    _refuse_mixture_of_experts(net, config)
-    with mode:
-        net.train()
-        prepare_model(net, traced)
-        params = [p for p in net.parameters() if p.requires_grad]
-        # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
-        # after or in the backward), so its state is traced as it will be allocated.
-        opt = make_optimizer(net, traced, lr=1e-4) if optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
-        batch = _batch(config, task, batch_size, seq_len, packed=packed and task == "causal-lm")
-        with packing_as_traced(packed):
-            m = _traced_step(net, batch, opt, config, task)
-    notes += _quant_notes(net, peft_config is not None)
-    total_params = sum(p.numel() for p in net.parameters())
-    trainable_params = sum(p.numel() for p in params)
+    job = _Job(task=task, peft_config=peft_config, trust_remote_code=trust_remote_code, weights=weights, policy=traced,
+               optimizer=optimizer, batch_size=batch_size, seq_len=seq_len, packed=packed and task == "causal-lm")
+    depth = _depth_plan(config, job) if extrapolate else None
+    if depth is None:
+        full = _trace(config, job)
+        m, net, counts = step_memory_of(full.phases), full.net, full.counts
+    else:
+        # Two shallow traces, a period of blocks apart; every count on their line at the full depth.
+        lo, hi = (_trace(with_depth(config, d), job) for d in depth.depths)
+        m, net = step_memory_of(extrapolate_phases(lo.phases, hi.phases, depth)), hi.net
+        counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
+        notes.append(depth.note())
+    notes += _quant_notes(counts, peft_config is not None)
+    total_params, trainable_params = counts["total"], counts["trainable"]
     est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
     notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
     return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What one estimate traces, besides the config."""
+
+    task: str
+    peft_config: Any
+    trust_remote_code: bool
+    weights: WeightsDtype
+    policy: MemoryPolicy
+    """The traced policy (no compile, no FSDP: those are accounted for after the trace)."""
+    optimizer: str
+    batch_size: int
+    seq_len: int
+    packed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Traced:
+    net: nn.Module
+    phases: PhasePeaks
+    counts: dict[str, int]
+    """Parameters (``total``, ``trainable``) and the 4-bit layers' numbers (``quant_*``)."""
+
+
+def _trace(config: Any, job: _Job) -> _Traced:
+    """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .optim import make_optimizer
+    from .prepare import prepare_model
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    net = _fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
+    _refuse_mixture_of_experts(net, config)
+    with mode:
+        net.train()
+        prepare_model(net, job.policy)
+        params = [p for p in net.parameters() if p.requires_grad]
+        # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
+        # after or in the backward), so its state is traced as it will be allocated.
+        opt = make_optimizer(net, job.policy, lr=1e-4) if job.optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
+        batch = _batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
+        with packing_as_traced(job.packed):
+            phases = _traced_step(net, batch, opt, config, job.task)
+    counts = {"total": sum(p.numel() for p in net.parameters()), "trainable": sum(p.numel() for p in params), **_quant_counts(net)}
+    return _Traced(net=net, phases=phases, counts=counts)
+
+
+def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
+    """Which shallow depths to trace for this job, or None to trace every block."""
+
+    def build(cfg: Any) -> nn.Module:
+        with torch.device("meta"):
+            net = build_model(cfg, job.task, trust_remote_code=job.trust_remote_code, dtype=job.weights.dtype)
+            if job.weights.per_parameter:
+                set_dtypes(net, job.weights.per_parameter)
+        return net
+
+    ck = job.policy.checkpointing
+    try:
+        return plan_depths(config, build, every_n=ck.every_n if ck.mode == "every_n" else 1, peft_config=job.peft_config)
+    except ValueError:
+        return None  # the full trace (next) says what is wrong with the config
 
 
 def _check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer: Any, task: Any, dtype: Any) -> None:
@@ -439,16 +502,25 @@ def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tupl
     return None, None
 
 
-def _quant_notes(net: nn.Module, lora: bool) -> list[str]:
-    """What the traced 4-bit base holds (its bytes are in ``parameters``, counted as traced)."""
+def _quant_counts(net: nn.Module) -> dict[str, int]:
+    """The traced 4-bit base's numbers (none without one), each a line in the number of blocks."""
     from .record import record_of
 
     record = record_of(net)
     quant = record.quant if record is not None else None
     if quant is None or not quant.layers:
+        return {}
+    return {"quant_layers": len(quant.layers), "quant_weights": quant.weights, "quant_bytes": quant.bytes_4bit,
+            "quant_bytes_before": quant.bytes_before}
+
+
+def _quant_notes(counts: dict[str, int], lora: bool) -> list[str]:
+    """What the traced 4-bit base holds (its bytes are in ``parameters``, counted as traced)."""
+    if not counts.get("quant_layers"):
         return []
-    notes = [f"4-bit base weights: {len(quant.layers)} linear layers, {format_bytes(quant.bytes_4bit)} for {quant.weights:,} weights "
-             f"({quant.bits_per_weight:.2f} bits each; {format_bytes(quant.bytes_before)} before quantization)"]
+    bits = 8 * counts["quant_bytes"] / counts["quant_weights"]
+    notes = [f"4-bit base weights: {counts['quant_layers']} linear layers, {format_bytes(counts['quant_bytes'])} for "
+             f"{counts['quant_weights']:,} weights ({bits:.2f} bits each; {format_bytes(counts['quant_bytes_before'])} before quantization)"]
     if not lora:
         notes.append("quant:nf4 with trainable='all': the 4-bit layers are frozen and only the rest trains; pass trainable='lora' "
                      "(--lora-r) for QLoRA")
@@ -473,13 +545,13 @@ def _what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     return model, trainable
 
 
-def _traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> StepMemory:
+def _traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> PhasePeaks:
     """The meter's step on fake tensors. A forward that needs the data's values (an output whose
     shape depends on them, a ``.item()``) cannot run there: said as such, not as a trace error."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     try:
-        return measure_step(net, batch, opt, warmup=True, timed=False)
+        return trace_training_step(net, batch, opt)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise ValueError(
             f"the estimator cannot trace {type(net).__name__} ({type(config).__name__}, task={task!r}) without real data: its "

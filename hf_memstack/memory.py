@@ -166,33 +166,106 @@ def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[.
     return time.perf_counter() - start
 
 
+@dataclass(frozen=True, slots=True)
+class PhasePeaks:
+    """What the tracker saw in one step, phase by phase: each phase's peak by MemTracker category
+    (``total``, ``param``, ``buffer``, ``grad``, ``opt``, ``act``, ``temp``, ``oth``), and the
+    activations alive when the first phase (the forward) ended. The estimator extrapolates these
+    across depths: each phase's peak is a line in the number of identical blocks, the step's peak
+    (their maximum) is not."""
+
+    peaks: tuple[dict[str, int], ...]
+    forward_activations: int
+
+
+_CATEGORIES = ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")
+
+
 def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
     """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step. The
     activations alive after the first phase (the forward) are the saved activations; the peak by
     the end of the second (the backward) is the forward+backward peak."""
-    tracker = _frozen_aware_tracker()
-    if tracker is None:  # private API: it may move; fall back to counting what outlives the step
+    traced = trace_phases(model, optimizer, phases)
+    if traced is None:  # private API: it may move; fall back to counting what outlives the step
         return _fallback(model, optimizer, phases)
+    memory = step_memory_of(traced)
+    device = device_of(model)
+    if device.type == "cuda":
+        synchronize(device)
+        backward_peak = max(memory.forward_backward_peak, torch.cuda.max_memory_allocated(device))
+        memory = dataclasses.replace(memory, forward_backward_peak=backward_peak)
+    return memory
+
+
+def trace_phases(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> PhasePeaks | None:
+    """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
+    reset to the current bytes as each phase starts, so each phase's own peak is read."""
+    tracker = _frozen_aware_tracker()
+    if tracker is None:
+        return None
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
-    forward_activations = backward_peak = 0
+    peaks: list[dict[str, int]] = []
+    forward_activations = 0
     with tracker, warnings.catch_warnings():
         # MemTracker's module tracker warns for modules freed before their backward hook runs.
         warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
         for i, phase in enumerate(phases):
+            if i:
+                tracker.restart_peak()
             phase()
             if i == 0 and len(phases) > 1:
                 forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
-            if i == min(1, len(phases) - 1):
-                backward_peak = _category(tracker.get_tracker_snapshot("peak"), "total")
-                device = device_of(model)
-                if device.type == "cuda":
-                    synchronize(device)
-                    backward_peak = max(backward_peak, torch.cuda.max_memory_allocated(device))
-    peak = tracker.get_tracker_snapshot("peak")
-    cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
+            peak = tracker.get_tracker_snapshot("peak")
+            peaks.append({name: _category(peak, name) for name in _CATEGORIES})
+    return PhasePeaks(peaks=tuple(peaks), forward_activations=forward_activations)
+
+
+@torch.no_grad()
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The warm-up of a traced step: one optimizer step on zero gradients, so the optimizer's state
+    exists as after any real step (a whole forward and backward first would cost as much again).
+    An optimizer stepping in the backward holds one optimizer per parameter (``optimizers``)."""
+    inner = getattr(optimizer, "optimizers", None)
+    for opt in inner.values() if isinstance(inner, dict) else (optimizer,):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def step_memory_of(traced: PhasePeaks) -> StepMemory:
+    """The step's memory from its phases' peaks: the highest phase's categories; the forward+backward
+    peak is the highest of all phases but the optimizer's (the last of three)."""
+    peaks = traced.peaks
+    cat = max(peaks, key=lambda c: c["total"])  # the first phase to reach the step's peak, as one tracker reads it
+    backward = peaks[:2] if len(peaks) > 1 else peaks
+    backward_peak = max(c["total"] for c in backward)
     return StepMemory(peak_bytes=cat["total"], parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
-                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], saved_activations=forward_activations,
-                      forward_backward_peak=backward_peak, step_seconds=None, device="", method="memtracker")
+                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], saved_activations=traced.forward_activations,
+                      forward_backward_peak=backward_peak, step_seconds=None, device="", method="memtracker",
+                      peak_phase="optimizer" if len(peaks) > 2 and cat["total"] > backward_peak else "forward+backward")
+
+
+def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> PhasePeaks:
+    """The optimizer's state created, then each phase's peak of one step (forward, backward, optimizer step):
+    what :func:`measure_step` reads, phase by phase, for the estimator on fake tensors.
+
+    Raises:
+        RuntimeError: this PyTorch has no MemTracker.
+    """
+    train_step_once = [lambda: held.update(loss=forward_loss(model, batch)), lambda: backward(held.pop("loss")),
+                       lambda: optimizer_step(optimizer)]
+    held: dict[str, torch.Tensor] = {}
+    # No gc.collect() here (measure_step's costs ~0.5 s with Transformers loaded): stepping on zero
+    # gradients leaves no reference cycles holding tensors.
+    _create_optimizer_state(optimizer)
+    settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step
+    traced = trace_phases(model, optimizer, train_step_once)
+    if traced is None:
+        raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with")
+    return traced
 
 
 def _frozen_aware_tracker() -> Any:
@@ -230,6 +303,11 @@ def _frozen_aware_tracker() -> Any:
             for buffer in module.buffers():
                 buffer_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER))
             return param_memory, buffer_memory
+
+        def restart_peak(self) -> None:
+            """Read the next phase's own peak: from the bytes alive now."""
+            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
+            self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # MemTracker walks every tracked module on every op to keep per-module peaks, which

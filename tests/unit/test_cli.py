@@ -160,3 +160,17 @@ def test_estimate_and_find_batch_size_with_4bit_base_weights(pretrained_dirs, ca
     assert main(["find-batch-size", d, "--policy", "bf16+ckpt+quant:nf4", "--lora-r", "4", "--seq-len", "16", "--budget", "24MiB",
                  "--no-cache", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["batch_size"] >= 1
+
+
+def test_full_trace_gives_the_extrapolated_bytes(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=256).save_pretrained(tmp_path)
+    runs = {}
+    for flag in ([], ["--full-trace"]):
+        assert main(["estimate", str(tmp_path), "--policy", "bf16+ckpt", "--batch-size", "2", "--seq-len", "32", "--json", *flag]) == 0
+        runs[bool(flag)] = json.loads(capsys.readouterr().out)["estimates"][0]
+    notes = {k: [n for n in v.pop("notes") if "extrapolated" in n] for k, v in runs.items()}
+    runs[True].pop("fits", None), runs[False].pop("fits", None)
+    assert notes[False] and not notes[True] and runs[False] == runs[True]

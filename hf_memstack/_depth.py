@@ -1,0 +1,196 @@
+"""A deep model's step from two shallow ones: the estimator traces the model with a few of its
+blocks and extrapolates the identical rest.
+
+Tracing every block of a 7B or 70B model on fake tensors takes tens of seconds to minutes, and
+nothing in it differs from block to block. Each block of a repeated stack adds the same bytes to
+every phase's peak (its weights, gradients and optimizer state; its saved activations or
+checkpointed input), so each phase's peak is a line in the number of blocks, and two traces
+``period`` blocks apart give its slope. The step's peak is the highest phase's at the full depth,
+which is not a line (the optimizer phase grows faster than the backward under full fine-tuning),
+so each phase is extrapolated on its own, and each category of it.
+
+This holds only when the blocks really repeat. :func:`plan_depths` builds the full model on the
+meta device (no storage: a fraction of a second at 80 blocks) and compares its blocks: their
+classes, parameters (names, shapes, dtypes) and the plain attributes of every submodule (a
+sliding-window size, a layer type). The stack must repeat every ``period`` blocks (Gemma-2's
+sliding/global pairs: 2), the model built shallow must hold the deep one's first blocks and the same
+modules around them, and nothing in the policy or the PEFT config may pick blocks by index.
+Anything else is traced in full.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .memory import PhasePeaks
+
+__all__ = ["DepthPlan", "extrapolate_line", "extrapolate_phases", "plan_depths", "with_depth"]
+
+# Periods of blocks in the shallower trace. One is enough: the second trace's extra period is
+# neither the first block (whose input is the embeddings') nor alone, as every block past it is;
+# every field equals the full trace's at 4 to 24 blocks on Llama, GPT-2, Qwen2 and Gemma-2, and at
+# 7B scale (tests/unit/planning/test_depth.py, bench/estimate_speed.py).
+_SHALLOW_PERIODS = 1
+# Attributes that number a block (each block's own), not describe it.
+_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
+# Config fields listing a value per block (layer_types, no_rope_layers): cut to the shallow depth.
+_PLAIN = (int, float, str, bool, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class DepthPlan:
+    """How the estimate is traced: ``depths`` blocks (two traces) for a model of ``layers``."""
+
+    layers: int
+    """The model's blocks."""
+    period: int
+    """Blocks per repeat of the stack (1 when every block is alike)."""
+    depths: tuple[int, int]
+    """The two depths traced, ``period`` apart, together fewer blocks than ``layers``."""
+
+    def note(self) -> str:
+        repeat = "every block alike" if self.period == 1 else f"the stack repeats every {self.period} blocks"
+        return (f"traced with {self.depths[0]} and {self.depths[1]} of the model's {self.layers} blocks ({repeat}) and "
+                "extrapolated, phase by phase; extrapolate=False (--full-trace) traces every block")
+
+
+def text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+def num_layers(config: Any) -> int | None:
+    layers = getattr(text_config(config), "num_hidden_layers", None)
+    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
+
+
+def with_depth(config: Any, depth: int) -> Any:
+    """A copy of ``config`` with ``depth`` blocks; its per-block lists (``layer_types``) cut to them."""
+    layers = num_layers(config)
+    new = copy.deepcopy(config)
+    text = text_config(new)
+    for key, value in list(vars(text).items()):
+        if isinstance(value, (list, tuple)) and len(value) == layers and key != "architectures":
+            setattr(text, key, type(value)(value[:depth]))
+    text.num_hidden_layers = depth
+    return new
+
+
+def plan_depths(config: Any, build: Callable[[Any], nn.Module], *, every_n: int, peft_config: Any | None) -> DepthPlan | None:
+    """The two shallow depths to trace for ``config``, or None when the model must be traced in full
+    (too shallow to gain, blocks that differ, a PEFT config that picks blocks by index).
+
+    Args:
+        build: builds the model of a config on the meta device, in the estimate's dtypes.
+        every_n: the policy's checkpointing period (``ckpt:N``: one block in N; 1 otherwise).
+    """
+    layers = num_layers(config)
+    if layers is None or _peft_picks_blocks(peft_config):
+        return None
+    deep = build(config)
+    blocks = _blocks(deep)
+    if blocks is None or len(blocks) != layers:
+        return None
+    signatures = [_signature(b) for b in blocks]
+    period = _period(signatures)
+    if period is None:
+        return None
+    period = math.lcm(period, every_n)
+    shallow = _SHALLOW_PERIODS * period + layers % period
+    depths = (shallow, shallow + period)
+    if sum(depths) >= layers:
+        return None  # two traces as deep as the model: tracing it once is as fast
+    model = build(with_depth(config, depths[1]))
+    few = _blocks(model)
+    if few is None or [_signature(b) for b in few] != signatures[: depths[1]] or _outside(model, few) != _outside(deep, blocks):
+        return None  # the shallow model is not the deep one's first blocks: trace in full
+    return DepthPlan(layers=layers, period=period, depths=depths)
+
+
+def extrapolate_line(at: tuple[int, int], depths: tuple[int, int], layers: int) -> int:
+    """The value at ``layers`` on the line through the values ``at`` the two ``depths``."""
+    (lo, hi), (a, b) = at, depths
+    return hi + (hi - lo) * (layers - b) // (b - a)
+
+
+def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan) -> PhasePeaks:
+    """Each phase's peak, category by category, at the model's full depth."""
+    if len(shallow.peaks) != len(deeper.peaks):
+        raise RuntimeError("the two shallow traces ran different phases")
+
+    def line(lo: int, hi: int) -> int:
+        return max(0, extrapolate_line((lo, hi), plan.depths, plan.layers))
+
+    peaks = tuple({k: line(a[k], b[k]) for k in a} for a, b in zip(shallow.peaks, deeper.peaks, strict=True))
+    for peak in peaks:  # the total is its categories' sum at each depth, so it is on their lines' sum
+        peak["total"] = sum(v for k, v in peak.items() if k != "total")
+    return PhasePeaks(peaks=peaks, forward_activations=line(shallow.forward_activations, deeper.forward_activations))
+
+
+def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
+    from .blocks import find_blocks
+
+    try:
+        return find_blocks(model).modules
+    except ValueError:
+        return None
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks the same block: classes, parameters and buffers, plain attributes."""
+    parts: list[Any] = []
+    for name, sub in module.named_modules():
+        tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
+        plain = sorted((k, v) for k, v in vars(sub).items()
+                       if k not in _INDEX_ATTRIBUTES and not k.startswith("_") and _is_plain(v))
+        parts.append((name, type(sub).__qualname__, tuple(tensors), tuple(plain)))
+    return tuple(parts)
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]:
+    """The signature of everything but the blocks (embeddings, final norm, head)."""
+    inside = {id(m) for b in blocks for m in b.modules()}
+    parts = []
+    for name, sub in model.named_modules():
+        if id(sub) in inside:
+            continue
+        own = [(n, tuple(t.shape), t.dtype) for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
+        parts.append((name, type(sub).__qualname__, tuple(own)))
+    return tuple(parts)
+
+
+def _period(signatures: list[tuple[Any, ...]]) -> int | None:
+    """The smallest period of the stack that leaves room for extrapolating (None: not periodic)."""
+    for period in range(1, len(signatures) // (_SHALLOW_PERIODS + 1) + 1):
+        if all(signatures[i] == signatures[i % period] for i in range(len(signatures))):
+            return period
+    return None
+
+
+def _peft_picks_blocks(peft_config: Any | None) -> bool:
+    """A PEFT config that may treat blocks differently: by index, by pattern, by regular expression."""
+    if peft_config is None:
+        return False
+    if getattr(peft_config, "layers_to_transform", None) is not None or getattr(peft_config, "layers_pattern", None):
+        return True
+    if getattr(peft_config, "rank_pattern", None) or getattr(peft_config, "alpha_pattern", None):
+        return True
+    for field in ("target_modules", "exclude_modules"):
+        value = getattr(peft_config, field, None)
+        if isinstance(value, str) and value != "all-linear":
+            return True  # a regular expression over the full names, which may name blocks
+        if isinstance(value, (list, tuple, set, frozenset)) and any(p.isdigit() for v in value for p in str(v).split(".")):
+            return True  # a name with a block's index (layers.0.q_proj)
+    return False
