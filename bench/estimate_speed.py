@@ -68,6 +68,10 @@ def main() -> None:
     for shape in SHAPES:
         fast, t_fast = timed(lambda shape=shape: estimate_memory(config(shape), POLICY, **JOB))
         row = {"shape": shape, "seconds": round(t_fast, 2), "peak_bytes": fast.peak_bytes, "notes": list(fast.notes)}
+        if shape == "llama-2-7b":  # a second rung, whose peak sits elsewhere (no checkpointing)
+            other = [estimate_memory(config(shape), "bf16+loss:chunked", **JOB, extrapolate=e) for e in (True, False)]
+            row["bf16+loss:chunked_equal_to_full_trace"] = fields(other[0]) == fields(other[1])
+            print(f"{shape} bf16+loss:chunked: every field equal to the full trace: {row['bf16+loss:chunked_equal_to_full_trace']}")
         if shape == "llama-2-7b" or args.full_70b:
             full, t_full = timed(lambda shape=shape: estimate_memory(config(shape), POLICY, **JOB, extrapolate=False))
             diff = {k: (v, fields(full)[k]) for k, v in fields(fast).items() if fields(full)[k] != v}

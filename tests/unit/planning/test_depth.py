@@ -46,7 +46,7 @@ def _both(config, policy: str, **job):
 
 
 @pytest.mark.parametrize(("arch", "layers", "policy", "trainable"), [
-    ("llama", 4, "bf16+ckpt", "all"), ("llama", 8, "fp32", "all"), ("llama", 16, "bf16+ckpt", "lora"),
+    ("llama", 6, "bf16+ckpt", "all"), ("llama", 8, "fp32", "all"), ("llama", 16, "bf16+ckpt", "lora"),
     ("gpt2", 8, "bf16+ckpt", "lora"), ("gpt2", 16, "fp32", "all"),
     ("qwen2", 8, "fp32", "lora"), ("qwen2", 16, "bf16+ckpt", "all"),
     ("gemma2", 8, "bf16+ckpt", "all"), ("gemma2", 16, "fp32", "lora"),
@@ -59,7 +59,7 @@ def test_an_extrapolated_estimate_equals_the_full_trace_in_every_field(arch, lay
     assert _fields(fast) == _fields(full)
 
 
-@pytest.mark.parametrize("layers", [2, 3])
+@pytest.mark.parametrize("layers", [2, 4])
 def test_a_shallow_model_is_traced_in_full(layers):
     # Two shallow traces would hold as many blocks as the model: it is traced once, as it is.
     fast, full = _both(_config("llama", layers), "bf16+ckpt", batch_size=2, seq_len=64)
@@ -67,7 +67,8 @@ def test_a_shallow_model_is_traced_in_full(layers):
 
 
 @pytest.mark.parametrize("policy", ["bf16+ckpt+loss:chunked", "bf16+optim:8bit+optim:in_backward", "bf16+ckpt:selective",
-                                    "bf16+ckpt:2", "bf16+ckpt+fsdp"])
+                                    "bf16+ckpt:2", "bf16+ckpt+fsdp", "bf16+ckpt:offload",
+                                    "bf16+loss:chunked+ckpt+mlp:tiled"])
 def test_every_rung_extrapolates_exactly(policy):
     world = 2 if "fsdp" in policy else 1
     fast, full = _both(_config("llama", 12), policy, batch_size=2, seq_len=64, world_size=world)
