@@ -165,7 +165,7 @@ def test_estimate_and_find_batch_size_with_4bit_base_weights(pretrained_dirs, ca
 def test_full_trace_gives_the_extrapolated_bytes(tmp_path, capsys):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=256).save_pretrained(tmp_path)
     runs = {}
     for flag in ([], ["--full-trace"]):
