@@ -336,6 +336,7 @@ def estimate_memory(
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
     check_seq_len(config, seq_len)
+    _check_depth(config)
     if policy.loss.mode == "chunked":
         problem, note = _chunked_loss_verdict(config, task, trust_remote_code)
         if problem is not None:
@@ -425,6 +426,15 @@ def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
         return plan_depths(config, build, every_n=ck.every_n if ck.mode == "every_n" else 1, peft_config=job.peft_config)
     except ValueError:
         return None  # the full trace (next) says what is wrong with the config
+
+
+def _check_depth(config: Any) -> None:
+    """A config without blocks builds (embeddings and a head) and would be estimated as that: refused."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers <= 0:
+        raise ValueError(f"model= a {type(config).__name__} with num_hidden_layers={layers}: a model without blocks, which no "
+                         "checkpoint is; set num_hidden_layers to the model's number of layers (config.json's num_hidden_layers)")
 
 
 def _check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer: Any, task: Any, dtype: Any) -> None:

@@ -108,3 +108,8 @@ def test_a_peft_config_that_picks_blocks_is_traced_in_full():
 def test_the_line_through_two_depths():
     assert extrapolate_line((10, 13), (2, 3), 80) == 13 + 3 * 77
     assert extrapolate_line((100, 140), (4, 6), 16) == 140 + 20 * 10  # a period of 2 blocks
+
+
+def test_a_config_without_blocks_is_refused():
+    with pytest.raises(ValueError, match="num_hidden_layers=0"):
+        estimate_memory(_config("llama", 0), "bf16+ckpt", batch_size=1, seq_len=16)
