@@ -30,7 +30,7 @@ from torch import nn
 
 from .memory import PhasePeaks
 
-__all__ = ["DepthPlan", "extrapolate_line", "extrapolate_phases", "plan_depths", "with_depth"]
+__all__ = ["DepthPlan", "extrapolate_line", "extrapolate_phases", "num_layers", "plan_depths", "text_config", "with_depth"]
 
 # Periods of blocks in the shallower trace, and at least 2 blocks: the second trace's extra period
 # is then an interior block, neither the first (whose input is the embeddings') nor the last, as

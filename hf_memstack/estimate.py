@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._depth import DepthPlan, extrapolate_line, extrapolate_phases, plan_depths, with_depth
+from ._depth import DepthPlan, extrapolate_line, extrapolate_phases, plan_depths, text_config, with_depth
 from .accounting import tensor_bytes
 from .data.boundaries import packing_as_traced
 from .memory import PhasePeaks, StepMemory, step_memory_of, trace_training_step
@@ -430,8 +430,7 @@ def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
 
 def _check_depth(config: Any) -> None:
     """A config without blocks builds (embeddings and a head) and would be estimated as that: refused."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = getattr(text, "num_hidden_layers", None)
+    layers = getattr(text_config(config), "num_hidden_layers", None)
     if isinstance(layers, int) and not isinstance(layers, bool) and layers <= 0:
         raise ValueError(f"model= a {type(config).__name__} with num_hidden_layers={layers}: a model without blocks, which no "
                          "checkpoint is; set num_hidden_layers to the model's number of layers (config.json's num_hidden_layers)")
@@ -494,7 +493,7 @@ def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tupl
     from .policy import LossConfig
 
     small = copy.deepcopy(config)
-    text = small.get_text_config() if hasattr(small, "get_text_config") else small
+    text = text_config(small)
     if isinstance(getattr(text, "num_hidden_layers", None), int) and text.num_hidden_layers > 1:
         text.num_hidden_layers = 1  # what happens between the backbone and the output head does not depend on the depth
     with torch.device("meta"):

@@ -126,12 +126,7 @@ def measure_step(
             backward(forward(), grad_scaler=grad_scaler)
             optimizer_step(o, grad_scaler=grad_scaler)
 
-        # Split so the tracker can read what the forward left for the backward, and the
-        # forward+backward peak before the optimizer step.
-        held: dict[str, torch.Tensor] = {}
-        phases = [lambda: held.update(loss=forward()),
-                  lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
-                  lambda: optimizer_step(optimizer, grad_scaler=grad_scaler)]
+        phases = _step_phases(forward, optimizer, grad_scaler)
     elif shared:
         users_step = step_fn
 
@@ -156,6 +151,16 @@ def measure_step(
         method += "+cuda-allocator"
     return dataclasses.replace(tracked, peak_bytes=peak, step_seconds=seconds, device=str(device), method=method,
                                peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward")
+
+
+def _step_phases(forward: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                 grad_scaler: torch.amp.GradScaler | None = None) -> list[Callable[[], Any]]:
+    """A training step split in its phases (forward, backward, optimizer step), so the tracker can
+    read what the forward left for the backward, and the forward+backward peak before the step."""
+    held: dict[str, torch.Tensor] = {}
+    return [lambda: held.update(loss=forward()),
+            lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
+            lambda: optimizer_step(optimizer, grad_scaler=grad_scaler)]
 
 
 def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device) -> float:
@@ -255,14 +260,11 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
     Raises:
         RuntimeError: this PyTorch has no MemTracker.
     """
-    train_step_once = [lambda: held.update(loss=forward_loss(model, batch)), lambda: backward(held.pop("loss")),
-                       lambda: optimizer_step(optimizer)]
-    held: dict[str, torch.Tensor] = {}
     # No gc.collect() here (measure_step's costs ~0.5 s with Transformers loaded): stepping on zero
     # gradients leaves no reference cycles holding tensors.
     _create_optimizer_state(optimizer)
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step
-    traced = trace_phases(model, optimizer, train_step_once)
+    traced = trace_phases(model, optimizer, _step_phases(lambda: forward_loss(model, batch), optimizer))
     if traced is None:
         raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with")
     return traced
