@@ -4,6 +4,11 @@ seeds, so that a rung's difference from AdamW can be read against AdamW's own se
 
     python bench/optimizer_curves.py                 # 200 steps, seeds 0 and 1, four policies
     python bench/optimizer_curves.py --steps 40 --policies fp32,fp32+optim:in_backward
+    python bench/optimizer_curves.py --policies bf16,bf16+weights:bf16,plain:bf16+weights:bf16 --base bf16
+
+The master-weights rows: ``bf16`` (fp32 master weights, bf16 autocast), ``bf16+weights:bf16``
+(pure bf16, torchao's AdamW with stochastic rounding) and ``plain:bf16+weights:bf16`` (the same
+bf16 weights with plain ``torch.optim.AdamW``: bench/_plain_adamw.py), read against ``--base``.
 
 Every run uses --grad-clip 0 (stepping in the backward cannot clip by the global norm) and the
 same precision (fp32: the optimizer is what differs). Writes bench/results/optimizer_curves.json,
@@ -30,7 +35,8 @@ POLICIES = ["fp32", "fp32+optim:in_backward", "fp32+optim:8bit", "fp32+optim:8bi
 
 
 def run(policy: str, seed: int, steps: int, out: Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--policy", policy, "--seed", str(seed), "--max-steps", str(steps),
+    script = ROOT / "bench" / "_plain_adamw.py" if policy.startswith("plain:") else ROOT / "recipes" / "finetune.py"
+    cmd = [sys.executable, str(script), "--policy", policy.removeprefix("plain:"), "--seed", str(seed), "--max-steps", str(steps),
            "--grad-clip", "0", "--log-every", "10", "--eval-every", "0", "--output-dir", str(out)]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -46,6 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--base", default="fp32", help="the policy the others are read against")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "optimizer_curves.json"))
     args = ap.parse_args()
     print(machine())
@@ -71,9 +78,9 @@ def main() -> None:
 
     runs = kept + runs
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    base = [tail(r) for r in runs if r["policy"] == "fp32"]
+    base = [tail(r) for r in runs if r["policy"] == args.base]
     spread = max(base) - min(base) if len(base) > 1 else float("nan")
-    print("\n| policy | seeds | train loss, last quarter (mean over seeds) | minus AdamW's | AdamW's seed spread | final eval loss | final accuracy | s/run |")
+    print("\n| policy | seeds | train loss, last quarter (mean over seeds) | minus the base's | the base's seed spread | final eval loss | final accuracy | s/run |")
     print("|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rs = [r for r in runs if r["policy"] == policy]

@@ -454,10 +454,12 @@ def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> 
     frozen = sorted({short_name(p.dtype) for p in net.parameters() if not p.requires_grad and p.is_floating_point()})
     held = f"trainable parameters {'/'.join(trainable) or 'none'}" + (f", frozen {'/'.join(frozen)}" if frozen else "")
     note = f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
-    if policy.precision != "fp32" and any(t != "fp32" for t in trainable):
-        # prepare_model keeps 16-bit trainable weights as they are (and warns): no fp32 master copy is counted.
-        note += (f". prepare_model keeps the {'/'.join(t for t in trainable if t != 'fp32')} trainable weights as loaded (no fp32 "
-                 "master copy; it warns that updates lose precision): load in fp32 (dtype='fp32') for fp32 master weights")
+    if policy.master_weights == "bf16":
+        note += ". Pure bf16 (weights:bf16): the trainable weights, their gradients and AdamW's moments in bf16, updated with stochastic rounding"
+    elif policy.precision != "fp32" and weights.dtype != torch.float32:
+        # prepare_model casts the 16-bit trainable weights to fp32 master weights (policy.master_weights='fp32').
+        note += (". prepare_model casts 16-bit trainable weights to fp32 master weights (weights:fp32, counted here); "
+                 "'weights:bf16' keeps them in bf16 with stochastic rounding (8 bytes per trainable parameter instead of 16)")
     return note
 
 

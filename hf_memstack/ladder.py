@@ -9,7 +9,8 @@ checkpointing (every 4th, 3rd, 2nd block, torchtitan's alternate-matmul selectiv
 every block, then - when a step holds more tokens than one tile - the blocks' MLPs over tiles of
 tokens, kept by every rung after it); 7. for LoRA runs, 4-bit base weights (the frozen linear layers of the blocks in NF4:
 a quarter of their 16-bit bytes); 8. the optimizer: stepped in the backward (no full set of
-gradients), then 8-bit moments, then both; 9. offloading the checkpoints to host memory; 10. FSDP
+gradients), then - for a bf16 full fine-tune - pure bf16 (weights, gradients and moments in bf16,
+stochastic rounding), then 8-bit moments, then both; 9. offloading the checkpoints to host memory; 10. FSDP
 over several devices (then with CPU offload). Activation rungs come before the 4-bit and optimizer
 rungs: they change no arithmetic, while those round the frozen weights or the moments, or forbid
 accumulation and global clipping. Each rung keeps the savings of the rungs before it.
@@ -35,7 +36,9 @@ __all__ = ["LADDER", "MEASURED_SPEED", "Rung", "memory_rungs", "next_rung"]
 MEASURED_SPEED = {
     "bf16": 1.52, "ckpt": 0.86, "loss_chunked": 1.07, "selective": 0.95, "selective_alternate": 0.93,
     "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2, "quant": 0.8, "mlp_tiled": 0.9,
+    "pure_bf16": 1.0,
 }
+# pure_bf16 (weights:bf16) is an assumption: the same bf16 matmuls, a step that reads half the bytes.
 # mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, the README).
 
 # How much of the activations each checkpointing mode drops (ordering only; measured on the ladder
@@ -54,7 +57,7 @@ class Rung:
 
 def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
                  eightbit: bool = True, step_in_backward: bool = True, quantize: bool = False,
-                 tiled_mlp: bool = False) -> list[Rung]:
+                 tiled_mlp: bool = False, pure_bf16: bool = False) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
     first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
     memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
@@ -62,7 +65,10 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     torchao installed (4-bit base weights, after full checkpointing and kept on every rung after
     it); FSDP rungs need several devices; ``tiled_mlp``: a step holds more tokens than one MLP
     tile, so tiling the MLPs saves memory (an activation rung placed by its measured speed, kept by
-    the rungs after it)."""
+    the rungs after it); ``pure_bf16``: a full fine-tune in bf16 (the
+    trainable weights, gradients and moments in bf16 with stochastic rounding: 16 -> 8 bytes per
+    trainable parameter, 6 with 8-bit moments; after the in-backward rung and kept by the rungs after
+    it)."""
     s = MEASURED_SPEED
     speed = s["bf16"] if precision != "fp32" else 1.0
     base = f"{precision}+loss:chunked" if causal_lm else precision
@@ -94,15 +100,20 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     in_backward = step_in_backward and precision != "fp16"
     if in_backward:
         rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:in_backward", relative_speed=full * s["in_backward"]))
+    # From here on a bf16 full fine-tune may train pure bf16: every later rung keeps it (last, as to_string writes it).
+    weights = "+weights:bf16" * (pure_bf16 and precision == "bf16")
+    if weights:
+        full *= s["pure_bf16"]
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}{weights}", relative_speed=full))
     if eightbit:
-        rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:8bit", relative_speed=full * s["8bit"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:8bit{weights}", relative_speed=full * s["8bit"]))
     optim = "+optim:8bit" * eightbit + "+optim:in_backward" * in_backward
     if eightbit and in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt{keep}{optim}", relative_speed=full * s["8bit"] * s["in_backward"]))
-    rungs.append(Rung(policy=f"{base}+ckpt:offload{keep}{optim}", relative_speed=full * s["offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}{optim}{weights}", relative_speed=full * s["8bit"] * s["in_backward"]))
+    rungs.append(Rung(policy=f"{base}+ckpt:offload{keep}{optim}{weights}", relative_speed=full * s["offload"]))
     if world_size > 1:
-        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp", relative_speed=full * s["fsdp"]))
-        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp:offload", relative_speed=full * s["fsdp_offload"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp{weights}", relative_speed=full * s["fsdp"]))
+        rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp:offload{weights}", relative_speed=full * s["fsdp_offload"]))
     return rungs
 
 

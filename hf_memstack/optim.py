@@ -36,14 +36,14 @@ __all__ = ["OptimizerInBackward", "check_optimizer_policy", "check_training_sett
 _INSTALL = "pip install 'hf_memstack[optim]' (torchao)"
 
 
-def check_optimizer_policy(cfg: OptimizerConfig) -> None:
+def check_optimizer_policy(cfg: OptimizerConfig, master_weights: str = "fp32") -> None:
     """Raise before anything is touched when the policy's optimizer cannot be built here.
 
     Raises:
         RuntimeError: ``state="8bit"`` and torchao is not installed (or does not import).
     """
     if cfg.state == "8bit":
-        _adamw8bit()
+        _torchao_adamw(cfg.state, master_weights)
 
 
 def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None,
@@ -251,19 +251,22 @@ def make_optimizer(
     record = record_of(model)
     resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     cfg = resolved.optimizer
-    if record is not None and cfg != record.policy.optimizer:
-        raise ValueError(f"make_optimizer(policy={resolved.to_string()!r}) asks for optimizer {_describe(cfg)}, but the model was "
-                         f"prepared with {record.policy.to_string()!r} ({_describe(record.policy.optimizer)}); drop the policy "
-                         "argument (the optimizer then follows the model's policy), or prepare the model with the optim: tokens you want")
+    if record is not None and (cfg, resolved.master_weights) != (record.policy.optimizer, record.policy.master_weights):
+        raise ValueError(f"make_optimizer(policy={resolved.to_string()!r}) asks for optimizer {_describe(cfg, resolved.master_weights)}, "
+                         f"but the model was prepared with {record.policy.to_string()!r} "
+                         f"({_describe(record.policy.optimizer, record.policy.master_weights)}); drop the policy argument (the "
+                         "optimizer then follows the model's policy), or prepare the model with the optim: and weights: tokens you want")
     grad_scaler = record.grad_scaler if record is not None else None
     check_training_settings(cfg, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                             grad_scaler=grad_scaler)
-    check_optimizer_policy(cfg)
+    check_optimizer_policy(cfg, resolved.master_weights)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     groups = _param_groups(model, param_groups, defaults)
+    params = [_tensor_of(item) for g in groups for item in g["params"]]
+    _check_master_dtype(params, resolved.master_weights)
     if cfg.step == "in_backward":
-        _check_in_backward_parameters([_tensor_of(item) for g in groups for item in g["params"]])
-    factory = _factory(cfg)
+        _check_in_backward_parameters(params)
+    factory = _factory(cfg, resolved.master_weights)
     if cfg.step == "after_backward":
         return factory(groups, defaults)
     previous = optimizer_in_backward_of(model)
@@ -277,8 +280,30 @@ def make_optimizer(
     return optimizer
 
 
-def _describe(cfg: OptimizerConfig) -> str:
-    return f"state={cfg.state!r}, step={cfg.step!r}"
+def _describe(cfg: OptimizerConfig, master_weights: str = "fp32") -> str:
+    return f"state={cfg.state!r}, step={cfg.step!r}, master_weights={master_weights!r}"
+
+
+def _check_master_dtype(params: list[torch.Tensor], master_weights: str) -> None:
+    """Stochastic rounding writes bf16 values: over fp32 weights it would round them to bf16 at every
+    step (refused). Plain AdamW over 16-bit weights loses the updates below their resolution (warned)."""
+    if master_weights == "bf16":
+        other = [p for p in params if p.is_floating_point() and p.dtype != torch.bfloat16]
+        if other:
+            raise ValueError(
+                f"make_optimizer: policy.master_weights='bf16' (AdamW with bf16 stochastic rounding), but {len(other)} trainable "
+                f"parameter(s) are {other[0].dtype} (the first of shape {tuple(other[0].shape)}): rounding them to bf16 at every "
+                "step would lose their precision silently. Prepare the model with the policy first (prepare_model casts its "
+                "trainable parameters to bf16; adapters added after prepare_model are PEFT's fp32: cast them with "
+                "model.to(torch.bfloat16) or use 'weights:fp32')")
+        return
+    sixteen = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
+    if sixteen:
+        warnings.warn(
+            f"make_optimizer: {len(sixteen)} trainable parameter(s) are {sixteen[0].dtype} and the policy keeps fp32 master "
+            "weights: plain AdamW over 16-bit weights rounds away every update smaller than their resolution. Prepare the "
+            "model with a mixed-precision policy ('bf16': prepare_model casts them to fp32), or train pure bf16 with "
+            "stochastic rounding ('bf16+weights:bf16')", stacklevel=3)
 
 
 def _check_in_backward_parameters(params: list[torch.Tensor]) -> None:
@@ -310,17 +335,23 @@ def _check_not_replicated(params: list[torch.Tensor]) -> None:
 Factory = Callable[[list[dict[str, Any]], dict[str, Any]], torch.optim.Optimizer]
 
 
-def _factory(cfg: OptimizerConfig) -> Factory:
+def _factory(cfg: OptimizerConfig, master_weights: str = "fp32") -> Factory:
+    if master_weights == "bf16" and cfg.state == "fp32":
+        from .bf16_adamw import BF16AdamW
+
+        return lambda groups, defaults: BF16AdamW(groups, **defaults)
     if cfg.state == "8bit":
-        adamw8bit = _adamw8bit()
-        return lambda groups, defaults: adamw8bit(groups, **defaults)
+        adamw = _torchao_adamw(cfg.state, master_weights)
+        rounding = {"bf16_stochastic_round": True} if master_weights == "bf16" else {}
+        return lambda groups, defaults: adamw(groups, **defaults, **rounding)
     # PyTorch's own defaults (foreach on CUDA, a loop on the CPU): what a hand-written loop gets;
     # the estimator traces this same optimizer, so its temporaries are counted as they run.
     return lambda groups, defaults: torch.optim.AdamW(groups, **defaults)
 
 
 @functools.cache
-def _adamw8bit() -> type[torch.optim.Optimizer]:
+def _torchao_adamw(state: str, master_weights: str) -> type[torch.optim.Optimizer]:
+    """torchao's ``AdamW8bit`` (with ``bf16_stochastic_round`` under pure bf16), trackable."""
     try:
         from torchao.optim import AdamW8bit
     except Exception as e:  # noqa: BLE001 - an ImportError, or torchao failing to load against this torch
@@ -328,6 +359,7 @@ def _adamw8bit() -> type[torch.optim.Optimizer]:
             f"policy.optimizer.state='8bit' needs torchao's AdamW8bit, which does not import here ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:160] if str(e) else ''}); {_INSTALL}, or use policy.optimizer.state='fp32'"
         ) from None
+    base = AdamW8bit
 
     # torchao builds its quantization maps on first use, with a .tolist() that fake tensors (the
     # estimator) cannot answer: build them now, on real tensors (torchao caches them).
@@ -339,8 +371,8 @@ def _adamw8bit() -> type[torch.optim.Optimizer]:
         subclass_8bit.get_qmap_signed()
         subclass_8bit.get_qmap_unsigned()
 
-    class TrackableAdamW8bit(AdamW8bit):
-        """torchao's ``AdamW8bit``, whose compiled step runs eagerly under a tensor-tracking dispatch mode
+    class TrackableAdamW(base):  # type: ignore[valid-type, misc]
+        """torchao's AdamW, whose compiled step runs eagerly under a tensor-tracking dispatch mode
         (the memory meter, the estimator's fake tensors): dynamo refuses to compile there, and the
         state it creates is the same."""
 
@@ -350,7 +382,8 @@ def _adamw8bit() -> type[torch.optim.Optimizer]:
                     return super().step(closure)
             return super().step(closure)
 
-    return TrackableAdamW8bit
+    TrackableAdamW.__name__ = TrackableAdamW.__qualname__ = "TrackableAdamW8bit"
+    return TrackableAdamW
 
 
 def _on_fake_tensors(optimizer: torch.optim.Optimizer) -> bool:

@@ -159,7 +159,8 @@ def plan_policy(
     torchao = importlib.util.find_spec("torchao") is not None
     rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=chunked,
                          eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable),
-                         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)))
+                         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
+                         pure_bf16=_trains_all(trainable))
     floors: dict[str, int] = {}
     for rung in rungs:
         row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
@@ -311,13 +312,17 @@ def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
         notes.append("quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
                      "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
                      "hf_memstack.merge_adapters")
-    if policy.optimizer != MemoryPolicy().optimizer:
+    if policy.optimizer != MemoryPolicy().optimizer or policy.master_weights == "bf16":
         notes.append("build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung")
     if policy.optimizer.step == "in_backward":
         notes.append("optim:in_backward updates each parameter inside the backward: no gradient accumulation and no "
                      "global-norm clipping (make_optimizer refuses them)")
     if policy.optimizer.state == "8bit":
         notes.append("optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs")
+    if policy.master_weights == "bf16":
+        notes.append("weights:bf16 trains pure bf16 (weights, gradients and moments; hf_memstack's BF16AdamW with stochastic rounding, "
+                     "so that updates below bf16's resolution survive in expectation): 8 bytes per trainable parameter instead "
+                     "of 16; see bench/optimizer_curves.py for its loss curve beside fp32 master weights")
     return notes
 
 

@@ -52,6 +52,7 @@ MLPMode = Literal["default", "tiled"]
 OptimizerState = Literal["fp32", "8bit"]
 OptimizerStep = Literal["after_backward", "in_backward"]
 QuantMode = Literal["none", "nf4"]
+MasterWeights = Literal["fp32", "bf16"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -251,6 +252,18 @@ class MemoryPolicy:
     """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
     string such as ``"8bit"``, ``"in_backward"`` or ``"8bit+in_backward"``, is accepted too."""
 
+    master_weights: MasterWeights = "fp32"
+    """The dtype the trainable parameters are kept and updated in. ``fp32`` (mixed precision's
+    master weights): under a mixed precision, ``prepare_model`` casts 16-bit trainable parameters
+    (a bf16 checkpoint loaded the default way) to fp32, and autocast computes in 16 bits from them:
+    4 (weight) + 4 (gradient) + 8 (AdamW's moments) = 16 bytes per trainable parameter. ``bf16``
+    (pure bf16, token ``weights:bf16``; needs ``precision="bf16"``): the trainable parameters are
+    kept (or cast) in bf16 and :func:`hf_memstack.make_optimizer` builds
+    :class:`hf_memstack.bf16_adamw.BF16AdamW` (AdamW with stochastic rounding; torchao's 8-bit
+    AdamW with its ``bf16_stochastic_round`` under ``optim:8bit``), whose updates below bf16's resolution are kept in expectation
+    instead of rounding away: 2 + 2 + 4 = 8 bytes (6 with ``optim:8bit``). Frozen parameters are
+    never cast."""
+
     def __setattr__(self, name: str, value: Any) -> None:
         """Setting a field of a built policy validates it (a policy is never left invalid: a refused
         value is not set); the fields of a sub-config are validated when the policy is next used
@@ -295,6 +308,13 @@ class MemoryPolicy:
         _validate_quant(self.quant, problems)
         _validate_mlp(self.mlp, problems)
         _validate_optimizer(self.optimizer, problems)
+        _check_choice(problems, "policy.master_weights", self.master_weights, MasterWeights)
+        if self.master_weights == "bf16" and self.precision != "bf16":
+            problems.append(
+                f"policy.master_weights='bf16' (pure bf16 training) with policy.precision={self.precision!r}: pure bf16 computes "
+                "and updates in bf16, so the precision must be 'bf16' ('auto' may resolve to fp16 or fp32); use "
+                "'bf16+weights:bf16', or master_weights='fp32'"
+            )
         if self.fsdp.mode != "none" and self.checkpointing.mode == "offload":
             problems.append(
                 "policy.checkpointing.mode='offload' with policy.fsdp.mode="
@@ -349,7 +369,9 @@ class MemoryPolicy:
           the other 16-bit parameters in fp32, as PEFT's ``prepare_model_for_kbit_training``);
         * ``mlp:tiled`` (each block's MLP over tiles of tokens);
         * ``optim:8bit`` (8-bit AdamW moments), ``optim:in_backward`` (step each parameter as its
-          gradient is ready); both may be given.
+          gradient is ready); both may be given;
+        * ``weights:bf16`` (pure bf16: trainable weights kept in bf16, AdamW with stochastic
+          rounding), ``weights:fp32`` (fp32 master weights, the default).
 
         A ladder preset name (``fp32``, ``bf16``, ``bf16+compile``, ``bf16+compile+ckpt``, ``fsdp``)
         is such a string.
@@ -370,7 +392,7 @@ class MemoryPolicy:
             if key in seen:
                 problems.append(
                     f"policy string {original!r}: {token!r} conflicts with {seen[key]!r}; give each of "
-                    "precision, ckpt, compile, fsdp, loss, quant and mlp at most once (optim:8bit and optim:in_backward may go together)"
+                    "precision, ckpt, compile, fsdp, loss, quant, mlp and weights at most once (optim:8bit and optim:in_backward may go together)"
                 )
                 continue
             seen[key] = token
@@ -390,7 +412,7 @@ class MemoryPolicy:
                     f"policy string {original!r}: unknown token {token!r}; allowed: a precision "
                     f"({', '.join(get_args(Precision))}), 'ckpt[:N|offload]', 'ckpt:selective[:alternate]', "
                     f"'compile[:regional]', 'fsdp[:mode|offload]', 'loss:chunked[:compiled]', 'quant:nf4[:upcast]', 'mlp:tiled', 'optim:8bit', 'optim:in_backward', "
-                    f"or a preset ({', '.join(LADDER)})"
+                    f"'weights:fp32|bf16', or a preset ({', '.join(LADDER)})"
                 )
         if problems:
             raise PolicyError(problems)
@@ -497,6 +519,8 @@ class MemoryPolicy:
             parts.append("optim:8bit")
         if self.optimizer.step == "in_backward":
             parts.append("optim:in_backward")
+        if self.master_weights != "fp32":
+            parts.append(f"weights:{self.master_weights}")
         return "+".join(parts)
 
 
@@ -512,6 +536,10 @@ def _parse_ckpt(arg: str, _: Any) -> CheckpointingConfig | None:
     if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_EVERY_N:
         return CheckpointingConfig(mode="every_n", every_n=int(arg))
     return None
+
+
+def _parse_weights(arg: str, _: Any) -> str | None:
+    return arg if arg in get_args(MasterWeights) else None
 
 
 def _parse_compile(arg: str, _: Any) -> CompileConfig | None:
@@ -554,6 +582,7 @@ _TOKENS: dict[str, tuple[str, Any, str]] = {
     "quant": ("quant", _parse_quant, "'quant:nf4', 'quant:nf4:upcast'"),
     "mlp": ("mlp", _parse_mlp, "'mlp:tiled'"),
     "optim": ("optimizer", _parse_optim, "'optim:8bit', 'optim:in_backward'"),
+    "weights": ("master_weights", _parse_weights, "'weights:fp32', 'weights:bf16'"),
 }
 
 

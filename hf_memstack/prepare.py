@@ -31,6 +31,7 @@ from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of, unwrap_model
+from .transforms.master_weights import MasterWeightsPlan, apply_master_weights, check_master_weights
 from .transforms.quant import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
@@ -56,6 +57,8 @@ class _Plan:
     """Which linear layers become 4-bit, and which came 4-bit."""
     tiles: _TilePlan | None = None
     """Which MLPs run over tiles of tokens (None: none)."""
+    master: MasterWeightsPlan | None = None
+    """Which trainable parameters are cast to the master weights' dtype."""
 
 
 def prepare_model(
@@ -169,15 +172,17 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
-    check_optimizer_policy(policy.optimizer)
+    check_optimizer_policy(policy.optimizer, policy.master_weights)
     quant = check_quant(model, policy.quant, dtype=precision.dtype, blocks=blocks, shards=_shards(policy), fsdp=policy.fsdp.mode != "none")
-    _warn_on_training_setup(model, policy, precision, blocks, quant)
+    _warn_on_training_setup(model, policy, blocks, quant)
+    master = check_master_weights(model, policy, mixed=precision.mixed, precision_name=precision.name,
+                                  before_adapters=_base_before_adapters(model, quant))
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
     autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
     return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
                  autocast_here=autocast_here, loss_head=loss_head, quant=quant,
-                 tiles=tiles)
+                 tiles=tiles, master=master)
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -192,6 +197,10 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     #    head, compile and FSDP2 (which shards NF4 weights with their own all-gather) all see them.
     assert plan.quant is not None
     quant = apply_quant(model, plan.quant)
+    # 0b. the trainable parameters in the master weights' dtype (fp32 under mixed precision, or pure
+    #     bf16), before anything wraps them: FSDP2 then shards and all-gathers them in that dtype.
+    assert plan.master is not None
+    master = apply_master_weights(plan.master)
     # 1. checkpointing first, so compile and FSDP wrap the checkpointed blocks: a recompute then
     #    re-runs the compiled block, and FSDP's all-gather stays outside the checkpoint (else every
     #    recompute gathers the parameters again).
@@ -232,7 +241,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
         policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
         checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
         kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, packing_guard=packing_guard,
-        chunkable_loss=supports_chunked_loss(model), quant=quant,
+        chunkable_loss=supports_chunked_loss(model), quant=quant, master_weights=master,
     )
 
 
@@ -287,8 +296,12 @@ def _shards(policy: MemoryPolicy) -> int:
     return dist.get_world_size() if policy.fsdp.mode != "none" and dist.is_available() and dist.is_initialized() else 1
 
 
-def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: ResolvedPrecision, blocks: Blocks | None,
-                            quant: QuantPlan) -> None:
+def _base_before_adapters(model: nn.Module, quant: QuantPlan) -> bool:
+    """A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it): QLoRA's usual load."""
+    return bool(quant.targets) and all(p.requires_grad for p in model.parameters())
+
+
+def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, blocks: Blocks | None, quant: QuantPlan) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         warnings.warn(
@@ -296,21 +309,11 @@ def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, precision: R
             "frozen?). Unfreeze what should train (requires_grad_(True), or the PEFT config) before training",
             stacklevel=4,
         )
-    # A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it) is QLoRA's usual load.
-    base_before_adapters = bool(quant.targets) and len(trainable) == len(list(model.parameters()))
-    if base_before_adapters:
+    if _base_before_adapters(model, quant):
         warnings.warn(
             f"policy.quant.mode='nf4' freezes the {len(quant.targets)} linear weights it makes 4-bit (4-bit weights cannot train): "
             "add LoRA adapters next (peft.get_peft_model(model, LoraConfig(...)), QLoRA's order), else only the other "
             "parameters (embeddings, norms, head) train; for a full fine-tune drop quant:nf4",
-            stacklevel=4,
-        )
-    if precision.mixed and any(p.dtype != torch.float32 for p in trainable) and not base_before_adapters:
-        warnings.warn(
-            f"policy.precision={precision.name!r} is mixed precision, but the model's trainable parameters are "
-            f"{next(p.dtype for p in trainable if p.dtype != torch.float32)}: optimizer updates then lose precision. "
-            "Load the model in fp32 (from_pretrained(..., dtype=torch.float32)) and let autocast compute in "
-            f"{precision.name}",
             stacklevel=4,
         )
     ck = policy.checkpointing

@@ -17,6 +17,7 @@ from .fsdp import FSDPResult
 from .loss import LossHeadResult
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision
+from .transforms.master_weights import MasterWeightsResult
 from .transforms.quant import QuantResult
 from .transforms.tiled_mlp import TiledMLPResult
 
@@ -60,6 +61,8 @@ class MemstackRecord(RecordBase):
     rung for it, when the policy does not chunk already)."""
     quant: QuantResult = field(default_factory=QuantResult)
     """Which linear layers hold 4-bit weights (quantized here or loaded so)."""
+    master_weights: MasterWeightsResult = field(default_factory=lambda: MasterWeightsResult(mode="fp32"))
+    """The dtype the trainable parameters are kept in, and how many were cast to it."""
 
     def describe(self) -> str:
         """A few lines saying what was applied, and how."""
@@ -84,6 +87,7 @@ class MemstackRecord(RecordBase):
         lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
         lines.append(f"  loss: {self.loss.describe()}")
         lines.append(f"  4-bit base: {self.quant.describe()}")
+        lines.append(f"  master weights: {self.master_weights.describe()}")
         if self.mlp.mode != "default":
             lines.append(f"  mlp: {self.mlp.describe()}")
         op = self.policy.optimizer

@@ -477,7 +477,7 @@ def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
 
     problems, spec = [], cfg.policy
     try:
-        check_optimizer_policy(policy.optimizer)
+        check_optimizer_policy(policy.optimizer, policy.master_weights)
     except RuntimeError as e:
         problems.append(f"policy={spec!r}: {e}")
     if policy.optimizer.step != "in_backward":
@@ -1480,13 +1480,14 @@ def setup(cfg: FinetuneConfig) -> Job:
 
 def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
     """AdamW, no weight decay on biases and norms; the policy's optimizer rung (8-bit moments,
-    stepped in the backward) through the library's make_optimizer, else PyTorch's fused kernel."""
+    stepped in the backward, pure bf16's stochastic rounding) through the library's make_optimizer,
+    else PyTorch's fused kernel."""
     from hf_memstack import make_optimizer
 
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if policy.optimizer.state != "fp32" or policy.optimizer.step != "after_backward":
+    if policy.optimizer.state != "fp32" or policy.optimizer.step != "after_backward" or policy.master_weights != "fp32":
         try:
             return make_optimizer(model, policy, lr=cfg.lr, param_groups=groups, max_grad_norm=cfg.grad_clip or None)
         except (ValueError, RuntimeError) as e:

@@ -148,18 +148,41 @@ def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]
 
 
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:
-    """Raise when the policy has an optimizer rung (optim:8bit, optim:in_backward) and ``optimizer``
-    was not built for it: Trainer builds plain AdamW unless given one."""
+    """Raise when the policy has an optimizer rung (optim:8bit, optim:in_backward, weights:bf16's
+    stochastic rounding) and ``optimizer`` was not built for it: Trainer builds plain AdamW unless
+    given one. Warn when a plain AdamW updates 16-bit weights (its small updates round away)."""
     record = _record(model)
-    cfg = record.policy.optimizer
-    if cfg.state == "fp32" and cfg.step == "after_backward" or optimizer is None:
+    if optimizer is None:
         return
+    cfg = record.policy.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
-    built = isinstance(inner, OptimizerInBackward) if cfg.step == "in_backward" else "8bit" in type(inner).__name__.lower()
-    if not built:
-        raise ValueError(f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
-                         f"{type(inner).__name__}; build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer("
-                         "model, lr=args.learning_rate, weight_decay=args.weight_decay), None))")
+    fix = ("build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer(model, lr=args.learning_rate, "
+           "weight_decay=args.weight_decay), None))")
+    if (cfg.state, cfg.step) != ("fp32", "after_backward"):
+        built = isinstance(inner, OptimizerInBackward) if cfg.step == "in_backward" else "8bit" in type(inner).__name__.lower()
+        if not built:
+            raise ValueError(f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
+                             f"{type(inner).__name__}; {fix}")
+    rounds = _rounds_stochastically(inner)
+    if record.policy.master_weights == "bf16" and not rounds:
+        raise ValueError(f"the policy {record.policy.to_string()!r} trains pure bf16, which needs AdamW with bf16 stochastic "
+                         f"rounding, but Trainer's optimizer is {type(inner).__name__} (its updates below bf16's resolution "
+                         f"would round away); {fix}")
+    sixteen = [p for g in inner.param_groups for p in g["params"] if p.dtype in (torch.bfloat16, torch.float16)]
+    if sixteen and not rounds:
+        warnings.warn(f"Trainer's optimizer {type(inner).__name__} updates {len(sixteen)} {sixteen[0].dtype} parameter(s) without "
+                      "stochastic rounding: updates smaller than their resolution are lost. Prepare the model with a mixed "
+                      "precision policy (fp32 master weights), or 'bf16+weights:bf16' and " + fix, stacklevel=3)
+
+
+def _rounds_stochastically(optimizer: Any) -> bool:
+    """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
+    optimizer stepping in the backward."""
+    from ..bf16_adamw import BF16AdamW
+
+    if isinstance(optimizer, OptimizerInBackward):
+        optimizer = next(iter(optimizer.optimizers.values()), None)  # one optimizer per parameter, all built alike
+    return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))
 
 
 def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:

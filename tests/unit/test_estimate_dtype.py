@@ -154,13 +154,15 @@ def test_a_model_object_counts_at_its_own_dtypes_and_is_left_untouched(saved, tr
 
 
 def test_the_cli_says_the_dtype_and_takes_dtype(saved, capsys):
-    assert main(["estimate", str(saved["bf16"]), "--policy", "bf16+ckpt", "--batch-size", "1", "--seq-len", "16", "--json"]) == 0
-    auto = json.loads(capsys.readouterr().out)["estimates"][0]
-    assert main(["estimate", str(saved["bf16"]), "--policy", "bf16+ckpt", "--batch-size", "1", "--seq-len", "16", "--json",
-                 "--dtype", "fp32"]) == 0
-    fp32 = json.loads(capsys.readouterr().out)["estimates"][0]
+    def estimate(policy, *dtype):
+        assert main(["estimate", str(saved["bf16"]), "--policy", policy, "--batch-size", "1", "--seq-len", "16", "--json", *dtype]) == 0
+        return json.loads(capsys.readouterr().out)["estimates"][0]
+
+    # Without autocast the weights train as loaded; under mixed precision both loads train fp32 master weights.
+    auto, fp32 = estimate("fp32"), estimate("fp32", "--dtype", "fp32")
     assert (auto["weights_dtype"], fp32["weights_dtype"]) == ("bf16", "fp32")
     assert fp32["parameters"] == 2 * auto["parameters"] - _buffers(saved["bf16"])
+    assert estimate("bf16+ckpt")["parameters"] == estimate("bf16+ckpt", "--dtype", "fp32")["parameters"] == fp32["parameters"]
     assert main(["estimate", str(saved["bf16"]), "--policy", "bf16+ckpt", "--batch-size", "1", "--seq-len", "16"]) == 0
     table = capsys.readouterr().out
     assert "| policy | weights |" in table and "| bf16+ckpt | bf16 |" in table and "weights counted in bf16" in table

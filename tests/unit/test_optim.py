@@ -157,7 +157,7 @@ def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it fails
     monkeypatch.setitem(sys.modules, "torchao.optim", None)
-    optim._adamw8bit.cache_clear()
+    optim._torchao_adamw.cache_clear()
     try:
         model = load_model("llama")
         with pytest.raises(RuntimeError, match=r"optimizer.state='8bit' needs torchao.*pip install 'hf_memstack\[optim\]'"):
@@ -167,7 +167,7 @@ def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load
             make_optimizer(model, "bf16+optim:8bit", lr=1e-3)
         assert isinstance(make_optimizer(model, "bf16", lr=1e-3), torch.optim.AdamW)
     finally:
-        optim._adamw8bit.cache_clear()
+        optim._torchao_adamw.cache_clear()
 
 
 def test_verify_does_not_update_the_weights(load_model):

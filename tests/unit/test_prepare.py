@@ -300,7 +300,8 @@ def test_not_a_module():
         prepare_model("meta-llama/Llama-3", "bf16")
 
 
-def test_low_precision_weights_warn(load_model):
+def test_low_precision_weights_without_autocast_warn(load_model):
     model = load_model("llama").to(torch.bfloat16)
-    with pytest.warns(UserWarning, match="trainable parameters are torch.bfloat16"):
-        prepare_model(model, "bf16")
+    with pytest.warns(UserWarning, match=r"trainable parameter\(s\) of LlamaForCausalLM are torch.bfloat16: they train in 16 bits"):
+        prepare_model(model, "fp32")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # left as loaded: no autocast to mix them with fp32

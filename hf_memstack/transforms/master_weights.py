@@ -1,0 +1,103 @@
+"""apply_master_weights: the dtype the trainable parameters are kept and updated in
+(``policy.master_weights``).
+
+Transformers 5 loads a checkpoint in its saved dtype (``dtype="auto"``): a bf16 checkpoint comes
+back bf16, and AdamW over bf16 weights rounds away every update smaller than half a bf16 step
+(2^-8 relative) - the loss mixed precision exists to avoid. Two ways out, as the policy says:
+
+* ``fp32`` (the default): under a mixed precision, the 16-bit trainable parameters are cast to
+  fp32 master weights, and autocast computes in 16 bits from them - what a model loaded in fp32
+  under Accelerate's or the Trainer's ``bf16=True`` trains as. PEFT's adapters are fp32 already
+  (``autocast_adapter_dtype``); the frozen base is never cast.
+* ``bf16`` (pure bf16, as torchtune trains on purpose): the trainable parameters are kept (or cast)
+  in bf16, half the bytes of weights, gradients and AdamW's moments, and
+  :func:`hf_memstack.make_optimizer` builds :class:`hf_memstack.bf16_adamw.BF16AdamW` (AdamW with
+  stochastic rounding): each update is computed in fp32 and rounded up or down at random, in
+  proportion, so that it survives in expectation.
+
+Each cast keeps the ``nn.Parameter`` object (tied weights stay tied) and runs before checkpointing,
+compile and FSDP wrap the model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..policy import MemoryPolicy
+
+__all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights"]
+
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MasterWeightsResult:
+    """What :func:`apply_master_weights` did."""
+
+    mode: str
+    """``fp32`` or ``bf16`` (the policy's ``master_weights``)."""
+    cast: int = 0
+    """Trainable parameters cast (0: they were in the master dtype already, or were left as loaded)."""
+    cast_from: tuple[str, ...] = ()
+    """The dtypes they had before."""
+
+    def describe(self) -> str:
+        kept = "fp32 master weights" if self.mode == "fp32" else "pure bf16 (BF16AdamW, stochastic rounding: make_optimizer)"
+        if not self.cast:
+            return kept
+        return f"{kept}; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MasterWeightsPlan:
+    """The parameters to cast, found by the checks; casting them cannot fail."""
+
+    mode: str
+    dtype: torch.dtype
+    params: tuple[nn.Parameter, ...] = ()
+
+
+def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool, precision_name: str,
+                         before_adapters: bool) -> MasterWeightsPlan:
+    """Which trainable parameters to cast, and warnings for what is left as loaded.
+
+    ``mixed``: the resolved precision autocasts. ``before_adapters``: every parameter trains because
+    ``quant:nf4`` freezes the base only now and the adapters come next (their dtype is PEFT's).
+    """
+    trainable = [p for p in _unique_parameters(model) if p.requires_grad and p.is_floating_point()]
+    if policy.master_weights == "bf16":
+        if before_adapters:  # the adapters PEFT adds next are what trains: make_optimizer checks their dtype
+            return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16)
+        return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16,
+                                 params=tuple(p for p in trainable if p.dtype != torch.bfloat16))
+    sixteen = [p for p in trainable if p.dtype in _SIXTEEN_BIT]
+    if not sixteen or before_adapters:
+        return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
+    if mixed:
+        return MasterWeightsPlan(mode="fp32", dtype=torch.float32, params=tuple(sixteen))
+    # Without autocast, fp32 master weights beside 16-bit frozen ones would meet in one matmul in two dtypes.
+    warnings.warn(
+        f"policy.precision={precision_name!r} runs without autocast, and {len(sixteen)} trainable parameter(s) of "
+        f"{type(model).__name__} are {sixteen[0].dtype}: they train in 16 bits, and AdamW's updates smaller than their "
+        "resolution are lost. Use a mixed precision ('bf16': prepare_model keeps fp32 master weights), pure bf16 with "
+        "stochastic rounding ('bf16+weights:bf16'), or load the model in fp32 (from_pretrained(..., dtype=torch.float32))",
+        stacklevel=5,
+    )
+    return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
+
+
+def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
+    """Cast the planned parameters in place (the same ``nn.Parameter`` objects, so ties hold)."""
+    before = tuple(sorted({str(p.dtype).removeprefix("torch.") for p in plan.params}))
+    with torch.no_grad():
+        for p in plan.params:
+            p.data = p.data.to(plan.dtype)
+    return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
+
+
+def _unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())  # parameters() yields a tied parameter once
