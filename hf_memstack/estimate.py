@@ -13,6 +13,10 @@ by the ranks, plus one block's gathered parameters).
 A deep stack of identical blocks is traced at two shallow depths and extrapolated, phase by phase
 (:mod:`hf_memstack._depth`): seconds for a 7B or 70B config, and every field equal to the full
 trace's, which ``extrapolate=False`` runs.
+
+``mode="eval"`` estimates evaluation instead: one forward under ``torch.no_grad()`` in eval mode, as
+``Trainer.prediction_step`` runs it, and the logits ``Trainer.evaluate()`` keeps across the eval set
+(:mod:`hf_memstack.eval_logits`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class MemoryEstimate:
     peak_bytes: int
     """The step's estimated peak on one rank."""
     peak_phase: str
-    """``forward+backward`` or ``optimizer``: where the step peaks."""
+    """``forward+backward`` or ``optimizer``: where the step peaks (``forward`` in eval mode)."""
     forward_backward_peak: int
     """The peak of the forward + backward alone (grows about linearly with the batch)."""
     trainable_parameters: int
@@ -392,7 +396,7 @@ def estimate_memory(
     if mode == "eval":
         est = _with_kept_logits(est, counts, eval_samples or batch_size)
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
-    notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
+    notes = (*est.notes, _dtype_note(weights, net, policy, training=mode == "train")) if weights.dtype != torch.float32 else est.notes
     return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
 
 
@@ -454,7 +458,9 @@ def _trace_eval(net: nn.Module, config: Any, job: _Job, mode: Any) -> _Traced:
     from .memory import trace_eval_forward
     from .prepare import prepare_model
 
-    with mode:
+    with mode, warnings.catch_warnings():
+        # Its warning that 16-bit trainable weights lose precision in updates is about training.
+        warnings.filterwarnings("ignore", message=".*optimizer updates then lose precision", category=UserWarning)
         net.eval()
         prepare_model(net, job.policy)
         batch = _batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
@@ -531,13 +537,13 @@ def _check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimize
     parse_dtype(dtype)
 
 
-def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> str:
-    """The weights' dtype, where it came from, and what trains in which dtype."""
+def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy, *, training: bool = True) -> str:
+    """The weights' dtype, where it came from, and (training) what trains in which dtype."""
     trainable = sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()})
     frozen = sorted({short_name(p.dtype) for p in net.parameters() if not p.requires_grad and p.is_floating_point()})
     held = f"trainable parameters {'/'.join(trainable) or 'none'}" + (f", frozen {'/'.join(frozen)}" if frozen else "")
     note = f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
-    if policy.precision != "fp32" and any(t != "fp32" for t in trainable):
+    if training and policy.precision != "fp32" and any(t != "fp32" for t in trainable):
         # prepare_model keeps 16-bit trainable weights as they are (and warns): no fp32 master copy is counted.
         note += (f". prepare_model keeps the {'/'.join(t for t in trainable if t != 'fp32')} trainable weights as loaded (no fp32 "
                  "master copy; it warns that updates lose precision): load in fp32 (dtype='fp32') for fp32 master weights")

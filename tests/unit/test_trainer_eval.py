@@ -77,6 +77,9 @@ def test_what_preprocess_logits_and_accumulation_keep_is_what_is_checked(load_mo
     per_sample = _predicted_bytes(accumulating) // SAMPLES
     assert check_eval_logits(accumulating, 8 * per_sample) is None
     assert f"for 8 of the {SAMPLES} samples" in check_eval_logits(accumulating, 8 * per_sample - 1)
+    # evaluate() without compute_metrics keeps no logits (it passes prediction_loss_only=True itself).
+    accumulating.compute_metrics = None
+    assert check_eval_logits(accumulating, 1) is None
 
 
 @pytest.mark.parametrize(("budget", "error"), [("lots", ValueError), (-5, ValueError), ([1], TypeError)])
