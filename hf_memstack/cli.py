@@ -1,6 +1,7 @@
 """hf-memstack: will it fit, and what is the cheapest way to make it fit?
 
     hf-memstack estimate MODEL --policy bf16+ckpt --batch-size 8 --seq-len 2048 [--world-size 8] [--lora-r 16]
+    hf-memstack estimate MODEL --policy bf16 --batch-size 8 --seq-len 2048 --mode eval --eval-samples 5000
     hf-memstack plan MODEL --budget 80GiB --seq-len 4096 [--batch-size 16|max] [--trainable lora]
     hf-memstack find-batch-size MODEL --policy bf16+ckpt --seq-len 1024 [--budget 20GiB] [--no-cache]
 
@@ -16,6 +17,8 @@ and no optimizer state.
 --dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
 for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).
+--mode eval (estimate): one evaluation forward (no gradients, no optimizer) and the logits
+Trainer.evaluate() keeps for --eval-samples samples; --budget then checks the two together.
 With several policies (estimate --policy a,b): each gets its own verdict, and the status is 0 when
 at least one fits the budget (that one is usable), 1 when none does.
 """
@@ -49,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", help="write the breakdown as a stacked bar per policy to this PNG")
     e.add_argument("--full-trace", action="store_true",
                    help="trace every block instead of two shallow depths extrapolated (the same bytes; slower on deep models)")
+    e.add_argument("--mode", choices=["train", "eval"], default="train",
+                   help="train (default): one training step; eval: one evaluation forward under no_grad, plus the logits "
+                        "Trainer.evaluate keeps (--budget then checks the forward's peak plus those logits)")
+    e.add_argument("--eval-samples", type=_positive_int("--eval-samples"), default=None,
+                   help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)")
     _dtype_option(e)
     pl = sub.add_parser("plan", help="the cheapest policy that fits a budget", description="Walk the ladder and pick the cheapest policy that fits.")
     _common(pl)
@@ -127,9 +135,11 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory
 
     estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
-                                 task=args.task, trainable=_trainable(args), dtype=args.dtype, extrapolate=not args.full_trace)
+                                 task=args.task, trainable=_trainable(args), dtype=args.dtype, extrapolate=not args.full_trace,
+                                 mode=args.mode, eval_samples=args.eval_samples)
                  for policy in args.policy.split(",")]
-    verdicts = [args.budget is None or e.peak_bytes <= args.budget for e in estimates]
+    # Evaluation holds the forward's peak and, on the device, the logits Trainer keeps so far.
+    verdicts = [args.budget is None or _needed(e) <= args.budget for e in estimates]
     # Several policies are alternatives: the run can use any that fits.
     fits = any(verdicts)
     if args.json:
@@ -137,23 +147,32 @@ def _estimate(args: argparse.Namespace) -> int:
                           "fits": fits, "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok]}, indent=2))
     else:
         budget = args.budget is not None
+        kept = args.mode == "eval"
         print("| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
-              + (" fits |" if budget else ""))
-        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if budget else ""))
+              + (" kept logits |" if kept else "") + (" fits |" if budget else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budget else ""))
         for e, ok in zip(estimates, verdicts):
             print(f"| {e.policy} | {e.weights_dtype} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
-                  f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |" + (f" {'yes' if ok else 'no'} |" if budget else ""))
+                  f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
+                  + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "") + (f" {'yes' if ok else 'no'} |" if budget else ""))
         for note in dict.fromkeys(n for e in estimates for n in e.notes):
             print(f"note: {note}")
         if budget:
             for e, ok in zip(estimates, verdicts):
-                print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(args.budget)} (peak {format_bytes(e.peak_bytes)})")
+                what = f"peak {format_bytes(e.peak_bytes)}" + (f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else "")
+                print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(args.budget)} ({what})")
             if len(estimates) > 1:
                 print(f"{sum(verdicts)} of {len(estimates)} policies fit" + (": exit 0" if fits else ": none does, exit 1"))
     if args.plot:
         _plot([(e.policy, e) for e in estimates], args.plot, args.budget)
     return FITS if fits else DOES_NOT_FIT
+
+
+def _needed(e: Any) -> int:
+    """What an estimate needs of the device: the step's peak; evaluating, the forward's peak plus the
+    logits Trainer keeps there until the loop ends (eval_accumulation_steps moves them off it)."""
+    return e.peak_bytes + e.eval_logits_bytes if e.mode == "eval" else e.peak_bytes
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -13,6 +13,10 @@ by the ranks, plus one block's gathered parameters).
 A deep stack of identical blocks is traced at two shallow depths and extrapolated, phase by phase
 (:mod:`hf_memstack._depth`): seconds for a 7B or 70B config, and every field equal to the full
 trace's, which ``extrapolate=False`` runs.
+
+``mode="eval"`` estimates evaluation instead: one forward under ``torch.no_grad()`` in eval mode, as
+``Trainer.prediction_step`` runs it, and the logits ``Trainer.evaluate()`` keeps across the eval set
+(:mod:`hf_memstack.eval_logits`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ __all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "ch
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryEstimate:
-    """The estimated peak of one training step (bytes, per rank), by category."""
+    """The estimated peak of one training step (bytes, per rank), by category; with ``mode="eval"``,
+    of one evaluation forward, plus the outputs ``Trainer.evaluate()`` keeps across the eval set."""
 
     model: str
     """The model as given (path or id), or the config's name."""
@@ -65,7 +70,7 @@ class MemoryEstimate:
     peak_bytes: int
     """The step's estimated peak on one rank."""
     peak_phase: str
-    """``forward+backward`` or ``optimizer``: where the step peaks."""
+    """``forward+backward`` or ``optimizer``: where the step peaks (``forward`` in eval mode)."""
     forward_backward_peak: int
     """The peak of the forward + backward alone (grows about linearly with the batch)."""
     trainable_parameters: int
@@ -76,12 +81,31 @@ class MemoryEstimate:
     weights_dtype_source: str = ""
     """Where that dtype was read: ``the config's dtype``, ``the weights in model.safetensors``, ``requested``..."""
     notes: tuple[str, ...] = ()
+    mode: str = "train"
+    """``train`` (one training step) or ``eval`` (one forward under ``torch.no_grad()`` in eval mode, as
+    ``Trainer.prediction_step`` runs it: no gradients, no optimizer state, nothing saved for a backward, so
+    ``activations`` is 0 and ``peak_phase`` is ``forward``)."""
+    eval_samples: int = 0
+    """Eval mode: the evaluation samples the kept outputs are counted for (0 in train mode)."""
+    eval_logits_bytes: int = 0
+    """Eval mode: the outputs Trainer keeps for ``eval_samples`` samples (the logits: samples x seq_len x
+    vocab for a causal LM, x num_labels for classification, in the dtype the model returns them), on the
+    device until evaluation ends unless ``eval_accumulation_steps`` moves them to host memory; none are kept
+    with ``prediction_loss_only=True`` or ``evaluate()`` without ``compute_metrics``."""
+    eval_logits_host_bytes: int = 0
+    """Eval mode: the same outputs as the numpy arrays ``compute_metrics`` / ``predict()`` receive, in host
+    memory (bf16 ones become fp32 there)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:
         cats = ", ".join(f"{k} {format_bytes(getattr(self, k))}" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries"))
+        if self.mode == "eval":
+            return (f"{self.model} [{self.policy}] {self.weights_dtype} weights, eval batch {self.batch_size} x seq {self.seq_len}, "
+                    f"{self.world_size} rank(s): forward peak {format_bytes(self.peak_bytes)} ({cats}); logits kept by "
+                    f"Trainer.evaluate for {self.eval_samples} samples {format_bytes(self.eval_logits_bytes)} on the device "
+                    f"({format_bytes(self.eval_logits_host_bytes)} as numpy in host memory)")
         return (f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
                 f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})")
 
@@ -274,8 +298,11 @@ def estimate_memory(
     dtype: torch.dtype | str | None = "auto",
     packed: bool = False,
     extrapolate: bool = True,
+    mode: str = "train",
+    eval_samples: int | None = None,
 ) -> MemoryEstimate:
-    """Estimate one training step's peak memory per rank, by category.
+    """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
+    evaluation forward's and the logits Trainer keeps).
 
     Args:
         model: a hub id (from the local cache), a local directory, a config, a config dict with its
@@ -305,6 +332,13 @@ def estimate_memory(
         extrapolate: trace a few of the model's blocks and extrapolate the identical rest (seconds at
             any depth, equal to the full trace: see :mod:`hf_memstack._depth`); a stack whose blocks
             differ is traced in full, as is every one with ``extrapolate=False``.
+        mode: ``"train"`` (default) or ``"eval"``: one forward of a ``batch_size`` eval batch under
+            ``torch.no_grad()`` with the model in eval mode and the policy applied (its precision;
+            checkpointing does nothing without gradients), as ``Trainer.prediction_step`` runs it; no
+            gradients or optimizer state (``optimizer`` is not used). Extrapolated across depth as
+            training is. The estimate also counts the outputs Trainer keeps (``eval_logits_bytes``).
+        eval_samples: eval mode only: the evaluation set's size, for ``eval_logits_bytes`` (default:
+            ``batch_size``, one batch's).
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -314,6 +348,7 @@ def estimate_memory(
         TypeError: ``model``, ``trainable`` or ``dtype`` of a type that is none of the above.
     """
     _check_arguments(batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype)
+    _check_mode(mode, eval_samples)
     given = model
     model, trainable = _what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
@@ -344,7 +379,7 @@ def estimate_memory(
         notes += [note] if note else []
 
     job = _Job(task=task, peft_config=peft_config, trust_remote_code=trust_remote_code, weights=weights, policy=traced,
-               optimizer=optimizer, batch_size=batch_size, seq_len=seq_len, packed=packed and task == "causal-lm")
+               optimizer=optimizer, batch_size=batch_size, seq_len=seq_len, packed=packed and task == "causal-lm", mode=mode)
     depth = _depth_plan(config, job) if extrapolate else None
     if depth is None:
         full = _trace(config, job)
@@ -358,8 +393,10 @@ def estimate_memory(
     notes += _quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+    if mode == "eval":
+        est = _with_kept_logits(est, counts, eval_samples or batch_size)
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
-    notes = (*est.notes, _dtype_note(weights, net, policy)) if weights.dtype != torch.float32 else est.notes
+    notes = (*est.notes, _dtype_note(weights, net, policy, training=mode == "train")) if weights.dtype != torch.float32 else est.notes
     return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
 
 
@@ -377,6 +414,7 @@ class _Job:
     batch_size: int
     seq_len: int
     packed: bool
+    mode: str = "train"
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +435,8 @@ def _trace(config: Any, job: _Job) -> _Traced:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = _fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
     _refuse_mixture_of_experts(net, config)
+    if job.mode == "eval":
+        return _trace_eval(net, config, job, mode)
     with mode:
         net.train()
         prepare_model(net, job.policy)
@@ -409,6 +449,55 @@ def _trace(config: Any, job: _Job) -> _Traced:
             phases = _traced_step(net, batch, opt, config, job.task)
     counts = {"total": sum(p.numel() for p in net.parameters()), "trainable": sum(p.numel() for p in params), **_quant_counts(net)}
     return _Traced(net=net, phases=phases, counts=counts)
+
+
+def _trace_eval(net: nn.Module, config: Any, job: _Job, mode: Any) -> _Traced:
+    """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
+    the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
+    from .eval_logits import kept_outputs
+    from .memory import trace_eval_forward
+    from .prepare import prepare_model
+
+    with mode, warnings.catch_warnings():
+        # Its warning that 16-bit trainable weights lose precision in updates is about training.
+        warnings.filterwarnings("ignore", message=".*optimizer updates then lose precision", category=UserWarning)
+        net.eval()
+        prepare_model(net, job.policy)
+        batch = _batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
+        with packing_as_traced(job.packed):
+            phases, outputs = trace_eval_forward(net, batch)
+    kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
+    params = [p for p in net.parameters() if p.requires_grad]
+    counts = {"total": sum(p.numel() for p in net.parameters()), "trainable": sum(p.numel() for p in params),
+              "kept": kept.device_bytes, "kept_host": kept.host_bytes, **_quant_counts(net)}
+    return _Traced(net=net, phases=phases, counts=counts)
+
+
+def _with_kept_logits(est: MemoryEstimate, counts: dict[str, int], samples: int) -> MemoryEstimate:
+    """The eval estimate: the forward's peak, nothing saved for a backward, and the outputs kept for ``samples``."""
+    per_sample, per_sample_host = counts["kept"] // est.batch_size, counts["kept_host"] // est.batch_size
+    kept = per_sample * samples
+    note = (f"eval: Trainer.evaluate() with compute_metrics (and predict()) keeps {format_bytes(kept)} of logits for {samples} samples "
+            f"on the device until the loop ends: its peak there is about {format_bytes(est.peak_bytes + kept)} (the forward's peak "
+            "plus them; concatenating a batch copies what is kept so far). prediction_loss_only=True keeps none, "
+            "eval_accumulation_steps=N moves them to host memory every N batches, preprocess_logits_for_metrics="
+            f"lambda logits, labels: logits.argmax(-1) keeps one id a token; in host memory they take {format_bytes(per_sample_host * samples)}")
+    return dataclasses.replace(est, mode="eval", peak_phase="forward", activations=0, temporaries=est.activations + est.temporaries,
+                               forward_backward_peak=est.peak_bytes, eval_samples=samples, eval_logits_bytes=kept,
+                               eval_logits_host_bytes=per_sample_host * samples, notes=(*est.notes, note))
+
+
+def _check_mode(mode: Any, eval_samples: Any) -> None:
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode={mode!r} is not one of 'train' (a training step), 'eval' (an evaluation forward and the "
+                         "logits Trainer.evaluate keeps)")
+    if eval_samples is None:
+        return
+    if not isinstance(eval_samples, int) or isinstance(eval_samples, bool) or eval_samples <= 0:
+        raise ValueError(f"eval_samples={eval_samples!r} must be a positive integer (the evaluation set's size, len(eval_dataset))")
+    if mode != "eval":
+        raise ValueError(f"eval_samples={eval_samples} is only used with mode='eval' (mode={mode!r}); pass mode='eval' to "
+                         "estimate evaluation, or drop eval_samples")
 
 
 def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
@@ -448,15 +537,15 @@ def _check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimize
     parse_dtype(dtype)
 
 
-def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy) -> str:
-    """The weights' dtype, where it came from, and what trains in which dtype."""
+def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy, *, training: bool = True) -> str:
+    """The weights' dtype, where it came from, and (training) what trains in which dtype."""
     trainable = sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()})
     frozen = sorted({short_name(p.dtype) for p in net.parameters() if not p.requires_grad and p.is_floating_point()})
     held = f"trainable parameters {'/'.join(trainable) or 'none'}" + (f", frozen {'/'.join(frozen)}" if frozen else "")
     note = f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
-    if policy.master_weights == "bf16":
+    if training and policy.master_weights == "bf16":
         note += ". Pure bf16 (weights:bf16): the trainable weights, their gradients and AdamW's moments in bf16, updated with stochastic rounding"
-    elif policy.precision != "fp32" and weights.dtype != torch.float32:
+    elif training and policy.precision != "fp32" and weights.dtype != torch.float32:
         # prepare_model casts the 16-bit trainable weights to fp32 master weights (policy.master_weights='fp32').
         note += (". prepare_model casts 16-bit trainable weights to fp32 master weights (weights:fp32, counted here); "
                  "'weights:bf16' keeps them in bf16 with stochastic rounding (8 bytes per trainable parameter instead of 16)")

@@ -26,7 +26,7 @@ from .data.guard import settle_packing_guard
 from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
 
-__all__ = ["StepMemory", "measure_step"]
+__all__ = ["StepMemory", "measure_eval_forward", "measure_step"]
 
 PeakPhase = Literal["forward+backward", "optimizer"]
 
@@ -268,6 +268,46 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
     if traced is None:
         raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with")
     return traced
+
+
+def trace_eval_forward(model: nn.Module, batch: Any) -> tuple[PhasePeaks, Any]:
+    """One evaluation forward as ``Trainer.prediction_step`` runs it - ``model(**batch)`` under
+    ``torch.no_grad()``, the model as it is (eval mode is the caller's) - traced as a single phase;
+    returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.eval_logits`).
+
+    Raises:
+        RuntimeError: this PyTorch has no MemTracker.
+    """
+    held: dict[str, Any] = {}
+
+    def forward() -> None:
+        with torch.no_grad():
+            held["outputs"] = model(**batch) if isinstance(batch, dict) else model(batch)
+
+    settle_packing_guard(model, batch)  # its one-time probe runs outside the traced forward
+    traced = trace_phases(model, None, [forward])
+    if traced is None:
+        raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the meter traces with")
+    return traced, held["outputs"]
+
+
+def measure_eval_forward(model: nn.Module, batch: Any) -> StepMemory:
+    """Measure one evaluation forward (``model.eval()`` is the caller's; ``torch.no_grad()`` is applied
+    here, as ``Trainer.prediction_step`` applies it): its peak by category, no gradients, no optimizer.
+    ``peak_phase`` is ``forward+backward`` (the one phase; nothing runs backward) and
+    ``forward_backward_peak`` equals ``peak_bytes``. On CUDA the peak is the allocator's."""
+    device = device_of(model)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    traced, _ = trace_eval_forward(model, batch)
+    memory = step_memory_of(traced)
+    peak, method = memory.peak_bytes, memory.method
+    if device.type == "cuda":
+        synchronize(device)
+        peak, method = max(peak, torch.cuda.max_memory_allocated(device)), method + "+cuda-allocator"
+    return dataclasses.replace(memory, peak_bytes=peak, forward_backward_peak=peak, device=str(device), method=method)
 
 
 def _frozen_aware_tracker() -> Any:

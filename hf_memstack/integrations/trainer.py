@@ -43,9 +43,12 @@ from ..memory import StepMemory, measure_step
 from ..optim import OptimizerInBackward, optimizer_in_backward_of
 from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ..record import MemstackRecord, record_of, unwrap_model
+from ..sizes import parse_bytes
 from ..verify import VerifyReport, verify
+from .trainer_eval import check_eval_logits
 
-__all__ = ["MemstackCallback", "add_memstack_callback", "check_optimizer", "check_training_arguments", "training_arguments"]
+__all__ = ["MemstackCallback", "add_memstack_callback", "check_eval_logits", "check_optimizer", "check_training_arguments",
+           "training_arguments"]
 
 logger = logging.getLogger("hf_memstack")
 
@@ -444,12 +447,20 @@ class MemstackCallback(TrainerCallback):
       trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
       forward + backward: one extra pass, its time in the log (weights, gradients and RNG are
       left as they were); with ``raise_on_failure`` a failed check stops training;
+    * before training that evaluates (``eval_strategy`` not ``"no"``): warns when the logits
+      ``Trainer.evaluate()`` will keep on the device exceed ``eval_budget`` (default: the CUDA device's
+      total memory; on the CPU only a given budget is checked), with the bytes and the fixes
+      (:func:`check_eval_logits`: one no-grad forward of the longest eval sample);
     * at every log: adds ``memory/peak_mib`` (CUDA: the allocator's peak since the last log; CPU:
       the meter's first-batch peak plus the optimizer state) and ``memstack/verify_ok`` (numbers,
       as trackers want them).
     """
 
-    def __init__(self, *, verify: bool = True, measure: bool = True, raise_on_failure: bool = False) -> None:
+    def __init__(self, *, verify: bool = True, measure: bool = True, raise_on_failure: bool = False,
+                 eval_budget: int | str | None = None) -> None:
+        if eval_budget is not None:
+            parse_bytes(eval_budget, field="eval_budget")  # a bad size is refused here, not when training starts
+        self.eval_budget = eval_budget
         self.run_verify = verify
         self.measure = measure
         self.raise_on_failure = raise_on_failure
@@ -470,6 +481,7 @@ class MemstackCallback(TrainerCallback):
         if restore_autocast(model):
             logger.info("hf_memstack: the model's forward was replaced after prepare_model (TRL's fused LM head); "
                         "the policy's %s autocast is put back around it", record.precision.name)
+        self._check_eval_logits(args)
         fused = fused_lm_head_installed(unwrap_model(model))
         if fused and record.loss.mode == "chunked":
             _tell_chunked_once(model, record)
@@ -486,6 +498,20 @@ class MemstackCallback(TrainerCallback):
         self.first_step = FirstStepReport(verify=report, memory=memory, seconds=seconds)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+
+    def _check_eval_logits(self, args: TrainingArguments) -> None:
+        """Before hours of training, whether its evaluations will keep more logits than the budget."""
+        strategy = getattr(args, "eval_strategy", "no")
+        if getattr(strategy, "value", strategy) == "no":
+            return
+        trainer = _dispatching_trainer()
+        if trainer is None:
+            logger.info("hf_memstack: MemstackCallback could not find the Trainer; call "
+                        "hf_memstack.integrations.trainer.check_eval_logits(trainer) to check the logits evaluate() keeps")
+            return
+        problem = check_eval_logits(trainer, self.eval_budget)
+        if problem is not None:
+            warnings.warn(problem, stacklevel=3)
 
     def _log_first_batch(self, report: VerifyReport | None, memory: StepMemory | None, seconds: float) -> None:
         what = " and ".join(x for x, on in (("verify", report is not None), ("the memory meter", memory is not None)) if on)
@@ -557,6 +583,22 @@ def _put_first(callback: MemstackCallback) -> None:
             return
     logger.info("hf_memstack: MemstackCallback could not find the Trainer's callback list; use add_memstack_callback(trainer) "
                 "to put it before the reporting callbacks")
+
+
+def _dispatching_trainer() -> Any:
+    """The Trainer whose event is being dispatched: the ``self`` of the frame that called its
+    CallbackHandler (Trainer hands callbacks no handle on itself); None without one (a direct call)."""
+    import inspect
+
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    for _ in range(8):
+        frame = frame.f_back if frame is not None else None
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(owner, Trainer):
+            return owner
+    return None
 
 
 def _tell_chunked_once(model: nn.Module, record: MemstackRecord) -> None:

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hf_memstack.cli import main
+from hf_memstack.sizes import format_bytes
 
 
 def test_estimate_table_and_exit_codes(pretrained_dirs, capsys):
@@ -174,3 +175,24 @@ def test_full_trace_gives_the_extrapolated_bytes(tmp_path, capsys):
     notes = {k: [n for n in v.pop("notes") if "extrapolated" in n] for k, v in runs.items()}
     runs[True].pop("fits", None), runs[False].pop("fits", None)
     assert notes[False] and not notes[True] and runs[False] == runs[True]
+
+
+def test_estimate_eval_mode_counts_the_kept_logits_against_the_budget(pretrained_dirs, capsys):
+    """--mode eval: the forward's peak and the logits Trainer keeps for --eval-samples; the budget
+    verdict needs both (the logits stay on the device until evaluation ends)."""
+    from hf_memstack import estimate_memory
+
+    d = str(pretrained_dirs["llama"])
+    lib = estimate_memory(d, "bf16", batch_size=2, seq_len=16, mode="eval", eval_samples=500)
+    argv = ["estimate", d, "--policy", "bf16", "--batch-size", "2", "--seq-len", "16", "--mode", "eval", "--eval-samples", "500"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["estimates"][0]
+    assert (data["mode"], data["peak_bytes"], data["eval_logits_bytes"]) == ("eval", lib.peak_bytes, lib.eval_logits_bytes)
+    assert lib.eval_logits_bytes > lib.peak_bytes  # 500 samples of logits outweigh the tiny model
+    assert main([*argv, "--budget", str(lib.peak_bytes + lib.eval_logits_bytes - 1)]) == 1
+    out = capsys.readouterr().out
+    assert "| kept logits |" in out and f"+ kept logits {format_bytes(lib.eval_logits_bytes)}" in out
+    assert main([*argv, "--budget", str(lib.peak_bytes + lib.eval_logits_bytes)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", d, "--batch-size", "2", "--seq-len", "16", "--eval-samples", "500"]) == 2
+    assert "eval_samples=500 is only used with mode='eval'" in capsys.readouterr().err
