@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                               save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
                               include_num_input_tokens_seen="non_padding")  # train_tokens_per_second counts real tokens
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, data_collator=collator, processing_class=tokenizer,
-                      compute_metrics=_accuracy if task == "classification" else None, callbacks=[MemstackCallback()])  # (3)
+                      compute_metrics=_accuracy if task == "classification" else None, callbacks=[MemstackCallback()],   # (3)
+                      optimizers=(_optimizer(model, args), None))
     trainer.train()
     metrics = trainer.evaluate()
     with weights_follow_umask(script.output_dir):  # safetensors writes 0600: readable like the other files
@@ -98,6 +99,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer.save_pretrained(script.output_dir)
     print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
     return metrics
+
+
+def _optimizer(model, args):
+    """The policy's optimizer (8-bit moments, stepped in the backward, pure bf16's stochastic rounding)
+    from make_optimizer; None for plain AdamW, which Trainer builds itself."""
+    from hf_memstack import make_optimizer
+
+    policy = model.memstack.policy
+    if (policy.optimizer.state, policy.optimizer.step, policy.master_weights) == ("fp32", "after_backward", "fp32"):
+        return None
+    return make_optimizer(model, lr=args.learning_rate, weight_decay=args.weight_decay)
 
 
 def _read(path: str):

@@ -83,3 +83,28 @@ def test_prompts_filling_every_token_and_empty_files_are_refused(trainer_recipe,
     with pytest.raises(SystemExit, match=r"dataset='.*empty.jsonl' (could not be read|has 0 row).*"):
         trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(empty), "--output_dir", str(out)])
     assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
+def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(trainer_recipe, tiny_lm, varied, tmp_path, monkeypatch):
+    """weights:bf16 through Trainer: the recipe passes make_optimizer's BF16AdamW (Trainer's own AdamW
+    is refused by the callback under that policy), over the bf16 weights."""
+    import torch
+    from transformers import Trainer
+
+    from hf_memstack.bf16_adamw import BF16AdamW
+
+    seen = {}
+    original = Trainer.create_optimizer
+
+    def spy(self):
+        seen["optimizer"] = original(self)
+        return seen["optimizer"]
+
+    monkeypatch.setattr(Trainer, "create_optimizer", spy)
+    metrics = trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(varied), "--seq_len", "32",
+                                   "--policy", "bf16+weights:bf16", "--max_steps", "4", "--per_device_train_batch_size", "4",
+                                   "--output_dir", str(tmp_path / "out")])
+    assert isinstance(seen["optimizer"], BF16AdamW)
+    assert {p.dtype for g in seen["optimizer"].param_groups for p in g["params"]} == {torch.bfloat16}
+    assert metrics["eval_loss"] < 10
