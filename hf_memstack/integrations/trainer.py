@@ -45,6 +45,7 @@ from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chun
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..sizes import parse_bytes
 from ..verify import VerifyReport, verify
+from ._columns import _longest_first, _signature_columns, _trainer_columns
 from .trainer_eval import check_eval_logits
 
 __all__ = ["MemstackCallback", "add_memstack_callback", "check_eval_logits", "check_optimizer", "check_training_arguments",
@@ -386,41 +387,6 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
     cap = min(cap, len(dataset))  # a batch larger than the dataset is never built
     return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
-
-
-def _longest_first(dataset: Any) -> list[int]:
-    """The dataset's indices, longest sample first (ties in dataset order)."""
-    column = getattr(dataset, "column_names", None)
-    if isinstance(column, list) and "input_ids" in column:  # a datasets.Dataset: one column read, not every row
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-    else:
-        lengths = [_length(dataset[i]) for i in range(len(dataset))]
-    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
-
-
-def _length(sample: Any) -> int:
-    """A sample's length: its ``input_ids``, else its longest sequence field (a collator pads to those)."""
-    if not isinstance(sample, dict):
-        return 0
-    if sample.get("input_ids") is not None:
-        return len(sample["input_ids"])
-    return max((len(v) if not torch.is_tensor(v) else v.numel() for v in sample.values() if isinstance(v, (list, tuple)) or torch.is_tensor(v)),
-               default=0)
-
-
-def _signature_columns(model: nn.Module) -> set[str]:
-    """The columns Trainer keeps (``Trainer._set_signature_columns_if_needed``): the forward's
-    arguments (a PEFT model's base model's), plus the label names."""
-    import inspect
-
-    from transformers.utils import find_labels
-
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(inspect.signature(inner.forward).parameters) | {"label", "label_ids"} | set(find_labels(type(inner)))
-
-
-def _trainer_columns(sample: Any, keep: set[str] | None) -> Any:
-    return {k: v for k, v in sample.items() if k in keep} if keep is not None and isinstance(sample, dict) else sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,6 +23,7 @@ from torch import nn
 from .._device import device_of, module_mode, preserved_rng
 from ..eval_logits import KeptOutputs, kept_outputs
 from ..sizes import format_bytes, parse_bytes
+from ._columns import _longest_first, _signature_columns, _trainer_columns
 
 __all__ = ["check_eval_logits"]
 
@@ -88,7 +89,6 @@ def _dataset_problem(trainer: Any, dataset: Any, name: str, limit: int) -> str |
 def _one_sample(trainer: Any, dataset: Any) -> KeptOutputs:
     """What Trainer keeps of the longest sample: its forward under no_grad in eval mode, then
     ``preprocess_logits_for_metrics`` as ``evaluation_loop`` applies it."""
-    from .trainer import _longest_first, _signature_columns, _trainer_columns
 
     model: nn.Module = trainer.model
     keep = _signature_columns(model) if trainer.args.remove_unused_columns else None

@@ -1,0 +1,45 @@
+"""What Trainer feeds the model, read the way Trainer reads it: the columns it keeps (the forward's
+arguments and the label names) and the dataset's samples, longest first - shared by the batch-size
+finder and the evaluation check of :mod:`hf_memstack.integrations.trainer`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _longest_first(dataset: Any) -> list[int]:
+    """The dataset's indices, longest sample first (ties in dataset order)."""
+    column = getattr(dataset, "column_names", None)
+    if isinstance(column, list) and "input_ids" in column:  # a datasets.Dataset: one column read, not every row
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+    else:
+        lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
+def _length(sample: Any) -> int:
+    """A sample's length: its ``input_ids``, else its longest sequence field (a collator pads to those)."""
+    if not isinstance(sample, dict):
+        return 0
+    if sample.get("input_ids") is not None:
+        return len(sample["input_ids"])
+    return max((len(v) if not torch.is_tensor(v) else v.numel() for v in sample.values() if isinstance(v, (list, tuple)) or torch.is_tensor(v)),
+               default=0)
+
+
+def _signature_columns(model: nn.Module) -> set[str]:
+    """The columns Trainer keeps (``Trainer._set_signature_columns_if_needed``): the forward's
+    arguments (a PEFT model's base model's), plus the label names."""
+    import inspect
+
+    from transformers.utils import find_labels
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(inner.forward).parameters) | {"label", "label_ids"} | set(find_labels(type(inner)))
+
+
+def _trainer_columns(sample: Any, keep: set[str] | None) -> Any:
+    return {k: v for k, v in sample.items() if k in keep} if keep is not None and isinstance(sample, dict) else sample
