@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._depth import DepthPlan, extrapolate_line, extrapolate_phases, plan_depths, text_config, with_depth
+from . import _build_cache
+from ._depth import DepthPlan, _peft_picks_blocks, extrapolate_line, extrapolate_phases, plan_depths, text_config, with_depth
 from .accounting import tensor_bytes
 from .data.boundaries import packing_as_traced
 from .memory import PhasePeaks, StepMemory, step_memory_of, trace_training_step
@@ -511,10 +512,24 @@ def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
         return net
 
     ck = job.policy.checkpointing
-    try:
-        return plan_depths(config, build, every_n=ck.every_n if ck.mode == "every_n" else 1, peft_config=job.peft_config)
-    except ValueError:
-        return None  # the full trace (next) says what is wrong with the config
+    every_n = ck.every_n if ck.mode == "every_n" else 1
+
+    def depth_plan() -> DepthPlan | None:
+        try:
+            return plan_depths(config, build, every_n=every_n, peft_config=job.peft_config)
+        except ValueError:
+            return None  # the full trace (next) says what is wrong with the config
+
+    # The same for every rung and batch of a plan: what plan_depths reads is the config, the
+    # weights' dtypes, the checkpointing period and whether the PEFT config picks blocks.
+    key = (*_build_key(config, job.task, job.trust_remote_code, job.weights), every_n, _peft_picks_blocks(job.peft_config))
+    return _build_cache.cached("depth_plans", key, depth_plan)
+
+
+def _build_key(config: Any, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
+    """Everything a model built on meta depends on besides its PEFT config."""
+    per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
+    return (*_build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
 
 
 def _check_depth(config: Any) -> None:
@@ -723,14 +738,19 @@ def _fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_co
     dtype PEFT gives them), then given fake tensors: shapes and dtypes, no storage. Built on meta
     first because ``Module.to()`` (which PEFT calls on its new adapters) cannot swap fake
     parameters; tied parameters stay tied. A model object's own per-parameter dtypes are kept."""
-    with torch.device("meta"):
-        net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
-        if weights.per_parameter:
-            set_dtypes(net, weights.per_parameter)
-        if peft_config is not None:
-            net = _apply_peft(net, peft_config)
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
             if weights.per_parameter:
                 set_dtypes(net, weights.per_parameter)
+            if peft_config is not None:
+                net = _apply_peft(net, peft_config)
+                if weights.per_parameter:
+                    set_dtypes(net, weights.per_parameter)
+        return net
+
+    # Built once per config and job (PEFT's wrapping is most of a build), copied for each trace.
+    net = _build_cache.model_copy((*_build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:

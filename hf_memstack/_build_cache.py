@@ -1,0 +1,53 @@
+"""What the estimator builds once per config and job instead of once per trace: the depth plan
+(the full model built on meta, its blocks compared) and the model on meta with its PEFT adapters.
+
+The planner estimates up to a dozen rungs of one model, each with two shallow traces: those
+differ in the policy and the batch, not in the model built, so the builds (the 7B's depth plan
+0.1-0.2 s, PEFT's wrapping 0.1-0.3 s a trace on 2 cores) are kept here, keyed by everything that
+goes into them - the config's class and every field, the task, the weights' dtypes, the PEFT
+config - and a cached model is handed out as a deep copy (its caller prepares and fakes it in place).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from torch import nn
+
+__all__ = ["cached", "clear", "config_key", "model_copy"]
+
+T = TypeVar("T")
+
+_MOST = 16  # entries per cache: a plan holds two depths and the full model's plan per job
+_CACHES: dict[str, dict[tuple[Any, ...], Any]] = {"depth_plans": {}, "meta_models": {}}
+
+
+def config_key(config: Any) -> tuple[str, str]:
+    """The config as a key: its class and every field (``to_json_string`` with the defaults, so two
+    configs that differ anywhere - depth, width, dtype, a per-block list - never share an entry)."""
+    return type(config).__qualname__, config.to_json_string(use_diff=False)
+
+
+def cached(cache: str, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+    """``build()``'s value for ``key`` in the named cache, built on the first call (None is kept too)."""
+    entries = _CACHES[cache]
+    if key in entries:
+        return entries[key]
+    value = build()
+    if len(entries) >= _MOST:
+        entries.clear()
+    entries[key] = value
+    return value
+
+
+def model_copy(key: tuple[Any, ...], build: Callable[[], nn.Module]) -> nn.Module:
+    """A deep copy of the meta model cached for ``key`` (tied parameters stay tied: one memo)."""
+    return copy.deepcopy(cached("meta_models", key, build))
+
+
+def clear() -> None:
+    """Forget every cached build (tests compare against fresh builds)."""
+    for entries in _CACHES.values():
+        entries.clear()
