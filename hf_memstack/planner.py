@@ -38,6 +38,10 @@ class PlanRow:
     """A ``ckpt:N`` rung not traced: ``peak_bytes`` is read between the same policy without
     checkpointing and with every block checkpointed, by the share of blocks each holds, and lies
     far enough above the budget (see ``_SCREEN``) that the rung cannot fit."""
+    bound_by: str = ""
+    """Not traced: the rung after it (``bound_by``) is the same policy with the chunked loss added,
+    which only takes memory away, and was over the budget: ``peak_bytes`` is that rung's peak, a
+    lower bound of this one's."""
 
 
 @dataclass(slots=True)
@@ -64,6 +68,7 @@ class Plan:
                  "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else "")]
         for r in self.rows:
             peak = (format_bytes(r.peak_bytes) if r.traced else f"~{format_bytes(r.peak_bytes)} (interpolated)" if r.interpolated
+                    else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})" if r.bound_by
                     else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)")
             line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
             if any(x.max_batch_size for x in self.rows):
@@ -162,7 +167,12 @@ def plan_policy(
                          tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
                          pure_bf16=_trains_all(trainable))
     floors: dict[str, int] = {}
-    for rung in rungs:
+    for i, rung in enumerate(rungs):
+        bound = _bounded_by_next(est, rung, rungs[i + 1:], batch_size, usable)
+        if bound is not None:
+            plan.rows.append(bound)
+            shortfalls.append(int(bound.peak_bytes - usable))
+            continue
         row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
         plan.rows.append(row)
         shortfalls.append(int(row.peak_bytes - usable))
@@ -200,6 +210,21 @@ def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
     return PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None), fitted, e
 
 
+def _bounded_by_next(est: _Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float) -> PlanRow | None:
+    """The plain-precision rung, not traced, when the next rung is it plus the chunked loss and that is
+    over the budget: the chunked loss only removes the logits and their fp32 copy, so the plain rung's
+    peak is at least as high (one trace fewer on every plan of a causal LM too large for its budget)."""
+    if batch_size == "max" or not later:
+        return None
+    p, q = MemoryPolicy.coerce(rung.policy), MemoryPolicy.coerce(later[0].policy)
+    if p.loss.mode != "default" or q != MemoryPolicy.from_dict({**p.to_dict(), "loss": {"mode": "chunked"}}):
+        return None
+    e = est(later[0].policy, int(batch_size))
+    if e.peak_bytes <= usable:
+        return None  # the chunked rung fits: the plain one is traced, as it comes first
+    return PlanRow(rung.policy, e.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=later[0].policy)
+
+
 # A ckpt:N rung whose interpolated peak is this far above the budget is not traced (a ckpt:N trace
 # holds 3N blocks, the others 3). On a 7B LoRA at 2,048 tokens the interpolation read 1.7-2.3% above
 # the traced ckpt:2-4 peaks (bench/estimate_speed.py): 15% leaves a rung that could fit traced.
@@ -228,9 +253,10 @@ def _every_n_between(est: _Estimates, policy: str, batch_size: int) -> int | Non
 
 
 def _states_key(policy: str) -> str:
-    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer rung, sharding."""
+    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer rung, sharding,
+    the master weights' dtype."""
     p = MemoryPolicy.coerce(policy)
-    return repr((p.quant, p.optimizer, p.fsdp))
+    return repr((p.quant, p.optimizer, p.fsdp, p.master_weights))
 
 
 class _Estimates:

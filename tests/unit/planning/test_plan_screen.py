@@ -26,3 +26,34 @@ def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():
         assert traced > budget * 0.9 and not row.fits
         assert abs(row.peak_bytes / traced - 1) < 0.10, (row, traced)
     assert "(interpolated)" in plan.table()
+
+
+def test_the_plain_rung_is_bounded_by_the_chunked_one_only_where_that_is_over_the_budget():
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=4096, dtype="bfloat16")
+    job = {"batch_size": 2, "seq_len": 128}
+    chunked = estimate_memory(config, "bf16+loss:chunked", **job).peak_bytes
+    plain = estimate_memory(config, "bf16", **job).peak_bytes
+    # Over budget: the plain rung reads the chunked one's peak, a lower bound of its own (traced here).
+    plan = plan_policy(config, budget=int(chunked * 0.95), device="cuda", **job)
+    first = plan.rows[0]
+    assert (first.policy, first.traced, first.bound_by, first.peak_bytes) == ("bf16", False, "bf16+loss:chunked", chunked)
+    assert plain >= first.peak_bytes and not first.fits and "(as bf16+loss:chunked)" in plan.table()
+    # Under budget: the plain rung is traced, as before.
+    plan = plan_policy(config, budget=int(plain / 0.9 * 1.01), device="cuda", **job)
+    assert plan.rows[0].traced and plan.rows[0].peak_bytes == plain and plan.policy.to_string() == "bf16"
+
+
+def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
+    # Big enough that BF16AdamW's chunk buffers (5 x 4 MiB at most) are small beside the model states.
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=8192, dtype="bfloat16")
+    job = {"batch_size": 1, "seq_len": 16}
+    master = estimate_memory(config, "bf16+loss:chunked+ckpt", **job)
+    pure = estimate_memory(config, "bf16+loss:chunked+ckpt+weights:bf16", **job)
+    assert pure.peak_bytes < master.parameters + master.optimizer  # fp32 master weights cannot fit where pure bf16 does
+    budget = int((pure.peak_bytes + master.parameters + master.optimizer) / 2 / 0.9)
+    plan = plan_policy(config, budget=budget, device="cuda", **job)
+    assert plan.fits and plan.policy.master_weights == "bf16", plan.table()
+    assert plan.estimate.peak_bytes == pure.peak_bytes  # the pure-bf16 rung was traced, not screened by fp32's floor
+    assert any("BF16AdamW" in s for s in plan.suggestions)
