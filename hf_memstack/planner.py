@@ -39,9 +39,9 @@ class PlanRow:
     checkpointing and with every block checkpointed, by the share of blocks each holds, and lies
     far enough above the budget (see ``_SCREEN``) that the rung cannot fit."""
     bound_by: str = ""
-    """Not traced: the rung after it (``bound_by``) is the same policy with the chunked loss added,
-    which only takes memory away, and was over the budget: ``peak_bytes`` is that rung's peak, a
-    lower bound of this one's."""
+    """Not traced: a later rung (``bound_by``) is the same policy saving strictly more (the chunked
+    loss added, or selective checkpointing's alternate variant) and was over the budget:
+    ``peak_bytes`` is that rung's peak, a lower bound of this one's."""
 
 
 @dataclass(slots=True)
@@ -211,18 +211,28 @@ def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
 
 
 def _bounded_by_next(est: _Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float) -> PlanRow | None:
-    """The plain-precision rung, not traced, when the next rung is it plus the chunked loss and that is
-    over the budget: the chunked loss only removes the logits and their fp32 copy, so the plain rung's
-    peak is at least as high (one trace fewer on every plan of a causal LM too large for its budget)."""
-    if batch_size == "max" or not later:
+    """A rung not traced when a later rung is the same policy saving strictly more, and that one is
+    over the budget: its peak is then a lower bound of this one's. Two such pairs are on the ladder:
+    adding the chunked loss (it only removes the logits and their fp32 copy), and selective
+    checkpointing's alternate variant (it recomputes every second matmul that the plain one keeps,
+    and keeps nothing the plain one drops). One to two traces fewer on every plan of a causal LM too
+    large for its budget; the later rung is traced anyway, for its own row."""
+    if batch_size == "max":
         return None
-    p, q = MemoryPolicy.coerce(rung.policy), MemoryPolicy.coerce(later[0].policy)
-    if p.loss.mode != "default" or q != MemoryPolicy.from_dict({**p.to_dict(), "loss": {"mode": "chunked"}}):
+    p = MemoryPolicy.coerce(rung.policy)
+    stronger = []
+    if p.loss.mode == "default":
+        stronger.append(MemoryPolicy.from_dict({**p.to_dict(), "loss": {"mode": "chunked"}}))
+    if p.checkpointing.mode == "selective" and p.checkpointing.selective_matmuls == "save_all":
+        stronger.append(MemoryPolicy.from_dict({**p.to_dict(), "checkpointing": {**p.to_dict()["checkpointing"],
+                                                                                 "selective_matmuls": "save_alternate"}}))
+    bound = next((r for r in later if MemoryPolicy.coerce(r.policy) in stronger), None)
+    if bound is None:
         return None
-    e = est(later[0].policy, int(batch_size))
+    e = est(bound.policy, int(batch_size))
     if e.peak_bytes <= usable:
-        return None  # the chunked rung fits: the plain one is traced, as it comes first
-    return PlanRow(rung.policy, e.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=later[0].policy)
+        return None  # the stronger rung fits: this one is traced, as it comes first
+    return PlanRow(rung.policy, e.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=bound.policy)
 
 
 # A ckpt:N rung whose interpolated peak is this far above the budget is not traced (a ckpt:N trace

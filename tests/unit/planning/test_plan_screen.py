@@ -57,3 +57,17 @@ def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
     assert plan.fits and plan.policy.master_weights == "bf16", plan.table()
     assert plan.estimate.peak_bytes == pure.peak_bytes  # the pure-bf16 rung was traced, not screened by fp32's floor
     assert any("BF16AdamW" in s for s in plan.suggestions)
+
+
+def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced():
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         vocab_size=4096, dtype="bfloat16")
+    job = {"batch_size": 2, "seq_len": 256, "trainable": "lora"}
+    full = estimate_memory(config, "bf16+loss:chunked+ckpt", **job).peak_bytes
+    budget = int(full / 0.9 * 1.01)  # every block checkpointed just fits
+    plan = plan_policy(config, budget=budget, device="cuda", **job)
+    bounded = {r.policy: r for r in plan.rows if r.bound_by}
+    assert set(bounded) == {"bf16", "bf16+loss:chunked+ckpt:selective"}, plan.table()
+    for row in bounded.values():
+        traced = estimate_memory(config, row.policy, **job).peak_bytes
+        assert traced >= row.peak_bytes > budget * 0.9 and not row.fits
