@@ -4,6 +4,13 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
 
     python bench/estimate_accuracy.py                 # small configs, a few minutes on 2 CPU cores
     python bench/estimate_accuracy.py --hidden 512 --seq 256
+    python bench/estimate_accuracy.py --checkpoints   # a 125M Llama saved in fp32 and in bf16, batch 2 x 512
+
+``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
+12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
+default way (``dtype="auto"``: the bf16 one comes back bf16), full fine-tuning and LoRA, fp32 master
+weights and pure bf16 (``weights:bf16``), and a mixture-of-experts model (which the estimator refuses,
+saying why). Written to bench/results/estimate_accuracy_checkpoints.json.
 """
 
 from __future__ import annotations
@@ -45,8 +52,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batches", default="1,4,8")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "estimate_accuracy.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--checkpoints", action="store_true", help="the 125M-parameter checkpoint rows instead (see above)")
     args = ap.parse_args()
+    if args.checkpoints:
+        checkpoint_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"))
+        return
+    args.out = args.out or str(Path(__file__).parent / "results" / "estimate_accuracy.json")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,6 +104,58 @@ def _measured(auto, cfg, task, policy, trainable, b, args, device):
     ids = torch.randint(3, args.vocab, (b, args.seq), device=device)
     labels = ids if task == "causal-lm" else torch.zeros(b, dtype=torch.long, device=device)
     return measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
+
+
+# (saved dtype, policy, what trains) for the 125M Llama at batch 2 x 512.
+CHECKPOINT_CASES = [("fp32", "bf16", "all"), ("bf16", "bf16", "all"), ("fp32", "bf16+ckpt", "lora"), ("bf16", "bf16+ckpt", "lora"),
+                    ("bf16", "bf16+ckpt", "all"), ("bf16", "bf16+ckpt+weights:bf16", "all"), ("fp32", "bf16+weights:bf16", "all")]
+
+
+def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+
+    config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                         vocab_size=32000, bos_token_id=1, eos_token_id=2)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for saved in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[saved])).save_pretrained(
+                Path(tmp) / saved)
+        for saved, policy, trainable in CHECKPOINT_CASES:
+            est = estimate_memory(Path(tmp) / saved, policy, batch_size=batch, seq_len=seq, trainable=trainable)
+            model = AutoModelForCausalLM.from_pretrained(Path(tmp) / saved)  # dtype="auto", as users load
+            loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if trainable != "all":
+                from peft import get_peft_model
+
+                model = get_peft_model(model, peft_config_from(trainable))
+            model = prepare_model(model.train(), policy)
+            ids = torch.randint(3, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+            real = measure_step(model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-5), timed=False)
+            fields = {k: (getattr(est, k), getattr(real, k)) for k in ("parameters", "gradients", "optimizer")}
+            rows.append({"saved": saved, "loaded": loaded, "policy": policy, "trainable": trainable, "estimate": est.peak_bytes,
+                         "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1, "fields": fields,
+                         "total_parameters": est.total_parameters, "notes": list(est.notes)})
+            print(f"saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                  f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
+                  f"{all(a == b for a, b in fields.values())}", flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)  # after every row: a long run stopped early keeps what it measured
+            out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows}, indent=2))
+    moe = MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, vocab_size=1000)
+    try:
+        estimate_memory(moe, "bf16", batch_size=batch, seq_len=seq)
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    print(f"mixture of experts (Mixtral): {'refused: ' + refusal[:160] if refusal else 'estimated'}")
+    if not rows:
+        return
+    print(f"\nmachine: {machine()}; 125M Llama, batch {batch} x {seq}; worst |error| "
+          f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows, "moe_refusal": refusal}, indent=2))
 
 
 if __name__ == "__main__":
