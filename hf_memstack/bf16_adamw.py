@@ -92,6 +92,10 @@ class BF16AdamW(torch.optim.Optimizer):
             chunks = [tuple(t[i:i + _CHUNK] for t in flat) for i in range(0, flat[0].numel(), _CHUNK)]
         else:  # a strided parameter: one chunk, its own layout
             chunks = [tensors]
+        if _is_fake(weight):
+            # The estimator's fake tensors have no values to update: one chunk allocates what every
+            # chunk does (each frees its buffers before the next), at a fraction of the trace's time.
+            chunks = chunks[:1]
         for w_c, g_c, m_c, v_c in chunks:
             g32 = g_c.float()
             m32 = m_c.float().lerp_(g32, 1 - beta1)
@@ -101,6 +105,12 @@ class BF16AdamW(torch.optim.Optimizer):
             denom = v32.sqrt_().div_(bias2_sqrt).add_(group["eps"])
             w32 = w_c.float().mul_(1 - lr * group["weight_decay"]).addcdiv_(m32, denom, value=-lr / bias1)
             w_c.copy_(stochastic_round_to_bf16(w32))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from ..checkpointing import CheckpointingGuard
 from ..data import PackedCollator
 from ..data.guard import settle_packing_guard
 from ..memory import StepMemory, measure_step
-from ..optim import OptimizerInBackward, optimizer_in_backward_of
+from ..optim import OptimizerInBackward, optimizer_in_backward_of, rounds_stochastically
 from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..sizes import parse_bytes
@@ -160,6 +160,7 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
         return
     cfg = record.policy.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    _check_holds_the_trainable(model, inner)
     fix = ("build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer(model, lr=args.learning_rate, "
            "weight_decay=args.weight_decay), None))")
     if (cfg.state, cfg.step) != ("fp32", "after_backward"):
@@ -167,7 +168,7 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
         if not built:
             raise ValueError(f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
                              f"{type(inner).__name__}; {fix}")
-    rounds = _rounds_stochastically(inner)
+    rounds = rounds_stochastically(inner)
     if record.policy.master_weights == "bf16" and not rounds:
         raise ValueError(f"the policy {record.policy.to_string()!r} trains pure bf16, which needs AdamW with bf16 stochastic "
                          f"rounding, but Trainer's optimizer is {type(inner).__name__} (its updates below bf16's resolution "
@@ -179,14 +180,18 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
                       "precision policy (fp32 master weights), or 'bf16+weights:bf16' and " + fix, stacklevel=3)
 
 
-def _rounds_stochastically(optimizer: Any) -> bool:
-    """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
-    optimizer stepping in the backward."""
-    from ..bf16_adamw import BF16AdamW
-
-    if isinstance(optimizer, OptimizerInBackward):
-        optimizer = next(iter(optimizer.optimizers.values()), None)  # one optimizer per parameter, all built alike
-    return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))
+def _check_holds_the_trainable(model: nn.Module, optimizer: Any) -> None:
+    """An optimizer built before PEFT added the adapters (TRL's ``peft_config``) holds the frozen base
+    and none of what trains: the run would "succeed" and change nothing."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if trainable and len(missing) == len(trainable):
+        raise ValueError(
+            f"the optimizer given to Trainer holds none of the model's {len(trainable)} trainable parameters (e.g. {missing[0]!r}): "
+            "it was built before they existed or trained - with TRL's peft_config, PEFT adds the adapters inside SFTTrainer, after "
+            "make_optimizer saw the base. Add the adapters first (model = get_peft_model(model, config); prepare_model(model, "
+            "policy); make_optimizer(model, ...)) and pass that model without peft_config")
 
 
 def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:

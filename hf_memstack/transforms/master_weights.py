@@ -59,6 +59,8 @@ class MasterWeightsPlan:
     mode: str
     dtype: torch.dtype
     params: tuple[nn.Parameter, ...] = ()
+    trainable: tuple[nn.Parameter, ...] = ()
+    """Every trainable parameter (pure bf16 marks them for the optimizer step check)."""
 
 
 def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool, precision_name: str,
@@ -72,8 +74,8 @@ def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool,
     if policy.master_weights == "bf16":
         if before_adapters:  # the adapters PEFT adds next are what trains: make_optimizer checks their dtype
             return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16)
-        return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16,
-                                 params=tuple(p for p in trainable if p.dtype != torch.bfloat16))
+        return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16, params=tuple(p for p in trainable if p.dtype != torch.bfloat16),
+                                 trainable=tuple(trainable))
     sixteen = [p for p in trainable if p.dtype in _SIXTEEN_BIT]
     if not sixteen or before_adapters:
         return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
@@ -81,7 +83,9 @@ def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool,
         return MasterWeightsPlan(mode="fp32", dtype=torch.float32, params=tuple(sixteen))
     # Without autocast, fp32 master weights beside 16-bit frozen ones would meet in one matmul in two dtypes.
     warnings.warn(
-        f"policy.precision={precision_name!r} runs without autocast, and {len(sixteen)} trainable parameter(s) of "
+        f"policy.precision={policy.precision!r}"
+        + (f" (resolved to {precision_name!r} on this device)" if policy.precision != precision_name else "")
+        + f" runs without autocast, and {len(sixteen)} trainable parameter(s) of "
         f"{type(model).__name__} are {sixteen[0].dtype}: they train in 16 bits, and AdamW's updates smaller than their "
         "resolution are lost. Use a mixed precision ('bf16': prepare_model keeps fp32 master weights), pure bf16 with "
         "stochastic rounding ('bf16+weights:bf16'), or load the model in fp32 (from_pretrained(..., dtype=torch.float32))",
@@ -96,6 +100,12 @@ def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
     with torch.no_grad():
         for p in plan.params:
             p.data = p.data.to(plan.dtype)
+    if plan.mode == "bf16":
+        from ..optim import warn_on_plain_steps_over_pure_bf16
+
+        for p in plan.trainable:
+            p._memstack_pure_bf16 = True  # type: ignore[attr-defined]  # read by the optimizer step check
+        warn_on_plain_steps_over_pure_bf16()
     return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
 
 

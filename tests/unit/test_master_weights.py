@@ -221,3 +221,25 @@ def test_the_estimate_counts_the_master_weights_as_the_meter_does(bf16_dir, poli
     width = 2 if "weights:bf16" in policy else 4
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert est.parameters == width * est.trainable_parameters + buffers  # every parameter trains, in the master dtype
+
+
+def test_a_plain_optimizer_stepping_pure_bf16_weights_warns_once(bf16_dir):
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(bf16_dir).train(), "bf16+weights:bf16")
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-5)  # a hand-written loop's optimizer
+    model(**_batch()).loss.backward()
+    with pytest.warns(UserWarning, match=r"AdamW steps \d+ parameter\(s\) that prepare_model keeps in pure bf16.*make_optimizer"):
+        plain.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.step()  # once per optimizer
+        make_optimizer(model, lr=1e-5).step()  # BF16AdamW: silent
+
+
+def test_an_optimizer_holding_none_of_what_trains_is_refused(bf16_dir):
+    from peft import LoraConfig, get_peft_model
+
+    base = prepare_model(AutoModelForCausalLM.from_pretrained(bf16_dir), "bf16")
+    early = make_optimizer(base, lr=1e-3)  # built before PEFT added the adapters (TRL's peft_config does that later)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"holds none of the model's \d+ trainable parameters.*get_peft_model"):
+        check_optimizer(model, early)
