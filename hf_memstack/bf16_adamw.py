@@ -16,12 +16,14 @@ buffers of one chunk at most, on any device, and on FSDP2's sharded DTensors (th
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["BF16AdamW", "stochastic_round_to_bf16"]
+__all__ = ["BF16AdamW", "rounds_stochastically", "stochastic_round_to_bf16", "warn_on_plain_steps_over_pure_bf16"]
 
 # Values per chunk of the fp32 work: bounds the step's temporaries at 5 x 4 MiB, and costs nothing
 # measurable against one pass over the whole tensor.
@@ -105,6 +107,44 @@ class BF16AdamW(torch.optim.Optimizer):
             denom = v32.sqrt_().div_(bias2_sqrt).add_(group["eps"])
             w32 = w_c.float().mul_(1 - lr * group["weight_decay"]).addcdiv_(m32, denom, value=-lr / bias1)
             w_c.copy_(stochastic_round_to_bf16(w32))
+
+
+def rounds_stochastically(optimizer: Any) -> bool:
+    """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
+    optimizer stepping in the backward."""
+    inner = getattr(optimizer, "optimizers", None)  # hf_memstack.optim.OptimizerInBackward: one optimizer per parameter
+    if isinstance(inner, dict):
+        optimizer = next(iter(inner.values()), None)
+    return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))
+
+
+_WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers checked once
+_HOOKED = False
+
+
+def warn_on_plain_steps_over_pure_bf16() -> None:
+    """Once per process: a global optimizer step pre-hook that warns (once per optimizer) when an
+    optimizer without stochastic rounding steps parameters ``prepare_model`` keeps in pure bf16 - a
+    hand-written ``torch.optim.AdamW`` loop, or Trainer without the callback - whose small updates
+    would round away."""
+    global _HOOKED
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_check_plain_step)
+        _HOOKED = True
+
+
+def _check_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _WARNED:
+        return
+    _WARNED.add(optimizer)  # checked once, whatever the verdict
+    pure = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_memstack_pure_bf16", False))
+    if pure and not rounds_stochastically(optimizer):
+        warnings.warn(
+            f"{type(optimizer).__name__} steps {pure} parameter(s) that prepare_model keeps in pure bf16 (weights:bf16) without "
+            "stochastic rounding: updates smaller than bf16's resolution round away. Build the optimizer with "
+            "hf_memstack.make_optimizer(model, lr=...) (BF16AdamW), or prepare with fp32 master weights ('bf16')", stacklevel=3)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bf16_adamw import BF16AdamW
 from .policy import MemoryPolicy, OptimizerConfig
 
 __all__ = ["OptimizerInBackward", "check_optimizer_policy", "check_training_settings", "make_optimizer",
@@ -280,45 +281,6 @@ def make_optimizer(
     return optimizer
 
 
-def rounds_stochastically(optimizer: Any) -> bool:
-    """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
-    optimizer stepping in the backward."""
-    from .bf16_adamw import BF16AdamW
-
-    if isinstance(optimizer, OptimizerInBackward):
-        optimizer = next(iter(optimizer.optimizers.values()), None)  # one optimizer per parameter, all built alike
-    return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))
-
-
-_WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_HOOKED = False
-
-
-def warn_on_plain_steps_over_pure_bf16() -> None:
-    """Once per process: a global optimizer step pre-hook that warns (once per optimizer) when an
-    optimizer without stochastic rounding steps parameters ``prepare_model`` keeps in pure bf16 - a
-    hand-written ``torch.optim.AdamW`` loop, or Trainer without the callback - whose small updates
-    would round away."""
-    global _HOOKED
-    if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_check_plain_step)
-        _HOOKED = True
-
-
-def _check_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if optimizer in _WARNED:
-        return
-    _WARNED.add(optimizer)  # checked once, whatever the verdict
-    pure = sum(1 for g in optimizer.param_groups for p in g["params"] if getattr(p, "_memstack_pure_bf16", False))
-    if pure and not rounds_stochastically(optimizer):
-        warnings.warn(
-            f"{type(optimizer).__name__} steps {pure} parameter(s) that prepare_model keeps in pure bf16 (weights:bf16) without "
-            "stochastic rounding: updates smaller than bf16's resolution round away. Build the optimizer with "
-            "hf_memstack.make_optimizer(model, lr=...) (BF16AdamW), or prepare with fp32 master weights ('bf16')", stacklevel=3)
-
-
 def _describe(cfg: OptimizerConfig, master_weights: str = "fp32") -> str:
     return f"state={cfg.state!r}, step={cfg.step!r}, master_weights={master_weights!r}"
 
@@ -376,8 +338,6 @@ Factory = Callable[[list[dict[str, Any]], dict[str, Any]], torch.optim.Optimizer
 
 def _factory(cfg: OptimizerConfig, master_weights: str = "fp32") -> Factory:
     if master_weights == "bf16" and cfg.state == "fp32":
-        from .bf16_adamw import BF16AdamW
-
         return lambda groups, defaults: BF16AdamW(groups, **defaults)
     if cfg.state == "8bit":
         adamw = _torchao_adamw(cfg.state, master_weights)

@@ -36,11 +36,12 @@ from transformers import TrainerCallback, TrainingArguments
 from .._device import device_of, module_mode, preserved_rng, synchronize
 from .._wrappers import fused_lm_head_installed
 from ..accounting import optimizer_state_bytes
+from ..bf16_adamw import rounds_stochastically
 from ..checkpointing import CheckpointingGuard
 from ..data import PackedCollator
 from ..data.guard import settle_packing_guard
 from ..memory import StepMemory, measure_step
-from ..optim import OptimizerInBackward, optimizer_in_backward_of, rounds_stochastically
+from ..optim import OptimizerInBackward, optimizer_in_backward_of
 from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..sizes import parse_bytes

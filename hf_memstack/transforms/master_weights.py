@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..bf16_adamw import warn_on_plain_steps_over_pure_bf16
 from ..policy import MemoryPolicy
 
 __all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights"]
@@ -101,8 +102,6 @@ def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
         for p in plan.params:
             p.data = p.data.to(plan.dtype)
     if plan.mode == "bf16":
-        from ..optim import warn_on_plain_steps_over_pure_bf16
-
         for p in plan.trainable:
             p._memstack_pure_bf16 = True  # type: ignore[attr-defined]  # read by the optimizer step check
         warn_on_plain_steps_over_pure_bf16()
