@@ -27,7 +27,18 @@ _CACHES: dict[str, dict[tuple[Any, ...], Any]] = {"depth_plans": {}, "meta_model
 def config_key(config: Any) -> tuple[str, str]:
     """The config as a key: its class and every field (``to_json_string`` with the defaults, so two
     configs that differ anywhere - depth, width, dtype, a per-block list - never share an entry)."""
-    return type(config).__qualname__, config.to_json_string(use_diff=False)
+    return type(config).__qualname__, config.to_json_string(use_diff=False) + _private_settings(config)
+
+
+def _private_settings(config: Any) -> str:
+    """What ``to_json_string`` leaves out but the build reads: the attention (and experts)
+    implementation a config was given (``attn_implementation="eager"``), its own and its sub-configs'."""
+    settings = []
+    for owner in (config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {})):
+        if owner is not None and hasattr(owner, "__dict__"):
+            settings += sorted((k, v) for k, v in vars(owner).items()
+                               if k.startswith("_") and isinstance(v, (str, int, bool, type(None))) and "implementation" in k)
+    return repr(settings)
 
 
 def cached(cache: str, key: tuple[Any, ...], build: Callable[[], T]) -> T:

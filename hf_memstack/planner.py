@@ -168,7 +168,7 @@ def plan_policy(
                          pure_bf16=_trains_all(trainable))
     floors: dict[str, int] = {}
     for i, rung in enumerate(rungs):
-        bound = _bounded_by_next(est, rung, rungs[i + 1:], batch_size, usable)
+        bound = None if floors.get(_states_key(rung.policy), 0) > usable else _bounded_by_next(est, rung, rungs[i + 1:], batch_size, usable)
         if bound is not None:
             plan.rows.append(bound)
             shortfalls.append(int(bound.peak_bytes - usable))

@@ -84,3 +84,13 @@ def test_the_rungs_and_batches_of_one_model_share_one_depth_plan(monkeypatch):
     assert len(calls) == 1
     estimate_memory(config, "bf16+ckpt:2", batch_size=1, seq_len=32, trainable={"r": 4})  # another period: its own plan
     assert len(calls) == 2
+
+
+def test_the_key_sees_the_attention_implementation_a_config_was_given():
+    # to_json_string leaves attn_implementation out: an eager config once got the SDPA build cached before it.
+    from transformers import LlamaConfig
+
+    from hf_memstack._build_cache import config_key
+
+    assert config_key(LlamaConfig(attn_implementation="eager")) != config_key(LlamaConfig(attn_implementation="sdpa"))
+    assert config_key(LlamaConfig(attn_implementation="eager")) == config_key(LlamaConfig(attn_implementation="eager"))

@@ -70,7 +70,10 @@ def test_rungs_that_only_save_activations_are_not_traced_once_the_weights_alone_
     plan = plan_policy(tmp_path, budget=int((quant.peak_bytes + floor) / 2 / 0.9), seq_len=16, batch_size=1, device="cpu", trainable=LORA)
     rows = plan.rows
     assert plan.fits and plan.policy.quant.mode == "nf4" and rows[-1].traced, plan.table()
-    assert rows[0].traced and all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[1:-1]), plan.table()
+    # The first rung is traced, or bounded by the chunked rung after it, traced; the floor screens the rest.
+    first_traced = 0 if rows[0].traced else 1
+    assert rows[0].traced or (rows[0].bound_by == rows[1].policy and rows[1].traced), plan.table()
+    assert all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[first_traced + 1:-1]), plan.table()
     assert ">= " in plan.table() and "(weights + optimizer state)" in plan.table()
     skipped = estimate_memory(tmp_path, rows[-2].policy, batch_size=1, seq_len=16, trainable=LORA)
     assert skipped.peak_bytes >= floor  # the floor is a floor
