@@ -37,14 +37,14 @@ __all__ = ["OptimizerInBackward", "check_optimizer_policy", "check_training_sett
 _INSTALL = "pip install 'hf_memstack[optim]' (torchao)"
 
 
-def check_optimizer_policy(cfg: OptimizerConfig, master_weights: str = "fp32") -> None:
+def check_optimizer_policy(cfg: OptimizerConfig) -> None:
     """Raise before anything is touched when the policy's optimizer cannot be built here.
 
     Raises:
         RuntimeError: ``state="8bit"`` and torchao is not installed (or does not import).
     """
     if cfg.state == "8bit":
-        _torchao_adamw(cfg.state, master_weights)
+        _torchao_adamw()
 
 
 def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None,
@@ -260,7 +260,7 @@ def make_optimizer(
     grad_scaler = record.grad_scaler if record is not None else None
     check_training_settings(cfg, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
                             grad_scaler=grad_scaler)
-    check_optimizer_policy(cfg, resolved.master_weights)
+    check_optimizer_policy(cfg)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     groups = _param_groups(model, param_groups, defaults)
     params = [_tensor_of(item) for g in groups for item in g["params"]]
@@ -340,7 +340,7 @@ def _factory(cfg: OptimizerConfig, master_weights: str = "fp32") -> Factory:
     if master_weights == "bf16" and cfg.state == "fp32":
         return lambda groups, defaults: BF16AdamW(groups, **defaults)
     if cfg.state == "8bit":
-        adamw = _torchao_adamw(cfg.state, master_weights)
+        adamw = _torchao_adamw()
         rounding = {"bf16_stochastic_round": True} if master_weights == "bf16" else {}
         return lambda groups, defaults: adamw(groups, **defaults, **rounding)
     # PyTorch's own defaults (foreach on CUDA, a loop on the CPU): what a hand-written loop gets;
@@ -349,7 +349,7 @@ def _factory(cfg: OptimizerConfig, master_weights: str = "fp32") -> Factory:
 
 
 @functools.cache
-def _torchao_adamw(state: str, master_weights: str) -> type[torch.optim.Optimizer]:
+def _torchao_adamw() -> type[torch.optim.Optimizer]:
     """torchao's ``AdamW8bit`` (with ``bf16_stochastic_round`` under pure bf16), trackable."""
     try:
         from torchao.optim import AdamW8bit

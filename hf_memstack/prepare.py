@@ -172,7 +172,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
-    check_optimizer_policy(policy.optimizer, policy.master_weights)
+    check_optimizer_policy(policy.optimizer)
     quant = check_quant(model, policy.quant, dtype=precision.dtype, blocks=blocks, shards=_shards(policy), fsdp=policy.fsdp.mode != "none")
     _warn_on_training_setup(model, policy, blocks, quant)
     master = check_master_weights(model, policy, mixed=precision.mixed, precision_name=precision.name,

@@ -477,7 +477,7 @@ def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
 
     problems, spec = [], cfg.policy
     try:
-        check_optimizer_policy(policy.optimizer, policy.master_weights)
+        check_optimizer_policy(policy.optimizer)
     except RuntimeError as e:
         problems.append(f"policy={spec!r}: {e}")
     if policy.optimizer.step != "in_backward":

@@ -71,7 +71,7 @@ def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool,
     ``mixed``: the resolved precision autocasts. ``before_adapters``: every parameter trains because
     ``quant:nf4`` freezes the base only now and the adapters come next (their dtype is PEFT's).
     """
-    trainable = [p for p in _unique_parameters(model) if p.requires_grad and p.is_floating_point()]
+    trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]  # a tied parameter once
     if policy.master_weights == "bf16":
         if before_adapters:  # the adapters PEFT adds next are what trains: make_optimizer checks their dtype
             return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16)
@@ -107,6 +107,3 @@ def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
         warn_on_plain_steps_over_pure_bf16()
     return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
 
-
-def _unique_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return list(model.parameters())  # parameters() yields a tied parameter once
