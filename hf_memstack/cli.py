@@ -152,7 +152,9 @@ def _estimate(args: argparse.Namespace) -> int:
               + (" kept logits |" if kept else "") + (" fits |" if budget else ""))
         print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budget else ""))
         for e, ok in zip(estimates, verdicts):
-            print(f"| {e.policy} | {e.weights_dtype} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
+            # The load dtype, and the trainable weights' own when the policy changes it (fp32 master weights).
+            weights = e.weights_dtype + (f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else "")
+            print(f"| {e.policy} | {weights} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
                   f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
                   f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
                   + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "") + (f" {'yes' if ok else 'no'} |" if budget else ""))

@@ -49,7 +49,12 @@ __all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "ch
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryEstimate:
     """The estimated peak of one training step (bytes, per rank), by category; with ``mode="eval"``,
-    of one evaluation forward, plus the outputs ``Trainer.evaluate()`` keeps across the eval set."""
+    of one evaluation forward, plus the outputs ``Trainer.evaluate()`` keeps across the eval set.
+
+    The five categories are what is alive *at the peak* and sum to ``peak_bytes`` (as the meter's
+    ``StepMemory`` reports them), not each one's own maximum: a step that peaks in its forward +
+    backward before any gradient exists (``optim:in_backward`` frees each gradient as it is made)
+    reads ``gradients`` 0 B, and the optimizer state of the first step is counted where it is alive."""
 
     model: str
     """The model as given (path or id), or the config's name."""
@@ -81,6 +86,10 @@ class MemoryEstimate:
     gives (``dtype="auto"``), the model's own, or the ``dtype=`` asked for."""
     weights_dtype_source: str = ""
     """Where that dtype was read: ``the config's dtype``, ``the weights in model.safetensors``, ``requested``..."""
+    trainable_dtype: str = "fp32"
+    """The dtype the trainable parameters were counted at once the policy is applied: ``fp32`` under
+    ``weights:fp32`` (``prepare_model`` casts 16-bit trainable weights to fp32 master weights under a
+    mixed precision), ``bf16`` under ``weights:bf16``, ``none`` when nothing trains."""
     notes: tuple[str, ...] = ()
     mode: str = "train"
     """``train`` (one training step) or ``eval`` (one forward under ``torch.no_grad()`` in eval mode, as
@@ -398,7 +407,9 @@ def estimate_memory(
         est = _with_kept_logits(est, counts, eval_samples or batch_size)
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
     notes = (*est.notes, _dtype_note(weights, net, policy, training=mode == "train")) if weights.dtype != torch.float32 else est.notes
-    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source, notes=notes)
+    trainable_dtype = "/".join(sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()}))
+    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source,
+                               trainable_dtype=trainable_dtype or "none", notes=notes)
 
 
 @dataclass(frozen=True, slots=True)

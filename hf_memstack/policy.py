@@ -274,6 +274,7 @@ class MemoryPolicy:
             object.__setattr__(self, name, value)
             return
         problems: list[str] = []
+        value = _dtype_name(value) if name in _DTYPE_FIELDS else value
         cls = _SUBCONFIGS.get(name)
         coerced = _coerce_subconfig(name, cls, value, problems) if cls is not None else None
         if problems:
@@ -287,6 +288,8 @@ class MemoryPolicy:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
+        for name in _DTYPE_FIELDS:  # precision=torch.bfloat16, as Transformers' dtype= is written
+            object.__setattr__(self, name, _dtype_name(getattr(self, name)))
         for name, cls in _SUBCONFIGS.items():
             value = getattr(self, name)
             coerced = _coerce_subconfig(name, cls, value, problems)
@@ -760,6 +763,16 @@ def _coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> 
         f"policy.{name}={value!r} has type {type(value).__name__}; pass {cls.__name__}(...), {as_string} or a dict"
     )
     return None
+
+
+# The fields that name a dtype, and the torch dtypes they take for their names.
+_DTYPE_FIELDS = ("precision", "master_weights")
+_TORCH_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def _dtype_name(value: Any) -> Any:
+    """``torch.bfloat16`` -> ``"bf16"`` (and fp16, fp32); anything else as given, for validation to judge."""
+    return _TORCH_DTYPE_NAMES.get(str(value), value) if type(value).__name__ == "dtype" else value
 
 
 def _check_choice(problems: list[str], where: str, value: Any, literal: Any) -> None:

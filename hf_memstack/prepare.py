@@ -31,7 +31,7 @@ from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
 from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of, unwrap_model
-from .transforms.master_weights import MasterWeightsPlan, apply_master_weights, check_master_weights
+from .transforms.master_weights import MasterWeightsPlan, apply_master_weights, check_master_weights, mark_pure_bf16
 from .transforms.quant import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
@@ -233,6 +233,8 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
         assert plan.blocks is not None
         fsdp = apply_fsdp(model, policy.fsdp, blocks=plan.blocks, precision=plan.precision,
                           broadcast_from_rank0=plan.broadcast_from_rank0)
+        if master.mode == "bf16":  # the sharded parameters are new objects: tag them for the step check
+            mark_pure_bf16(p for p in model.parameters() if p.requires_grad)
     # fp16 needs a loss scaler. On FSDP2's sharded gradients (DTensors) torch.amp.GradScaler's
     # inf check is reduced over the mesh, so every rank skips the same steps (tested on 2 ranks).
     grad_scaler = torch.amp.GradScaler(plan.precision.device_type) if plan.precision.name == "fp16" and plan.autocast_here else None

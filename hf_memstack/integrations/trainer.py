@@ -424,7 +424,8 @@ class MemstackCallback(TrainerCallback):
       total memory; on the CPU only a given budget is checked), with the bytes and the fixes
       (:func:`check_eval_logits`: one no-grad forward of the longest eval sample);
     * at every log: adds ``memory/peak_mib`` (CUDA: the allocator's peak since the last log; CPU:
-      the meter's first-batch peak plus the optimizer state) and ``memstack/verify_ok`` (numbers,
+      the meter's first-batch peak plus the optimizer state, in training logs only: evaluation's is
+      not measured there) and ``memstack/verify_ok`` (numbers,
       as trackers want them).
     """
 
@@ -509,10 +510,12 @@ class MemstackCallback(TrainerCallback):
         if logs is None or self.first_step is None:
             return
         memory = self.first_step.memory
+        # evaluate()/predict() log "{prefix}_runtime"; the training step's figure is not theirs.
+        evaluating = any(k.endswith("_runtime") and not k.startswith("train_") for k in logs)
         if torch.cuda.is_available():
-            logs["memory/peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            logs["memory/peak_mib"] = torch.cuda.max_memory_allocated() / 2**20  # since the last log: evaluation's own peak
             torch.cuda.reset_peak_memory_stats()
-        elif memory is not None:
+        elif memory is not None and not evaluating:
             logs["memory/peak_mib"] = (memory.peak_bytes + self._optimizer_bytes) / 2**20
         if self.first_step.verify is not None:
             logs["memstack/verify_ok"] = float(self.first_step.verify.ok)

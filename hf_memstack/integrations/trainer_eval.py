@@ -8,7 +8,10 @@ longest eval sample under ``torch.no_grad()``, through the Trainer's own collato
 ``preprocess_logits_for_metrics`` - and multiplies it by what the device will hold.
 
 The budget: the one given (``MemstackCallback(eval_budget="20GiB")``), else on CUDA the device's
-total memory; on the CPU without one nothing is checked (what a host can spare is not known).
+total memory; on the CPU without one nothing is checked (what a host can spare is not known). It
+holds the model's own parameters and buffers too, so they count against it with the kept logits
+(as ``hf-memstack estimate --mode eval --budget`` counts the forward's peak, model included, plus
+the kept logits).
 """
 
 from __future__ import annotations
@@ -75,15 +78,22 @@ def _dataset_problem(trainer: Any, dataset: Any, name: str, limit: int) -> str |
     one = _one_sample(trainer, dataset)
     args, samples = trainer.args, len(dataset)
     held = samples if args.eval_accumulation_steps is None else min(samples, args.eval_accumulation_steps * args.eval_batch_size)
-    kept = held * one.device_bytes
-    if kept <= limit:
+    kept, model = held * one.device_bytes, _model_bytes(trainer.model)
+    if kept + model <= limit:
         return None
     where = f"eval_dataset[{name!r}]" if name else "eval_dataset"
     accumulated = "" if args.eval_accumulation_steps is None else f" ({args.eval_accumulation_steps} accumulation steps of {args.eval_batch_size})"
     return (f"Trainer.evaluate() will keep {format_bytes(kept)} of model outputs on {device_of(trainer.model)} for {held} of the "
-            f"{samples} samples of {where}{accumulated} ({format_bytes(one.device_bytes)} a sample, {', '.join(one.dtypes)}), more than "
-            f"the budget of {format_bytes(limit)}, and the model is there too; {_FIXES} (in host memory they take "
+            f"{samples} samples of {where}{accumulated} ({format_bytes(one.device_bytes)} a sample, {', '.join(one.dtypes)}); with the "
+            f"model's {format_bytes(model)} of parameters and buffers that is {format_bytes(kept + model)}, more than the budget of "
+            f"{format_bytes(limit)}; {_FIXES} (in host memory they take "
             f"{format_bytes(samples * one.host_bytes)} as numpy)")
+
+
+def _model_bytes(model: nn.Module) -> int:
+    """The bytes the model's parameters and buffers hold (each tensor once: tied weights are one)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _one_sample(trainer: Any, dataset: Any) -> KeptOutputs:

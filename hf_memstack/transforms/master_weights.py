@@ -22,6 +22,7 @@ compile and FSDP wrap the model.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 from ..bf16_adamw import warn_on_plain_steps_over_pure_bf16
 from ..policy import MemoryPolicy
 
-__all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights"]
+__all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights", "mark_pure_bf16"]
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -95,6 +96,15 @@ def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool,
     return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
 
 
+def mark_pure_bf16(params: Iterable[nn.Parameter]) -> None:
+    """Tag pure-bf16 trainable parameters for the optimizer step check (a plain optimizer stepping
+    them warns once). FSDP2's ``fully_shard`` replaces every parameter with a sharded one, which
+    ``prepare_model`` tags again."""
+    for p in params:
+        p._memstack_pure_bf16 = True  # type: ignore[attr-defined]  # read by the optimizer step check
+    warn_on_plain_steps_over_pure_bf16()
+
+
 def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
     """Cast the planned parameters in place (the same ``nn.Parameter`` objects, so ties hold)."""
     before = tuple(sorted({str(p.dtype).removeprefix("torch.") for p in plan.params}))
@@ -102,8 +112,6 @@ def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
         for p in plan.params:
             p.data = p.data.to(plan.dtype)
     if plan.mode == "bf16":
-        for p in plan.trainable:
-            p._memstack_pure_bf16 = True  # type: ignore[attr-defined]  # read by the optimizer step check
-        warn_on_plain_steps_over_pure_bf16()
+        mark_pure_bf16(plan.trainable)
     return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
 

@@ -85,3 +85,34 @@ def test_memory_rungs_inside_fsdp_match_one_process():
     assert after_eval == pytest.approx(alone, rel=1e-5)
     for r in per_rank:
         assert "on 2 processes without FSDP" in r["replicated"] and "policy 'fsdp'" in r["replicated"], r["replicated"]
+
+
+def _pure_bf16(rank, world):
+    import warnings
+
+    from hf_memstack import make_optimizer, prepare_model
+    from hf_memstack.bf16_adamw import BF16AdamW
+
+    per = GLOBAL_BATCH // world
+    model = prepare_model(_model(), "bf16+fsdp+weights:bf16")
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    optimizer = make_optimizer(model, lr=1e-2)
+    with warnings.catch_warnings(record=True) as rounding:
+        warnings.simplefilter("always")
+        losses = _train(model, optimizer, rank * per, (rank + 1) * per)
+    # A hand-written loop's plain AdamW over the same sharded bf16 parameters.
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(model, plain, rank * per, (rank + 1) * per)
+    said = [str(w.message) for w in caught if "pure bf16 (weights:bf16)" in str(w.message)]
+    return dtypes, type(optimizer) is BF16AdamW, losses, said, [str(w.message) for w in rounding if "pure bf16" in str(w.message)]
+
+
+def test_pure_bf16_under_fsdp_trains_with_stochastic_rounding_and_a_plain_optimizer_warns():
+    """fully_shard replaces every parameter: the step check's tag must be on the sharded ones."""
+    for dtypes, built, losses, said, quiet in run_ranks(_pure_bf16):
+        assert dtypes == {"torch.bfloat16"} and built
+        assert losses[-1] < losses[0], losses
+        assert len(said) == 1 and "AdamW steps" in said[0] and "make_optimizer" in said[0], said
+        assert not quiet  # BF16AdamW rounds stochastically: no warning

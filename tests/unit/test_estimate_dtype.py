@@ -68,8 +68,12 @@ def test_a_saved_checkpoint_is_estimated_in_the_dtype_from_pretrained_gives(save
     assert _load(saved[name]).dtype == DTYPES[name]  # Transformers' own "auto": the reference
     for batch in (1, 8):  # the optimizer step holds the peak at batch 1, the backward at 8
         est = _estimate(saved[name], policy, batch)
-        _same_states(est, _measure(_load(saved[name]), policy, batch))
+        real = _load(saved[name])
+        _same_states(est, _measure(real, policy, batch))
         assert (est.weights_dtype, est.weights_dtype_source) == (name, "the config's dtype")
+        # What trained: fp32 master weights under bf16 autocast, the loaded dtype under fp32 (prepared in place).
+        assert est.trainable_dtype == "/".join(sorted({NAMES[p.dtype] for p in real.parameters() if p.requires_grad}))
+        assert est.trainable_dtype == ("fp32" if policy != "fp32" else name)
         assert est.as_dict()["weights_dtype"] == name and f"{name} weights" in est.summary()
 
 
@@ -165,7 +169,11 @@ def test_the_cli_says_the_dtype_and_takes_dtype(saved, capsys):
     assert estimate("bf16+ckpt")["parameters"] == estimate("bf16+ckpt", "--dtype", "fp32")["parameters"] == fp32["parameters"]
     assert main(["estimate", str(saved["bf16"]), "--policy", "bf16+ckpt", "--batch-size", "1", "--seq-len", "16"]) == 0
     table = capsys.readouterr().out
-    assert "| policy | weights |" in table and "| bf16+ckpt | bf16 |" in table and "weights counted in bf16" in table
+    # The load dtype, and what the trainable weights train in when the policy casts them (fp32 master weights).
+    assert "| policy | weights |" in table and "| bf16+ckpt | bf16 (trains fp32) |" in table and "weights counted in bf16" in table
+    assert main(["estimate", str(saved["bf16"]), "--policy", "fp32,bf16+weights:bf16", "--batch-size", "1", "--seq-len", "16"]) == 0
+    table = capsys.readouterr().out
+    assert "| fp32 | bf16 |" in table and "| bf16+weights:bf16 | bf16 |" in table and "trains" not in table
     assert main(["plan", str(saved["bf16"]), "--budget", "1GiB", "--seq-len", "16", "--json", "--dtype", "fp16"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["weights_dtype"] == plan["estimate"]["weights_dtype"] == "fp16"

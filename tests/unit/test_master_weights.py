@@ -59,6 +59,20 @@ def test_a_bad_value_names_the_allowed_ones():
         MemoryPolicy(precision="bf16", master_weights="fp8")
 
 
+def test_torch_dtypes_are_taken_for_their_names_as_transformers_dtype_is_written():
+    p = MemoryPolicy(precision=torch.bfloat16, master_weights=torch.bfloat16)
+    assert (p.precision, p.master_weights) == ("bf16", "bf16") and p == MemoryPolicy.from_string("bf16+weights:bf16")
+    p.master_weights = torch.float32  # set on a built policy: the same name, validated
+    assert p.master_weights == "fp32" and p.to_string() == "bf16"
+    assert MemoryPolicy(precision=torch.float16).precision == "fp16"
+    with pytest.raises(PolicyError, match=r"policy.master_weights=torch.int8 is not one of 'fp32', 'bf16'"):
+        MemoryPolicy(precision="bf16", master_weights=torch.int8)
+    with pytest.raises(PolicyError, match=r"master_weights='bf16'.*precision='fp16'"):
+        p.master_weights, p.precision = "fp32", torch.float16
+        p.master_weights = torch.bfloat16
+    assert p.master_weights == "fp32"  # a refused value is not set
+
+
 # ------------------------------------------------------------------ prepare_model
 def test_mixed_precision_casts_a_bf16_checkpoint_to_fp32_master_weights(bf16_dir):
     model = AutoModelForCausalLM.from_pretrained(bf16_dir).train()  # dtype="auto": comes back bf16

@@ -52,12 +52,16 @@ def test_the_warning_fires_for_a_budget_below_the_kept_logits_naming_them(load_m
     reference = _trainer(load_model, tmp_path)
     real = _predicted_bytes(reference)
     assert real == SAMPLES * SEQ * VOCAB * 4  # fp32 logits, every sample, every position (a sanity check of the reference)
-    heard = _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=real - 1)))
+    # The device holds the model too (as the CLI's eval budget counts the forward's peak with the logits).
+    model = sum(p.nbytes for p in reference.model.parameters()) + sum(b.nbytes for b in reference.model.buffers())
+    budget = real + model
+    heard = _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget - 1)))
     assert len(heard) == 1
-    assert f"keep {format_bytes(real)} of model outputs" in heard[0] and f"budget of {format_bytes(real - 1)}" in heard[0]
+    assert f"keep {format_bytes(real)} of model outputs" in heard[0] and f"budget of {format_bytes(budget - 1)}" in heard[0]
+    assert f"model's {format_bytes(model)} of parameters" in heard[0]
     assert "prediction_loss_only=True" in heard[0] and "eval_accumulation_steps" in heard[0] and "argmax" in heard[0]
     # At the budget exactly, they fit: silent.
-    assert not _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=real)))
+    assert not _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget)))
 
 
 @pytest.mark.parametrize("overrides", [{"prediction_loss_only": True}, {"eval_strategy": "no"}])
@@ -69,14 +73,15 @@ def test_silent_when_trainer_keeps_no_logits_or_never_evaluates(load_model, tmp_
 def test_what_preprocess_logits_and_accumulation_keep_is_what_is_checked(load_model, tmp_path):
     argmax = _trainer(load_model, tmp_path, preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
     ids = _predicted_bytes(argmax)  # int64 ids: one a token
-    assert check_eval_logits(argmax, ids) is None
-    problem = check_eval_logits(argmax, ids - 1)
+    model = sum(p.nbytes for p in argmax.model.parameters()) + sum(b.nbytes for b in argmax.model.buffers())
+    assert check_eval_logits(argmax, ids + model) is None
+    problem = check_eval_logits(argmax, ids + model - 1)
     assert problem is not None and f"keep {format_bytes(ids)}" in problem and "torch.int64" in problem
     # Every 2 batches of 4 the logits leave the device: it holds 8 samples' at most.
     accumulating = _trainer(load_model, tmp_path, eval_accumulation_steps=2)
     per_sample = _predicted_bytes(accumulating) // SAMPLES
-    assert check_eval_logits(accumulating, 8 * per_sample) is None
-    assert f"for 8 of the {SAMPLES} samples" in check_eval_logits(accumulating, 8 * per_sample - 1)
+    assert check_eval_logits(accumulating, 8 * per_sample + model) is None
+    assert f"for 8 of the {SAMPLES} samples" in check_eval_logits(accumulating, 8 * per_sample + model - 1)
     # evaluate() without compute_metrics keeps no logits (it passes prediction_loss_only=True itself).
     accumulating.compute_metrics = None
     assert check_eval_logits(accumulating, 1) is None
@@ -86,3 +91,16 @@ def test_what_preprocess_logits_and_accumulation_keep_is_what_is_checked(load_mo
 def test_a_bad_eval_budget_is_refused_at_construction_naming_it(budget, error):
     with pytest.raises(error, match="eval_budget="):
         MemstackCallback(eval_budget=budget)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA an eval log's memory/peak_mib is the allocator's peak of the evaluation")
+def test_on_the_cpu_eval_logs_do_not_repeat_the_training_steps_memory_figure(load_model, tmp_path):
+    """On the CPU, memory/peak_mib is the meter's first training batch plus the optimizer state: it
+    belongs in training logs, not in the metrics evaluate() logs."""
+    trainer = _trainer(load_model, tmp_path, MemstackCallback(verify=False), eval_steps=1, logging_steps=1, max_steps=2)
+    trainer.train()
+    training = [h for h in trainer.state.log_history if "loss" in h]
+    evaluation = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(training) == 2 and len(evaluation) == 2
+    assert all(h["memory/peak_mib"] > 0 for h in training)
+    assert not any("memory/peak_mib" in h for h in evaluation)
