@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -54,9 +55,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--checkpoints", action="store_true", help="the 125M-parameter checkpoint rows instead (see above)")
+    ap.add_argument("--cases", default=None, help="--checkpoints: the CHECKPOINT_CASES indices to run (e.g. 1,3), merged into the file")
     args = ap.parse_args()
     if args.checkpoints:
-        checkpoint_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"))
+        checkpoint_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"),
+                        cases=[int(i) for i in args.cases.split(",")] if args.cases else None)
         return
     args.out = args.out or str(Path(__file__).parent / "results" / "estimate_accuracy.json")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -107,22 +110,29 @@ def _measured(auto, cfg, task, policy, trainable, b, args, device):
 
 
 # (saved dtype, policy, what trains) for the 125M Llama at batch 2 x 512.
+# (saved dtype, policy, trainable): the issue's rows first - fp32 and bf16 weights, full and LoRA, pure bf16.
 CHECKPOINT_CASES = [("fp32", "bf16", "all"), ("bf16", "bf16", "all"), ("fp32", "bf16+ckpt", "lora"), ("bf16", "bf16+ckpt", "lora"),
-                    ("bf16", "bf16+ckpt", "all"), ("bf16", "bf16+ckpt+weights:bf16", "all"), ("fp32", "bf16+weights:bf16", "all")]
+                    ("bf16", "bf16+ckpt+weights:bf16", "all"), ("bf16", "bf16+ckpt", "all"), ("fp32", "bf16+weights:bf16", "all")]
 
 
-def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512) -> None:
+def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] | None = None) -> None:
+    """The rows of ``CHECKPOINT_CASES`` (those at ``cases``' indices, when given), merged into ``out``:
+    rows measured before for other cases are kept, so a slow machine can add them one run at a time."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
     config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                          vocab_size=32000, bos_token_id=1, eos_token_id=2)
-    rows = []
+    wanted = [CHECKPOINT_CASES[i] for i in (cases if cases is not None else range(len(CHECKPOINT_CASES)))]
+    old = json.loads(out.read_text()) if out.exists() else {}
+    same = (old.get("batch"), old.get("seq")) == (batch, seq)
+    rows = [r for r in old.get("rows", []) if same and (r["saved"], r["policy"], r["trainable"]) not in wanted]
     with tempfile.TemporaryDirectory() as tmp:
         for saved in ("fp32", "bf16"):
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(config).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[saved])).save_pretrained(
                 Path(tmp) / saved)
-        for saved, policy, trainable in CHECKPOINT_CASES:
+        for saved, policy, trainable in wanted:
+            start = time.perf_counter()
             est = estimate_memory(Path(tmp) / saved, policy, batch_size=batch, seq_len=seq, trainable=trainable)
             model = AutoModelForCausalLM.from_pretrained(Path(tmp) / saved)  # dtype="auto", as users load
             loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -136,7 +146,8 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512) -> None:
             fields = {k: (getattr(est, k), getattr(real, k)) for k in ("parameters", "gradients", "optimizer")}
             rows.append({"saved": saved, "loaded": loaded, "policy": policy, "trainable": trainable, "estimate": est.peak_bytes,
                          "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1, "fields": fields,
-                         "total_parameters": est.total_parameters, "notes": list(est.notes)})
+                         "total_parameters": est.total_parameters, "notes": list(est.notes),
+                         "seconds": round(time.perf_counter() - start, 1)})
             print(f"saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
                   f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
                   f"{all(a == b for a, b in fields.values())}", flush=True)
