@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT / "recipes"))  # the script imports finetune_support from its folder
     spec = importlib.util.spec_from_file_location("finetune", ROOT / "recipes" / "finetune.py")
     assert spec is not None and spec.loader is not None
     recipe = importlib.util.module_from_spec(spec)

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import yaml
+from finetune_support.run_dir import list_checkpoints
 from recipe_utils import (
     assert_same_weights,
     fails,
@@ -55,7 +56,7 @@ def test_checkpoints_are_ordered_by_step_not_by_name(recipe, tiny_lm, tmp_path):
     real = out / "checkpoints" / "step-0000002"
     for name in ("step-9999999", "step-10000000"):
         shutil.copytree(real, out / "checkpoints" / name)
-    steps = [c.step for c in recipe.list_checkpoints(out)]
+    steps = [c.step for c in list_checkpoints(out)]
     assert steps == [2, 9999999, 10000000]
     cfg = recipe.parse_config(lm_args(tiny_lm, out, "--max-steps", "2", "--resume-from", "latest"))
     assert recipe.plan_output(cfg).resume.path.name == "step-10000000"

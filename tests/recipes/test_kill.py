@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from finetune_support.run_dir import list_checkpoints
 from recipe_utils import RECIPE, ROOT, assert_same_weights, lm_args, read_report, run
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def _restart(args: list[str], env: dict[str, str], *, kill_at: str | None = None
 def _check_resumable(recipe, out) -> None:
     """Whatever a kill left, a restart finds a complete checkpoint to resume (or none yet): no
     folder newer than the newest complete one looks like a checkpoint without being one."""
-    found = recipe.list_checkpoints(out)
+    found = list_checkpoints(out)
     newest = max([c.step for c in found if c.problem is None], default=-1)
     assert not [c for c in found if c.problem and c.step > newest], found
 
@@ -76,7 +77,7 @@ def _check_same_run(recipe, reference, out) -> None:
     assert [(h["step"], h["loss"], h["lr"]) for h in ours["history"]] == [(h["step"], h["loss"], h["lr"]) for h in theirs["history"]]
     # Nothing half-written is left: the newest 2 complete checkpoints, no .tmp, no model.tmp.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000010", "step-0000012"]
-    assert all(c.problem is None for c in recipe.list_checkpoints(out))
+    assert all(c.problem is None for c in list_checkpoints(out))
     assert not (out / "model.tmp").exists() and not (out / "model.old").exists()
     # Every entry of the directory is one the recipe recorded in its manifest.
     manifest = json.loads((out / "recipe_manifest.json").read_text())

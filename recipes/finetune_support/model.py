@@ -1,0 +1,143 @@
+"""The model: the tokenizer, the model (with LoRA), the policy and how it is sharded."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .common import RecipeError, Route
+from .config import FinetuneConfig
+
+
+def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
+    return "all-linear" if cfg.lora_target.strip() == "all-linear" else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+
+
+def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
+    """The model with LoRA adapters (PEFT) on ``--lora-target``; base weights frozen. A
+    classification head stays trainable (PEFT's modules_to_save for sequence classification)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    targets = _lora_targets(cfg)
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=cfg.lora_dropout, target_modules=targets,
+                        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise RecipeError(f"lora_target={cfg.lora_target!r} does not fit {cfg.model} ({str(e).splitlines()[0][:160]}); its linear "
+                          f"layers are named {', '.join(names)}: pass some of those (or all-linear)") from None
+
+
+def resolve_model_path(name: str) -> str:
+    """An alias (``minilm``: the table hf-memstack shares) as its model folder; any other name as given."""
+    from hf_memstack.models import resolve_model_alias
+
+    try:
+        return resolve_model_alias(name)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+
+
+def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or model_path
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise RecipeError(f"no tokenizer could be loaded from {source!r} ({type(e).__name__}: {str(e)[:160]}); "
+                          "pass --tokenizer with a tokenizer id or directory") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def load_model_config(cfg: FinetuneConfig, model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"model={cfg.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
+                          "pass a local directory or check the id and the network") from None
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise RecipeError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; use --seq-len {limit} or less")
+    return config
+
+
+def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int, *, rank0_only: bool = False,
+               skeleton: bool = False) -> Any:
+    """The pretrained model in fp32 (mixed precision computes in bf16/fp16 from fp32 master weights).
+    ``rank0_only``: only rank 0 reads the weights, the other ranks build on the meta device and get
+    their shards by broadcast in prepare_model. ``skeleton``: the architecture on the meta device,
+    no weights (to build Accelerate's FSDP plugin before the Accelerator exists)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from hf_memstack import from_pretrained_for_fsdp
+
+    config = load_model_config(cfg, model_path)
+    auto_class = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
+    if skeleton:
+        with torch.device("meta"):
+            return auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "dtype": torch.float32, "use_safetensors": None}
+    if task == "classification":
+        kwargs["num_labels"] = num_labels
+    try:
+        if rank0_only:
+            return from_pretrained_for_fsdp(auto_class, model_path, **kwargs)
+        return auto_class.from_pretrained(model_path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"model={cfg.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int) -> tuple[Any, str]:
+    """--policy as given; or, for 'auto' with --memory-budget, the planner's cheapest rung that fits
+    (returned with the planner's table)."""
+    from hf_memstack import MemoryPolicy, plan_policy
+
+    if cfg.policy != "auto" or not cfg.memory_budget:
+        return MemoryPolicy.coerce(cfg.policy), ""
+    batch: Any = int(cfg.batch_size) if cfg.batch_size.isdigit() else "max"
+    try:
+        # optim:in_backward rungs only when this run could train with them (no clipping, no
+        # accumulation, no DDP): the planner does not offer what the loop would then refuse.
+        in_backward = cfg.grad_clip == 0 and not cfg.global_batch_size and world == 1
+        # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
+        # master weights under mixed precision), so that is what the plan must count.
+        # A LoRA run plans for its adapters (which also opens the 4-bit base rung), not a full fine-tune.
+        trainable: Any = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target_modules": _lora_targets(cfg),
+                           "task_type": "SEQ_CLS" if task == "classification" else "CAUSAL_LM"} if cfg.lora_r else "all"
+        plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
+                           world_size=world, task=task, step_in_backward=in_backward, dtype="fp32", trainable=trainable)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        raise RecipeError(f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
+                          "pass --policy explicitly") from None
+    if not plan.fits:
+        raise RecipeError(f"policy=auto: nothing fits memory_budget={cfg.memory_budget}; raise --memory-budget, "
+                          f"lower --seq-len/--batch-size, or use more devices:\n{plan.table()}")
+    return plan.policy, plan.table()
+
+
+def choose_route(policy: Any, precision: Any, device_type: str) -> Route:
+    """Who shards, decided once. On GPUs Accelerate's FSDP2 plugin, built from the policy, so that its
+    prepare, backward, clipping and save_state handle the shards. On CPU (Accelerate 1.15 has no CPU
+    FSDP) and for hybrid_shard (its plugin needs a ParallelismConfig), prepare_model shards with
+    fully_shard and this recipe handles the shards itself (DCP checkpoints)."""
+    if policy.fsdp.mode == "none":
+        route: Route = "none"
+    elif device_type == "cuda" and policy.fsdp.mode != "hybrid_shard":
+        route = "accelerate"
+    else:
+        route = "fully_shard"
+    if route == "fully_shard" and precision.name == "fp16":
+        raise RecipeError(f"policy={policy.to_string()!r}: fp16 with fsdp:hybrid_shard is not supported: Accelerate's loss scaler "
+                          "does not reach an optimizer it has not prepared; use bf16, or fsdp (full_shard) through Accelerate's plugin")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and route == "none":
+        raise RecipeError(f"launched with an Accelerate FSDP config but policy={policy.to_string()!r} has no fsdp; add it "
+                          "(e.g. --policy bf16+ckpt+fsdp) or launch with recipes/configs/multi-gpu-ddp.yaml")
+    return route

@@ -1,0 +1,376 @@
+"""The output directory: what the recipe wrote there (its manifest), atomic writes, the checkpoints
+there and the plan for the run's output (new, resumed, or overwritten)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any, Literal
+
+from .common import RecipeError
+from .config import MAY_CHANGE_ON_RESUME, FinetuneConfig
+from .faults import test_hook
+
+MANIFEST = "recipe_manifest.json"  # what this recipe wrote in the output directory (for --overwrite)
+CHECKPOINT_MANIFEST = "checkpoint.json"  # written last: a checkpoint without it does not count
+STEP_DIR = re.compile(r"step-(\d+)")
+STEP_TMP = re.compile(r"step-(\d+)\.tmp")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that it is either the old or the new content, never a truncated one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of what the recipe wrote in ``out`` (None: there is none).
+
+    Raises:
+        RecipeError: it is unreadable, or lists a name the recipe never writes - one outside the
+            directory ('..', an absolute path) or not a relative path at all: --overwrite would remove it.
+    """
+    path = out / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+            raise ValueError("no 'files' list")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({e}); the recipe cannot tell its files "
+                          "from yours: choose another --output-dir") from None
+    outside = [f"{kind}: {name!r}" for kind in ("files", "dirs", "trees") for name in manifest_entries(manifest, kind)
+               if _relative_inside(name) is None]
+    if outside:
+        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory (or no path at all), which "
+                          f"the recipe never writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
+                          "entries (or the manifest, to keep every file) or choose another --output-dir")
+    return manifest
+
+
+def manifest_entries(manifest: dict[str, Any], kind: str) -> list[Any]:
+    names = manifest.get(kind, [])
+    return names if isinstance(names, list) else [names]
+
+
+def _relative_inside(name: Any) -> PurePosixPath | None:
+    """``name`` as a path below the output directory: relative, no '..', not empty; None otherwise."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None
+    path = PurePosixPath(name)
+    if path.is_absolute() or PureWindowsPath(name).drive or ".." in path.parts or path == PurePosixPath("."):
+        return None
+    return path
+
+
+def _owned_path(root: Path, name: str) -> Path | None:
+    """``root / name`` when every folder between ``root`` and it is a real folder, not a symlink
+    (through one, a removal would reach outside the output directory); None otherwise."""
+    relative = _relative_inside(name)
+    if relative is None:
+        return None
+    folder = root
+    for part in relative.parts[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            return None
+    return root / relative
+
+
+@dataclass
+class RunDir:
+    """The output directory and the manifest of what this recipe wrote there. Every name is
+    claimed in the manifest before it is written, so --overwrite can remove exactly those."""
+
+    path: Path
+    manifest: dict[str, Any] = field(default_factory=lambda: {"recipe": "hf_memstack/recipes/finetune.py", "files": [], "dirs": [], "trees": []})
+
+    def claim(self, name: str, kind: Literal["files", "dirs", "trees"] = "files", *, atomic: bool = True) -> Path:
+        """Record ``name`` (relative; a file, a directory removed only if empty, or a tree the
+        recipe owns entirely) before writing it; a file written atomically gets its ``.tmp`` sibling too."""
+        names = [name] + ([name + ".tmp"] if kind == "files" and atomic else [])
+        if any(n not in self.manifest[kind] for n in names):
+            self.manifest[kind] += [n for n in names if n not in self.manifest[kind]]
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path / MANIFEST, json.dumps(self.manifest, indent=1))
+        return self.path / name
+
+    def write(self, name: str, text: str) -> None:
+        write_atomic(self.claim(name), text)
+
+    def remove_recipe_files(self) -> list[str]:
+        """Remove what the manifest lists and nothing else: files you added are kept, a symlink is
+        never followed (a listed name that is now a symlink, or lies under one, was put there by
+        you: kept), and no name reaches outside the directory (read_manifest refuses those; they
+        are skipped here too). Returns what was kept."""
+        for path in self._owned("trees"):
+            if path.is_symlink() or not path.exists():
+                continue
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        ckpts = self.path / "checkpoints"
+        if "checkpoints" in manifest_entries(self.manifest, "dirs") and ckpts.is_dir() and not ckpts.is_symlink():
+            for child in ckpts.iterdir():
+                if (STEP_DIR.fullmatch(child.name) or STEP_TMP.fullmatch(child.name)) and not child.is_symlink():
+                    remove_checkpoint(child)
+        for path in self._owned("files"):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+        for path in sorted(self._owned("dirs"), key=lambda p: -len(p.parts)):
+            if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+                path.rmdir()
+        (self.path / MANIFEST).unlink(missing_ok=True)
+        return sorted(p.name for p in self.path.iterdir()) if self.path.exists() else []
+
+    def _owned(self, kind: str) -> list[Path]:
+        """The manifest's names of one kind that lie inside the directory, through real folders only."""
+        paths = (_owned_path(self.path, name) for name in manifest_entries(self.manifest, kind))
+        return [p for p in paths if p is not None]
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+    problem: str | None  # None: complete (its manifest lists files that are all there, at their sizes)
+
+
+def inspect_checkpoint(path: Path) -> Checkpoint:
+    """A checkpoint counts once its manifest, written last, lists files that are all present at their sizes."""
+    m = STEP_DIR.fullmatch(path.name)
+    step = int(m.group(1)) if m else -1
+    manifest = path / CHECKPOINT_MANIFEST
+    if not m:
+        return Checkpoint(step, path, "its name is not step-N (a .tmp folder is a save that never finished)")
+    if manifest.is_symlink():
+        return Checkpoint(step, path, f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
+                                      "saves one, so it was altered; resume from a checkpoint this recipe wrote")
+    if not manifest.is_file():
+        return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return Checkpoint(step, path, f"its {CHECKPOINT_MANIFEST} is unreadable")
+    for name, size in files.items():
+        f = path / name
+        link = _symlink_inside(path, name)
+        if link is not None:
+            # The sizes could still match: a symlink would resume from a file outside the checkpoint.
+            return Checkpoint(step, path, f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
+                                          "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
+                                          "wrote, or replace the link by the file itself")
+        if not f.is_file():
+            return Checkpoint(step, path, f"{name} is missing")
+        if f.stat().st_size != size:
+            return Checkpoint(step, path, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or replaced)")
+    try:
+        json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return Checkpoint(step, path, f"trainer_state.json is not readable JSON ({e})")
+    return Checkpoint(step, path, None)
+
+
+def _symlink_inside(root: Path, name: str) -> str | None:
+    """The first of ``name``'s parts below ``root`` (its folders, then the file) that is a symlink,
+    as a relative name; None when there is none."""
+    relative = PurePosixPath(name)
+    for depth in range(1, len(relative.parts) + 1):
+        part = PurePosixPath(*relative.parts[:depth])
+        if (root / part).is_symlink():
+            return str(part)
+    return None
+
+
+def list_checkpoints(out: Path) -> list[Checkpoint]:
+    """The step-N folders under out/checkpoints, ordered by step number (never by name); .tmp folders are never listed."""
+    folder = out / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [inspect_checkpoint(p) for p in folder.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda c: c.step)
+
+
+def remove_checkpoint(path: Path, *, hook: str = "") -> None:
+    # The manifest goes first: from then on the folder no longer counts, however far the removal gets.
+    (path / CHECKPOINT_MANIFEST).unlink(missing_ok=True)
+    if hook:
+        test_hook(hook)
+    shutil.rmtree(path)
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("run"), dict):
+            raise ValueError("no 'run' record")
+        for key in ("step", "epoch", "batches_in_epoch"):
+            if not isinstance(state.get(key), int) or state[key] < 0:
+                raise ValueError(f"{key}={state.get(key)!r} is not a step count")
+        return state
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise RecipeError(f"resume_from={str(path)!r}: trainer_state.json is not a readable checkpoint state ({type(e).__name__}: "
+                          f"{str(e)[:120]}; truncated by a crash?); resume from an earlier checkpoint or start again") from None
+
+
+@dataclass
+class OutputPlan:
+    """What setup found in the output directory and will do there once everything is validated."""
+
+    run_dir: RunDir
+    resume: Checkpoint | None = None  # the checkpoint to load
+    reference: dict[str, Any] | None = None  # the run record to compare with (checkpoint's, or the directory's)
+    overwrite: bool = False  # remove the recipe's files first
+    discard: list[Checkpoint] = field(default_factory=list)  # later checkpoints of an abandoned branch
+    notes: list[str] = field(default_factory=list)
+
+
+# The folders the recipe writes in the output directory (save_model, save_checkpoint, the trackers).
+_WRITTEN_FOLDERS = ("model", "model.tmp", "model.old", "checkpoints", "hf_memstack-finetune")
+
+
+def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
+    """Refuse, before anything is loaded or trained, a folder the recipe will write that is a
+    symlink: its files would land in the linked folder, or the final rename of model.tmp fails
+    after the whole run (a file that is a symlink is fine: it is replaced, never followed)."""
+    listed = [n for kind in ("dirs", "trees") for n in manifest_entries(manifest or {}, kind) if isinstance(n, str)]
+    for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed]):
+        path = _owned_path(out, name)
+        if path is not None and path.is_symlink():
+            raise RecipeError(f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
+                              f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
+                              "folder it points to is kept) or choose another --output-dir")
+
+
+def plan_output(cfg: FinetuneConfig) -> OutputPlan:
+    """Read (never write) the output directory and the checkpoint to resume from; refuse anything
+    that would mix two runs, lose a file or resume something broken.
+
+    Raises:
+        RecipeError: the directory, the checkpoint and the way out.
+    """
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"output_dir={cfg.output_dir!r} is a file, not a directory; choose another --output-dir")
+    ancestor = next(p for p in [out, *out.parents] if p.exists())
+    if not ancestor.is_dir():
+        raise RecipeError(f"output_dir={cfg.output_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RecipeError(f"output_dir={cfg.output_dir!r}: {ancestor} is not writable; choose a directory you can write to")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    manifest = read_manifest(out) if entries else None
+    plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out))
+    foreign = (f"output_dir={cfg.output_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
+               f"{', ...' if len(entries) > 5 else ''}); choose an empty or new --output-dir (nothing was changed)")
+    if entries and manifest is None:
+        if cfg.overwrite:
+            raise RecipeError(foreign.replace("; choose", "; --overwrite only removes files the recipe wrote itself (listed in "
+                                              f"{MANIFEST}), so it leaves them alone: choose"))
+        raise RecipeError(foreign)
+    _refuse_linked_folders(out, manifest)
+    checkpoints = list_checkpoints(out)
+    complete = [c for c in checkpoints if c.problem is None]
+
+    if cfg.resume_from == "latest":
+        if not complete:
+            broken = [c for c in checkpoints]
+            if broken:
+                raise RecipeError(f"resume_from='latest': {broken[-1].path} is incomplete ({broken[-1].problem}) and no complete "
+                                  "checkpoint is left; delete it to start again, or resume from a copy")
+            plan.notes.append(f"resume_from=latest: no checkpoint in {out} yet: starting from step 0")
+            plan.reference = manifest.get("run") if manifest else None
+            return plan
+        plan.resume = _latest(checkpoints, complete)
+    elif cfg.resume_from is not None:
+        _resume_from(cfg, plan, checkpoints, entries, out)
+    elif entries:
+        if not cfg.overwrite:
+            raise RecipeError(f"output_dir={cfg.output_dir!r} already holds a run of this recipe; continue it with --resume-from latest, "
+                              "replace it with --overwrite (removes only the files the recipe wrote; yours are kept), "
+                              "or choose another --output-dir")
+        plan.overwrite = True
+    if plan.resume is not None:
+        plan.reference = read_trainer_state(plan.resume.path)["run"]
+    return plan
+
+
+def _latest(checkpoints: list[Checkpoint], complete: list[Checkpoint]) -> Checkpoint:
+    """--resume-from latest: the newest complete checkpoint, unless a newer one is broken."""
+    newest = complete[-1]
+    later_broken = [c for c in checkpoints if c.problem and c.step > newest.step]
+    if later_broken:
+        c = later_broken[-1]
+        raise RecipeError(f"resume_from='latest': {c.path} is newer than the last complete checkpoint but incomplete "
+                          f"({c.problem}); it was not written by this recipe's saves (they rename only finished folders): "
+                          f"delete it to resume from {newest.path.name}")
+    return newest
+
+
+def _resume_from(cfg: FinetuneConfig, plan: OutputPlan, checkpoints: list[Checkpoint], entries: list[str], out: Path) -> None:
+    """--resume-from CHECKPOINT: it must be complete; another run's needs --overwrite of this one; an
+    earlier one of this run abandons the later ones only with --discard-later-checkpoints."""
+    path = Path(cfg.resume_from)
+    if not path.is_dir():
+        raise RecipeError(f"resume_from={cfg.resume_from!r}: no such directory; pass a checkpoints/step-N folder or 'latest'")
+    ckpt = inspect_checkpoint(path)
+    if ckpt.problem:
+        raise RecipeError(f"resume_from={cfg.resume_from!r}: not a complete checkpoint: {ckpt.problem}; "
+                          "pass a complete checkpoints/step-N folder (or 'latest')")
+    plan.resume = ckpt
+    inside = path.parent == out / "checkpoints"
+    if entries and not inside:
+        if not cfg.overwrite:
+            raise RecipeError(f"resume_from={cfg.resume_from!r} belongs to another run, and output_dir={cfg.output_dir!r} "
+                              "already holds a run; resume into an empty --output-dir, or add --overwrite to replace that run "
+                              "(only the files the recipe wrote are removed)")
+        plan.overwrite = True
+    if inside:
+        if cfg.overwrite:
+            raise RecipeError(f"overwrite=True would delete the checkpoint you resume from ({path}); drop --overwrite")
+        later = [c for c in checkpoints if c.step > ckpt.step]
+        if later and not cfg.discard_later_checkpoints:
+            raise RecipeError(
+                f"resume_from={cfg.resume_from!r}: later checkpoints exist ({', '.join(c.path.name for c in later)}); "
+                "resuming from an earlier one abandons them. Continue from the newest with --resume-from latest, "
+                "branch into a new --output-dir (both runs are kept), or add --discard-later-checkpoints to delete them")
+        plan.discard = later
+
+
+def compare_runs(reference: dict[str, Any], now: dict[str, Any], *, where: str, allow: bool) -> list[str]:
+    """Differences that change the run, by field; refused unless --allow-config-change.
+
+    Raises:
+        RecipeError: naming each differing field with both values.
+    """
+    diffs = [f"{k}: {reference.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(reference) | set(now))
+             if reference.get(k) != now.get(k)]
+    if diffs and not allow:
+        raise RecipeError(f"resume: {where} was made with different settings that change the run:\n  - " + "\n  - ".join(diffs)
+                          + "\nResume with the same settings (its run_config.yaml is next to it: --config that file), or pass "
+                          "--allow-config-change to continue with the new ones")
+    return diffs
+
+
+def run_record(cfg: FinetuneConfig, *, world_size: int, policy: str, data: str) -> dict[str, Any]:
+    """What defines a run: the settings that change training, the number of processes, the
+    resolved policy and the data's digest."""
+    record = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MAY_CHANGE_ON_RESUME}
+    record.update(world_size=world_size, resolved_policy=policy, data_sha256=data)
+    return record
