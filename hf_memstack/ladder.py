@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .policy import MemoryPolicy
-from .presets import LADDER
+from .policy.presets import LADDER
 
 __all__ = ["LADDER", "MEASURED_SPEED", "Rung", "memory_rungs", "next_rung"]
 

@@ -83,7 +83,7 @@ POLICY = [
     C("policy-from-dict-type", lambda c: P.from_dict("bf16"), TypeError, "policy dict must be a dict"),
     C("policy-coerce-int", lambda c: P.coerce(3), TypeError, "policy=3 has type int", "'bf16+ckpt'"),
     C("policy-coerce-list", lambda c: P.coerce(["bf16"]), TypeError, "policy=['bf16'] has type list"),
-    C("policy-token", lambda c: P.from_string("bf16+warp"), PolicyError, "unknown token 'warp'", "'ckpt[:N|offload]'"),
+    C("policy-token", lambda c: P.from_string("bf16+warp"), PolicyError, "unknown token 'warp'", "'ckpt:N' (2 <= N <= 10000)"),
     C("policy-two-precisions", lambda c: P.from_string("bf16+fp16"), PolicyError, "'fp16' conflicts with 'bf16'"),
     C("policy-ckpt-0", lambda c: P.from_string("ckpt:0"), PolicyError, "'ckpt:0' is not one of", "'ckpt:N' (2 <= N <= 10000)"),
     C("policy-ckpt-x", lambda c: P.from_string("ckpt:x"), PolicyError, "'ckpt:x'"),

@@ -1,0 +1,176 @@
+"""The policy string's grammar, in one table: each token is a spelling and the config fragment it
+sets (``"ckpt:selective:alternate"`` -> ``checkpointing.mode="selective"``,
+``checkpointing.selective_matmuls="save_alternate"``). Parsing (:func:`parse`), printing
+(:func:`to_string`), the error messages and the README's token list all read :data:`TOKENS`.
+
+Adding a token that maps to existing config is one row here. A new config field also needs its
+dataclass field (``config.py``) and its validator (``validate.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, get_args
+
+from .config import MAX_EVERY_N, SUBCONFIGS, Precision
+from .presets import LADDER
+
+__all__ = ["TOKENS", "Token", "listed_spellings", "parse", "to_string"]
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One spelling of the policy string and what it sets."""
+
+    spelling: str
+    """As written: ``"ckpt:offload"``; ``"ckpt:N"`` for the one that takes a number."""
+    field: str
+    """The :class:`MemoryPolicy` field it sets (``"checkpointing"``)."""
+    fragment: Any
+    """What it sets there: a dict of the sub-config's fields, or the value of a plain field
+    (``master_weights``). Two tokens of one field go together only when their fragments set
+    different sub-fields (``optim:8bit`` + ``optim:in_backward``)."""
+    canonical: bool = True
+    """``to_string`` writes this spelling for this fragment (False: an accepted alias)."""
+    listed: bool = True
+    """Error messages and the README name it (False: an alias accepted quietly)."""
+    number: Callable[[str], dict[str, Any] | None] | None = None
+    """For a spelling that takes a number (``ckpt:N``): the argument -> the fragment, or None."""
+
+
+def _every_n(arg: str) -> dict[str, Any] | None:
+    # ASCII digits only: '²'.isdigit() is True, and int('²') fails.
+    return {"mode": "every_n", "every_n": int(arg)} if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_EVERY_N else None
+
+
+TOKENS: tuple[Token, ...] = (
+    Token("ckpt", "checkpointing", {"mode": "full"}),
+    Token("ckpt:full", "checkpointing", {"mode": "full"}, canonical=False, listed=False),
+    Token("ckpt:1", "checkpointing", {"mode": "full"}, canonical=False, listed=False),
+    Token("ckpt:N", "checkpointing", {"mode": "every_n"}, number=_every_n),
+    Token("ckpt:offload", "checkpointing", {"mode": "offload"}),
+    Token("ckpt:selective", "checkpointing", {"mode": "selective", "selective_matmuls": "save_all"}),
+    Token("ckpt:selective:alternate", "checkpointing", {"mode": "selective", "selective_matmuls": "save_alternate"}),
+    Token("compile", "compile", {"mode": "full"}),
+    Token("compile:full", "compile", {"mode": "full"}, canonical=False, listed=False),
+    Token("compile:regional", "compile", {"mode": "regional"}),
+    # to_string writes full_shard's own name, as it always has.
+    Token("fsdp", "fsdp", {"mode": "full_shard"}, canonical=False),
+    Token("fsdp:full_shard", "fsdp", {"mode": "full_shard"}, listed=False),
+    Token("fsdp:shard_grad_op", "fsdp", {"mode": "shard_grad_op"}),
+    Token("fsdp:hybrid_shard", "fsdp", {"mode": "hybrid_shard"}),
+    Token("fsdp:offload", "fsdp", {"mode": "full_shard", "cpu_offload": True}),
+    Token("loss:chunked", "loss", {"mode": "chunked", "compiled": False}),
+    Token("loss:chunked:compiled", "loss", {"mode": "chunked", "compiled": True}),
+    Token("quant:nf4", "quant", {"mode": "nf4", "upcast": False}),
+    Token("quant:nf4:upcast", "quant", {"mode": "nf4", "upcast": True}),
+    Token("mlp:tiled", "mlp", {"mode": "tiled"}),
+    Token("optim:8bit", "optimizer", {"state": "8bit"}),
+    Token("optim:in_backward", "optimizer", {"step": "in_backward"}),
+    Token("weights:fp32", "master_weights", "fp32", canonical=False),
+    Token("weights:bf16", "master_weights", "bf16"),
+)
+"""Every token but the precision (``fp32``, ``bf16``, ``fp16``, ``auto``: the string's first word)."""
+
+_BY_SPELLING = {t.spelling: t for t in TOKENS if t.number is None}
+_GROUPS = tuple(dict.fromkeys(t.spelling.partition(":")[0] for t in TOKENS))  # ckpt, compile, fsdp, ...
+
+
+def listed_spellings(group: str | None = None) -> list[str]:
+    """The spellings error messages name (of one group, e.g. ``"ckpt"``), in the table's order."""
+    return [t.spelling for t in TOKENS if t.listed and (group is None or t.spelling.partition(":")[0] == group)]
+
+
+def _allowed(group: str) -> str:
+    return ", ".join(f"'{s}'" + (f" (2 <= N <= {MAX_EVERY_N})" if s == "ckpt:N" else "") for s in listed_spellings(group))
+
+
+def _lookup(token: str) -> Token | dict[str, Any] | None:
+    """The row of a spelling, or a number token's fragment."""
+    if token in _BY_SPELLING:
+        return _BY_SPELLING[token]
+    group, _, arg = token.partition(":")
+    for t in TOKENS:
+        if t.number is not None and t.spelling.partition(":")[0] == group:
+            fragment = t.number(arg)
+            if fragment is not None:
+                return {"field": t.field, "fragment": fragment}
+    return None
+
+
+def parse(spec: str) -> tuple[dict[str, Any], list[str]]:
+    """``"bf16+ckpt+optim:8bit"`` -> the :class:`MemoryPolicy` keyword arguments, and the problems
+    (each naming the string, the token and what is allowed). Presets are expanded first."""
+    original = spec
+    spec = LADDER.get(spec.strip().lower(), spec).strip().lower()
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    set_by: dict[tuple[str, str], str] = {}  # (field, sub-field) -> the token that set it
+    for raw in spec.split("+"):
+        token = raw.strip()
+        name, _, arg = token.partition(":")
+        if name in get_args(Precision):
+            if ("precision", "") in set_by:
+                problems.append(_conflict(original, token, set_by[("precision", "")]))
+                continue
+            set_by[("precision", "")] = token
+            if arg:
+                problems.append(f"policy string {original!r}: precision {name!r} takes no ':' argument")
+            kwargs["precision"] = name
+            continue
+        found = _lookup(token)
+        if found is None:
+            problems.append(_unknown(original, token) if name not in _GROUPS
+                            else f"policy string {original!r}: {token!r} is not one of {_allowed(name)}")
+            continue
+        field, fragment = (found.field, found.fragment) if isinstance(found, Token) else (found["field"], found["fragment"])
+        keys = list(fragment) if isinstance(fragment, dict) else [""]
+        clash = next((set_by[(field, k)] for k in keys if (field, k) in set_by), None)
+        if clash is None and any(f == field for f, _ in set_by) and field != "optimizer":
+            clash = next(t for (f, _), t in set_by.items() if f == field)
+        if clash is not None:
+            problems.append(_conflict(original, token, clash))
+            continue
+        set_by.update({(field, k): token for k in keys})
+        kwargs[field] = {**kwargs.get(field, {}), **fragment} if isinstance(fragment, dict) else fragment
+    # Sub-config fragments become their dataclasses (validated when the policy is built).
+    return {k: SUBCONFIGS[k](**v) if k in SUBCONFIGS else v for k, v in kwargs.items()}, problems
+
+
+def _conflict(original: str, token: str, earlier: str) -> str:
+    return (f"policy string {original!r}: {token!r} conflicts with {earlier!r}; give each of precision, "
+            f"{', '.join(_GROUPS[:-1])} and {_GROUPS[-1]} at most once (optim:8bit and optim:in_backward may go together)")
+
+
+def _unknown(original: str, token: str) -> str:
+    return (f"policy string {original!r}: unknown token {token!r}; allowed: a precision ({', '.join(get_args(Precision))}), "
+            f"{', '.join(_allowed(g) for g in _GROUPS)}, or a preset ({', '.join(LADDER)})")
+
+
+def _holds(value: Any, fragment: Any) -> bool:
+    """Whether a field's value has every setting of a token's fragment."""
+    if not isinstance(fragment, dict):
+        return value == fragment
+    return all(getattr(value, k) == v for k, v in fragment.items())
+
+
+def to_string(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
+    """The shortest string for a policy's field ``values``: its precision, then for each field not
+    at its default the canonical token that says the most of it (the optimizer: every one it
+    holds), in the table's order. Options without a token (a chunk size, an inductor mode, CPU
+    offload of a mode other than full_shard) are left out."""
+    parts = [values["precision"]]
+    for name in dict.fromkeys(t.field for t in TOKENS):
+        value = values[name]
+        if value == defaults[name]:
+            continue
+        held = [t for t in TOKENS if t.field == name and t.canonical and _holds(value, t.fragment)]
+        if any(t.number is not None for t in held):  # ckpt:N
+            parts.append(f"{held[0].spelling.partition(':')[0]}:{value.every_n}")
+        elif name == "optimizer":  # its tokens set different sub-fields
+            parts += [t.spelling for t in held]
+        elif held:
+            parts.append(max(held, key=lambda t: len(t.fragment) if isinstance(t.fragment, dict) else 1).spelling)
+    return "+".join(parts)
