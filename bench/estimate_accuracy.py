@@ -25,12 +25,12 @@ import torch
 from _common import machine
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
-from hf_memstack.estimate import peft_config_from
+from hf_memstack.planning.estimate import peft_config_from
 
 POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2",
             # the rungs beyond the blocks (the chunked loss only where there are logits: causal LMs)
             "bf16+loss:chunked", "bf16+ckpt:selective", "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward"]
-TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.estimate.DEFAULT_LORA)
+TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.planning.estimate.DEFAULT_LORA)
 
 
 def configs(hidden: int, layers: int, vocab: int) -> dict:

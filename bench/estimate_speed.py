@@ -26,7 +26,8 @@ import torch  # noqa: E402
 from _common import machine  # noqa: E402
 from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 
-from hf_memstack import _build_cache, estimate_memory, plan_policy  # noqa: E402
+from hf_memstack import estimate_memory, plan_policy  # noqa: E402
+from hf_memstack.planning import build_cache as _build_cache  # noqa: E402
 
 t_imports = time.perf_counter() - t_start
 

@@ -8,18 +8,17 @@ applied in the order the field recommends, verified and measured.
 
 from ._version import __version__
 from .accounting import ModelStateBytes, model_state_bytes, tensor_bytes
-from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size
+from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size, find_executable_batch_size
 from .blocks import Blocks, find_blocks
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
-from .estimate import MemoryEstimate, estimate_memory
-from .executable import find_executable_batch_size
 from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
-from .ladder import LADDER
 from .loss import LossHeadResult, chunked_lm_loss
 from .memory import StepMemory, measure_step
 from .merge import dequantize, merge_adapters
 from .optim import OptimizerInBackward, make_optimizer
-from .planner import Plan, plan_policy
+from .planning.estimate import MemoryEstimate, estimate_memory
+from .planning.planner import Plan, plan_policy
+from .planning.rungs import LADDER
 from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, MLPConfig, OptimizerConfig, QuantConfig
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model

@@ -92,7 +92,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 
 def _dtype_option(sp: argparse.ArgumentParser) -> None:
-    from .weights_dtype import DTYPE_CHOICES
+    from .planning.weights_dtype import DTYPE_CHOICES
 
     sp.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                     help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
@@ -132,7 +132,7 @@ def _trainable(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .estimate import estimate_memory
+    from .planning.estimate import estimate_memory
 
     estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
                                  task=args.task, trainable=_trainable(args), dtype=args.dtype, extrapolate=not args.full_trace,
@@ -178,8 +178,8 @@ def _needed(e: Any) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .estimate import estimate_memory
-    from .planner import plan_policy
+    from .planning.estimate import estimate_memory
+    from .planning.planner import plan_policy
 
     plan = plan_policy(args.model, budget=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
                        margin=args.margin, task=args.task, trainable=_trainable(args), dtype=args.dtype, device=args.device)
@@ -196,7 +196,7 @@ def _find(args: argparse.Namespace) -> int:
     import torch
 
     from .batch_size import find_batch_size
-    from .estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
+    from .planning.estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
     from .prepare import prepare_model
 
     config = load_config(args.model)
@@ -221,7 +221,7 @@ def _find(args: argparse.Namespace) -> int:
 
 def _print_task_note(args: argparse.Namespace) -> None:
     """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
-    from .estimate import load_config, task_note
+    from .planning.estimate import load_config, task_note
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:

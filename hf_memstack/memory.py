@@ -273,7 +273,7 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
 def trace_eval_forward(model: nn.Module, batch: Any) -> tuple[PhasePeaks, Any]:
     """One evaluation forward as ``Trainer.prediction_step`` runs it - ``model(**batch)`` under
     ``torch.no_grad()``, the model as it is (eval mode is the caller's) - traced as a single phase;
-    returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.eval_logits`).
+    returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.planning.eval_logits`).
 
     Raises:
         RuntimeError: this PyTorch has no MemTracker.

@@ -11,7 +11,7 @@ import torch
 from tiny import batches
 
 from hf_memstack import find_batch_size, parse_bytes, prepare_model
-from hf_memstack._finder_cache import CachedStep, CacheEntry, cache_key, read_entry, write_entry
+from hf_memstack.batch_size.cache import CachedStep, CacheEntry, cache_key, read_entry, write_entry
 
 BUDGET = "12MiB"
 

@@ -98,10 +98,10 @@ def test_planner_walks_the_new_rungs_in_order(pretrained_dirs):
 def test_the_task_comes_from_the_saved_model(pretrained_dirs, load_model):
     """A saved BertForSequenceClassification is estimated as one (not as a BERT language model), and
     loss:chunked is refused for it as prepare_model refuses it."""
-    from hf_memstack.estimate import infer_task
+    from hf_memstack.planning.estimate import infer_task
 
     saved = pretrained_dirs["bert"]
-    from hf_memstack.estimate import load_config
+    from hf_memstack.planning.estimate import load_config
 
     assert infer_task(str(saved), load_config(saved)) == infer_task(load_model("bert"), None) == "classification"
     assert infer_task(str(pretrained_dirs["llama"]), load_config(pretrained_dirs["llama"])) == "causal-lm"
@@ -146,8 +146,8 @@ def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_di
     """The 70B-on-48GiB plan (issue 21) missed by 1.28 GiB with quant:nf4, yet suggested FSDP over 4
     devices for the 16-bit weights: the numbers now come from the closest rung, and the shorter
     sequence they suggest fits when estimated."""
-    from hf_memstack.estimate import load_config
-    from hf_memstack.planner import _Estimates, _suggestions
+    from hf_memstack.planning.estimate import load_config
+    from hf_memstack.planning.planner import _Estimates, _suggestions
 
     est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
     closest = "fp32+ckpt"
@@ -206,7 +206,7 @@ def test_a_base_or_masked_lm_encoder_is_estimated_as_a_classifier(tmp_path, head
     import transformers
     from tiny import configs
 
-    from hf_memstack.estimate import infer_task, load_config
+    from hf_memstack.planning.estimate import infer_task, load_config
 
     config = configs()["llama" if head.startswith("Llama") else "bert"]
     config.is_decoder = head == "BertLMHeadModel"
@@ -283,7 +283,7 @@ def test_the_planner_offers_no_chunked_loss_rung_prepare_model_would_refuse():
 
 def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
     """config.to_dict() used to fail with OSError: File name too long (it was read as a path)."""
-    from hf_memstack.estimate import load_config
+    from hf_memstack.planning.estimate import load_config
 
     config = load_config(pretrained_dirs["llama"])
     as_dict = estimate_memory(config.to_dict(), "bf16+ckpt", batch_size=2, seq_len=16)
@@ -294,8 +294,8 @@ def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
 def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_budget(pretrained_dirs):
     """Sharding divides the model states, not the activations: below the activations alone no
     number of ranks fits (it suggested FSDP over 8192 devices)."""
-    from hf_memstack.estimate import load_config
-    from hf_memstack.planner import _Estimates, _suggestions
+    from hf_memstack.planning.estimate import load_config
+    from hf_memstack.planning.planner import _Estimates, _suggestions
 
     est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
     one = est("fp32+ckpt", 1)

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig
 
-import hf_memstack._build_cache as build_cache
-import hf_memstack.estimate as estimate_module
+import hf_memstack.planning.build_cache as build_cache
+import hf_memstack.planning.estimate as estimate_module
 from hf_memstack import estimate_memory, plan_policy
 from hf_memstack.precision import resolve_precision
 
@@ -90,7 +90,7 @@ def test_the_key_sees_the_attention_implementation_a_config_was_given():
     # to_json_string leaves attn_implementation out: an eager config once got the SDPA build cached before it.
     from transformers import LlamaConfig
 
-    from hf_memstack._build_cache import config_key
+    from hf_memstack.planning.build_cache import config_key
 
     assert config_key(LlamaConfig(attn_implementation="eager")) != config_key(LlamaConfig(attn_implementation="sdpa"))
     assert config_key(LlamaConfig(attn_implementation="eager")) == config_key(LlamaConfig(attn_implementation="eager"))

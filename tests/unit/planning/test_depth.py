@@ -12,7 +12,7 @@ import pytest
 from transformers import Gemma2Config, GPT2Config, LlamaConfig, Qwen2Config
 
 from hf_memstack import estimate_memory
-from hf_memstack._depth import extrapolate_line
+from hf_memstack.planning.depth import extrapolate_line
 
 
 def _config(arch: str, layers: int, **extra):

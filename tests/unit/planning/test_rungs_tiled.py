@@ -8,7 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.ladder import MEASURED_SPEED, memory_rungs
+from hf_memstack.planning.rungs import MEASURED_SPEED, memory_rungs
 
 
 def test_the_rung_sits_after_full_checkpointing_and_the_rungs_after_it_keep_the_tiles():

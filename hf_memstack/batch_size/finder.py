@@ -3,12 +3,12 @@ training steps, verified by a real step at that size, agreed across ranks, cache
 
 How it predicts. Every probe records the live tensor bytes after each operator of the step; each
 operator's bytes are a straight line in the batch size, so two small probes give the peak at any
-size (:mod:`._finder_fit`). The predicted size is then run; when its peak is the predicted one,
+size (:mod:`.fit`). The predicted size is then run; when its peak is the predicted one,
 it is the answer (3 real steps), else the lines are refitted through the probes nearest the
-answer (:mod:`._finder_search`). Nothing returned is untested: the result is the largest size
-whose real step fitted. The jobs are split by module: ``_finder_probe`` runs one measured step,
-``_finder_search`` decides the sizes, ``_snapshot`` restores the training state, ``_finder_cache``
-keeps results on disk and ``_finder_ranks`` makes the ranks agree.
+answer (:mod:`.search`). Nothing returned is untested: the result is the largest size
+whose real step fitted. The jobs are split by module: ``probe`` runs one measured step,
+``search`` decides the sizes, ``snapshot`` restores the training state, ``cache`` keeps results on
+disk and ``ranks`` makes the ranks agree.
 """
 
 from __future__ import annotations
@@ -23,16 +23,24 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._device import device_of, preserved_rng
-from ._finder_cache import (
+from .._device import device_of, preserved_rng
+from .._ranks import on_every_rank
+from ..accounting import model_state_bytes
+from ..data.boundaries import is_packed
+from ..errors import BudgetTooSmallError
+from ..record import MemstackRecord, record_of
+from ..simulated import current_limit, untracked
+from ..sizes import format_bytes, parse_bytes
+from ..step import LossFn
+from .cache import (
     agree_entry,
     cache_key,
     cache_path,
     read_entry,
     write_entry,
 )
-from ._finder_fit import Phase
-from ._finder_probe import (
+from .fit import Phase
+from .probe import (
     Measured,
     ProbeKind,
     StepRunner,
@@ -40,17 +48,9 @@ from ._finder_probe import (
     check_batch_size,
     seq_len_of,
 )
-from ._finder_ranks import agree_arguments, agree_no_error, is_local_leader, world_size
-from ._finder_search import Found, Search
-from ._ranks import on_every_rank
-from ._snapshot import step_state_restored
-from .accounting import model_state_bytes
-from .data.boundaries import is_packed
-from .errors import BudgetTooSmallError
-from .record import MemstackRecord, record_of
-from .simulated import current_limit, untracked
-from .sizes import format_bytes, parse_bytes
-from .step import LossFn
+from .ranks import agree_arguments, agree_no_error, is_local_leader, world_size
+from .search import Found, Search
+from .snapshot import step_state_restored
 
 __all__ = ["BatchSizeResult", "Fit", "Probe", "find_batch_size"]
 
@@ -416,8 +416,8 @@ def _too_small(m: Measured, *, mode: str, budget: int, record: MemstackRecord | 
 
 
 def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
-    from .ladder import next_rung
-    from .transforms.quant import quantizable
+    from ..planning.rungs import next_rung
+    from ..transforms.quant import quantizable
 
     if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."

@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from ._finder_probe import Measured
+from .probe import Measured
 
 __all__ = ["Lines", "Phase", "fit_lines"]
 

@@ -8,10 +8,10 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..policy import MemoryPolicy
+from ..sizes import format_bytes, parse_bytes
 from .estimate import MemoryEstimate, chunked_loss_problem, estimate_memory, infer_task, load_config
-from .ladder import memory_rungs
-from .policy import MemoryPolicy
-from .sizes import format_bytes, parse_bytes
+from .rungs import memory_rungs
 from .weights_dtype import parse_dtype, resolve_weights_dtype
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
@@ -109,7 +109,7 @@ def plan_policy(
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
     4-bit base weights (LoRA runs, where torchao is installed), the optimizer rungs (stepped in the
     backward, 8-bit moments where torchao is installed, both), offload, FSDP (see
-    :func:`hf_memstack.ladder.memory_rungs`).
+    :func:`hf_memstack.planning.rungs.memory_rungs`).
 
     Args:
         model: hub id (local cache), local directory, config or model.
@@ -137,7 +137,7 @@ def plan_policy(
     """
     import torch
 
-    from .precision import resolve_precision
+    from ..precision import resolve_precision
 
     budget_bytes = parse_bytes(budget, field="budget")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -364,7 +364,7 @@ def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
 
 def _tiles_help(config: Any, tokens: int) -> bool:
     """A step's tokens span more than one MLP tile (the mlp:tiled rung then saves memory)."""
-    from .transforms.tiled_mlp import auto_tile_tokens
+    from ..transforms.tiled_mlp import auto_tile_tokens
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._finder_ranks import agree
+from .ranks import agree
 
 __all__ = ["CacheEntry", "CachedStep", "agree_entry", "cache_key", "read_entry", "write_entry"]
 
@@ -82,9 +82,9 @@ def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, poli
     """A hash of everything that changes the step's memory (see the module docstring)."""
     import transformers
 
-    from ._device import device_of
-    from ._finder_ranks import world_size
-    from ._version import __version__
+    from .._device import device_of
+    from .._version import __version__
+    from .ranks import world_size
 
     device = device_of(model)
     config = getattr(model, "config", None)

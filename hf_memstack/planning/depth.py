@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from .memory import PhasePeaks
+from ..memory import PhasePeaks
 
 __all__ = ["DepthPlan", "extrapolate_line", "extrapolate_phases", "num_layers", "plan_depths", "text_config", "with_depth"]
 
@@ -141,7 +141,7 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
-    from .blocks import find_blocks
+    from ..blocks import find_blocks
 
     try:
         return find_blocks(model).modules

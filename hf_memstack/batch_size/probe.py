@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._device import device_of
-from ._finder_ranks import agree, agree_no_error
-from ._ranks import reraise, share_error
-from .simulated import LiveBytes, current_limit, untracked
-from .step import LossFn, backward, forward_loss, optimizer_step
+from .._device import device_of
+from .._ranks import reraise, share_error
+from ..simulated import LiveBytes, current_limit, untracked
+from ..step import LossFn, backward, forward_loss, optimizer_step
+from .ranks import agree, agree_no_error
 
 __all__ = ["Measured", "ProbeKind", "StepRunner", "batch_signature", "check_batch_size", "seq_len_of"]
 

@@ -1,7 +1,7 @@
 """The batch-size search: which sizes to run, and when to stop.
 
 Cold: two small probes (``probe_size`` and twice it) give one line per operator
-(:mod:`._finder_fit`); their prediction is run; when it fitted and the lines predicted its peak,
+(:mod:`.fit`); their prediction is run; when it fitted and the lines predicted its peak,
 it is the answer (3 steps). Otherwise the lines are refitted through the two probes nearest the
 answer - the largest that fitted and the smallest that did not, which bracket it, or the two
 largest that fitted - and the next prediction runs. Every size that runs lies strictly between
@@ -10,7 +10,7 @@ the largest size that fitted and the smallest that did not, and the answer is a 
 Warm: the cached size is run once; it is the answer if it fits and leaves no more room than it
 did when it was found (a smaller stale entry that merely fits is searched again).
 
-Every size is the minimum over the ranks' proposals and every outcome is agreed (``_finder_ranks``),
+Every size is the minimum over the ranks' proposals and every outcome is agreed (``ranks``),
 so all ranks run the same probes in the same order.
 """
 
@@ -20,10 +20,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ._finder_cache import CachedStep, CacheEntry
-from ._finder_fit import Lines, fit_lines
-from ._finder_probe import Measured, ProbeKind, StepRunner
-from ._finder_ranks import agree
+from .cache import CachedStep, CacheEntry
+from .fit import Lines, fit_lines
+from .probe import Measured, ProbeKind, StepRunner
+from .ranks import agree
 
 __all__ = ["Found", "Search"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .policy import MemoryPolicy
-from .policy.presets import LADDER
+from ..policy import MemoryPolicy
+from ..policy.presets import LADDER
 
 __all__ = ["LADDER", "MEASURED_SPEED", "Rung", "memory_rungs", "next_rung"]
 

@@ -11,12 +11,12 @@ lowers the peak a little) and FSDP over ``world_size`` ranks (the traced model s
 by the ranks, plus one block's gathered parameters).
 
 A deep stack of identical blocks is traced at two shallow depths and extrapolated, phase by phase
-(:mod:`hf_memstack._depth`): seconds for a 7B or 70B config, and every field equal to the full
+(:mod:`hf_memstack.planning.depth`): seconds for a 7B or 70B config, and every field equal to the full
 trace's, which ``extrapolate=False`` runs.
 
 ``mode="eval"`` estimates evaluation instead: one forward under ``torch.no_grad()`` in eval mode, as
 ``Trainer.prediction_step`` runs it, and the logits ``Trainer.evaluate()`` keeps across the eval set
-(:mod:`hf_memstack.eval_logits`).
+(:mod:`hf_memstack.planning.eval_logits`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _build_cache
-from ._depth import DepthPlan, _peft_picks_blocks, extrapolate_line, extrapolate_phases, plan_depths, text_config, with_depth
-from .accounting import tensor_bytes
-from .data.boundaries import packing_as_traced
-from .memory import PhasePeaks, StepMemory, step_memory_of, trace_training_step
-from .policy import MemoryPolicy
-from .sizes import format_bytes
+from ..accounting import tensor_bytes
+from ..data.boundaries import packing_as_traced
+from ..memory import PhasePeaks, StepMemory, step_memory_of, trace_training_step
+from ..policy import MemoryPolicy
+from ..sizes import format_bytes
+from . import build_cache
+from .depth import DepthPlan, _peft_picks_blocks, extrapolate_line, extrapolate_phases, plan_depths, text_config, with_depth
 from .weights_dtype import WeightsDtype, cast_like_from_pretrained, parse_dtype, resolve_weights_dtype, set_dtypes, short_name
 
 __all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "infer_task",
@@ -252,7 +252,7 @@ _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
 def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
-    from .record import unwrap_model
+    from ..record import unwrap_model
 
     names = [type(unwrap_model(model)).__name__] if isinstance(model, nn.Module) else list(getattr(config, "architectures", None) or [])
     if any(n.endswith("ForSequenceClassification") for n in names):
@@ -340,7 +340,7 @@ def estimate_memory(
             :class:`hf_memstack.data.PackedCollator` makes them). SDPA and eager attention then build a
             dense ``[batch, 1, seq_len, seq_len]`` mask, which is counted; unpacked batches build none.
         extrapolate: trace a few of the model's blocks and extrapolate the identical rest (seconds at
-            any depth, equal to the full trace: see :mod:`hf_memstack._depth`); a stack whose blocks
+            any depth, equal to the full trace: see :mod:`hf_memstack.planning.depth`); a stack whose blocks
             differ is traced in full, as is every one with ``extrapolate=False``.
         mode: ``"train"`` (default) or ``"eval"``: one forward of a ``batch_size`` eval batch under
             ``torch.no_grad()`` with the model in eval mode and the policy applied (its precision;
@@ -441,8 +441,8 @@ def _trace(config: Any, job: _Job) -> _Traced:
     """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .optim import make_optimizer
-    from .prepare import prepare_model
+    from ..optim import make_optimizer
+    from ..prepare import prepare_model
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = _fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
@@ -466,9 +466,9 @@ def _trace(config: Any, job: _Job) -> _Traced:
 def _trace_eval(net: nn.Module, config: Any, job: _Job, mode: Any) -> _Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
+    from ..memory import trace_eval_forward
+    from ..prepare import prepare_model
     from .eval_logits import kept_outputs
-    from .memory import trace_eval_forward
-    from .prepare import prepare_model
 
     with mode, warnings.catch_warnings():
         # Its warning that 16-bit trainable weights lose precision in updates is about training.
@@ -534,13 +534,13 @@ def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
     # The same for every rung and batch of a plan: what plan_depths reads is the config, the
     # weights' dtypes, the checkpointing period and whether the PEFT config picks blocks.
     key = (*_build_key(config, job.task, job.trust_remote_code, job.weights), every_n, _peft_picks_blocks(job.peft_config))
-    return _build_cache.cached("depth_plans", key, depth_plan)
+    return build_cache.cached("depth_plans", key, depth_plan)
 
 
 def _build_key(config: Any, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
     """Everything a model built on meta depends on besides its PEFT config."""
     per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
-    return (*_build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
+    return (*build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
 
 
 def _check_depth(config: Any) -> None:
@@ -606,8 +606,8 @@ def _chunked_loss_verdict(config: Any, task: str, trust_remote_code: bool) -> tu
 
 
 def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
-    from .loss import check_loss_head
-    from .policy import LossConfig
+    from ..loss import check_loss_head
+    from ..policy import LossConfig
 
     small = copy.deepcopy(config)
     text = text_config(small)
@@ -634,7 +634,7 @@ def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tupl
 
 def _quant_counts(net: nn.Module) -> dict[str, int]:
     """The traced 4-bit base's numbers (none without one), each a line in the number of blocks."""
-    from .record import record_of
+    from ..record import record_of
 
     record = record_of(net)
     quant = record.quant if record is not None else None
@@ -695,7 +695,7 @@ def _refuse_mixture_of_experts(net: nn.Module, config: Any) -> None:
     (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
     experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
     on the data). Said as such, with what to do, instead of the kernel's raw error."""
-    from .record import unwrap_model
+    from ..record import unwrap_model
 
     inner = net.get_base_model() if callable(getattr(net, "get_base_model", None)) else net  # a PEFT model's own
     cls = type(unwrap_model(inner))
@@ -761,7 +761,7 @@ def _fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_co
         return net
 
     # Built once per config and job (PEFT's wrapping is most of a build), copied for each trace.
-    net = _build_cache.model_copy((*_build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
+    net = build_cache.model_copy((*_build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
@@ -809,7 +809,7 @@ def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, c
 
 
 def _blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
-    from .blocks import find_blocks
+    from ..blocks import find_blocks
 
     try:
         return find_blocks(net).modules

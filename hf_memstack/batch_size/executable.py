@@ -36,8 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._finder_probe import is_out_of_memory
-from .batch_size import find_batch_size
+from .finder import find_batch_size
+from .probe import is_out_of_memory
 
 __all__ = ["find_executable_batch_size"]
 
