@@ -263,10 +263,11 @@ def _every_n_between(est: _Estimates, policy: str, batch_size: int) -> int | Non
 
 
 def _states_key(policy: str) -> str:
-    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer rung, sharding,
-    the master weights' dtype."""
+    """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer's state
+    (fp32 or 8-bit moments), sharding, the master weights' dtype. Not when the optimizer steps: in
+    the backward it frees each gradient sooner, and holds the same moments."""
     p = MemoryPolicy.coerce(policy)
-    return repr((p.quant, p.optimizer, p.fsdp, p.master_weights))
+    return repr((p.quant, p.optimizer.state, p.fsdp, p.master_weights))
 
 
 class _Estimates:

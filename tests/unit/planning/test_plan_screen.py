@@ -57,6 +57,13 @@ def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
     assert plan.fits and plan.policy.master_weights == "bf16", plan.table()
     assert plan.estimate.peak_bytes == pure.peak_bytes  # the pure-bf16 rung was traced, not screened by fp32's floor
     assert any("BF16AdamW" in s for s in plan.suggestions)
+    # Stepping in the backward frees gradients, not moments: fp32 master weights' floor screens that rung
+    # too (a lower bound of its trace), so the plan traces no more than it must.
+    in_backward = [r for r in plan.rows if "optim:in_backward" in r.policy and "weights:bf16" not in r.policy]
+    assert in_backward and all(not r.traced and not r.fits for r in in_backward), plan.table()
+    for row in in_backward:
+        traced = estimate_memory(config, row.policy, **job)
+        assert traced.peak_bytes >= row.peak_bytes == master.parameters + master.optimizer > budget * 0.9
 
 
 def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced():
