@@ -71,6 +71,9 @@ def main() -> None:
                 r = run(policy, seed, args.steps, Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}")
                 print(f"  {policy} seed {seed}: {r['seconds']:.0f} s, final {r['final']}", flush=True)
                 runs.append(r)
+                # After every run (an hour each for bf16 on a CPU without it): what was measured is kept.
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": kept + runs}, indent=2))
     # The mean training loss over the last quarter of the logged steps, per run.
     def tail(r: dict) -> float:
         losses = [loss for _, loss in r["losses"]]
@@ -80,6 +83,7 @@ def main() -> None:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     base = [tail(r) for r in runs if r["policy"] == args.base]
     spread = max(base) - min(base) if len(base) > 1 else float("nan")
+    base_mean = statistics.fmean(base) if base else float("nan")  # nan: the base has no run in this file yet
     print("\n| policy | seeds | train loss, last quarter (mean over seeds) | minus the base's | the base's seed spread | final eval loss | final accuracy | s/run |")
     print("|---|---|---|---|---|---|---|---|")
     for policy in policies:
@@ -87,10 +91,8 @@ def main() -> None:
         t = statistics.fmean(tail(r) for r in rs)
         ev = statistics.fmean(r["final"].get("eval_loss", float("nan")) for r in rs)
         acc = statistics.fmean(r["final"].get("eval_accuracy", float("nan")) for r in rs)
-        print(f"| {policy} | {len(rs)} | {t:.4f} | {t - statistics.fmean(base):+.4f} | {spread:.4f} | {ev:.4f} | {acc:.3f} | "
+        print(f"| {policy} | {len(rs)} | {t:.4f} | {t - base_mean:+.4f} | {spread:.4f} | {ev:.4f} | {acc:.3f} | "
               f"{statistics.fmean(r['seconds'] for r in rs):.0f} |")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": runs}, indent=2))
     print(f"\nwrote {out}")
 
 
