@@ -140,7 +140,8 @@ class MemoryPolicy:
     def from_string(cls, spec: str) -> MemoryPolicy:
         """Parse ``"precision+feature+feature"``; order does not matter and the precision may be omitted (fp32).
 
-        Tokens:
+        Tokens (the grammar is one table, :data:`hf_memstack.policy.tokens.TOKENS`; a test keeps this
+        list equal to it):
 
         * precision: ``fp32``, ``bf16``, ``fp16``, ``auto``;
         * ``ckpt`` (full), ``ckpt:N`` (every N-th block), ``ckpt:offload`` (full + saved inputs to host),

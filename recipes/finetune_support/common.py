@@ -1,4 +1,6 @@
-"""What every part of the recipe shares: the error a bad input raises, and the sharding routes."""
+"""What every part of the recipe shares: the error a bad input raises (RecipeError), the task and
+sharding routes, the data file formats and model aliases, and ``agree`` (every rank learns whether
+any failed, so one bad rank ends them all with its message)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,11 @@ def _readme_tokens() -> set[str]:
     return set(re.findall(r"`([a-z0-9_:N]+)`", paragraph)) - {"+"}
 
 
+def test_from_strings_docstring_names_every_token_of_the_table():
+    named = set(re.findall(r"``([a-z0-9_:N]+)``", MemoryPolicy.from_string.__doc__))
+    assert set(listed_spellings()) <= named, set(listed_spellings()) - named
+
+
 def test_the_readmes_token_list_is_the_table():
     precisions = {"fp32", "bf16", "fp16", "auto"}
     assert _readme_tokens() == precisions | set(listed_spellings())
