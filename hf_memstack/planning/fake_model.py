@@ -1,0 +1,141 @@
+"""The estimator's model on fake tensors (shapes and dtypes, no storage): built once on the meta
+device per config and job, given fake parameters for each trace, and the meter's step traced on
+it with a fake batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory import PhasePeaks, trace_training_step
+from ..sizes import format_bytes
+from . import build_cache
+from .model_config import build_model
+from .trainable import apply_peft
+from .weights_dtype import WeightsDtype, set_dtypes
+
+
+def build_fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any,
+                     weights: WeightsDtype) -> nn.Module:
+    """The model built on the meta device in the weights' dtype (PEFT adapters added there, in the
+    dtype PEFT gives them), then given fake tensors: shapes and dtypes, no storage. Built on meta
+    first because ``Module.to()`` (which PEFT calls on its new adapters) cannot swap fake
+    parameters; tied parameters stay tied. A model object's own per-parameter dtypes are kept."""
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
+            if weights.per_parameter:
+                set_dtypes(net, weights.per_parameter)
+            if peft_config is not None:
+                net = apply_peft(net, peft_config)
+                if weights.per_parameter:
+                    set_dtypes(net, weights.per_parameter)
+        return net
+
+    # Built once per config and job (PEFT's wrapping is most of a build), copied for each trace.
+    net = build_cache.model_copy((*build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            fakes[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if parameter else new
+        return fakes[id(t)]
+
+    for module in net.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = fake(p, True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = fake(b, False)
+    return net
+
+
+def build_key(config: Any, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
+    """Everything a model built on meta depends on besides its PEFT config."""
+    per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
+    return (*build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
+
+
+def traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> PhasePeaks:
+    """The meter's step on fake tensors. A forward that needs the data's values (an output whose
+    shape depends on them, a ``.item()``) cannot run there: said as such, not as a trace error."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        return trace_training_step(net, batch, opt)
+    except (DynamicOutputShapeException, DataDependentOutputException) as e:
+        raise ValueError(
+            f"the estimator cannot trace {type(net).__name__} ({type(config).__name__}, task={task!r}) without real data: its "
+            f"forward depends on the values of the batch ({type(e).__name__}: {str(e).splitlines()[0][:120]}). Measure it "
+            "instead: hf_memstack.measure_step or find_batch_size on the real model"
+        ) from None
+
+
+def refuse_mixture_of_experts(net: nn.Module, config: Any) -> None:
+    """A mixture-of-experts model cannot be traced on fake tensors: its default experts kernel
+    (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
+    experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
+    on the data). Said as such, with what to do, instead of the kernel's raw error."""
+    from ..record import unwrap_model
+
+    inner = net.get_base_model() if callable(getattr(net, "get_base_model", None)) else net  # a PEFT model's own
+    cls = type(unwrap_model(inner))
+    can_set = getattr(cls, "_can_set_experts_implementation", None)
+    if callable(can_set) and can_set():
+        raise ValueError(
+            f"the estimator cannot trace {cls.__name__} ({type(config).__name__}): it is a mixture-of-experts model, whose "
+            "experts route each token by the router's values (shapes that depend on the data, which a trace without "
+            "values cannot follow; torch._grouped_mm has no fake-tensor kernel for fp32 either). Measure it instead: "
+            "hf_memstack.measure_step(model, batch, optimizer) on the real model, or find_batch_size "
+            "(hf-memstack find-batch-size MODEL --policy ... --seq-len ... --budget ...)"
+        )
+
+
+def quant_counts(net: nn.Module) -> dict[str, int]:
+    """The traced 4-bit base's numbers (none without one), each a line in the number of blocks."""
+    from ..record import record_of
+
+    record = record_of(net)
+    quant = record.quant if record is not None else None
+    if quant is None or not quant.layers:
+        return {}
+    return {"quant_layers": len(quant.layers), "quant_weights": quant.weights, "quant_bytes": quant.bytes_4bit,
+            "quant_bytes_before": quant.bytes_before}
+
+
+def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
+    from ..blocks import find_blocks
+
+    try:
+        return find_blocks(net).modules
+    except ValueError:
+        return ()
+
+
+def fake_batch(config: Any, task: str, batch: int, seq: int, *, packed: bool = False) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, max(2, config.vocab_size - 1), (batch, seq))
+    if task == "classification":
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(batch, dtype=torch.long)}
+    if packed:  # two samples a row, positions restarting at the second: the collator's layout
+        half = seq // 2
+        positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, seq)
+        return {"input_ids": ids, "labels": ids, "position_ids": positions}
+    return {"input_ids": ids, "labels": ids}
+
+
+def quant_notes(counts: dict[str, int], lora: bool) -> list[str]:
+    """What the traced 4-bit base holds (its bytes are in ``parameters``, counted as traced)."""
+    if not counts.get("quant_layers"):
+        return []
+    bits = 8 * counts["quant_bytes"] / counts["quant_weights"]
+    notes = [f"4-bit base weights: {counts['quant_layers']} linear layers, {format_bytes(counts['quant_bytes'])} for "
+             f"{counts['quant_weights']:,} weights ({bits:.2f} bits each; {format_bytes(counts['quant_bytes_before'])} before quantization)"]
+    if not lora:
+        notes.append("quant:nf4 with trainable='all': the 4-bit layers are frozen and only the rest trains; pass trainable='lora' "
+                     "(--lora-r) for QLoRA")
+    return notes
