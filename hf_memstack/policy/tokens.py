@@ -87,16 +87,14 @@ def _allowed(group: str) -> str:
     return ", ".join(f"'{s}'" + (f" (2 <= N <= {MAX_EVERY_N})" if s == "ckpt:N" else "") for s in listed_spellings(group))
 
 
-def _lookup(token: str) -> Token | dict[str, Any] | None:
-    """The row of a spelling, or a number token's fragment."""
+def _lookup(token: str) -> tuple[str, Any] | None:
+    """The field a spelling sets and its fragment (a number token's built from its argument), or None."""
     if token in _BY_SPELLING:
-        return _BY_SPELLING[token]
+        return _BY_SPELLING[token].field, _BY_SPELLING[token].fragment
     group, _, arg = token.partition(":")
     for t in TOKENS:
-        if t.number is not None and t.spelling.partition(":")[0] == group:
-            fragment = t.number(arg)
-            if fragment is not None:
-                return {"field": t.field, "fragment": fragment}
+        if t.number is not None and t.spelling.partition(":")[0] == group and (fragment := t.number(arg)) is not None:
+            return t.field, fragment
     return None
 
 
@@ -125,11 +123,10 @@ def parse(spec: str) -> tuple[dict[str, Any], list[str]]:
             problems.append(_unknown(original, token) if name not in _GROUPS
                             else f"policy string {original!r}: {token!r} is not one of {_allowed(name)}")
             continue
-        field, fragment = (found.field, found.fragment) if isinstance(found, Token) else (found["field"], found["fragment"])
+        field, fragment = found
         keys = list(fragment) if isinstance(fragment, dict) else [""]
-        clash = next((set_by[(field, k)] for k in keys if (field, k) in set_by), None)
-        if clash is None and any(f == field for f, _ in set_by) and field != "optimizer":
-            clash = next(t for (f, _), t in set_by.items() if f == field)
+        # One token a field, but the optimizer's two set different sub-fields and may go together.
+        clash = next((t for (f, k), t in set_by.items() if f == field and (field != "optimizer" or k in keys)), None)
         if clash is not None:
             problems.append(_conflict(original, token, clash))
             continue
