@@ -17,15 +17,23 @@ def reference_model(layers: int, hidden: int, vocab: int = 32000, seed: int = 0)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 64 * 64, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256), vocab_size=vocab,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).train()
 
 
-def reference_batch(batch: int, seq: int, vocab: int = 32000, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+def reference_batch(
+    batch: int, seq: int, vocab: int = 32000, seed: int = 0, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, seq), generator=g).to(device)
     return {"input_ids": ids, "labels": ids.clone()}

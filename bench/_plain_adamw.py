@@ -33,8 +33,11 @@ def main() -> None:
         no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
         assert {p.dtype for p in decay + no_decay} == {torch.bfloat16}
         warnings.warn("bench: plain torch.optim.AdamW over bf16 weights (no stochastic rounding)", stacklevel=1)
-        return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                 lr=cfg.lr, foreach=True)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            foreach=True,
+        )
 
     recipe.build_optimizer = plain_adamw
     recipe.main()

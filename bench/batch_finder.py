@@ -128,8 +128,16 @@ def brute_force(job: Job) -> Row:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return Row(finder="brute force (bisection)", found=lo, full_steps=counts["full"], partial_steps=counts["partial"],
-               over_budget=counts["partial"], seconds=clock.wall, cpu_seconds=clock.cpu, sizes=sizes)
+    return Row(
+        finder="brute force (bisection)",
+        found=lo,
+        full_steps=counts["full"],
+        partial_steps=counts["partial"],
+        over_budget=counts["partial"],
+        seconds=clock.wall,
+        cpu_seconds=clock.cpu,
+        sizes=sizes,
+    )
 
 
 def ours(job: Job, *, warm: bool, repeats: int = 3) -> Row:
@@ -145,10 +153,16 @@ def ours(job: Job, *, warm: bool, repeats: int = 3) -> Row:
             cpus.append(clock.cpu)
     print(result.summary(), flush=True)
     partial = sum(p.partial for p in result.probes)
-    return Row(finder=f"hf_memstack find_batch_size ({'warm cache' if warm else 'cold'}, median of {repeats})",
-               found=result.batch_size, full_steps=result.steps_run - partial, partial_steps=partial,
-               over_budget=result.over_budget_probes, seconds=statistics.median(walls), cpu_seconds=statistics.median(cpus),
-               sizes=[p.batch_size for p in result.probes])
+    return Row(
+        finder=f"hf_memstack find_batch_size ({'warm cache' if warm else 'cold'}, median of {repeats})",
+        found=result.batch_size,
+        full_steps=result.steps_run - partial,
+        partial_steps=partial,
+        over_budget=result.over_budget_probes,
+        seconds=statistics.median(walls),
+        cpu_seconds=statistics.median(cpus),
+        sizes=[p.batch_size for p in result.probes],
+    )
 
 
 def _ours_once(job: Job, cache_dir: str) -> tuple[Any, Clock]:
@@ -174,9 +188,16 @@ def accelerate(job: Job, start_size: int) -> Row:
 
     with simulated_memory_limit(job.budget, count=[model, opt]), timed() as clock:
         found = train()
-    return Row(finder=f"accelerate find_executable_batch_size (start {start_size})", found=found, full_steps=counts["full"],
-               partial_steps=counts["partial"], over_budget=len(sizes) - 1, seconds=clock.wall, cpu_seconds=clock.cpu,
-               sizes=sizes)
+    return Row(
+        finder=f"accelerate find_executable_batch_size (start {start_size})",
+        found=found,
+        full_steps=counts["full"],
+        partial_steps=counts["partial"],
+        over_budget=len(sizes) - 1,
+        seconds=clock.wall,
+        cpu_seconds=clock.cpu,
+        sizes=sizes,
+    )
 
 
 def trainer(job: Job, start_size: int) -> Row:
@@ -202,17 +223,34 @@ def trainer(job: Job, start_size: int) -> Row:
             return {k: v[0] for k, v in reference_batch(1, job.args.seq, vocab=job.args.vocab, seed=i).items()}
 
     with tempfile.TemporaryDirectory() as out:
-        targs = TrainingArguments(output_dir=out, per_device_train_batch_size=start_size, auto_find_batch_size=True,
-                                  max_steps=2, learning_rate=1e-5, optim="adamw_torch", use_cpu=True, report_to=[],
-                                  save_strategy="no", logging_strategy="no", dataloader_drop_last=True,
-                                  disable_tqdm=True)
+        targs = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=start_size,
+            auto_find_batch_size=True,
+            max_steps=2,
+            learning_rate=1e-5,
+            optim="adamw_torch",
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            dataloader_drop_last=True,
+            disable_tqdm=True,
+        )
         t = Trainer(model=model, args=targs, train_dataset=Samples(), callbacks=[Count()])
         with simulated_memory_limit(job.budget, count=[model]) as mem, timed() as clock:
             t.train()
         found = t._train_batch_size
-    return Row(finder=f"Trainer auto_find_batch_size (start {start_size})", found=found, full_steps=counts["full"],
-               partial_steps=mem.out_of_memory_errors, over_budget=len(sizes) - 1, seconds=clock.wall, cpu_seconds=clock.cpu,
-               sizes=sizes)
+    return Row(
+        finder=f"Trainer auto_find_batch_size (start {start_size})",
+        found=found,
+        full_steps=counts["full"],
+        partial_steps=mem.out_of_memory_errors,
+        over_budget=len(sizes) - 1,
+        seconds=clock.wall,
+        cpu_seconds=clock.cpu,
+        sizes=sizes,
+    )
 
 
 def overhead(job: Job, n: int, reps: int = 3) -> float:
@@ -243,7 +281,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--precision", default="auto", help="fp32, bf16 or auto (bf16 only where this CPU runs it natively)")
+    ap.add_argument(
+        "--precision", default="auto", help="fp32, bf16 or auto (bf16 only where this CPU runs it natively)"
+    )
     ap.add_argument("--ckpt", action="store_true", help="add full activation checkpointing to the policy")
     ap.add_argument("--budget", default="512MiB")
     ap.add_argument("--skip", nargs="*", default=[], choices=FINDERS)
@@ -272,25 +312,53 @@ def main() -> None:
     report(args, cpu, policy, job.budget, truth.found, rows, ratios)
 
 
-def report(args: argparse.Namespace, cpu: str, policy: str, budget: int, true_max: int, rows: list[Row],
-           ratios: dict[int, float]) -> None:
+def report(
+    args: argparse.Namespace,
+    cpu: str,
+    policy: str,
+    budget: int,
+    true_max: int,
+    rows: list[Row],
+    ratios: dict[int, float],
+) -> None:
     ours_cold = next((r for r in rows if "(cold" in r.finder), rows[0])
     print(f"\nmachine: {cpu}")
-    print(f"job: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, policy {policy}, "
-          f"AdamW; simulated budget {budget / 2**20:.0f} MiB; true maximum {true_max}")
-    print("simulated_memory_limit overhead (step time inside / outside, median of 3 interleaved rounds): "
-          + ", ".join(f"x{r:.2f} at batch {n}" for n, r in ratios.items()) + "\n")
-    print("| finder | found | found / true max | real steps (full + partial) | over-budget attempts | wall s | CPU s "
-          "| hf_memstack cold / this (wall, CPU) |")
+    print(
+        f"job: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq {args.seq}, policy {policy}, "
+        f"AdamW; simulated budget {budget / 2**20:.0f} MiB; true maximum {true_max}"
+    )
+    print(
+        "simulated_memory_limit overhead (step time inside / outside, median of 3 interleaved rounds): "
+        + ", ".join(f"x{r:.2f} at batch {n}" for n, r in ratios.items())
+        + "\n"
+    )
+    print(
+        "| finder | found | found / true max | real steps (full + partial) | over-budget attempts | wall s | CPU s "
+        "| hf_memstack cold / this (wall, CPU) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.finder} | {r.found} | {r.found / true_max:.2f} | {r.full_steps + r.partial_steps} "
-              f"({r.full_steps} + {r.partial_steps}) | {r.over_budget} | {r.seconds:.1f} | {r.cpu_seconds:.1f} | "
-              f"{ours_cold.seconds / r.seconds:.2f}, {ours_cold.cpu_seconds / r.cpu_seconds:.2f} |")
+        print(
+            f"| {r.finder} | {r.found} | {r.found / true_max:.2f} | {r.full_steps + r.partial_steps} "
+            f"({r.full_steps} + {r.partial_steps}) | {r.over_budget} | {r.seconds:.1f} | {r.cpu_seconds:.1f} | "
+            f"{ours_cold.seconds / r.seconds:.2f}, {ours_cold.cpu_seconds / r.cpu_seconds:.2f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu, "args": vars(args), "policy": policy, "budget": budget, "true_max": true_max,
-                               "simulated_limit_overhead": ratios, "rows": [asdict(r) for r in rows]}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": cpu,
+                "args": vars(args),
+                "policy": policy,
+                "budget": budget,
+                "true_max": true_max,
+                "simulated_limit_overhead": ratios,
+                "rows": [asdict(r) for r in rows],
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out}")
 
 

@@ -49,8 +49,10 @@ class PlainStack(nn.Module):
     def __init__(self, dim: int = 32, depth: int = 3):
         super().__init__()
         self.inp = nn.Linear(dim, dim)
-        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
-                                                  nn.Linear(4 * dim, dim)) for _ in range(depth))
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(depth)
+        )
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -69,21 +71,70 @@ def build(arch: str) -> nn.Module:
     if arch == "plain":
         return PlainStack().train()
     model = {
-        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2,
-                                                            max_position_embeddings=128, pad_token_id=0, **small)),
-        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2,
-                                                            max_position_embeddings=128, tie_word_embeddings=False,
-                                                            **small)),
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
-                                                         embd_pdrop=0.0, attn_pdrop=0.0, **small)),
-        "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=VOCAB,
-            max_position_embeddings=128, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
-            d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16, vocab_size=VOCAB,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        "llama": lambda: tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+                pad_token_id=0,
+                **small,
+            )
+        ),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+                tie_word_embeddings=False,
+                **small,
+            )
+        ),
+        "gpt2": lambda: tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=128,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                **small,
+            )
+        ),
+        "bert": lambda: tf.BertForSequenceClassification(
+            tf.BertConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=128,
+                vocab_size=VOCAB,
+                max_position_embeddings=128,
+                num_labels=3,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        "t5": lambda: tf.T5ForConditionalGeneration(
+            tf.T5Config(
+                d_model=64,
+                d_ff=128,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                d_kv=16,
+                vocab_size=VOCAB,
+                dropout_rate=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        ),
     }[arch]()
     return model.train()
 
@@ -96,8 +147,13 @@ def batches(arch: str, seq: int) -> Any:
             return {"x": x, "y": x.mean(1).sum(-1, keepdim=True).tanh()}
         ids = torch.randint(3, VOCAB, (n, seq), generator=g)
         if arch == "bert":
-            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 3, (n,), generator=g)}
+            return {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(0, 3, (n,), generator=g),
+            }
         return {"input_ids": ids, "labels": ids.clone()}
+
     return make
 
 
@@ -123,8 +179,13 @@ class Cell:
 
     @property
     def within_bounds(self) -> bool:
-        return (0.95 * self.true_max <= self.found <= self.true_max and self.full_steps + self.partial_steps <= 4
-                and self.over_budget <= 1 and self.warm_steps == 1 and self.warm_found == self.found)
+        return (
+            0.95 * self.true_max <= self.found <= self.true_max
+            and self.full_steps + self.partial_steps <= 4
+            and self.over_budget <= 1
+            and self.warm_steps == 1
+            and self.warm_found == self.found
+        )
 
 
 class Job:
@@ -199,10 +260,21 @@ def run_cell(arch: str, policy: str, seq: int, target: int, truths: dict[str, in
             seconds = time.perf_counter() - start
             warm = find_batch_size(model, job.make, opt, cache_dir=cache_dir)
     partial = sum(p.partial for p in cold.probes)
-    return Cell(arch=arch, policy=resolved, seq=seq, budget=budget, true_max=true_max, found=cold.batch_size,
-                full_steps=cold.steps_run - partial, partial_steps=partial, over_budget=cold.over_budget_probes,
-                warm_found=warm.batch_size, warm_steps=warm.steps_run, seconds=seconds,
-                probes=[p.batch_size for p in cold.probes])
+    return Cell(
+        arch=arch,
+        policy=resolved,
+        seq=seq,
+        budget=budget,
+        true_max=true_max,
+        found=cold.batch_size,
+        full_steps=cold.steps_run - partial,
+        partial_steps=partial,
+        over_budget=cold.over_budget_probes,
+        warm_found=warm.batch_size,
+        warm_steps=warm.steps_run,
+        seconds=seconds,
+        probes=[p.batch_size for p in cold.probes],
+    )
 
 
 def main() -> None:
@@ -215,38 +287,51 @@ def main() -> None:
     args = ap.parse_args()
     truth_path = Path(args.truth)
     truths = json.loads(truth_path.read_text()) if truth_path.is_file() else {}
-    plan = [(a, p, s, TARGETS[i % len(TARGETS)])
-            for i, (a, p, s) in enumerate((a, p, s) for a in args.archs for p in args.policies for s in args.seqs)]
+    plan = [
+        (a, p, s, TARGETS[i % len(TARGETS)])
+        for i, (a, p, s) in enumerate((a, p, s) for a in args.archs for p in args.policies for s in args.seqs)
+    ]
     plan += [c for c in EXTRA if c[0] in args.archs and c[2] in args.seqs]
     cpu = f"{machine()}; native bf16: {'yes' if cpu_has_native_bf16() else 'no'}; auto = {resolve_precision('auto', 'cpu').name}"
     print(cpu, flush=True)
-    print("| arch | policy | seq | budget | true max | found | found / true | steps cold (full + partial) | over budget "
-          "| warm steps | probes | s |\n|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| arch | policy | seq | budget | true max | found | found / true | steps cold (full + partial) | over budget "
+        "| warm steps | probes | s |\n|---|---|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     cells = []
     for arch, policy, seq, target in plan:
         cell = run_cell(arch, policy, seq, target, truths)
         cells.append(cell)
         truth_path.parent.mkdir(parents=True, exist_ok=True)
         truth_path.write_text(json.dumps(truths, indent=1, sort_keys=True))
-        print(f"| {cell.arch} | {cell.policy} | {cell.seq} | {cell.budget / 2**20:.2f} MiB | {cell.true_max} | {cell.found} | "
-              f"{cell.ratio:.3f} | {cell.full_steps + cell.partial_steps} ({cell.full_steps} + {cell.partial_steps}) | "
-              f"{cell.over_budget} | {cell.warm_steps} | {cell.probes} | {cell.seconds:.1f} |"
-              + ("" if cell.within_bounds else " **out of bounds**"), flush=True)
+        print(
+            f"| {cell.arch} | {cell.policy} | {cell.seq} | {cell.budget / 2**20:.2f} MiB | {cell.true_max} | {cell.found} | "
+            f"{cell.ratio:.3f} | {cell.full_steps + cell.partial_steps} ({cell.full_steps} + {cell.partial_steps}) | "
+            f"{cell.over_budget} | {cell.warm_steps} | {cell.probes} | {cell.seconds:.1f} |"
+            + ("" if cell.within_bounds else " **out of bounds**"),
+            flush=True,
+        )
     summarize(cells, cpu, Path(args.out))
 
 
 def summarize(cells: list[Cell], cpu: str, out: Path) -> None:
     worst = min(cells, key=lambda c: (c.ratio, -(c.full_steps + c.partial_steps), -c.over_budget))
     zero_over = sum(c.over_budget == 0 for c in cells)
-    print(f"\n{sum(c.within_bounds for c in cells)}/{len(cells)} cells within bounds; {zero_over}/{len(cells)} "
-          f"({100 * zero_over / len(cells):.0f}%) with no over-budget probe; most steps cold "
-          f"{max(c.full_steps + c.partial_steps for c in cells)}, warm {max(c.warm_steps for c in cells)}")
-    print(f"worst cell: {worst.arch} {worst.policy} seq {worst.seq}: found {worst.found} / true {worst.true_max} "
-          f"({worst.ratio:.3f}), {worst.full_steps + worst.partial_steps} steps, {worst.over_budget} over budget, "
-          f"probes {worst.probes}")
+    print(
+        f"\n{sum(c.within_bounds for c in cells)}/{len(cells)} cells within bounds; {zero_over}/{len(cells)} "
+        f"({100 * zero_over / len(cells):.0f}%) with no over-budget probe; most steps cold "
+        f"{max(c.full_steps + c.partial_steps for c in cells)}, warm {max(c.warm_steps for c in cells)}"
+    )
+    print(
+        f"worst cell: {worst.arch} {worst.policy} seq {worst.seq}: found {worst.found} / true {worst.true_max} "
+        f"({worst.ratio:.3f}), {worst.full_steps + worst.partial_steps} steps, {worst.over_budget} over budget, "
+        f"probes {worst.probes}"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": cpu, "cells": [asdict(c) | {"within_bounds": c.within_bounds} for c in cells]},
-                              indent=1))
+    out.write_text(
+        json.dumps({"machine": cpu, "cells": [asdict(c) | {"within_bounds": c.within_bounds} for c in cells]}, indent=1)
+    )
     print(f"wrote {out}")
 
 

@@ -27,9 +27,16 @@ from _common import machine
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
 from hf_memstack.planning.estimate import peft_config_from
 
-POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2",
-            # the rungs beyond the blocks (the chunked loss only where there are logits: causal LMs)
-            "bf16+loss:chunked", "bf16+ckpt:selective", "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward"]
+POLICIES = [
+    "fp32",
+    "bf16",
+    "bf16+ckpt",
+    "bf16+ckpt:2",
+    # the rungs beyond the blocks (the chunked loss only where there are logits: causal LMs)
+    "bf16+loss:chunked",
+    "bf16+ckpt:selective",
+    "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward",
+]
 TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.planning.estimate.DEFAULT_LORA)
 
 
@@ -38,11 +45,34 @@ def configs(hidden: int, layers: int, vocab: int) -> dict:
 
     heads = max(1, hidden // 64)
     return {
-        "llama": (LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=heads,
-                              num_key_value_heads=max(1, heads // 2), vocab_size=vocab, bos_token_id=1, eos_token_id=2), "causal-lm"),
-        "gpt2": (GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, bos_token_id=1, eos_token_id=2), "causal-lm"),
-        "bert": (BertConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=hidden * 4,
-                            vocab_size=vocab, num_labels=4), "classification"),
+        "llama": (
+            LlamaConfig(
+                hidden_size=hidden,
+                intermediate_size=hidden * 2,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=max(1, heads // 2),
+                vocab_size=vocab,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            "causal-lm",
+        ),
+        "gpt2": (
+            GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, vocab_size=vocab, bos_token_id=1, eos_token_id=2),
+            "causal-lm",
+        ),
+        "bert": (
+            BertConfig(
+                hidden_size=hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                intermediate_size=hidden * 4,
+                vocab_size=vocab,
+                num_labels=4,
+            ),
+            "classification",
+        ),
     }
 
 
@@ -55,11 +85,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--out", default=None)
     ap.add_argument("--checkpoints", action="store_true", help="the 125M-parameter checkpoint rows instead (see above)")
-    ap.add_argument("--cases", default=None, help="--checkpoints: the CHECKPOINT_CASES indices to run (e.g. 1,3), merged into the file")
+    ap.add_argument(
+        "--cases",
+        default=None,
+        help="--checkpoints: the CHECKPOINT_CASES indices to run (e.g. 1,3), merged into the file",
+    )
     args = ap.parse_args()
     if args.checkpoints:
-        checkpoint_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"),
-                        cases=[int(i) for i in args.cases.split(",")] if args.cases else None)
+        checkpoint_rows(
+            Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"),
+            cases=[int(i) for i in args.cases.split(",")] if args.cases else None,
+        )
         return
     args.out = args.out or str(Path(__file__).parent / "results" / "estimate_accuracy.json")
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -75,19 +111,37 @@ def main() -> None:
                     if "loss:chunked" in policy and task != "causal-lm":
                         continue
                     for b in map(int, args.batches.split(",")):
-                        est = estimate_memory(Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task, trainable=trainable)
+                        est = estimate_memory(
+                            Path(tmp) / arch, policy, batch_size=b, seq_len=args.seq, task=task, trainable=trainable
+                        )
                         real = _measured(auto, cfg, task, policy, trainable, b, args, device)
-                        rows.append({"arch": arch, "trainable": trainable, "policy": policy, "batch": b, "estimate": est.peak_bytes,
-                                     "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1})
-                        print(f"{arch:6s} {trainable:4s} {policy:30s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
-                              f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%", flush=True)
+                        rows.append(
+                            {
+                                "arch": arch,
+                                "trainable": trainable,
+                                "policy": policy,
+                                "batch": b,
+                                "estimate": est.peak_bytes,
+                                "measured": real.peak_bytes,
+                                "error": est.peak_bytes / real.peak_bytes - 1,
+                            }
+                        )
+                        print(
+                            f"{arch:6s} {trainable:4s} {policy:30s} b={b:<3d} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                            f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.1f}%",
+                            flush=True,
+                        )
     for trainable in TRAINABLE:
         sub = [r for r in rows if r["trainable"] == trainable]
-        print(f"trainable={trainable}: {len(sub)} cells, worst |error| {max(abs(r['error']) for r in sub) * 100:.1f}%, "
-              f"within ±10%: {sum(abs(r['error']) <= 0.10 for r in sub)}/{len(sub)}")
+        print(
+            f"trainable={trainable}: {len(sub)} cells, worst |error| {max(abs(r['error']) for r in sub) * 100:.1f}%, "
+            f"within ±10%: {sum(abs(r['error']) <= 0.10 for r in sub)}/{len(sub)}"
+        )
     worst = max(abs(r["error"]) for r in rows)
     print(f"\nmachine: {machine()}; hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq}")
-    print(f"{len(rows)} cells; worst |error| {worst * 100:.1f}%; within ±10%: {sum(abs(r['error']) <= 0.10 for r in rows)}/{len(rows)}")
+    print(
+        f"{len(rows)} cells; worst |error| {worst * 100:.1f}%; within ±10%: {sum(abs(r['error']) <= 0.10 for r in rows)}/{len(rows)}"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2))
@@ -111,8 +165,15 @@ def _measured(auto, cfg, task, policy, trainable, b, args, device):
 
 # (saved dtype, policy, what trains) for the 125M Llama at batch 2 x 512.
 # (saved dtype, policy, trainable): the issue's rows first - fp32 and bf16 weights, full and LoRA, pure bf16.
-CHECKPOINT_CASES = [("fp32", "bf16", "all"), ("bf16", "bf16", "all"), ("fp32", "bf16+ckpt", "lora"), ("bf16", "bf16+ckpt", "lora"),
-                    ("bf16", "bf16+ckpt+weights:bf16", "all"), ("bf16", "bf16+ckpt", "all"), ("fp32", "bf16+weights:bf16", "all")]
+CHECKPOINT_CASES = [
+    ("fp32", "bf16", "all"),
+    ("bf16", "bf16", "all"),
+    ("fp32", "bf16+ckpt", "lora"),
+    ("bf16", "bf16+ckpt", "lora"),
+    ("bf16", "bf16+ckpt+weights:bf16", "all"),
+    ("bf16", "bf16+ckpt", "all"),
+    ("fp32", "bf16+weights:bf16", "all"),
+]
 
 
 def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] | None = None) -> None:
@@ -120,8 +181,16 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
     rows measured before for other cases are kept, so a slow machine can add them one run at a time."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
 
-    config = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                         vocab_size=32000, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     wanted = [CHECKPOINT_CASES[i] for i in (cases if cases is not None else range(len(CHECKPOINT_CASES)))]
     old = json.loads(out.read_text()) if out.exists() else {}
     same = (old.get("batch"), old.get("seq")) == (batch, seq)
@@ -129,8 +198,9 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
     with tempfile.TemporaryDirectory() as tmp:
         for saved in ("fp32", "bf16"):
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[saved])).save_pretrained(
-                Path(tmp) / saved)
+            AutoModelForCausalLM.from_config(config).to(
+                getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[saved])
+            ).save_pretrained(Path(tmp) / saved)
         for saved, policy, trainable in wanted:
             start = time.perf_counter()
             est = estimate_memory(Path(tmp) / saved, policy, batch_size=batch, seq_len=seq, trainable=trainable)
@@ -142,19 +212,45 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
                 model = get_peft_model(model, peft_config_from(trainable))
             model = prepare_model(model.train(), policy)
             ids = torch.randint(3, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-            real = measure_step(model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-5), timed=False)
+            real = measure_step(
+                model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-5), timed=False
+            )
             fields = {k: (getattr(est, k), getattr(real, k)) for k in ("parameters", "gradients", "optimizer")}
-            rows.append({"saved": saved, "loaded": loaded, "policy": policy, "trainable": trainable, "estimate": est.peak_bytes,
-                         "measured": real.peak_bytes, "error": est.peak_bytes / real.peak_bytes - 1, "fields": fields,
-                         "total_parameters": est.total_parameters, "notes": list(est.notes),
-                         "seconds": round(time.perf_counter() - start, 1)})
-            print(f"saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
-                  f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
-                  f"{all(a == b for a, b in fields.values())}", flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)  # after every row: a long run stopped early keeps what it measured
+            rows.append(
+                {
+                    "saved": saved,
+                    "loaded": loaded,
+                    "policy": policy,
+                    "trainable": trainable,
+                    "estimate": est.peak_bytes,
+                    "measured": real.peak_bytes,
+                    "error": est.peak_bytes / real.peak_bytes - 1,
+                    "fields": fields,
+                    "total_parameters": est.total_parameters,
+                    "notes": list(est.notes),
+                    "seconds": round(time.perf_counter() - start, 1),
+                }
+            )
+            print(
+                f"saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
+                f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
+                f"{all(a == b for a, b in fields.values())}",
+                flush=True,
+            )
+            out.parent.mkdir(
+                parents=True, exist_ok=True
+            )  # after every row: a long run stopped early keeps what it measured
             out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows}, indent=2))
-    moe = MixtralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        num_local_experts=4, num_experts_per_tok=2, vocab_size=1000)
+    moe = MixtralConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=1000,
+    )
     try:
         estimate_memory(moe, "bf16", batch_size=batch, seq_len=seq)
         refusal = None
@@ -163,10 +259,14 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
     print(f"mixture of experts (Mixtral): {'refused: ' + refusal[:160] if refusal else 'estimated'}")
     if not rows:
         return
-    print(f"\nmachine: {machine()}; 125M Llama, batch {batch} x {seq}; worst |error| "
-          f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows")
+    print(
+        f"\nmachine: {machine()}; 125M Llama, batch {batch} x {seq}; worst |error| "
+        f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows, "moe_refusal": refusal}, indent=2))
+    out.write_text(
+        json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows, "moe_refusal": refusal}, indent=2)
+    )
 
 
 if __name__ == "__main__":

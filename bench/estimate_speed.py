@@ -32,10 +32,22 @@ from hf_memstack.planning import build_cache as _build_cache  # noqa: E402
 t_imports = time.perf_counter() - t_start
 
 SHAPES = {
-    "llama-2-7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-                   "num_key_value_heads": 32, "vocab_size": 32000},
-    "llama-3-70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
-                    "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama-2-7b": {
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+    },
+    "llama-3-70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
 }
 JOB = {"batch_size": 1, "seq_len": 2048, "trainable": {"r": 16}}
 POLICY = "bf16+ckpt"
@@ -64,26 +76,48 @@ def fields(estimate) -> dict:
 
 
 def qwen2_config() -> Qwen2Config:
-    return Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                       vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True, dtype="bfloat16")
+    return Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
 
 
 def timed_plan(name: str, cfg, trainable, one: float, one_cpu: float) -> dict:
     """The planner walking the ladder at 16 GiB (batch 1 x 2,048 tokens, cuda), against one estimate's
     wall (``one``) and CPU (``one_cpu``) seconds."""
     _build_cache.clear()  # the plan builds its model and depth plans itself, as a fresh `hf-memstack plan` does
-    plan, t_plan = timed(lambda: plan_policy(cfg, budget="16GiB", seq_len=2048, trainable=trainable, device="cuda"), "plan")
+    plan, t_plan = timed(
+        lambda: plan_policy(cfg, budget="16GiB", seq_len=2048, trainable=trainable, device="cuda"), "plan"
+    )
     cpu = CPU["plan"]
     traced, read = sum(r.traced for r in plan.rows), sum(r.interpolated for r in plan.rows)
-    print(f"plan {name} at 16 GiB (cuda): {t_plan:.1f} s = {t_plan / one:.2f}x one estimate ({one:.1f} s); CPU {cpu:.1f} s = "
-          f"{cpu / one_cpu:.2f}x one estimate's ({one_cpu:.1f} s), "
-          f"{len(plan.rows)} rungs considered, {traced} traced, {read} read between their neighbours; "
-          f"chose {plan.policy.to_string() if plan.fits else 'nothing'}")
+    print(
+        f"plan {name} at 16 GiB (cuda): {t_plan:.1f} s = {t_plan / one:.2f}x one estimate ({one:.1f} s); CPU {cpu:.1f} s = "
+        f"{cpu / one_cpu:.2f}x one estimate's ({one_cpu:.1f} s), "
+        f"{len(plan.rows)} rungs considered, {traced} traced, {read} read between their neighbours; "
+        f"chose {plan.policy.to_string() if plan.fits else 'nothing'}"
+    )
     print(plan.table())
-    return {"seconds": round(t_plan, 2), "one_estimate_seconds": round(one, 2), "x_one_estimate": round(t_plan / one, 2),
-            "cpu_seconds": round(cpu, 2), "one_estimate_cpu_seconds": round(one_cpu, 2), "cpu_x_one_estimate": round(cpu / one_cpu, 2),
-            "rungs": len(plan.rows), "traced": traced, "interpolated": read, "chose": plan.policy.to_string() if plan.fits else None,
-            "rows": [(r.policy, r.peak_bytes, r.fits) for r in plan.rows]}
+    return {
+        "seconds": round(t_plan, 2),
+        "one_estimate_seconds": round(one, 2),
+        "x_one_estimate": round(t_plan / one, 2),
+        "cpu_seconds": round(cpu, 2),
+        "one_estimate_cpu_seconds": round(one_cpu, 2),
+        "cpu_x_one_estimate": round(cpu / one_cpu, 2),
+        "rungs": len(plan.rows),
+        "traced": traced,
+        "interpolated": read,
+        "chose": plan.policy.to_string() if plan.fits else None,
+        "rows": [(r.policy, r.peak_bytes, r.fits) for r in plan.rows],
+    }
 
 
 def main() -> None:
@@ -92,34 +126,63 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "estimate_speed.json"))
     args = ap.parse_args()
     print(machine(), f"torch threads {torch.get_num_threads()}", f"imports {t_imports:.1f} s", sep="\n")
-    tiny = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=256)
+    tiny = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     _, warm = timed(lambda: estimate_memory(tiny, POLICY, batch_size=1, seq_len=32, trainable={"r": 16}))
     print(f"warm-up estimate (tiny model, first call): {warm:.1f} s")
     rows = []
     for shape in SHAPES:
         _build_cache.clear()  # each one estimate builds its model and depth plan itself
         fast, t_fast = timed(lambda shape=shape: estimate_memory(config(shape), POLICY, **JOB), shape)
-        row = {"shape": shape, "seconds": round(t_fast, 2), "cpu_seconds": round(CPU[shape], 2), "peak_bytes": fast.peak_bytes, "notes": list(fast.notes)}
+        row = {
+            "shape": shape,
+            "seconds": round(t_fast, 2),
+            "cpu_seconds": round(CPU[shape], 2),
+            "peak_bytes": fast.peak_bytes,
+            "notes": list(fast.notes),
+        }
         if shape == "llama-2-7b":  # a second rung, whose peak sits elsewhere (no checkpointing)
             other = [estimate_memory(config(shape), "bf16+loss:chunked", **JOB, extrapolate=e) for e in (True, False)]
             row["bf16+loss:chunked_equal_to_full_trace"] = fields(other[0]) == fields(other[1])
-            print(f"{shape} bf16+loss:chunked: every field equal to the full trace: {row['bf16+loss:chunked_equal_to_full_trace']}")
+            print(
+                f"{shape} bf16+loss:chunked: every field equal to the full trace: {row['bf16+loss:chunked_equal_to_full_trace']}"
+            )
         if shape == "llama-2-7b" or args.full_70b:
             full, t_full = timed(lambda shape=shape: estimate_memory(config(shape), POLICY, **JOB, extrapolate=False))
             diff = {k: (v, fields(full)[k]) for k, v in fields(fast).items() if fields(full)[k] != v}
             row |= {"full_trace_seconds": round(t_full, 2), "equal_to_full_trace": not diff, "differences": diff}
         rows.append(row)
-        print(f"{shape}: {t_fast:.1f} s, peak {fast.peak_bytes / 2**30:.2f} GiB"
-              + (f"; full trace {row['full_trace_seconds']:.1f} s, every field equal: {row['equal_to_full_trace']}"
-                 if "full_trace_seconds" in row else ""))
-    plans = {"llama-2-7b": timed_plan("llama-2-7b LoRA", config("llama-2-7b"), {"r": 16}, rows[0]["seconds"], CPU["llama-2-7b"])}
+        print(
+            f"{shape}: {t_fast:.1f} s, peak {fast.peak_bytes / 2**30:.2f} GiB"
+            + (
+                f"; full trace {row['full_trace_seconds']:.1f} s, every field equal: {row['equal_to_full_trace']}"
+                if "full_trace_seconds" in row
+                else ""
+            )
+        )
+    plans = {
+        "llama-2-7b": timed_plan(
+            "llama-2-7b LoRA", config("llama-2-7b"), {"r": 16}, rows[0]["seconds"], CPU["llama-2-7b"]
+        )
+    }
     # The full fine-tune of a Qwen2-1.5B shape (tied embeddings, vocab 151,936): its own one estimate first.
     _build_cache.clear()
     _, one = timed(lambda: estimate_memory(qwen2_config(), POLICY, batch_size=1, seq_len=2048), "qwen2-1.5b")
     print(f"qwen2-1.5b {POLICY} (full fine-tune): {one:.1f} s ({CPU['qwen2-1.5b']:.1f} s CPU)")
     plans["qwen2-1.5b"] = timed_plan("qwen2-1.5b full fine-tune", qwen2_config(), "all", one, CPU["qwen2-1.5b"])
-    out = {"machine": machine(), "imports_seconds": round(t_imports, 2), "estimates": rows, "plan": plans["llama-2-7b"], "plans": plans}
+    out = {
+        "machine": machine(),
+        "imports_seconds": round(t_imports, 2),
+        "estimates": rows,
+        "plan": plans["llama-2-7b"],
+        "plans": plans,
+    }
     Path(args.out).write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {args.out}")
 

@@ -49,15 +49,26 @@ def _rank(rank: int, world: int, job: dict) -> dict:
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     model = prepare_model(model.train(), job["policy"])
     torch.distributed.barrier()
-    result = {"load_seconds": time.perf_counter() - start,
-              "load_peak_rss_growth": _status_bytes("VmHWM") - before, "rss_after": _status_bytes("VmRSS") - before}
+    result = {
+        "load_seconds": time.perf_counter() - start,
+        "load_peak_rss_growth": _status_bytes("VmHWM") - before,
+        "rss_after": _status_bytes("VmRSS") - before,
+    }
     if job.get("step"):
         per = job["batch"] // world
-        batch = {k: v[rank * per:(rank + 1) * per] for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()}
+        batch = {
+            k: v[rank * per : (rank + 1) * per]
+            for k, v in reference_batch(job["batch"], job["seq"], job["vocab"]).items()
+        }
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         m = measure_step(model, batch, opt, timed=True)
-        result.update(dataclasses.asdict(model_state_bytes(model, opt)), peak=m.peak_bytes, peak_phase=m.peak_phase, saved_activations=m.saved_activations,
-                      step_seconds=m.step_seconds)
+        result.update(
+            dataclasses.asdict(model_state_bytes(model, opt)),
+            peak=m.peak_bytes,
+            peak_phase=m.peak_phase,
+            saved_activations=m.saved_activations,
+            step_seconds=m.step_seconds,
+        )
     return result
 
 
@@ -95,28 +106,52 @@ def main() -> None:
             m = prepare_model(m, policy.replace("+fsdp", ""))
             o = torch.optim.AdamW(m.parameters(), lr=1e-4)
             s = measure_step(m, reference_batch(args.batch, args.seq, args.vocab), o, timed=False)
-            alone[policy] = {**dataclasses.asdict(model_state_bytes(m, o)), "peak": s.peak_bytes, "saved_activations": s.saved_activations}
+            alone[policy] = {
+                **dataclasses.asdict(model_state_bytes(m, o)),
+                "peak": s.peak_bytes,
+                "saved_activations": s.saved_activations,
+            }
         del model, opt
 
-        print(f"{machine()}\nLlama {args.layers} layers, h={args.hidden}, vocab {args.vocab}: {n_params / 1e6:.0f}M parameters "
-              f"({format_bytes(4 * n_params)} fp32); 2 ranks, global batch {args.batch} x seq {args.seq}\n")
+        print(
+            f"{machine()}\nLlama {args.layers} layers, h={args.hidden}, vocab {args.vocab}: {n_params / 1e6:.0f}M parameters "
+            f"({format_bytes(4 * n_params)} fp32); 2 ranks, global batch {args.batch} x seq {args.seq}\n"
+        )
         print("| loading | rank | peak RSS growth, load + shard | RSS growth after | seconds |\n|---|---|---|---|---|")
         rows["loading"] = {}
         for load in ("every rank from_pretrained", "rank 0 + broadcast"):
             ranks = _run({"load": load, "model_dir": tmp, "policy": "fp32+fsdp"})
             rows["loading"][load] = ranks
             for r, res in enumerate(ranks):
-                print(f"| {load} | {r} | {format_bytes(res['load_peak_rss_growth'])} | {format_bytes(res['rss_after'])} | {res['load_seconds']:.1f} |")
+                print(
+                    f"| {load} | {r} | {format_bytes(res['load_peak_rss_growth'])} | {format_bytes(res['rss_after'])} | {res['load_seconds']:.1f} |"
+                )
 
-        print("\n| policy | params+grads+optimizer per rank | vs one process | activations after forward per rank | step peak per rank (phase) | vs one process |\n|---|---|---|---|---|---|")
+        print(
+            "\n| policy | params+grads+optimizer per rank | vs one process | activations after forward per rank | step peak per rank (phase) | vs one process |\n|---|---|---|---|---|---|"
+        )
         rows["steps"] = {}
         for policy in POLICIES:
-            ranks = _run({"load": "rank 0 + broadcast", "model_dir": tmp, "policy": policy, "step": True,
-                          "batch": args.batch, "seq": args.seq, "vocab": args.vocab})
+            ranks = _run(
+                {
+                    "load": "rank 0 + broadcast",
+                    "model_dir": tmp,
+                    "policy": policy,
+                    "step": True,
+                    "batch": args.batch,
+                    "seq": args.seq,
+                    "vocab": args.vocab,
+                }
+            )
             rows["steps"][policy] = {"ranks": ranks, "one_process": alone[policy]}
             r0, a = ranks[0], alone[policy]
-            states, states_alone = (r0["parameters"] + r0["gradients"] + r0["optimizer"]), (a["parameters"] + a["gradients"] + a["optimizer"])
-            print(f"| {policy} | {format_bytes(states)} | {states / states_alone:.2f} | {format_bytes(r0['saved_activations'])} | {format_bytes(r0['peak'])} ({r0['peak_phase']}) | {r0['peak'] / a['peak']:.2f} |")
+            states, states_alone = (
+                (r0["parameters"] + r0["gradients"] + r0["optimizer"]),
+                (a["parameters"] + a["gradients"] + a["optimizer"]),
+            )
+            print(
+                f"| {policy} | {format_bytes(states)} | {states / states_alone:.2f} | {format_bytes(r0['saved_activations'])} | {format_bytes(r0['peak'])} ({r0['peak_phase']}) | {r0['peak'] / a['peak']:.2f} |"
+            )
     out = Path(args.out)
     out.write_text(json.dumps(rows, indent=2))
     print(f"\nwritten to {out}")

@@ -34,15 +34,29 @@ from hf_memstack.accounting import optimizer_state_bytes
 from hf_memstack.precision import cpu_has_native_bf16
 
 RUNGS = [
-    "fp32", "bf16", "bf16+ckpt:2", "bf16+ckpt", "bf16+compile", "bf16+compile+ckpt", "bf16+compile:regional+ckpt",
-    "bf16+loss:chunked", "bf16+ckpt:selective", "bf16+ckpt:selective:alternate", "bf16+ckpt+loss:chunked",
-    "bf16+ckpt:selective+loss:chunked", "bf16+ckpt:selective:alternate+loss:chunked", "bf16+compile+ckpt+loss:chunked",
-    "bf16+ckpt+loss:chunked+optim:in_backward", "bf16+ckpt+loss:chunked+optim:8bit",
+    "fp32",
+    "bf16",
+    "bf16+ckpt:2",
+    "bf16+ckpt",
+    "bf16+compile",
+    "bf16+compile+ckpt",
+    "bf16+compile:regional+ckpt",
+    "bf16+loss:chunked",
+    "bf16+ckpt:selective",
+    "bf16+ckpt:selective:alternate",
+    "bf16+ckpt+loss:chunked",
+    "bf16+ckpt:selective+loss:chunked",
+    "bf16+ckpt:selective:alternate+loss:chunked",
+    "bf16+compile+ckpt+loss:chunked",
+    "bf16+ckpt+loss:chunked+optim:in_backward",
+    "bf16+ckpt+loss:chunked+optim:8bit",
     "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward",
 ]
 LARGE_VOCAB_RUNGS = ["bf16", "bf16+loss:chunked", "bf16+ckpt", "bf16+ckpt+loss:chunked"]
-MODELS = {"ladder": {"layers": 4, "hidden": 1024, "vocab": 32000, "batch": 4, "seq": 256},
-          "large-vocab": {"layers": 4, "hidden": 1024, "vocab": 128256, "batch": 4, "seq": 512}}
+MODELS = {
+    "ladder": {"layers": 4, "hidden": 1024, "vocab": 32000, "batch": 4, "seq": 256},
+    "large-vocab": {"layers": 4, "hidden": 1024, "vocab": 128256, "batch": 4, "seq": 512},
+}
 
 
 # --------------------------------------------------------------------------- the hand-written side
@@ -51,7 +65,12 @@ def _hand_sac_context() -> tuple:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+    save = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     alternate = getattr(_hand_sac_context, "alternate", False)
     count = {"forward": 0, "recompute": 0}
 
@@ -128,7 +147,9 @@ def hand_optimizer(model: torch.nn.Module, rung: str) -> torch.optim.Optimizer |
     return None
 
 
-def _eager_step(model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer | None, rung: str, device: str) -> float:
+def _eager_step(
+    model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer | None, rung: str, device: str
+) -> float:
     # Under the meter's dispatch mode dynamo refuses to compile torchao's step (hf_memstack's
     # AdamW8bit runs it eagerly there for the same reason): do the same for the hand-written one.
     with torch.compiler.set_stance("force_eager"):
@@ -174,17 +195,32 @@ def run_rung(rung: str, shape: dict, args: argparse.Namespace, device: str) -> d
     mem_ours = measure_step(ours, batch, opt_ours, timed=False)
     # The hand-written optimizer-in-backward has no optimizer object: show the meter its state.
     tracked_hand = opt_hand if opt_hand is not None else _States(getattr(hand, "_hand_optimizers", {}))
-    mem_hand = measure_step(hand, batch, tracked_hand, timed=False, step_fn=lambda m, b, o: _eager_step(hand, b, opt_hand, rung, device))
+    mem_hand = measure_step(
+        hand, batch, tracked_hand, timed=False, step_fn=lambda m, b, o: _eager_step(hand, b, opt_hand, rung, device)
+    )
     # Model states: parameters, the most gradient bytes alive at once, and the optimizer's state.
     states = model_state_bytes(ours).parameters + grads + optimizer_state_bytes(opt_ours)
     return {
-        "rung": rung, "prepare_s": prepare_s, "verify_ok": report.ok, "verify": str(report),
-        "first_step_s": first_ours, "first_step_hand_s": first_hand, "step_times": times_ours, "step_times_hand": times_hand,
-        "step_s": median(times_ours), "step_hand_s": median(times_hand),
-        "peak_bytes": mem_ours.peak_bytes, "peak_hand_bytes": mem_hand.peak_bytes, "peak_phase": mem_ours.peak_phase,
-        "activation_bytes": mem_ours.saved_activations, "model_state_bytes": states, "peak_gradient_bytes": grads,
-        "optimizer_state_bytes": optimizer_state_bytes(opt_ours), "forward_flops": report.forward_flops,
-        "backward_flops": report.backward_flops, "recompute_flops": report.recompute_flops,
+        "rung": rung,
+        "prepare_s": prepare_s,
+        "verify_ok": report.ok,
+        "verify": str(report),
+        "first_step_s": first_ours,
+        "first_step_hand_s": first_hand,
+        "step_times": times_ours,
+        "step_times_hand": times_hand,
+        "step_s": median(times_ours),
+        "step_hand_s": median(times_hand),
+        "peak_bytes": mem_ours.peak_bytes,
+        "peak_hand_bytes": mem_hand.peak_bytes,
+        "peak_phase": mem_ours.peak_phase,
+        "activation_bytes": mem_ours.saved_activations,
+        "model_state_bytes": states,
+        "peak_gradient_bytes": grads,
+        "optimizer_state_bytes": optimizer_state_bytes(opt_ours),
+        "forward_flops": report.forward_flops,
+        "backward_flops": report.backward_flops,
+        "recompute_flops": report.recompute_flops,
         "parameter_bytes": model_state_bytes(ours).parameters,
     }
 
@@ -194,7 +230,7 @@ def interleaved_times(step_a, step_b, steps: int, device: str) -> tuple[list[flo
     hit both alike."""
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(steps):
-        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for k in (0, 1) if i % 2 == 0 else (1, 0):
             times[k].append(timed((step_a, step_b)[k], device))
     return times
 
@@ -215,8 +251,12 @@ def pair_comparison(rungs: list[str], shape: dict, args: argparse.Namespace, dev
     print(f"\nmachine: {machine()}; {shape}; {args.steps} interleaved pairs")
     print(f"{a_rung}: {spread(times[0])} s;  {b_rung}: {spread(times[1])} s")
     print(f"step time {b_rung} / {a_rung}: {stats['gmean']:.3f} (95% CI {stats['ci95'][0]:.3f}-{stats['ci95'][1]:.3f})")
-    return {"rungs": rungs, "step_times": {a_rung: times[0], b_rung: times[1]}, "b_over_a_time": stats["gmean"],
-            "ci95": list(stats["ci95"])}
+    return {
+        "rungs": rungs,
+        "step_times": {a_rung: times[0], b_rung: times[1]},
+        "b_over_a_time": stats["gmean"],
+        "ci95": list(stats["ci95"]),
+    }
 
 
 def peak_live_gradients(model: torch.nn.Module, step) -> int:
@@ -235,7 +275,9 @@ def peak_live_gradients(model: torch.nn.Module, step) -> int:
             live -= p.numel() * p.element_size()
 
     params = [p for p in model.parameters() if p.requires_grad]
-    handles = [h for p in params for h in (p.register_hook(computed), p.register_post_accumulate_grad_hook(accumulated))]
+    handles = [
+        h for p in params for h in (p.register_hook(computed), p.register_post_accumulate_grad_hook(accumulated))
+    ]
     try:
         step()
     finally:
@@ -251,8 +293,13 @@ def ratio_stats(ours: list[float], hand: list[float]) -> dict:
     mean = statistics.fmean(logs)
     half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"median": statistics.median(ratios), "q1": q[0], "q3": q[2], "gmean": math.exp(mean),
-            "ci95": (math.exp(mean - half), math.exp(mean + half))}
+    return {
+        "median": statistics.median(ratios),
+        "q1": q[0],
+        "q3": q[2],
+        "gmean": math.exp(mean),
+        "ci95": (math.exp(mean - half), math.exp(mean + half)),
+    }
 
 
 def spread(times: list[float]) -> str:
@@ -266,7 +313,9 @@ def compile_times(shape: dict, args: argparse.Namespace, device: str) -> dict:
     batch = reference_batch(shape["batch"], shape["seq"], vocab=shape["vocab"], device=device)
     for mode in ("compile", "compile:regional"):
         torch._dynamo.reset()
-        model = prepare_model(reference_model(args.compile_layers, shape["hidden"], vocab=shape["vocab"]).to(device), f"bf16+{mode}")
+        model = prepare_model(
+            reference_model(args.compile_layers, shape["hidden"], vocab=shape["vocab"]).to(device), f"bf16+{mode}"
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         step = functools.partial(train_step, model, batch, opt)
         # Cold compiles: with Inductor's on-disk caches warm (from the rungs above or an earlier
@@ -274,8 +323,12 @@ def compile_times(shape: dict, args: argparse.Namespace, device: str) -> dict:
         with torch._inductor.config.patch(force_disable_caches=True):
             first = timed(step, device)
         steady = median([timed(step, device) for _ in range(2)])
-        out[mode] = {"first_step_s": first, "steady_step_s": steady, "compile_s": first - steady,
-                     "backend_compile_s": model.memstack.compile.compile_seconds}
+        out[mode] = {
+            "first_step_s": first,
+            "steady_step_s": steady,
+            "compile_s": first - steady,
+            "backend_compile_s": model.memstack.compile.compile_seconds,
+        }
     return out
 
 
@@ -283,19 +336,25 @@ def print_table(rows: list[dict], shape: dict, args: argparse.Namespace, params:
     base = next((r for r in rows if r["rung"] == "fp32"), rows[0])
     bf16 = next((r for r in rows if r["rung"] == "bf16"), base)
     print(f"\nmachine: {machine()}; native bf16: {cpu_has_native_bf16()}")
-    print(f"model: Llama {shape['layers']} layers, hidden {shape['hidden']}, vocabulary {shape['vocab']}, {params / 1e6:.1f}M params; "
-          f"batch {shape['batch']}, seq {shape['seq']}; {args.steps} interleaved steps per rung and side\n")
-    print("| rung | step s, median [IQR] | speed vs fp32 | peak MiB | activations after forward MiB (vs bf16) | model states MiB "
-          "| backward FLOPs vs bf16 | ours/hand speed, median [IQR] (95% CI) | ours/hand peak | verify |")
+    print(
+        f"model: Llama {shape['layers']} layers, hidden {shape['hidden']}, vocabulary {shape['vocab']}, {params / 1e6:.1f}M params; "
+        f"batch {shape['batch']}, seq {shape['seq']}; {args.steps} interleaved steps per rung and side\n"
+    )
+    print(
+        "| rung | step s, median [IQR] | speed vs fp32 | peak MiB | activations after forward MiB (vs bf16) | model states MiB "
+        "| backward FLOPs vs bf16 | ours/hand speed, median [IQR] (95% CI) | ours/hand peak | verify |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = ratio_stats(r["step_times"], r["step_times_hand"])
         flops = r["backward_flops"] / bf16["backward_flops"] - 1 if bf16.get("backward_flops") else float("nan")
-        print(f"| {r['rung']} | {spread(r['step_times'])} | {base['step_s'] / r['step_s']:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
-              f"{r['activation_bytes'] / 2**20:.0f} ({r['activation_bytes'] / bf16['activation_bytes']:.2f}) | "
-              f"{r['model_state_bytes'] / 2**20:.0f} | {flops:+.1%} | {s['median']:.3f} [{s['q1']:.3f}-{s['q3']:.3f}] "
-              f"({s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}) | {r['peak_bytes'] / r['peak_hand_bytes']:.3f} | "
-              f"{'ok' if r['verify_ok'] else 'FAIL'} |")
+        print(
+            f"| {r['rung']} | {spread(r['step_times'])} | {base['step_s'] / r['step_s']:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
+            f"{r['activation_bytes'] / 2**20:.0f} ({r['activation_bytes'] / bf16['activation_bytes']:.2f}) | "
+            f"{r['model_state_bytes'] / 2**20:.0f} | {flops:+.1%} | {s['median']:.3f} [{s['q1']:.3f}-{s['q3']:.3f}] "
+            f"({s['ci95'][0]:.3f}-{s['ci95'][1]:.3f}) | {r['peak_bytes'] / r['peak_hand_bytes']:.3f} | "
+            f"{'ok' if r['verify_ok'] else 'FAIL'} |"
+        )
 
 
 def print_targets(rows: list[dict]) -> None:
@@ -304,20 +363,42 @@ def print_targets(rows: list[dict]) -> None:
     def rel(a: str, b: str, key: str) -> float | None:
         return by[a][key] / by[b][key] if a in by and b in by and by[b][key] else None
 
-    lines = [("activations after forward, bf16+ckpt+loss:chunked / bf16 (target <= 0.30)", rel("bf16+ckpt+loss:chunked", "bf16", "activation_bytes")),
-             ("activations after forward, bf16+ckpt / bf16", rel("bf16+ckpt", "bf16", "activation_bytes"))]
+    lines = [
+        (
+            "activations after forward, bf16+ckpt+loss:chunked / bf16 (target <= 0.30)",
+            rel("bf16+ckpt+loss:chunked", "bf16", "activation_bytes"),
+        ),
+        ("activations after forward, bf16+ckpt / bf16", rel("bf16+ckpt", "bf16", "activation_bytes")),
+    ]
     for sel in ("bf16+ckpt:selective", "bf16+ckpt:selective:alternate"):
         for suffix, base in (("", "bf16"), ("+loss:chunked", "bf16+loss:chunked")):
             if sel + suffix in by and base in by:
                 r, b = by[sel + suffix], by[base]
-                lines.append((f"{sel}{suffix} vs {base}: backward FLOPs (target <= +15%)", r["backward_flops"] / b["backward_flops"]))
-                lines.append((f"{sel}{suffix} vs {base}: activations saved (target >= 40%)", 1 - r["activation_bytes"] / b["activation_bytes"]))
+                lines.append(
+                    (
+                        f"{sel}{suffix} vs {base}: backward FLOPs (target <= +15%)",
+                        r["backward_flops"] / b["backward_flops"],
+                    )
+                )
+                lines.append(
+                    (
+                        f"{sel}{suffix} vs {base}: activations saved (target >= 40%)",
+                        1 - r["activation_bytes"] / b["activation_bytes"],
+                    )
+                )
     if "bf16+ckpt" in by:
         lines.append(("backward FLOPs, bf16+ckpt vs bf16", rel("bf16+ckpt", "bf16", "backward_flops")))
-    for opt in ("bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward", "bf16+ckpt+loss:chunked+optim:8bit",
-                "bf16+ckpt+loss:chunked+optim:in_backward"):
-        lines.append((f"model states at the peak, {opt} / bf16+ckpt+loss:chunked (target <= 0.45 for both)",
-                      rel(opt, "bf16+ckpt+loss:chunked", "model_state_bytes")))
+    for opt in (
+        "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward",
+        "bf16+ckpt+loss:chunked+optim:8bit",
+        "bf16+ckpt+loss:chunked+optim:in_backward",
+    ):
+        lines.append(
+            (
+                f"model states at the peak, {opt} / bf16+ckpt+loss:chunked (target <= 0.45 for both)",
+                rel(opt, "bf16+ckpt+loss:chunked", "model_state_bytes"),
+            )
+        )
     print()
     for text, value in lines:
         if value is not None:
@@ -328,8 +409,10 @@ def large_vocab_summary(rows: list[dict]) -> None:
     by = {r["rung"]: r for r in rows}
     if "bf16+ckpt" in by and "bf16+ckpt+loss:chunked" in by:
         a, b = by["bf16+ckpt"], by["bf16+ckpt+loss:chunked"]
-        print(f"\n* bf16+ckpt+loss:chunked vs bf16+ckpt: peak {b['peak_bytes'] / a['peak_bytes'] - 1:+.1%} (target <= -30%), "
-              f"step time {b['step_s'] / a['step_s'] - 1:+.1%} (target <= +10%; medians of interleaved runs of both rungs below)")
+        print(
+            f"\n* bf16+ckpt+loss:chunked vs bf16+ckpt: peak {b['peak_bytes'] / a['peak_bytes'] - 1:+.1%} (target <= -30%), "
+            f"step time {b['step_s'] / a['step_s'] - 1:+.1%} (target <= +10%; medians of interleaved runs of both rungs below)"
+        )
 
 
 # ------------------------------------------------------------------------------ loss head alone
@@ -359,22 +442,31 @@ def head_comparison(args: argparse.Namespace) -> dict:
     def torch_lce(x):
         with torch.autocast("cpu", torch.bfloat16):
             w, xb = head.weight.to(torch.bfloat16), x.to(torch.bfloat16)
-        return F.linear_cross_entropy(xb, w, target, options=torch.nn.LinearCrossEntropyOptions())  # its loss comes back in bf16
+        return F.linear_cross_entropy(
+            xb, w, target, options=torch.nn.LinearCrossEntropyOptions()
+        )  # its loss comes back in bf16
 
     def checkpointed(x):
         def piece(xc, yc):
             with torch.autocast("cpu", torch.bfloat16):
                 logits = head(xc)
             return F.cross_entropy(logits.float(), yc, reduction="sum")
-        total = sum(checkpoint(piece, x[s:s + chunk], target[s:s + chunk], use_reentrant=False) for s in range(0, n, chunk))
+
+        total = sum(
+            checkpoint(piece, x[s : s + chunk], target[s : s + chunk], use_reentrant=False) for s in range(0, n, chunk)
+        )
         return total / n
 
     def fused(x):
         with torch.autocast("cpu", torch.bfloat16):
             return chunked_lm_loss(x.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_tokens=chunk)
 
-    fns = {"plain head + fp32 loss": plain, "torch F.linear_cross_entropy": torch_lce, "checkpointed chunks": checkpointed,
-           "hf_memstack fused chunks": fused}
+    fns = {
+        "plain head + fp32 loss": plain,
+        "torch F.linear_cross_entropy": torch_lce,
+        "checkpointed chunks": checkpointed,
+        "hf_memstack fused chunks": fused,
+    }
     out = {}
     for name, fn in fns.items():
         x = hidden0.clone().requires_grad_(True)
@@ -385,7 +477,12 @@ def head_comparison(args: argparse.Namespace) -> dict:
         with tracker:
             loss = call(x)
             loss.backward()
-        peak = sum(int(val) for dev in tracker.get_tracker_snapshot("peak").values() for k, val in dev.items() if "Total" in str(k))
+        peak = sum(
+            int(val)
+            for dev in tracker.get_tracker_snapshot("peak").values()
+            for k, val in dev.items()
+            if "Total" in str(k)
+        )
         out[name] = {"loss": float(loss.detach()), "loss_dtype": str(loss.dtype), "peak_bytes": peak, "times": []}
     for _ in range(args.head_steps):
         for name, fn in fns.items():
@@ -393,13 +490,17 @@ def head_comparison(args: argparse.Namespace) -> dict:
             head.weight.grad = None
             out[name]["times"].append(timed(lambda fn=fn, x=x: fn(x).backward(), "cpu"))
     ref = out["plain head + fp32 loss"]
-    print(f"\nloss head alone: {n} tokens, hidden {h}, vocabulary {v}, bf16 autocast, chunks of {chunk} tokens; "
-          f"{args.head_steps} interleaved runs; peak includes the fp32 weight and its gradient ({2 * h * v * 4 / 2**20:.0f} MiB)\n")
+    print(
+        f"\nloss head alone: {n} tokens, hidden {h}, vocabulary {v}, bf16 autocast, chunks of {chunk} tokens; "
+        f"{args.head_steps} interleaved runs; peak includes the fp32 weight and its gradient ({2 * h * v * 4 / 2**20:.0f} MiB)\n"
+    )
     print("| implementation | forward+backward s, median [IQR] | time vs plain | peak MiB | loss (dtype) |")
     print("|---|---|---|---|---|")
     for name, r in out.items():
-        print(f"| {name} | {spread(r['times'])} | {median(r['times']) / median(ref['times']):.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
-              f"{r['loss']:.4f} ({r['loss_dtype']}) |")
+        print(
+            f"| {name} | {spread(r['times'])} | {median(r['times']) / median(ref['times']):.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
+            f"{r['loss']:.4f} ({r['loss_dtype']}) |"
+        )
     return {"tokens": n, "hidden": h, "vocab": v, "chunk_tokens": chunk, "results": out}
 
 
@@ -420,8 +521,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--seq", type=int)
-    ap.add_argument("--steps", type=int, default=20, help="interleaved timed steps per rung and side (after one warm-up step)")
-    ap.add_argument("--compile-layers", type=int, default=8, help="depth of the model for full vs regional compile time (0 skips)")
+    ap.add_argument(
+        "--steps", type=int, default=20, help="interleaved timed steps per rung and side (after one warm-up step)"
+    )
+    ap.add_argument(
+        "--compile-layers", type=int, default=8, help="depth of the model for full vs regional compile time (0 skips)"
+    )
     ap.add_argument("--rungs", help="comma-separated rungs (default: the model's list)")
     ap.add_argument("--head", action="store_true", help="only compare the loss-head implementations")
     ap.add_argument("--pair", help="A,B: only compare two rungs' step times (ours), interleaved step by step")
@@ -439,8 +544,17 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.pair:
         out = Path(args.out or results / f"ladder_pair_{args.model}.json")
-        out.write_text(json.dumps({"machine": machine(), "args": vars(args), "shape": shape,
-                                   **pair_comparison(args.pair.split(","), shape, args, device)}, indent=2))
+        out.write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "args": vars(args),
+                    "shape": shape,
+                    **pair_comparison(args.pair.split(","), shape, args, device),
+                },
+                indent=2,
+            )
+        )
         print(f"\nwrote {out}")
         return
     rungs = args.rungs.split(",") if args.rungs else (RUNGS if args.model == "ladder" else LARGE_VOCAB_RUNGS)
@@ -449,18 +563,34 @@ def main() -> None:
         print(f"running {rung} ...", flush=True)
         rows.append(run_rung(rung, shape, args, device))
     compile_cmp = compile_times(shape, args, device) if args.compile_layers and args.model == "ladder" else {}
-    params = sum(p.numel() for p in reference_model(shape["layers"], shape["hidden"], vocab=shape["vocab"]).parameters())
+    params = sum(
+        p.numel() for p in reference_model(shape["layers"], shape["hidden"], vocab=shape["vocab"]).parameters()
+    )
     print_table(rows, shape, args, params)
     print_targets(rows) if args.model == "ladder" else large_vocab_summary(rows)
     if compile_cmp:
         full, reg = compile_cmp["compile"], compile_cmp["compile:regional"]
-        print(f"\ncompile time, {args.compile_layers}-layer model (first step minus a steady step): whole model "
-              f"{full['compile_s']:.1f} s, regional {reg['compile_s']:.1f} s -> regional/whole = {reg['compile_s'] / full['compile_s']:.2f}")
+        print(
+            f"\ncompile time, {args.compile_layers}-layer model (first step minus a steady step): whole model "
+            f"{full['compile_s']:.1f} s, regional {reg['compile_s']:.1f} s -> regional/whole = {reg['compile_s'] / full['compile_s']:.2f}"
+        )
     default = "ladder.json" if args.model == "ladder" else "ladder_large_vocab.json"
     out = Path(args.out or results / default)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "native_bf16": cpu_has_native_bf16(), "args": vars(args), "shape": shape,
-                               "params": params, "rungs": rows, "compile": compile_cmp}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "native_bf16": cpu_has_native_bf16(),
+                "args": vars(args),
+                "shape": shape,
+                "params": params,
+                "rungs": rows,
+                "compile": compile_cmp,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out}")
     if args.model == "ladder":
         _plot(rows, out.with_suffix(".png"))

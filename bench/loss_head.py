@@ -59,6 +59,7 @@ def implementations(head: torch.nn.Linear, target: torch.Tensor, dtype: torch.dt
     fns["Transformers (logits + fp32 CE)"] = transformers_way
 
     if hasattr(F, "linear_cross_entropy"):
+
         def torch_lce(x):
             w, xb = head.weight.to(dtype), x.to(dtype)
             return F.linear_cross_entropy(xb, w, target, options=torch.nn.LinearCrossEntropyOptions()).float()
@@ -78,6 +79,7 @@ def implementations(head: torch.nn.Linear, target: torch.Tensor, dtype: torch.dt
 
     trl_fn = _trl_chunked_logprob()
     if trl_fn is not None:
+
         def trl_chunked(x):
             with cast():
                 logprobs = trl_fn.apply(x, head.weight, None, target, 1.0, 4096, None, 1.0, ())[0]
@@ -95,7 +97,9 @@ def implementations(head: torch.nn.Linear, target: torch.Tensor, dtype: torch.dt
 
     def ours(x, compiled=False):
         with cast():
-            return chunked_lm_loss(x.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_tokens=chunk, compiled=compiled)
+            return chunked_lm_loss(
+                x.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_tokens=chunk, compiled=compiled
+            )
 
     fns["hf_memstack fused chunks"] = ours
     fns["hf_memstack fused chunks, compiled"] = lambda x: ours(x, compiled=True)
@@ -174,7 +178,9 @@ def _tracked_peak(fn: Any, hidden0: torch.Tensor, head: torch.nn.Linear) -> int:
     tracker.track_external(call)
     with tracker:
         call(x).backward()
-    return sum(int(v) for dev in tracker.get_tracker_snapshot("peak").values() for k, v in dev.items() if "Total" in str(k))
+    return sum(
+        int(v) for dev in tracker.get_tracker_snapshot("peak").values() for k, v in dev.items() if "Total" in str(k)
+    )
 
 
 def _rss_peak(fn: Any, hidden0: torch.Tensor, head: torch.nn.Linear) -> int:
@@ -204,16 +210,22 @@ def report(run: dict[str, Any], args: argparse.Namespace) -> None:
     res = run["results"]
     ref = res["Transformers (logits + fp32 CE)"]
     t_ref = statistics.median(ref["times"])
-    print(f"\nvocabulary {run['vocab']}: {args.tokens} tokens, hidden {args.hidden}, {args.dtype}, chunks of {run['chunk_tokens']} "
-          f"tokens (ours); {args.runs} interleaved runs; peaks: the resident growth over one forward + backward (the weight's gradient included)\n")
-    print("| implementation | fwd+bwd s, median [min-max] | time vs Transformers | peak MiB (resident) | peak vs Transformers | "
-          "MemTracker peak MiB | loss |")
+    print(
+        f"\nvocabulary {run['vocab']}: {args.tokens} tokens, hidden {args.hidden}, {args.dtype}, chunks of {run['chunk_tokens']} "
+        f"tokens (ours); {args.runs} interleaved runs; peaks: the resident growth over one forward + backward (the weight's gradient included)\n"
+    )
+    print(
+        "| implementation | fwd+bwd s, median [min-max] | time vs Transformers | peak MiB (resident) | peak vs Transformers | "
+        "MemTracker peak MiB | loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
         t = statistics.median(r["times"])
         tracked = f"{r['tracked_peak_bytes'] / 2**20:.0f}" if r["tracked_peak_bytes"] else "n/a (compiled)"
-        print(f"| {name} | {t:.3f} [{min(r['times']):.3f}-{max(r['times']):.3f}] | {t / t_ref:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
-              f"{r['peak_bytes'] / ref['peak_bytes']:.2f}x | {tracked} | {r['loss']:.4f} |")
+        print(
+            f"| {name} | {t:.3f} [{min(r['times']):.3f}-{max(r['times']):.3f}] | {t / t_ref:.2f}x | {r['peak_bytes'] / 2**20:.0f} | "
+            f"{r['peak_bytes'] / ref['peak_bytes']:.2f}x | {tracked} | {r['loss']:.4f} |"
+        )
 
 
 def main() -> None:
@@ -225,7 +237,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32", "auto"], default="auto")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "loss_head.json"))
     args = ap.parse_args()
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":  # freed tensors go back to the kernel: resident peaks are real
+    if (
+        os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536"
+    ):  # freed tensors go back to the kernel: resident peaks are real
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     native = cpu_has_native_bf16()
     if args.dtype == "auto":
@@ -235,7 +249,9 @@ def main() -> None:
     runs = [measure(v, args, dtype) for v in args.vocab]
     for run in runs:
         report(run, args)
-    Path(args.out).write_text(json.dumps({"machine": machine(), "native_bf16": native, "args": vars(args), "runs": runs}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"machine": machine(), "native_bf16": native, "args": vars(args), "runs": runs}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -87,20 +87,29 @@ def _pad(rows: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def packed_batches(samples: list[dict[str, list[int]]], args: argparse.Namespace, seed: int) -> list[dict[str, torch.Tensor]]:
+def packed_batches(
+    samples: list[dict[str, list[int]]], args: argparse.Namespace, seed: int
+) -> list[dict[str, torch.Tensor]]:
     rows = pack_dataset(samples, args.max_len)
     random.Random(seed).shuffle(rows)
     per_step = max(1, args.budget // args.max_len)
     collate = PackedCollator(pad_to=args.max_len)
-    return [collate(rows[i:i + per_step]) for i in range(0, len(rows), per_step)]
+    return [collate(rows[i : i + per_step]) for i in range(0, len(rows), per_step)]
 
 
 def model_config(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 64 * 64, num_hidden_layers=args.layers,
-                       num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 256),
-                       vocab_size=args.vocab, max_position_embeddings=args.max_len, attn_implementation="sdpa")
+    return LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=int(args.hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 256),
+        vocab_size=args.vocab,
+        max_position_embeddings=args.max_len,
+        attn_implementation="sdpa",
+    )
 
 
 def real_tokens(batch: dict[str, torch.Tensor]) -> int:
@@ -127,8 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     precision = resolve_precision("auto", "cpu").name
     policy = f"{precision}+loss:chunked"
-    train, val = make_samples(args.samples, args, seed=args.seed), make_samples(args.val_samples, args, seed=10_000 + args.seed)
-    layouts = {"padded": padded_batches(train, args.budget, args.seed), "packed": packed_batches(train, args, args.seed)}
+    train, val = (
+        make_samples(args.samples, args, seed=args.seed),
+        make_samples(args.val_samples, args, seed=10_000 + args.seed),
+    )
+    layouts = {
+        "padded": padded_batches(train, args.budget, args.seed),
+        "packed": packed_batches(train, args, args.seed),
+    }
     torch.manual_seed(args.seed)
     base = LlamaForCausalLM(model_config(args)).train()
     sides: dict[str, Any] = {}
@@ -136,13 +151,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = prepare_model(copy.deepcopy(base), policy)
         first = batches[max(range(len(batches)), key=lambda i: batches[i]["input_ids"].numel())]
         peak = measure_step(model, first, make_optimizer(model, lr=1e-4), timed=False)  # on a copy that does not train
-        sides[name] = {"model": prepare_model(copy.deepcopy(base), policy), "batches": batches, "seconds": 0.0, "tokens": 0,
-                       "slots": sum(b["input_ids"].numel() for b in batches), "losses": [], "peak_bytes": peak.peak_bytes,
-                       "largest_batch": list(first["input_ids"].shape)}
+        sides[name] = {
+            "model": prepare_model(copy.deepcopy(base), policy),
+            "batches": batches,
+            "seconds": 0.0,
+            "tokens": 0,
+            "slots": sum(b["input_ids"].numel() for b in batches),
+            "losses": [],
+            "peak_bytes": peak.peak_bytes,
+            "largest_batch": list(first["input_ids"].shape),
+        }
         sides[name]["optimizer"] = make_optimizer(sides[name]["model"], lr=args.lr)
     steps = max(len(s["batches"]) for s in sides.values())
     for i in range(steps):  # alternate: one step of each, in turn
-        for name in (("padded", "packed") if i % 2 == 0 else ("packed", "padded")):
+        for name in ("padded", "packed") if i % 2 == 0 else ("packed", "padded"):
             side = sides[name]
             if i >= len(side["batches"]):
                 continue
@@ -155,19 +177,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             side["seconds"] += time.perf_counter() - start
             side["tokens"] += real_tokens(batch)
             side["losses"].append(float(loss.detach()))
-    out: dict[str, Any] = {"policy": policy, "samples": len(train), "train_tokens": sum(len(s["input_ids"]) for s in train)}
+    out: dict[str, Any] = {
+        "policy": policy,
+        "samples": len(train),
+        "train_tokens": sum(len(s["input_ids"]) for s in train),
+    }
     for name, side in sides.items():
-        out[name] = {"steps": len(side["batches"]), "seconds": side["seconds"], "tokens_per_s": side["tokens"] / side["seconds"],
-                     "real_tokens": side["tokens"], "slots": side["slots"], "padding_fraction": 1 - side["tokens"] / side["slots"],
-                     "peak_bytes": side["peak_bytes"], "largest_batch": side["largest_batch"],
-                     "held_out_loss": held_out_loss(side["model"], val), "first_loss": side["losses"][0], "last_loss": side["losses"][-1]}
+        out[name] = {
+            "steps": len(side["batches"]),
+            "seconds": side["seconds"],
+            "tokens_per_s": side["tokens"] / side["seconds"],
+            "real_tokens": side["tokens"],
+            "slots": side["slots"],
+            "padding_fraction": 1 - side["tokens"] / side["slots"],
+            "peak_bytes": side["peak_bytes"],
+            "largest_batch": side["largest_batch"],
+            "held_out_loss": held_out_loss(side["model"], val),
+            "first_loss": side["losses"][0],
+            "last_loss": side["losses"][-1],
+        }
     out["speedup"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
     out["padding_before"] = padding_stats([len(s["input_ids"]) for s in train], 8).padding_fraction
     out["estimates"] = estimates(args, policy, layouts)
     return out
 
 
-def estimates(args: argparse.Namespace, policy: str, layouts: dict[str, list[dict[str, torch.Tensor]]]) -> list[dict[str, Any]]:
+def estimates(
+    args: argparse.Namespace, policy: str, layouts: dict[str, list[dict[str, torch.Tensor]]]
+) -> list[dict[str, Any]]:
     """The estimator against the meter on one full batch of each layout (AdamW, the first step)."""
     from transformers import LlamaForCausalLM
 
@@ -183,7 +220,15 @@ def estimates(args: argparse.Namespace, policy: str, layouts: dict[str, list[dic
         measured = measure_step(model, batch, make_optimizer(model, lr=1e-4), timed=False).peak_bytes
         b, t = batch["input_ids"].shape
         estimated = estimate_memory(model_config(args), policy, batch_size=b, seq_len=t, packed=is_packed).peak_bytes
-        rows.append({"layout": name, "shape": [b, t], "measured": measured, "estimated": estimated, "error": estimated / measured - 1})
+        rows.append(
+            {
+                "layout": name,
+                "shape": [b, t],
+                "measured": measured,
+                "estimated": estimated,
+                "error": estimated / measured - 1,
+            }
+        )
     return rows
 
 
@@ -205,20 +250,32 @@ def main() -> None:
     native = cpu_has_native_bf16()
     print(f"machine: {machine()}; native bf16: {'yes' if native else 'no'}")
     out = run(args)
-    print(f"\n{out['samples']} samples, {out['train_tokens']} tokens, lognormal lengths (median {args.median}, max {args.max_len}), "
-          f"{args.budget} token slots per step, {out['policy']}, one epoch each, steps alternating\n")
-    print("| layout | steps | padding | real tokens/s | peak MiB (first step) | loss first -> last step | held-out loss |")
+    print(
+        f"\n{out['samples']} samples, {out['train_tokens']} tokens, lognormal lengths (median {args.median}, max {args.max_len}), "
+        f"{args.budget} token slots per step, {out['policy']}, one epoch each, steps alternating\n"
+    )
+    print(
+        "| layout | steps | padding | real tokens/s | peak MiB (first step) | loss first -> last step | held-out loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in ("padded", "packed"):
         r = out[name]
-        print(f"| {name} | {r['steps']} | {r['padding_fraction']:.1%} | {r['tokens_per_s']:.0f} | {r['peak_bytes'] / 2**20:.0f} | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['held_out_loss']:.4f} |")
-    print(f"\npacked / padded tokens per second: {out['speedup']:.2f}x (target >= 1.5x); padding of fixed batches of 8 "
-          f"padded to their longest: {out['padding_before']:.1%}")
+        print(
+            f"| {name} | {r['steps']} | {r['padding_fraction']:.1%} | {r['tokens_per_s']:.0f} | {r['peak_bytes'] / 2**20:.0f} | "
+            f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['held_out_loss']:.4f} |"
+        )
+    print(
+        f"\npacked / padded tokens per second: {out['speedup']:.2f}x (target >= 1.5x); padding of fixed batches of 8 "
+        f"padded to their longest: {out['padding_before']:.1%}"
+    )
     for e in out["estimates"]:
-        print(f"estimator, {e['layout']} batch {e['shape']}: measured {e['measured'] / 2**20:.1f} MiB, estimated "
-              f"{e['estimated'] / 2**20:.1f} MiB ({e['error']:+.1%})")
-    Path(args.out).write_text(json.dumps({"machine": machine(), "native_bf16": native, "args": vars(args), **out}, indent=1))
+        print(
+            f"estimator, {e['layout']} batch {e['shape']}: measured {e['measured'] / 2**20:.1f} MiB, estimated "
+            f"{e['estimated'] / 2**20:.1f} MiB ({e['error']:+.1%})"
+        )
+    Path(args.out).write_text(
+        json.dumps({"machine": machine(), "native_bf16": native, "args": vars(args), **out}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,12 @@ def _load(saved: Path, how: str) -> torch.nn.Module:
 
     kwargs: dict[str, Any] = {"dtype": torch.float32 if how == "fp32" else torch.bfloat16}
     if how == "bnb":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                                           bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
     model = AutoModelForCausalLM.from_pretrained(saved, **kwargs).train()
     return get_peft_model(model, LoraConfig(**LORA))
 
@@ -66,7 +70,9 @@ def _quantized_layer_bytes(model: torch.nn.Module) -> tuple[int, int, int]:
     if record.quant.layers:
         q = record.quant
         return q.bytes_4bit, 2 * q.weights, q.weights
-    layers = [m for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".layers." in n and "lora_" not in n]
+    layers = [
+        m for n, m in model.named_modules() if type(m) is torch.nn.Linear and ".layers." in n and "lora_" not in n
+    ]
     weights = sum(m.weight.numel() for m in layers)
     return sum(tensor_bytes(m.weight) for m in layers), 2 * weights, weights
 
@@ -86,16 +92,29 @@ def memory(args: argparse.Namespace) -> dict:
         saved = Path(tmp) / "model"
         reference_model(args.layers, args.hidden).to(torch.bfloat16).save_pretrained(saved)
         models, optimizers = {}, {}
-        for name, (how, policy) in [(n, v) for n, v in VARIANTS.items() if args.variants == "all" or n in args.variants.split(",")]:
+        for name, (how, policy) in [
+            (n, v) for n, v in VARIANTS.items() if args.variants == "all" or n in args.variants.split(",")
+        ]:
             torch.manual_seed(0)
             model = prepare_model(_load(saved, how), policy)
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
             now, bf16, weights = _quantized_layer_bytes(model)
             m = measure_step(model, batch, optimizer, timed=False)  # a warm-up step, then the measured one
             est = estimate_memory(saved, policy, batch_size=args.batch, seq_len=args.seq, trainable=LORA)
-            rows[name] = {"load": how, "policy": policy, "layer_bytes": now, "layer_bytes_bf16": bf16, "bits_per_weight": 8 * now / weights,
-                          "meter_peak": m.peak_bytes, "meter_parameters": m.parameters, "meter_activations": m.saved_activations,
-                          "estimate_peak": est.peak_bytes, "estimate_parameters": est.parameters, "step_s": [], "losses": []}
+            rows[name] = {
+                "load": how,
+                "policy": policy,
+                "layer_bytes": now,
+                "layer_bytes_bf16": bf16,
+                "bits_per_weight": 8 * now / weights,
+                "meter_peak": m.peak_bytes,
+                "meter_parameters": m.parameters,
+                "meter_activations": m.saved_activations,
+                "estimate_peak": est.peak_bytes,
+                "estimate_parameters": est.parameters,
+                "step_s": [],
+                "losses": [],
+            }
             models[name], optimizers[name] = model, optimizer
             print(f"  {name}: {m.summary()}", flush=True)
         for _ in range(args.rounds):  # interleaved: each round steps every variant once, on the same batch
@@ -108,14 +127,18 @@ def memory(args: argparse.Namespace) -> dict:
 
 def _print_memory(rows: dict) -> None:
     base = rows["lora (16-bit base)"]
-    print("\n| base weights | layers' bytes (vs bf16) | bits/weight | step peak MiB (vs LoRA) | step s, median (vs LoRA) | "
-          "loss after the rounds | estimate / meter |")
+    print(
+        "\n| base weights | layers' bytes (vs bf16) | bits/weight | step peak MiB (vs LoRA) | step s, median (vs LoRA) | "
+        "loss after the rounds | estimate / meter |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         step, base_step = median(r["step_s"]), median(base["step_s"])
-        print(f"| {name} | {r['layer_bytes'] / 2**20:.1f} MiB ({r['layer_bytes'] / r['layer_bytes_bf16']:.3f}) | {r['bits_per_weight']:.2f} | "
-              f"{r['meter_peak'] / 2**20:.0f} ({r['meter_peak'] / base['meter_peak']:.2f}) | {step:.2f} ({step / base_step:.2f}) | "
-              f"{r['losses'][-1]:.4f} | {r['estimate_peak'] / r['meter_peak']:.3f} |")
+        print(
+            f"| {name} | {r['layer_bytes'] / 2**20:.1f} MiB ({r['layer_bytes'] / r['layer_bytes_bf16']:.3f}) | {r['bits_per_weight']:.2f} | "
+            f"{r['meter_peak'] / 2**20:.0f} ({r['meter_peak'] / base['meter_peak']:.2f}) | {step:.2f} ({step / base_step:.2f}) | "
+            f"{r['losses'][-1]:.4f} | {r['estimate_peak'] / r['meter_peak']:.3f} |"
+        )
 
 
 def curves(args: argparse.Namespace) -> dict:
@@ -125,34 +148,79 @@ def curves(args: argparse.Namespace) -> dict:
         for policy in (f"{args.curve_precision}+ckpt", f"{args.curve_precision}+ckpt+quant:nf4"):
             for seed in range(args.seeds):
                 out = Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}"
-                cmd = [sys.executable, str(ROOT / "recipes" / "finetune.py"), "--policy", policy, "--lora-r", "16", "--seed", str(seed),
-                       "--max-steps", str(args.steps), "--log-every", "10", "--eval-every", "0", "--output-dir", str(out)]
+                cmd = [
+                    sys.executable,
+                    str(ROOT / "recipes" / "finetune.py"),
+                    "--policy",
+                    policy,
+                    "--lora-r",
+                    "16",
+                    "--seed",
+                    str(seed),
+                    "--max-steps",
+                    str(args.steps),
+                    "--log-every",
+                    "10",
+                    "--eval-every",
+                    "0",
+                    "--output-dir",
+                    str(out),
+                ]
                 start = time.perf_counter()
-                done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                done = subprocess.run(
+                    cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+                )
                 if done.returncode != 0:
                     raise SystemExit(f"{policy} seed {seed} failed:\n{done.stderr[-3000:]}")
                 report = json.loads((out / "report.json").read_text())
-                runs.append({"policy": policy, "seed": seed, "seconds": time.perf_counter() - start, "final": report["final_metrics"],
-                             "losses": [(h["step"], h["loss"]) for h in report["history"]]})
+                runs.append(
+                    {
+                        "policy": policy,
+                        "seed": seed,
+                        "seconds": time.perf_counter() - start,
+                        "final": report["final_metrics"],
+                        "losses": [(h["step"], h["loss"]) for h in report["history"]],
+                    }
+                )
                 print(f"  {policy} seed {seed}: {runs[-1]['seconds']:.0f} s, final {runs[-1]['final']}", flush=True)
 
     def tail(r: dict) -> float:
         losses = [loss for _, loss in r["losses"]]
-        return statistics.fmean(losses[-max(1, len(losses) // 4):])
+        return statistics.fmean(losses[-max(1, len(losses) // 4) :])
 
     print("\n| base weights | seed | train loss, last quarter | final eval loss | final accuracy | s/run |")
     print("|---|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['policy']} | {r['seed']} | {tail(r):.4f} | {r['final'].get('eval_loss', float('nan')):.4f} | "
-              f"{r['final'].get('eval_accuracy', float('nan')):.3f} | {r['seconds']:.0f} |")
+        print(
+            f"| {r['policy']} | {r['seed']} | {tail(r):.4f} | {r['final'].get('eval_loss', float('nan')):.4f} | "
+            f"{r['final'].get('eval_accuracy', float('nan')):.3f} | {r['seconds']:.0f} |"
+        )
     return {"steps": args.steps, "runs": runs}
 
 
 CONFIGS = {  # Llama-2-7B's and Llama-3-70B's shapes
-    "7b": ({"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-            "vocab_size": 32000}, "16GiB"),
-    "70b": ({"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-             "vocab_size": 128256}, "48GiB"),
+    "7b": (
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32000,
+        },
+        "16GiB",
+    ),
+    "70b": (
+        {
+            "hidden_size": 8192,
+            "intermediate_size": 28672,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+        },
+        "48GiB",
+    ),
 }
 
 
@@ -164,11 +232,22 @@ def plan(args: argparse.Namespace) -> dict:
         for name in args.configs.split(","):
             shape, budget = CONFIGS[name]
             # Saved as the real checkpoints are, in bf16 (Transformers 5 loads them so): the plan counts bf16 weights.
-            LlamaConfig(**shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(Path(tmp) / name)
+            LlamaConfig(
+                **shape, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, dtype="bfloat16"
+            ).save_pretrained(Path(tmp) / name)
             start = time.perf_counter()
-            p = plan_policy(Path(tmp) / name, budget=budget, seq_len=args.plan_seq, batch_size=args.plan_batch, device="cuda",
-                            trainable={"r": 16, "lora_alpha": 32})
-            print(f"\n{name}-shaped, {budget}, seq {args.plan_seq}, LoRA r=16 ({time.perf_counter() - start:.0f} s):\n{p.table()}", flush=True)
+            p = plan_policy(
+                Path(tmp) / name,
+                budget=budget,
+                seq_len=args.plan_seq,
+                batch_size=args.plan_batch,
+                device="cuda",
+                trainable={"r": 16, "lora_alpha": 32},
+            )
+            print(
+                f"\n{name}-shaped, {budget}, seq {args.plan_seq}, LoRA r=16 ({time.perf_counter() - start:.0f} s):\n{p.table()}",
+                flush=True,
+            )
             out[name] = {"budget": budget, "seconds": time.perf_counter() - start, **p.as_dict()}
     return out
 
@@ -183,8 +262,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timed steps per variant")
     ap.add_argument("--steps", type=int, default=100, help="--part curves: steps per run")
     ap.add_argument("--variants", default="all", help="--part memory: comma-separated variant names (default all)")
-    ap.add_argument("--curve-precision", default="bf16", choices=["bf16", "fp32"],
-                    help="--part curves: the runs' precision (fp32 on a CPU without native bf16, where bf16 runs ~2x slower)")
+    ap.add_argument(
+        "--curve-precision",
+        default="bf16",
+        choices=["bf16", "fp32"],
+        help="--part curves: the runs' precision (fp32 on a CPU without native bf16, where bf16 runs ~2x slower)",
+    )
     ap.add_argument("--seeds", type=int, default=2, help="--part curves: seeds per policy")
     ap.add_argument("--configs", default="7b,70b", help="--part plan: which shapes")
     ap.add_argument("--plan-seq", type=int, default=2048)

@@ -35,9 +35,16 @@ from hf_memstack.transforms.tiled_mlp import TiledMLPForward, auto_tile_tokens  
 def config(args: argparse.Namespace, tokens: int, layers: int = 1) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=layers,
-                       num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
-                       vocab_size=args.vocab, max_position_embeddings=max(tokens, 4096), attn_implementation="sdpa")
+    return LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256),
+        vocab_size=args.vocab,
+        max_position_embeddings=max(tokens, 4096),
+        attn_implementation="sdpa",
+    )
 
 
 class Block:
@@ -69,7 +76,9 @@ class Block:
             with autocast:
                 if mlp_only:
                     return self.layer.mlp(h)
-                return self.layer(h, position_embeddings=self.embeddings, attention_mask=None, position_ids=self.positions)
+                return self.layer(
+                    h, position_embeddings=self.embeddings, attention_mask=None, position_ids=self.positions
+                )
 
         out = checkpoint(run, x, use_reentrant=False)
         out.float().sum().backward()
@@ -95,7 +104,7 @@ def block_figures(args: argparse.Namespace, tokens: int, dtype: torch.dtype) -> 
         out[f"mlp_peak_{key}"] = block.peak(mlp_only=True)
     times: dict[str, list[float]] = {"untiled": [], "tiled": []}
     for i in range(args.runs):
-        for tiled in ((False, True) if i % 2 == 0 else (True, False)):  # each side first half the time
+        for tiled in (False, True) if i % 2 == 0 else (True, False):  # each side first half the time
             block.use(tiled)
             times["tiled" if tiled else "untiled"].append(timed(block.step, "cpu"))
     out["times"] = times
@@ -122,7 +131,15 @@ def estimator_figures(args: argparse.Namespace, precision: str) -> list[dict[str
         model = prepare_model(LlamaForCausalLM(cfg).train(), policy)
         measured = measure_step(model, batch, make_optimizer(model, lr=1e-4), timed=False).peak_bytes
         estimated = estimate_memory(cfg, policy, batch_size=1, seq_len=tokens).peak_bytes
-        rows.append({"policy": spec, "tokens": tokens, "measured": measured, "estimated": estimated, "error": estimated / measured - 1})
+        rows.append(
+            {
+                "policy": spec,
+                "tokens": tokens,
+                "measured": measured,
+                "estimated": estimated,
+                "error": estimated / measured - 1,
+            }
+        )
     return rows
 
 
@@ -141,23 +158,42 @@ def main() -> None:
     native = cpu_has_native_bf16()
     print(f"machine: {machine()}; native bf16: {'yes' if native else 'no'}; precision {precision.name} (auto)")
     blocks = [block_figures(args, n, precision.dtype) for n in args.tokens]
-    print(f"\nLlama-style block, hidden {args.hidden}, intermediate {args.intermediate}, checkpointed, {precision.name}; "
-          f"{args.runs} interleaved runs per side\n")
-    print("| tokens | tile | block fwd+bwd peak MiB untiled -> tiled | ratio | MLP fwd+bwd peak MiB untiled -> tiled | ratio | "
-          "step s untiled / tiled (median) | time ratio (median of pairs) |")
+    print(
+        f"\nLlama-style block, hidden {args.hidden}, intermediate {args.intermediate}, checkpointed, {precision.name}; "
+        f"{args.runs} interleaved runs per side\n"
+    )
+    print(
+        "| tokens | tile | block fwd+bwd peak MiB untiled -> tiled | ratio | MLP fwd+bwd peak MiB untiled -> tiled | ratio | "
+        "step s untiled / tiled (median) | time ratio (median of pairs) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for b in blocks:
         mib = 2**20
-        print(f"| {b['tokens']} | {b['tile_tokens']} | {b['block_peak_untiled'] / mib:.0f} -> {b['block_peak_tiled'] / mib:.0f} | "
-              f"{b['block_peak_ratio']:.2f}x | {b['mlp_peak_untiled'] / mib:.0f} -> {b['mlp_peak_tiled'] / mib:.0f} | "
-              f"{b['mlp_peak_ratio']:.2f}x | {statistics.median(b['times']['untiled']):.2f} / {statistics.median(b['times']['tiled']):.2f} | "
-              f"{b['time_ratio_median']:.3f} |")
+        print(
+            f"| {b['tokens']} | {b['tile_tokens']} | {b['block_peak_untiled'] / mib:.0f} -> {b['block_peak_tiled'] / mib:.0f} | "
+            f"{b['block_peak_ratio']:.2f}x | {b['mlp_peak_untiled'] / mib:.0f} -> {b['mlp_peak_tiled'] / mib:.0f} | "
+            f"{b['mlp_peak_ratio']:.2f}x | {statistics.median(b['times']['untiled']):.2f} / {statistics.median(b['times']['tiled']):.2f} | "
+            f"{b['time_ratio_median']:.3f} |"
+        )
     estimates = estimator_figures(args, precision.name) if args.estimate_tokens else []
     for e in estimates:
-        print(f"\nestimator, 2 layers, {e['tokens']} tokens, {e['policy']}: measured {e['measured'] / 2**20:.0f} MiB, "
-              f"estimated {e['estimated'] / 2**20:.0f} MiB ({e['error']:+.1%})")
-    Path(args.out).write_text(json.dumps({"machine": machine(), "native_bf16": native, "precision": precision.name,
-                                          "args": vars(args), "blocks": blocks, "estimates": estimates}, indent=1))
+        print(
+            f"\nestimator, 2 layers, {e['tokens']} tokens, {e['policy']}: measured {e['measured'] / 2**20:.0f} MiB, "
+            f"estimated {e['estimated'] / 2**20:.0f} MiB ({e['error']:+.1%})"
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "native_bf16": native,
+                "precision": precision.name,
+                "args": vars(args),
+                "blocks": blocks,
+                "estimates": estimates,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

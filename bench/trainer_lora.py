@@ -41,24 +41,52 @@ def run(policy: str, lora_r: int, steps: int, batch: int) -> dict:
     if lora_r:
         from peft import LoraConfig, TaskType, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=lora_r, lora_alpha=2 * lora_r,
-                                                 target_modules=["query", "key", "value", "dense"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.SEQ_CLS,
+                r=lora_r,
+                lora_alpha=2 * lora_r,
+                target_modules=["query", "key", "value", "dense"],
+            ),
+        )
     model = prepare_model(model.train(), policy)
     callback = MemstackCallback()
     with tempfile.TemporaryDirectory() as out:
-        args = training_arguments(model, output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
-                                  learning_rate=1e-3 if lora_r else 2e-4, logging_steps=max(1, steps // 6), save_strategy="no", report_to=[],
-                                  use_cpu=True, disable_tqdm=True, seed=0)
-        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorWithPadding(tok), callbacks=[callback])
+        args = training_arguments(
+            model,
+            output_dir=out,
+            per_device_train_batch_size=batch,
+            max_steps=steps,
+            learning_rate=1e-3 if lora_r else 2e-4,
+            logging_steps=max(1, steps // 6),
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=data, data_collator=DataCollatorWithPadding(tok), callbacks=[callback]
+        )
         result = trainer.train()
         optimizer_bytes = optimizer_state_bytes(trainer.optimizer)
     memory = callback.first_step.memory
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"policy": f"{model.memstack.policy.to_string()} ({model.memstack.precision.name})", "lora_r": lora_r, "trainable": trainable,
-            "samples_per_s": result.metrics["train_samples_per_second"], "first_loss": losses[0], "last_loss": losses[-1],
-            "parameters": memory.parameters, "gradients": memory.gradients, "optimizer": optimizer_bytes,
-            "activations": memory.activations, "peak": memory.forward_backward_peak + optimizer_bytes}
+    return {
+        "policy": f"{model.memstack.policy.to_string()} ({model.memstack.precision.name})",
+        "lora_r": lora_r,
+        "trainable": trainable,
+        "samples_per_s": result.metrics["train_samples_per_second"],
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "parameters": memory.parameters,
+        "gradients": memory.gradients,
+        "optimizer": optimizer_bytes,
+        "activations": memory.activations,
+        "peak": memory.forward_backward_peak + optimizer_bytes,
+    }
 
 
 def main() -> None:
@@ -75,12 +103,16 @@ def main() -> None:
     rows = [run(policy, r, args.steps, args.batch) for policy in args.policies.split(",") for r in (0, args.lora_r)]
     mib = 2**20
     print(f"\nMiniLM-L6 (22.7M parameters) on topics, Trainer, batch {args.batch}, {args.steps} steps\n")
-    print("| policy | trains | trainable params | samples/s | loss first -> last log | parameters MiB | gradients MiB | optimizer MiB | activations MiB | peak MiB |")
+    print(
+        "| policy | trains | trainable params | samples/s | loss first -> last log | parameters MiB | gradients MiB | optimizer MiB | activations MiB | peak MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['policy']} | {'LoRA r=' + str(r['lora_r']) if r['lora_r'] else 'all'} | {r['trainable']:,} | {r['samples_per_s']:.0f} | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['parameters'] / mib:.0f} | {r['gradients'] / mib:.1f} | "
-              f"{r['optimizer'] / mib:.1f} | {r['activations'] / mib:.0f} | {r['peak'] / mib:.0f} |")
+        print(
+            f"| {r['policy']} | {'LoRA r=' + str(r['lora_r']) if r['lora_r'] else 'all'} | {r['trainable']:,} | {r['samples_per_s']:.0f} | "
+            f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['parameters'] / mib:.0f} | {r['gradients'] / mib:.1f} | "
+            f"{r['optimizer'] / mib:.1f} | {r['activations'] / mib:.0f} | {r['peak'] / mib:.0f} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows}, indent=2))

@@ -19,7 +19,16 @@ from .optim import OptimizerInBackward, make_optimizer
 from .planning.estimate import MemoryEstimate, estimate_memory
 from .planning.planner import Plan, plan_policy
 from .planning.rungs import LADDER
-from .policy import CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MemoryPolicy, MLPConfig, OptimizerConfig, QuantConfig
+from .policy import (
+    CheckpointingConfig,
+    CompileConfig,
+    FSDPConfig,
+    LossConfig,
+    MemoryPolicy,
+    MLPConfig,
+    OptimizerConfig,
+    QuantConfig,
+)
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .simulated import SimulatedMemory, simulated_memory_limit

@@ -27,7 +27,15 @@ from torch import nn
 
 from .errors import DistributedMismatchError
 
-__all__ = ["RankFailure", "on_every_rank", "reraise", "runs_collectives", "same_arguments_on_every_rank", "share_error", "world_size"]
+__all__ = [
+    "RankFailure",
+    "on_every_rank",
+    "reraise",
+    "runs_collectives",
+    "same_arguments_on_every_rank",
+    "share_error",
+    "world_size",
+]
 
 T = TypeVar("T")
 _MAX_VALUES = 8
@@ -52,8 +60,13 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def share_error(step: str, error: BaseException | None, *, values: Sequence[int] = (),
-                peer_error: Callable[[list[RankFailure]], BaseException] | None = None) -> list[int]:
+def share_error(
+    step: str,
+    error: BaseException | None,
+    *,
+    values: Sequence[int] = (),
+    peer_error: Callable[[list[RankFailure]], BaseException] | None = None,
+) -> list[int]:
     """Agree with every rank that none failed ``step`` (one all-reduce); returns the minimum over
     the ranks of each of ``values``. Alone (no process group, or one rank), it raises ``error``.
 
@@ -83,24 +96,33 @@ def share_error(step: str, error: BaseException | None, *, values: Sequence[int]
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     same_step, none_failed = int(t[0]) == -int(t[1]), bool(t[2])
     if same_step and none_failed:
-        return [int(v) for v in t[3:3 + len(values)]]
+        return [int(v) for v in t[3 : 3 + len(values)]]
     reports: list[RankFailure | None] = [None] * world_size()
-    mine = RankFailure(dist.get_rank(), step, None if error is None else f"{type(error).__name__}: {error}",
-                       None if error is None else type(error).__name__)
+    mine = RankFailure(
+        dist.get_rank(),
+        step,
+        None if error is None else f"{type(error).__name__}: {error}",
+        None if error is None else type(error).__name__,
+    )
     dist.all_gather_object(reports, mine)
     everyone = [r for r in reports if r is not None]
     if not same_step:
         where = "; ".join(f"rank {r.rank} at {r.step!r}" + (f" ({r.error})" if r.error else "") for r in everyone)
         raise DistributedMismatchError(
             f"the ranks reached different steps ({where}): every rank must make the same calls with the same arguments "
-            "and batch shapes", failed_ranks=tuple(r.rank for r in everyone if r.step != step))
+            "and batch shapes",
+            failed_ranks=tuple(r.rank for r in everyone if r.step != step),
+        )
     if error is not None:
         reraise(error)
     failed = [r for r in everyone if r.error is not None]
     if peer_error is not None:
         raise peer_error(failed)
-    raise DistributedMismatchError(f"{step} failed on rank(s) {[r.rank for r in failed]}, so every rank stops: "
-                                   + "; ".join(r.describe() for r in failed), failed_ranks=tuple(r.rank for r in failed))
+    raise DistributedMismatchError(
+        f"{step} failed on rank(s) {[r.rank for r in failed]}, so every rank stops: "
+        + "; ".join(r.describe() for r in failed),
+        failed_ranks=tuple(r.rank for r in failed),
+    )
 
 
 def same_arguments_on_every_rank(call: str, allowed: str = "", **arguments: object) -> None:
@@ -116,13 +138,18 @@ def same_arguments_on_every_rank(call: str, allowed: str = "", **arguments: obje
     everyone: list[dict[str, object] | None] = [None] * world_size()
     dist.all_gather_object(everyone, arguments)
     reference = everyone[0] or {}
-    differences = [(rank, f"rank {rank}: {key}={(theirs or {}).get(key)!r} where rank 0 has {reference[key]!r}")
-                   for rank, theirs in enumerate(everyone) for key in reference if (theirs or {}).get(key) != reference[key]]
+    differences = [
+        (rank, f"rank {rank}: {key}={(theirs or {}).get(key)!r} where rank 0 has {reference[key]!r}")
+        for rank, theirs in enumerate(everyone)
+        for key in reference
+        if (theirs or {}).get(key) != reference[key]
+    ]
     if differences:
         raise DistributedMismatchError(
             f"{call} was called with different arguments on the ranks ({'; '.join(d for _, d in differences)}): pass the same "
             f"{', '.join(arguments)} on every rank" + (f" ({allowed})" if allowed else ""),
-            failed_ranks=tuple(sorted({r for r, _ in differences})))
+            failed_ranks=tuple(sorted({r for r, _ in differences})),
+        )
 
 
 def on_every_rank(step: str, fn: Callable[[], T], *, shared: bool = True) -> T:
@@ -168,4 +195,6 @@ def reraise(error: BaseException) -> None:
 
 def _collective_device() -> torch.device:
     # NCCL reduces only CUDA tensors; gloo (and a "cpu:gloo,cuda:nccl" group) takes CPU ones.
-    return torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if str(dist.get_backend()) == "nccl" else torch.device("cpu")
+    )

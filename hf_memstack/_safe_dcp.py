@@ -32,8 +32,10 @@ import torch
 
 __all__ = ["UntrustedCheckpointError", "plain_file_name", "read_metadata", "vet_checkpoint", "weights_only_load"]
 
-HOW_TO_TRUST = ("If you made this checkpoint yourself (or trust whoever did), load it with trusted=True "
-                "(load_sharded_checkpoint(..., trusted=True))")
+HOW_TO_TRUST = (
+    "If you made this checkpoint yourself (or trust whoever did), load it with trusted=True "
+    "(load_sharded_checkpoint(..., trusted=True))"
+)
 
 
 class UntrustedCheckpointError(ValueError):
@@ -49,10 +51,25 @@ def _allowed() -> dict[tuple[str, str], Any]:
     import torch.distributed.checkpoint.metadata as md
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    objects: list[Any] = [md.Metadata, md.MetadataIndex, md.StorageMeta, md.TensorProperties, md.TensorStorageMetadata,
-                          md.ChunkStorageMetadata, md.BytesStorageMetadata, md._MEM_FORMAT_ENCODING, _StorageInfo,
-                          torch.Size, torch.serialization._get_layout, OrderedDict,
-                          pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+    objects: list[Any] = [
+        md.Metadata,
+        md.MetadataIndex,
+        md.StorageMeta,
+        md.TensorProperties,
+        md.TensorStorageMetadata,
+        md.ChunkStorageMetadata,
+        md.BytesStorageMetadata,
+        md._MEM_FORMAT_ENCODING,
+        _StorageInfo,
+        torch.Size,
+        torch.serialization._get_layout,
+        OrderedDict,
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.WindowsPath,
+        pathlib.PurePosixPath,
+        pathlib.PureWindowsPath,
+    ]
     allowed = {(o.__module__, o.__qualname__): o for o in objects}
     allowed.update({("pathlib", o.__name__): o for o in objects if o.__module__.startswith("pathlib")})
     allowed.update({("torch", name): v for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
@@ -73,8 +90,10 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
         # A lookup, never an import or getattr: naming a module must not import it.
         obj = _allowed().get((module, name))
         if obj is None:
-            raise pickle.UnpicklingError(f"it names the global {module}.{name}, which is not one of the "
-                                         "torch.distributed.checkpoint metadata types")
+            raise pickle.UnpicklingError(
+                f"it names the global {module}.{name}, which is not one of the "
+                "torch.distributed.checkpoint metadata types"
+            )
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
@@ -99,8 +118,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
     def load_build(self) -> None:
         inst = self.stack[-2]
         if type(inst) not in _allowed_types():  # never a class, a function or a module
-            raise pickle.UnpicklingError(f"it sets the state of {type(inst).__name__} {inst!r:.80}, which is not "
-                                         "a checkpoint metadata object")
+            raise pickle.UnpicklingError(
+                f"it sets the state of {type(inst).__name__} {inst!r:.80}, which is not a checkpoint metadata object"
+            )
         super().load_build()
 
     dispatch[pickle.REDUCE[0]] = load_reduce
@@ -120,35 +140,52 @@ def read_metadata(directory: Path) -> Any:
 
     path = directory / ".metadata"
     if not _own_file(directory, path.name):
-        raise UntrustedCheckpointError(f"checkpoint {str(directory)!r}: its .metadata is missing or a symlink (a save "
-                                       f"writes a file). {HOW_TO_TRUST}")
+        raise UntrustedCheckpointError(
+            f"checkpoint {str(directory)!r}: its .metadata is missing or a symlink (a save "
+            f"writes a file). {HOW_TO_TRUST}"
+        )
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except Exception as e:  # noqa: BLE001 - whatever stopped it (a refused global, a damaged file), it is not loaded
-        why = str(e) if isinstance(e, pickle.UnpicklingError) else f"it is damaged or not DCP metadata ({type(e).__name__}: {e})"
+        why = (
+            str(e)
+            if isinstance(e, pickle.UnpicklingError)
+            else f"it is damaged or not DCP metadata ({type(e).__name__}: {e})"
+        )
         raise UntrustedCheckpointError(
             f"checkpoint {str(directory)!r}: its .metadata was not loaded, because {why}; loading it with plain pickle "
-            f"(as torch.distributed.checkpoint does) could run code from the file. {HOW_TO_TRUST}") from None
+            f"(as torch.distributed.checkpoint does) could run code from the file. {HOW_TO_TRUST}"
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise UntrustedCheckpointError(f"checkpoint {str(directory)!r}: its .metadata holds a {type(metadata).__name__}, "
-                                       f"not torch.distributed.checkpoint Metadata. {HOW_TO_TRUST}")
+        raise UntrustedCheckpointError(
+            f"checkpoint {str(directory)!r}: its .metadata holds a {type(metadata).__name__}, "
+            f"not torch.distributed.checkpoint Metadata. {HOW_TO_TRUST}"
+        )
     for index, info in metadata.storage_data.items():
         if not isinstance(info, _StorageInfo):
             raise UntrustedCheckpointError(
                 f"checkpoint {str(directory)!r}: its .metadata records where {getattr(index, 'fqn', index)!r} is stored as a "
-                f"{type(info).__name__}, not the _StorageInfo DCP writes: it is damaged or forged. {HOW_TO_TRUST}")
+                f"{type(info).__name__}, not the _StorageInfo DCP writes: it is damaged or forged. {HOW_TO_TRUST}"
+            )
         name = info.relative_path
         if not _own_file(directory, name):
             raise UntrustedCheckpointError(
                 f"checkpoint {str(directory)!r}: its .metadata points to the data file {name!r}, which is not a file "
-                f"of the folder (a path outside it, a symlink, or missing). {HOW_TO_TRUST}")
+                f"of the folder (a path outside it, a symlink, or missing). {HOW_TO_TRUST}"
+            )
     return metadata
 
 
 def plain_file_name(name: Any) -> bool:
     """A file directly in the folder: no path separator, no '..'."""
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def _own_file(directory: Path, name: Any) -> bool:
@@ -166,8 +203,10 @@ def weights_only_load(value: io.BytesIO) -> io.BytesIO:
         # names what was refused (after "WeightsUnpickler error:", when it has that line).
         lines = [line.strip() for line in str(e).split("Check the documentation")[0].splitlines()[1:] if line.strip()]
         why = " ".join(lines).split("WeightsUnpickler error:")[-1].strip()[:300] or str(e)[:300]
-        raise UntrustedCheckpointError(f"a non-tensor item of the checkpoint is not plain data ({type(e).__name__}: {why}); "
-                                       f"loading it without weights_only could run code. {HOW_TO_TRUST}") from None
+        raise UntrustedCheckpointError(
+            f"a non-tensor item of the checkpoint is not plain data ({type(e).__name__}: {why}); "
+            f"loading it without weights_only could run code. {HOW_TO_TRUST}"
+        ) from None
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)
@@ -189,8 +228,10 @@ def vet_checkpoint(directory: str | Path) -> Any:
         if not isinstance(metadata.state_dict_metadata.get(getattr(index, "fqn", None)), BytesStorageMetadata):
             continue
         if info.transform_descriptors:
-            raise UntrustedCheckpointError(f"checkpoint {str(directory)!r}: the item {index.fqn!r} is stored through "
-                                           f"transforms {info.transform_descriptors!r}, which cannot be checked. {HOW_TO_TRUST}")
+            raise UntrustedCheckpointError(
+                f"checkpoint {str(directory)!r}: the item {index.fqn!r} is stored through "
+                f"transforms {info.transform_descriptors!r}, which cannot be checked. {HOW_TO_TRUST}"
+            )
         with open(directory / info.relative_path, "rb") as f:
             f.seek(info.offset)
             try:

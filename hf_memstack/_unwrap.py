@@ -50,7 +50,9 @@ def _inner(model: nn.Module) -> nn.Module | None:
     modules = model.__dict__.get("_modules", {})
     if type(model).__name__ in _MODULE_WRAPPERS and isinstance(modules.get("module"), nn.Module):
         return modules["module"]
-    if type(model).__name__ == "OptimizedModule" and isinstance(modules.get("_orig_mod"), nn.Module):  # torch.compile(model)
+    if type(model).__name__ == "OptimizedModule" and isinstance(
+        modules.get("_orig_mod"), nn.Module
+    ):  # torch.compile(model)
         return modules["_orig_mod"]
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
         base = model.get_base_model()

@@ -48,8 +48,9 @@ class _ForwardWrapper:
         return {}
 
 
-def _rebuild(cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any],
-             inner: _ForwardWrapper | None = None) -> _ForwardWrapper:
+def _rebuild(
+    cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any], inner: _ForwardWrapper | None = None
+) -> _ForwardWrapper:
     wrapper = cls(module, **options)
     if inner is not None:
         wrapper.__wrapped__ = inner
@@ -88,7 +89,9 @@ class CheckpointedForward(_ForwardWrapper):
     only the block's inputs are kept for backward, the rest is recomputed. With ``offload`` the
     kept inputs live in (pinned, when a GPU exists) host memory."""
 
-    def __init__(self, module: nn.Module, *, offload: bool = False, checkpoint_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, *, offload: bool = False, checkpoint_kwargs: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(module)
         self.offload = offload
         self.checkpoint_kwargs = dict(checkpoint_kwargs or {})
@@ -127,8 +130,14 @@ def fused_lm_head_installed(module: nn.Module) -> bool:
     and ``lm_head.weight`` directly, around the model's own forward. Each function's own
     parameters are read, not the signature it copies from the model's forward (``functools.wraps``).
     For a PEFT model, the model it wraps is looked at too (TRL patches that one)."""
-    if type(module).__module__.startswith("peft.") and hasattr(module, "get_base_model") and module.get_base_model() is not module:
-        return _fused_forward(module.__dict__.get("forward")) or _fused_forward(module.get_base_model().__dict__.get("forward"))
+    if (
+        type(module).__module__.startswith("peft.")
+        and hasattr(module, "get_base_model")
+        and module.get_base_model() is not module
+    ):
+        return _fused_forward(module.__dict__.get("forward")) or _fused_forward(
+            module.get_base_model().__dict__.get("forward")
+        )
     return _fused_forward(module.__dict__.get("forward"))
 
 
@@ -138,7 +147,10 @@ def _fused_forward(forward: Any) -> bool:
             forward = forward.__func__
         if forward is None:
             return False
-        if isinstance(forward, types.FunctionType) and "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters:
+        if (
+            isinstance(forward, types.FunctionType)
+            and "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters
+        ):
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False

@@ -48,8 +48,14 @@ class BF16AdamW(torch.optim.Optimizer):
 
     Parameters in another dtype are refused: the rounding would write bf16 values into them."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
         if not 0.0 <= float(lr):
             raise ValueError(f"BF16AdamW: lr={lr!r} must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -58,8 +64,10 @@ class BF16AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
-                    raise ValueError(f"BF16AdamW: a parameter of shape {tuple(p.shape)} is {p.dtype}; it updates bf16 "
-                                     "parameters only (cast them first: prepare_model with a weights:bf16 policy does)")
+                    raise ValueError(
+                        f"BF16AdamW: a parameter of shape {tuple(p.shape)} is {p.dtype}; it updates bf16 "
+                        "parameters only (cast them first: prepare_model with a weights:bf16 policy does)"
+                    )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -96,7 +104,7 @@ class BF16AdamW(torch.optim.Optimizer):
             # every chunk does (each frees its buffers before the next), and only its views are made
             # (slicing every chunk of a 150k-token embedding cost more than the step's own ops).
             starts = range(0, min(flat[0].numel(), 1)) if _is_fake(weight) else range(0, flat[0].numel(), _CHUNK)
-            chunks = (tuple(t[i:i + _CHUNK] for t in flat) for i in starts)
+            chunks = (tuple(t[i : i + _CHUNK] for t in flat) for i in starts)
         for w_c, g_c, m_c, v_c in chunks:
             g32 = g_c.float()
             m32 = m_c.float().lerp_(g32, 1 - beta1)
@@ -143,7 +151,9 @@ def _check_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         warnings.warn(
             f"{type(optimizer).__name__} steps {pure} parameter(s) that prepare_model keeps in pure bf16 (weights:bf16) without "
             "stochastic rounding: updates smaller than bf16's resolution round away. Build the optimizer with "
-            "hf_memstack.make_optimizer(model, lr=...) (BF16AdamW), or prepare with fp32 master weights ('bf16')", stacklevel=3)
+            "hf_memstack.make_optimizer(model, lr=...) (BF16AdamW), or prepare with fp32 master weights ('bf16')",
+            stacklevel=3,
+        )
 
 
 def _is_fake(t: torch.Tensor) -> bool:

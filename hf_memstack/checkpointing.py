@@ -102,7 +102,9 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     if uses_transformers_checkpointing(model, cfg):
         kwargs = _checkpoint_kwargs(cfg)
         if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every_n, offload=offload)
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs, every_n_layers=every_n, offload=offload
+            )
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return CheckpointingResult(method="transformers", checkpointed=chosen, note=note)
@@ -132,9 +134,13 @@ def _aten_ops(*names: str) -> frozenset[Any]:
 
 _MATMULS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm")
 SAVED_OPS: frozenset[Any] = _MATMULS | _aten_ops(
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 )
 """The ops whose outputs selective checkpointing keeps (torchtitan's list for a single device): the
 matmuls and attention kernels, which cost most to recompute. Norms, activations, rotary
@@ -191,7 +197,10 @@ def _warn_if_nothing_saved(counts: dict[str, int]) -> None:
             "policy.checkpointing.mode='selective': no op in the save list (matmuls, attention: "
             "hf_memstack.checkpointing.SAVED_OPS) ran in a checkpointed block, so every op is recomputed, as with full "
             "checkpointing; the model uses kernels the list does not know. Use checkpointing mode 'full', or report the "
-            "kernel to add it", SelectiveCheckpointingWarning, stacklevel=2)
+            "kernel to add it",
+            SelectiveCheckpointingWarning,
+            stacklevel=2,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,9 +231,16 @@ class CheckpointingGuard:
         self.told = told if told is not None else [False]
         """Shared by a model's two guards: whether the "nothing changed" warning was given."""
 
-    def __call__(self, checkpointing_kwargs: dict[str, Any] | None = None, every_n_layers: int = 1, offload: bool = False,
-                 **kwargs: Any) -> None:
-        checkpointing_kwargs = kwargs.pop("activation_checkpointing_kwargs", kwargs.pop("gradient_checkpointing_kwargs", checkpointing_kwargs))
+    def __call__(
+        self,
+        checkpointing_kwargs: dict[str, Any] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        checkpointing_kwargs = kwargs.pop(
+            "activation_checkpointing_kwargs", kwargs.pop("gradient_checkpointing_kwargs", checkpointing_kwargs)
+        )
         if kwargs:
             raise TypeError(f"{self.name}() got unexpected keyword arguments {sorted(kwargs)}")
         caller = f"{self.name}()"
@@ -237,19 +253,31 @@ class CheckpointingGuard:
 
     def kept_note(self, caller: str) -> str:
         """What a call that changes nothing is told."""
-        return (f"{caller} on a model prepared by hf_memstack with policy {self.policy!r}, which already checkpoints "
-                f"({self._applied_text()}): the policy's checkpointing is kept and this call changed nothing. Set "
-                "gradient_checkpointing=False in your TrainingArguments/SFTConfig to silence this")
+        return (
+            f"{caller} on a model prepared by hf_memstack with policy {self.policy!r}, which already checkpoints "
+            f"({self._applied_text()}): the policy's checkpointing is kept and this call changed nothing. Set "
+            "gradient_checkpointing=False in your TrainingArguments/SFTConfig to silence this"
+        )
 
-    def conflict(self, checkpointing_kwargs: dict[str, Any] | None, *, every_n_layers: int = 1, offload: bool = False,
-                 caller: str, fix: str = "set gradient_checkpointing=False in your TrainingArguments/SFTConfig") -> str | None:
+    def conflict(
+        self,
+        checkpointing_kwargs: dict[str, Any] | None,
+        *,
+        every_n_layers: int = 1,
+        offload: bool = False,
+        caller: str,
+        fix: str = "set gradient_checkpointing=False in your TrainingArguments/SFTConfig",
+    ) -> str | None:
         """Why enabling checkpointing this way would replace the policy's (None: it asks for the
         same, or for the default over a policy that checkpoints)."""
         requested = _Applied(every_n_layers, offload, _normalised(checkpointing_kwargs))
         if requested == self.applied or (self.applied.every_n_layers is not None and requested == _DEFAULT_REQUEST):
             return None
-        instead = (f"with checkpointing in the policy (e.g. '{self.policy}+ckpt')" if self.applied.every_n_layers is None
-                   else "with the checkpointing you want in the policy")
+        instead = (
+            f"with checkpointing in the policy (e.g. '{self.policy}+ckpt')"
+            if self.applied.every_n_layers is None
+            else "with the checkpointing you want in the policy"
+        )
         return (
             f"{caller} asks for checkpointing with every_n_layers={every_n_layers}, offload={offload}, "
             f"kwargs={dict(requested.checkpoint_kwargs)}, which would replace the checkpointing of this model's hf_memstack "
@@ -264,7 +292,9 @@ class CheckpointingGuard:
         return f"every_n_layers={a.every_n_layers}, offload={a.offload}, kwargs={dict(a.checkpoint_kwargs)}"
 
 
-def install_checkpointing_guard(model: nn.Module, cfg: CheckpointingConfig, result: CheckpointingResult, policy: str) -> bool:
+def install_checkpointing_guard(
+    model: nn.Module, cfg: CheckpointingConfig, result: CheckpointingResult, policy: str
+) -> bool:
     """Put :class:`CheckpointingGuard` in place of the model's Transformers checkpointing methods
     (on the instance). Returns False for models without them."""
     names = [n for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable") if hasattr(model, n)]
@@ -293,7 +323,11 @@ def _comparable(value: Any) -> Any:
     if isinstance(value, functools.partial):
         if value.func is _selective_contexts:
             return f"selective({', '.join(map(str, value.args))})"
-        return (getattr(value.func, "__qualname__", repr(value.func)), value.args, tuple(sorted(value.keywords.items())))
+        return (
+            getattr(value.func, "__qualname__", repr(value.func)),
+            value.args,
+            tuple(sorted(value.keywords.items())),
+        )
     return value
 
 

@@ -40,63 +40,124 @@ FITS, DOES_NOT_FIT, USAGE, INTERNAL = 0, 1, 2, 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-memstack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="hf-memstack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="{estimate,plan,find-batch-size}")
-    e = sub.add_parser("estimate", help="peak memory of one training step, by category",
-                       description="Estimate one training step's peak memory per device, without loading weights.")
+    e = sub.add_parser(
+        "estimate",
+        help="peak memory of one training step, by category",
+        description="Estimate one training step's peak memory per device, without loading weights.",
+    )
     _common(e)
-    e.add_argument("--policy", default="fp32", help="memory policy string, e.g. bf16+ckpt (default fp32); several, comma-separated, to compare")
-    e.add_argument("--batch-size", type=_positive_int("--batch-size"), required=True, help="per-device micro-batch size")
-    e.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices sharing an FSDP policy (default 1)")
+    e.add_argument(
+        "--policy",
+        default="fp32",
+        help="memory policy string, e.g. bf16+ckpt (default fp32); several, comma-separated, to compare",
+    )
+    e.add_argument(
+        "--batch-size", type=_positive_int("--batch-size"), required=True, help="per-device micro-batch size"
+    )
+    e.add_argument(
+        "--world-size", type=_positive_int("--world-size"), default=1, help="devices sharing an FSDP policy (default 1)"
+    )
     e.add_argument("--budget", type=_budget, help="device memory, e.g. 24GiB: exit 1 when the estimate does not fit")
     e.add_argument("--plot", help="write the breakdown as a stacked bar per policy to this PNG")
-    e.add_argument("--full-trace", action="store_true",
-                   help="trace every block instead of two shallow depths extrapolated (the same bytes; slower on deep models)")
-    e.add_argument("--mode", choices=["train", "eval"], default="train",
-                   help="train (default): one training step; eval: one evaluation forward under no_grad, plus the logits "
-                        "Trainer.evaluate keeps (--budget then checks the forward's peak plus those logits)")
-    e.add_argument("--eval-samples", type=_positive_int("--eval-samples"), default=None,
-                   help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)")
+    e.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every block instead of two shallow depths extrapolated (the same bytes; slower on deep models)",
+    )
+    e.add_argument(
+        "--mode",
+        choices=["train", "eval"],
+        default="train",
+        help="train (default): one training step; eval: one evaluation forward under no_grad, plus the logits "
+        "Trainer.evaluate keeps (--budget then checks the forward's peak plus those logits)",
+    )
+    e.add_argument(
+        "--eval-samples",
+        type=_positive_int("--eval-samples"),
+        default=None,
+        help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
+    )
     _dtype_option(e)
-    pl = sub.add_parser("plan", help="the cheapest policy that fits a budget", description="Walk the ladder and pick the cheapest policy that fits.")
+    pl = sub.add_parser(
+        "plan",
+        help="the cheapest policy that fits a budget",
+        description="Walk the ladder and pick the cheapest policy that fits.",
+    )
     _common(pl)
     pl.add_argument("--budget", type=_budget, required=True, help="per-device memory, e.g. 80GiB")
     pl.add_argument("--batch-size", type=_batch_or_max, default=1, help="per-device batch size, or 'max' (default 1)")
-    pl.add_argument("--world-size", type=_positive_int("--world-size"), default=1, help="devices (FSDP rungs are considered when > 1)")
+    pl.add_argument(
+        "--world-size",
+        type=_positive_int("--world-size"),
+        default=1,
+        help="devices (FSDP rungs are considered when > 1)",
+    )
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
-    pl.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                    help="where it will train, which picks the precision (bf16/fp16 on cuda; default: this machine)")
+    pl.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="where it will train, which picks the precision (bf16/fp16 on cuda; default: this machine)",
+    )
     _dtype_option(pl)
-    f = sub.add_parser("find-batch-size", help="measure the largest batch that fits (real steps)",
-                       description="Run the batch-size finder on the model built from its config (random weights: memory does not depend on their values).")
+    f = sub.add_parser(
+        "find-batch-size",
+        help="measure the largest batch that fits (real steps)",
+        description="Run the batch-size finder on the model built from its config (random weights: memory does not depend on their values).",
+    )
     _common(f)
     f.add_argument("--policy", default="fp32", help="memory policy string (default fp32)")
     f.add_argument("--budget", type=_budget, help="memory budget, e.g. 8GiB (required on CPU; CUDA: free memory)")
-    f.add_argument("--global-batch-size", type=_positive_int("--global-batch-size"), help="samples per optimizer step: report the accumulation steps")
-    f.add_argument("--no-cache", action="store_true", help="neither read nor write the finder's cache (~/.cache/hf_memstack)")
+    f.add_argument(
+        "--global-batch-size",
+        type=_positive_int("--global-batch-size"),
+        help="samples per optimizer step: report the accumulation steps",
+    )
+    f.add_argument(
+        "--no-cache", action="store_true", help="neither read nor write the finder's cache (~/.cache/hf_memstack)"
+    )
     return p
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="local directory, cached hub id, or minilm (the model the recipes ship)")
     sp.add_argument("--seq-len", type=_positive_int("--seq-len"), required=True, help="tokens per sample")
-    sp.add_argument("--task", default=None, choices=["causal-lm", "classification"],
-                    help="which head (default: from the config's architectures - a classification model or an encoder "
-                         "such as BertModel is classification - else causal-lm)")
-    sp.add_argument("--trainable", choices=["all", "lora"], default=None, help="what trains: all parameters (default) or LoRA adapters")
+    sp.add_argument(
+        "--task",
+        default=None,
+        choices=["causal-lm", "classification"],
+        help="which head (default: from the config's architectures - a classification model or an encoder "
+        "such as BertModel is classification - else causal-lm)",
+    )
+    sp.add_argument(
+        "--trainable",
+        choices=["all", "lora"],
+        default=None,
+        help="what trains: all parameters (default) or LoRA adapters",
+    )
     sp.add_argument("--lora-r", type=_positive_int("--lora-r"), help="LoRA rank (implies --trainable lora; default 8)")
     sp.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
-    sp.add_argument("--lora-target", help="comma-separated module names for LoRA (default: every linear layer but the head)")
+    sp.add_argument(
+        "--lora-target", help="comma-separated module names for LoRA (default: every linear layer but the head)"
+    )
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _dtype_option(sp: argparse.ArgumentParser) -> None:
     from .planning.weights_dtype import DTYPE_CHOICES
 
-    sp.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                    help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
-                         "weights'; fp32 for a config naming none), or fp32, bf16, fp16 to estimate another load")
+    sp.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
+        "weights'; fp32 for a config naming none), or fp32, bf16, fp16 to estimate another load",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,13 +178,23 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE
     except Exception:  # noqa: BLE001 - not "does not fit", not bad input: a bug, said as such
         traceback.print_exc()
-        print(f"hf-memstack {args.command}: internal error (exit {INTERNAL}); please report it with the traceback above", file=sys.stderr)
+        print(
+            f"hf-memstack {args.command}: internal error (exit {INTERNAL}); please report it with the traceback above",
+            file=sys.stderr,
+        )
         return INTERNAL
 
 
 def _trainable(args: argparse.Namespace) -> Any:
-    lora = {k: v for k, v in (("r", args.lora_r), ("lora_alpha", args.lora_alpha),
-                              ("target_modules", args.lora_target.split(",") if args.lora_target else None)) if v is not None}
+    lora = {
+        k: v
+        for k, v in (
+            ("r", args.lora_r),
+            ("lora_alpha", args.lora_alpha),
+            ("target_modules", args.lora_target.split(",") if args.lora_target else None),
+        )
+        if v is not None
+    }
     if args.trainable == "all" and lora:
         raise ValueError(f"--trainable all contradicts --lora-* options ({sorted(lora)}); drop one of them")
     if lora:
@@ -134,38 +205,72 @@ def _trainable(args: argparse.Namespace) -> Any:
 def _estimate(args: argparse.Namespace) -> int:
     from .planning.estimate import estimate_memory
 
-    estimates = [estimate_memory(args.model, policy.strip(), batch_size=args.batch_size, seq_len=args.seq_len, world_size=args.world_size,
-                                 task=args.task, trainable=_trainable(args), dtype=args.dtype, extrapolate=not args.full_trace,
-                                 mode=args.mode, eval_samples=args.eval_samples)
-                 for policy in args.policy.split(",")]
+    estimates = [
+        estimate_memory(
+            args.model,
+            policy.strip(),
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            world_size=args.world_size,
+            task=args.task,
+            trainable=_trainable(args),
+            dtype=args.dtype,
+            extrapolate=not args.full_trace,
+            mode=args.mode,
+            eval_samples=args.eval_samples,
+        )
+        for policy in args.policy.split(",")
+    ]
     # Evaluation holds the forward's peak and, on the device, the logits Trainer keeps so far.
     verdicts = [args.budget is None or _needed(e) <= args.budget for e in estimates]
     # Several policies are alternatives: the run can use any that fits.
     fits = any(verdicts)
     if args.json:
-        print(json.dumps({"estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)], "budget": args.budget,
-                          "fits": fits, "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)],
+                    "budget": args.budget,
+                    "fits": fits,
+                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok],
+                },
+                indent=2,
+            )
+        )
     else:
         budget = args.budget is not None
         kept = args.mode == "eval"
-        print("| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
-              + (" kept logits |" if kept else "") + (" fits |" if budget else ""))
+        print(
+            "| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
+            + (" kept logits |" if kept else "")
+            + (" fits |" if budget else "")
+        )
         print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budget else ""))
         for e, ok in zip(estimates, verdicts):
             # The load dtype, and the trainable weights' own when the policy changes it (fp32 master weights).
-            weights = e.weights_dtype + (f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else "")
-            print(f"| {e.policy} | {weights} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
-                  f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
-                  f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
-                  + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "") + (f" {'yes' if ok else 'no'} |" if budget else ""))
+            weights = e.weights_dtype + (
+                f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else ""
+            )
+            print(
+                f"| {e.policy} | {weights} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
+                f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
+                f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
+                + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "")
+                + (f" {'yes' if ok else 'no'} |" if budget else "")
+            )
         for note in dict.fromkeys(n for e in estimates for n in e.notes):
             print(f"note: {note}")
         if budget:
             for e, ok in zip(estimates, verdicts):
-                what = f"peak {format_bytes(e.peak_bytes)}" + (f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else "")
+                what = f"peak {format_bytes(e.peak_bytes)}" + (
+                    f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else ""
+                )
                 print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(args.budget)} ({what})")
             if len(estimates) > 1:
-                print(f"{sum(verdicts)} of {len(estimates)} policies fit" + (": exit 0" if fits else ": none does, exit 1"))
+                print(
+                    f"{sum(verdicts)} of {len(estimates)} policies fit"
+                    + (": exit 0" if fits else ": none does, exit 1")
+                )
     if args.plot:
         _plot([(e.policy, e) for e in estimates], args.plot, args.budget)
     return FITS if fits else DOES_NOT_FIT
@@ -181,14 +286,42 @@ def _plan(args: argparse.Namespace) -> int:
     from .planning.estimate import estimate_memory
     from .planning.planner import plan_policy
 
-    plan = plan_policy(args.model, budget=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, world_size=args.world_size,
-                       margin=args.margin, task=args.task, trainable=_trainable(args), dtype=args.dtype, device=args.device)
+    plan = plan_policy(
+        args.model,
+        budget=args.budget,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        world_size=args.world_size,
+        margin=args.margin,
+        task=args.task,
+        trainable=_trainable(args),
+        dtype=args.dtype,
+        device=args.device,
+    )
     print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
     _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
-        _plot([(r.policy, estimate_memory(args.model, r.policy, batch_size=b, seq_len=args.seq_len, world_size=args.world_size,
-                                          task=args.task, trainable=_trainable(args), dtype=args.dtype)) for r in plan.rows], args.plot, plan.budget)
+        _plot(
+            [
+                (
+                    r.policy,
+                    estimate_memory(
+                        args.model,
+                        r.policy,
+                        batch_size=b,
+                        seq_len=args.seq_len,
+                        world_size=args.world_size,
+                        task=args.task,
+                        trainable=_trainable(args),
+                        dtype=args.dtype,
+                    ),
+                )
+                for r in plan.rows
+            ],
+            args.plot,
+            plan.budget,
+        )
     return FITS if plan.fits else DOES_NOT_FIT
 
 
@@ -213,8 +346,14 @@ def _find(args: argparse.Namespace) -> int:
         labels = ids if task == "causal-lm" else torch.zeros(n, dtype=torch.long, device=device)
         return {"input_ids": ids, "labels": labels}
 
-    result = find_batch_size(model, make_batch, optimizer, budget=args.budget, global_batch_size=args.global_batch_size,
-                             cache=not args.no_cache)
+    result = find_batch_size(
+        model,
+        make_batch,
+        optimizer,
+        budget=args.budget,
+        global_batch_size=args.global_batch_size,
+        cache=not args.no_cache,
+    )
     print(json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.summary())
     return FITS
 
@@ -233,6 +372,7 @@ def _positive_int(flag: str) -> Any:
         if not value.strip().isdigit() or int(value) <= 0:
             raise argparse.ArgumentTypeError(f"{flag}={value!r} must be a positive integer")
         return int(value)
+
     return parse
 
 
@@ -281,8 +421,10 @@ def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401 - only whether it imports
     except ImportError:
-        raise ValueError("--plot needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --plot); "
-                         "nothing was estimated") from None
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --plot); "
+            "nothing was estimated"
+        ) from None
 
 
 def _plot(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:

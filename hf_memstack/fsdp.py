@@ -59,14 +59,18 @@ class FSDPResult:
     def describe(self) -> str:
         if self.by == "accelerator.prepare":
             return f"{self.mode} by accelerator.prepare (Accelerate's FSDP2 plugin)"
-        return (f"{self.mode} by fully_shard over {self.world_size} ranks, reshard_after_forward={self.reshard_after_forward}, "
-                f"cpu_offload={self.cpu_offload}, weights from {self.weights_from}")
+        return (
+            f"{self.mode} by fully_shard over {self.world_size} ranks, reshard_after_forward={self.reshard_after_forward}, "
+            f"cpu_offload={self.cpu_offload}, weights from {self.weights_from}"
+        )
 
 
 def require_process_group(cfg: FSDPConfig) -> None:
     """Raise RuntimeError when FSDP is asked for without an initialised process group."""
     if cfg.mode != "none" and not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}")
+        raise RuntimeError(
+            f"policy.fsdp.mode={cfg.mode!r} needs a torch.distributed process group, and none is initialised: {_HOW_TO_LAUNCH}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,9 @@ class _RankReport:
     """``LOCAL_WORLD_SIZE`` as this rank sees it: hybrid sharding builds its mesh from it."""
 
 
-def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None, local_error: BaseException | None) -> bool:
+def agree_before_sharding(
+    policy: dict[str, Any] | None, model: nn.Module | None, local_error: BaseException | None
+) -> bool:
     """The ranks agree, with one all-gather, that every rank passed its pre-flight checks and holds
     the same policy and the same model, before any sharding collective could wait forever on a rank
     that failed or shards differently. Every rank raises if any rank failed or differs.
@@ -101,7 +107,9 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
     from .errors import DistributedMismatchError
 
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    mine = _RankReport(error, policy, _signature(model), model is not None and _on_meta(model), os.environ.get("LOCAL_WORLD_SIZE"))
+    mine = _RankReport(
+        error, policy, _signature(model), model is not None and _on_meta(model), os.environ.get("LOCAL_WORLD_SIZE")
+    )
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     failed = tuple(r for r, e in enumerate(everyone) if e.error is not None)
@@ -110,13 +118,19 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
     if failed:
         raise DistributedMismatchError(
             f"prepare_model failed on rank(s) {list(failed)} before sharding, so no rank shards: "
-            + "; ".join(f"rank {r}: {everyone[r].error}" for r in failed), failed_ranks=failed)
+            + "; ".join(f"rank {r}: {everyone[r].error}" for r in failed),
+            failed_ranks=failed,
+        )
     differing = tuple(r for r, e in enumerate(everyone) if e.policy != everyone[0].policy)
     if differing:
-        fields = "; ".join(f"rank {r}: " + ", ".join(_policy_differences(everyone[0].policy, everyone[r].policy)) for r in differing)
+        fields = "; ".join(
+            f"rank {r}: " + ", ".join(_policy_differences(everyone[0].policy, everyone[r].policy)) for r in differing
+        )
         raise DistributedMismatchError(
             f"the ranks were given different memory policies ({fields}); pass the same policy on every rank (e.g. from one "
-            "config file)", failed_ranks=differing)
+            "config file)",
+            failed_ranks=differing,
+        )
     _agree_on_nodes(everyone)
     for r, e in enumerate(everyone):
         if e.model != everyone[0].model:
@@ -124,12 +138,14 @@ def agree_before_sharding(policy: dict[str, Any] | None, model: nn.Module | None
             raise DistributedMismatchError(
                 f"rank {r} holds a different model from rank 0 (first difference: rank 0 has {first[0]}, rank {r} has "
                 f"{first[1]}; entries are (name, shape, dtype)): load the same checkpoint with the same dtype on every rank",
-                failed_ranks=(r,))
+                failed_ranks=(r,),
+            )
     if everyone[0].meta:
         raise DistributedMismatchError(
             "rank 0's model is on the meta device: under FSDP, rank 0 must hold the real weights, which it broadcasts "
             "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp",
-            failed_ranks=(0,))
+            failed_ranks=(0,),
+        )
     return any(e.meta for e in everyone)
 
 
@@ -146,7 +162,9 @@ def _agree_on_nodes(everyone: list[_RankReport]) -> None:
         raise DistributedMismatchError(
             f"policy.fsdp.mode='hybrid_shard' needs the same processes per node on every rank, and the ranks see different "
             f"LOCAL_WORLD_SIZE values ({seen}): launch with torchrun or accelerate launch, which set it, or set it to the "
-            "same number on every rank", failed_ranks=differing)
+            "same number on every rank",
+            failed_ranks=differing,
+        )
 
 
 def _policy_differences(reference: dict[str, Any], other: dict[str, Any], prefix: str = "policy") -> list[str]:
@@ -185,7 +203,12 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def apply_fsdp(
-    model: nn.Module, cfg: FSDPConfig, *, blocks: Blocks, precision: ResolvedPrecision, broadcast_from_rank0: bool = False
+    model: nn.Module,
+    cfg: FSDPConfig,
+    *,
+    blocks: Blocks,
+    precision: ResolvedPrecision,
+    broadcast_from_rank0: bool = False,
 ) -> FSDPResult:
     """Shard ``model`` in place with ``fully_shard``: each block, then the root.
 
@@ -209,8 +232,14 @@ def apply_fsdp(
     _reshard_after_no_grad_forward(model)
     if broadcast_from_rank0:
         _load_from_rank0(model, full_state, device=mesh.device_type)
-    return FSDPResult(mode=cfg.mode, by="fully_shard", world_size=dist.get_world_size(), reshard_after_forward=reshard,
-                      cpu_offload=cfg.cpu_offload, weights_from="rank 0 broadcast" if broadcast_from_rank0 else "each rank")
+    return FSDPResult(
+        mode=cfg.mode,
+        by="fully_shard",
+        world_size=dist.get_world_size(),
+        reshard_after_forward=reshard,
+        cpu_offload=cfg.cpu_offload,
+        weights_from="rank 0 broadcast" if broadcast_from_rank0 else "each rank",
+    )
 
 
 def _reshard_after_no_grad_forward(model: nn.Module) -> None:
@@ -307,9 +336,13 @@ def check_accelerate_fsdp(policy: Any, accelerator: Any) -> bool:
     if plugin.fsdp_version != 2:
         problems.append(f"fsdp_version={plugin.fsdp_version} (hf_memstack composes with FSDP2 only: fsdp_version: 2)")
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy) != policy.fsdp.cpu_offload:
-        problems.append(f"cpu_offload={type(plugin.cpu_offload).__name__} but policy.fsdp.cpu_offload={policy.fsdp.cpu_offload}")
+        problems.append(
+            f"cpu_offload={type(plugin.cpu_offload).__name__} but policy.fsdp.cpu_offload={policy.fsdp.cpu_offload}"
+        )
     if plugin.fsdp_version == 2 and plugin.reshard_after_forward != _reshard_after_forward(policy.fsdp):
-        problems.append(f"reshard_after_forward={plugin.reshard_after_forward} but policy.fsdp gives {_reshard_after_forward(policy.fsdp)}")
+        problems.append(
+            f"reshard_after_forward={plugin.reshard_after_forward} but policy.fsdp gives {_reshard_after_forward(policy.fsdp)}"
+        )
     if problems:
         raise ValueError(f"the Accelerator's FSDP plugin disagrees with the policy: {'; '.join(problems)}; {fix}")
     return True
@@ -325,7 +358,9 @@ def _load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | Non
         for leaf, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
                 module._buffers[leaf] = torch.empty_like(buf, device=device)
-    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     for module in model.modules():
         for leaf in sorted(module._non_persistent_buffers_set):
             buf = module._buffers.get(leaf)
@@ -369,7 +404,9 @@ def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) ->
     if error is not None:
         raise error
     if not str(message[0]).startswith("torch."):
-        raise DistributedMismatchError(f"rank 0 could not load {pretrained!r}, so no rank can shard it: {message[0]}", failed_ranks=(0,))
+        raise DistributedMismatchError(
+            f"rank 0 could not load {pretrained!r}, so no rank can shard it: {message[0]}", failed_ranks=(0,)
+        )
     return model, getattr(torch, message[0].removeprefix("torch."))
 
 
@@ -378,10 +415,18 @@ def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs
     from transformers import AutoConfig
 
     trust = kwargs.get("trust_remote_code", False)
-    config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained, trust_remote_code=trust, revision=kwargs.get("revision"))
+    config = kwargs.get("config") or AutoConfig.from_pretrained(
+        pretrained, trust_remote_code=trust, revision=kwargs.get("revision")
+    )
     # Loading options (dtype: rank 0's, revision, use_safetensors...) do not go to the config;
     # those that shape the architecture (num_labels, ...) go to the config, as from_pretrained does.
-    config.update({k: v for k, v in kwargs.items() if k not in ("config", "attn_implementation", "dtype", "torch_dtype") and hasattr(config, k)})
+    config.update(
+        {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("config", "attn_implementation", "dtype", "torch_dtype") and hasattr(config, k)
+        }
+    )
     extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
     with torch.device("meta"):
         if hasattr(model_class, "_model_mapping"):  # an AutoModelFor* class
@@ -407,7 +452,8 @@ def _local_world_size() -> int:
         raise ValueError(
             f"policy.fsdp.mode='hybrid_shard' reads the processes per node from the environment variable "
             f"LOCAL_WORLD_SIZE={raw!r}, which is not a positive whole number; launch with torchrun or accelerate launch "
-            "(they set it), set it to the number of processes on each node, or unset it (one node)")
+            "(they set it), set it to the number of processes on each node, or unset it (one node)"
+        )
     return value
 
 
@@ -457,11 +503,15 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint_dir)
     dist.barrier()  # every rank's files are written before rank 0 describes them
     # A manifest rank 0 cannot write (a full disk) ends every rank with its error, not a wait.
-    on_every_rank("save_sharded_checkpoint: the manifest",
-                  lambda: _write_manifest(Path(checkpoint_dir)) if dist.get_rank() == 0 else None)
+    on_every_rank(
+        "save_sharded_checkpoint: the manifest",
+        lambda: _write_manifest(Path(checkpoint_dir)) if dist.get_rank() == 0 else None,
+    )
 
 
-def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, *, trusted: bool = False) -> None:
+def load_sharded_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: str, *, trusted: bool = False
+) -> None:
     """Load what :func:`save_sharded_checkpoint` wrote into an already sharded model and optimizer.
     Call it on every rank.
 
@@ -484,8 +534,9 @@ def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
 
     directory = Path(checkpoint_dir)
     # Every rank reads the folder before DCP's collectives: one that fails stops them all.
-    reader, planner = on_every_rank("load_sharded_checkpoint: checking the folder",
-                                    lambda: (None, None) if trusted else _vetted_reader(directory))
+    reader, planner = on_every_rank(
+        "load_sharded_checkpoint: checking the folder", lambda: (None, None) if trusted else _vetted_reader(directory)
+    )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=checkpoint_dir, storage_reader=reader, planner=planner)
@@ -537,8 +588,11 @@ def _write_manifest(directory: Path) -> None:
     import json
 
     files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
-    manifest = {"format": "hf_memstack sharded checkpoint 1", "files": files,
-                "metadata_sha256": _sha256(directory / ".metadata") if (directory / ".metadata").is_file() else None}
+    manifest = {
+        "format": "hf_memstack sharded checkpoint 1",
+        "files": files,
+        "metadata_sha256": _sha256(directory / ".metadata") if (directory / ".metadata").is_file() else None,
+    }
     tmp = directory / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, directory / MANIFEST)
@@ -550,10 +604,14 @@ def _check_manifest(directory: Path) -> None:
     from ._safe_dcp import plain_file_name
 
     path = directory / MANIFEST
-    fix = ("a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; a checkpoint written some other way "
-           "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)")
+    fix = (
+        "a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; a checkpoint written some other way "
+        "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)"
+    )
     if not path.is_file():
-        raise ValueError(f"checkpoint {str(directory)!r} has no {MANIFEST} (incomplete, or not written by hf_memstack); {fix}")
+        raise ValueError(
+            f"checkpoint {str(directory)!r} has no {MANIFEST} (incomplete, or not written by hf_memstack); {fix}"
+        )
     try:
         manifest = json.loads(path.read_text())
         files = dict(manifest["files"])
@@ -563,9 +621,13 @@ def _check_manifest(directory: Path) -> None:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"checkpoint {str(directory)!r}: {MANIFEST} is unreadable ({e}); {fix}") from None
     problems = [f"{name} is a symlink (a save writes files)" for name in files if (directory / name).is_symlink()]
-    problems += [f"{name} is missing" if not (directory / name).is_file() else f"{name} has {(directory / name).stat().st_size} "
-                 f"bytes, the manifest says {size}" for name, size in files.items()
-                 if not (directory / name).is_file() or (directory / name).stat().st_size != size]
+    problems += [
+        f"{name} is missing"
+        if not (directory / name).is_file()
+        else f"{name} has {(directory / name).stat().st_size} bytes, the manifest says {size}"
+        for name, size in files.items()
+        if not (directory / name).is_file() or (directory / name).stat().st_size != size
+    ]
     if not problems and manifest.get("metadata_sha256") != _sha256(directory / ".metadata"):
         problems.append(".metadata differs from the one the manifest describes")
     if problems:

@@ -83,9 +83,11 @@ class LossHeadResult:
     def describe(self) -> str:
         if self.mode == "default":
             return "the model's own"
-        extras = (f", softcap {self.softcap:g}" if self.softcap else "") + (
-            f", logits x{self.logit_multiplier:g}" if self.logit_multiplier != 1.0 else "") + (
-            ", + the router load-balancing loss when output_router_logits" if self.router_aux_loss else "")
+        extras = (
+            (f", softcap {self.softcap:g}" if self.softcap else "")
+            + (f", logits x{self.logit_multiplier:g}" if self.logit_multiplier != 1.0 else "")
+            + (", + the router load-balancing loss when output_router_logits" if self.router_aux_loss else "")
+        )
         return f"chunked, {self.chunk_tokens} tokens per chunk, {self.path} path{', compiled chunks' if self.compiled else ''}{extras}"
 
 
@@ -129,11 +131,21 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
         multiplier /= float(config.logits_scaling)
     head = target.get_output_embeddings()
     chunk = cfg.chunk_tokens or auto_chunk_tokens(_vocab_size(head, config))
-    result = LossHeadResult(mode="chunked", path="fused" if _plain_linear(head) is not None else "checkpointed",
-                            chunk_tokens=chunk, softcap=float(softcap) if softcap else None, logit_multiplier=multiplier,
-                            router_aux_loss=router_loss is not None, compiled=cfg.compiled)
-    plan = _HeadPlan(target=target, result=result, router_loss=router_loss,
-                     cache_default=bool(getattr(target.config, "use_cache", False)))
+    result = LossHeadResult(
+        mode="chunked",
+        path="fused" if _plain_linear(head) is not None else "checkpointed",
+        chunk_tokens=chunk,
+        softcap=float(softcap) if softcap else None,
+        logit_multiplier=multiplier,
+        router_aux_loss=router_loss is not None,
+        compiled=cfg.compiled,
+    )
+    plan = _HeadPlan(
+        target=target,
+        result=result,
+        router_loss=router_loss,
+        cache_default=bool(getattr(target.config, "use_cache", False)),
+    )
     if _has_values(target):
         _check_matches_model(plan)
     return plan
@@ -159,8 +171,13 @@ def _check_causal_lm(target: nn.Module) -> None:
     head = get_head() if callable(get_head) else None
     backbone = getattr(target, "base_model", target)
     if not causal or head is None or backbone is target:
-        why = ("it is not a causal language model" if not causal else "it has no output head (get_output_embeddings() is None)"
-               if head is None else "its backbone cannot be run without the head (base_model is the model itself)")
+        why = (
+            "it is not a causal language model"
+            if not causal
+            else "it has no output head (get_output_embeddings() is None)"
+            if head is None
+            else "its backbone cannot be run without the head (base_model is the model itself)"
+        )
         raise ValueError(
             f"policy.loss.mode='chunked' needs a causal language model (a *ForCausalLM: backbone, output head over the "
             f"vocabulary, next-token loss); {name} cannot use it: {why}. Its loss has no vocabulary-sized logits to chunk: "
@@ -186,13 +203,18 @@ def _router_loss_function(target: nn.Module) -> Callable[..., Any] | None:
         raise ValueError(
             f"policy.loss.mode='chunked': {name} adds a router load-balancing loss through load_balancing_loss_func"
             f"{parameters}, not the {_ROUTER_LOSS_PARAMETERS} form the chunked loss reproduces; drop loss:chunked for this "
-            "model (its own loss then trains the routers)")
-    missing = [what for what, value in zip(("num_experts", "num_experts_per_tok", "router_aux_loss_coef"),
-                                           _router_numbers(target)) if value is None]
+            "model (its own loss then trains the routers)"
+        )
+    missing = [
+        what
+        for what, value in zip(("num_experts", "num_experts_per_tok", "router_aux_loss_coef"), _router_numbers(target))
+        if value is None
+    ]
     if missing:
         raise ValueError(
             f"policy.loss.mode='chunked': {name} adds a router load-balancing loss, but hf_memstack cannot find its "
-            f"{', '.join(missing)} (on the model or its config) to reproduce it; drop loss:chunked for this model")
+            f"{', '.join(missing)} (on the model or its config) to reproduce it; drop loss:chunked for this model"
+        )
     return function
 
 
@@ -204,8 +226,11 @@ def _router_numbers(model: nn.Module) -> tuple[Any, Any, Any]:
     def first(*names: str, sources: tuple[Any, ...] = (model, config)) -> Any:
         return next((getattr(o, n) for o in sources for n in names if getattr(o, n, None) is not None), None)
 
-    return (first("num_experts", "num_local_experts"), first("num_experts_per_tok"),
-            first("router_aux_loss_coef", "aux_loss_coef"))
+    return (
+        first("num_experts", "num_local_experts"),
+        first("num_experts_per_tok"),
+        first("router_aux_loss_coef", "aux_loss_coef"),
+    )
 
 
 def _router_logits_on(model: nn.Module, arguments: dict[str, Any]) -> bool | None:
@@ -225,8 +250,13 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     ids = (torch.arange(8, device=device).unsqueeze(0) * 7919 + 3) % max(vocab, 1)
     labels = ids.clone()
     labels[0, 2] = -100  # a masked position (prompt masking) inside the window
-    probe = ChunkedLossForward(target, chunk_tokens=3, softcap=plan.result.softcap, logit_multiplier=plan.result.logit_multiplier,
-                               router_loss=plan.router_loss)
+    probe = ChunkedLossForward(
+        target,
+        chunk_tokens=3,
+        softcap=plan.result.softcap,
+        logit_multiplier=plan.result.logit_multiplier,
+        router_loss=plan.router_loss,
+    )
     # A mixture-of-experts model is compared with its router loss on: the per-call flag must be
     # reproduced whatever the config says.
     arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
@@ -237,12 +267,18 @@ def _check_matches_model(plan: _HeadPlan) -> None:
         got = probe.loss_from(dict(arguments))
     tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
     name = type(target).__name__
-    for what, ours, theirs in (("loss", got.loss, expected.loss), ("aux_loss", getattr(got, "aux_loss", None),
-                                                                    getattr(expected, "aux_loss", None))):
+    for what, ours, theirs in (
+        ("loss", got.loss, expected.loss),
+        ("aux_loss", getattr(got, "aux_loss", None), getattr(expected, "aux_loss", None)),
+    ):
         if theirs is None and ours is None:
             continue
-        if theirs is None or ours is None or not torch.isfinite(torch.as_tensor(ours)) or (
-                abs(float(ours) - float(theirs)) > tolerance * max(1.0, abs(float(theirs)))):
+        if (
+            theirs is None
+            or ours is None
+            or not torch.isfinite(torch.as_tensor(ours))
+            or (abs(float(ours) - float(theirs)) > tolerance * max(1.0, abs(float(theirs))))
+        ):
             raise ValueError(
                 f"policy.loss.mode='chunked': on {name} the chunked {what} ({_show(ours)}) differs from the model's own "
                 f"({_show(theirs)}): its forward transforms the logits or adds a loss in a way hf_memstack does not reproduce "
@@ -284,8 +320,14 @@ def apply_loss_head(plan: _HeadPlan | None) -> LossHeadResult:
         return LossHeadResult(mode="default")
     r = plan.result
     plan.target.forward = ChunkedLossForward(  # type: ignore[method-assign]
-        plan.target, chunk_tokens=r.chunk_tokens, softcap=r.softcap, logit_multiplier=r.logit_multiplier,
-        router_loss=plan.router_loss, cache_default=plan.cache_default, compiled=r.compiled)
+        plan.target,
+        chunk_tokens=r.chunk_tokens,
+        softcap=r.softcap,
+        logit_multiplier=r.logit_multiplier,
+        router_loss=plan.router_loss,
+        cache_default=plan.cache_default,
+        compiled=r.compiled,
+    )
     return r
 
 
@@ -293,8 +335,17 @@ class ChunkedLossForward(_ForwardWrapper):
     """A causal LM's forward that, with labels and gradients on, computes the loss chunk by chunk
     from the backbone's hidden states, and returns ``logits=None``; otherwise the model's own forward."""
 
-    def __init__(self, module: nn.Module, *, chunk_tokens: int, softcap: float | None = None, logit_multiplier: float = 1.0,
-                 router_loss: Callable[..., Any] | None = None, cache_default: bool = False, compiled: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        chunk_tokens: int,
+        softcap: float | None = None,
+        logit_multiplier: float = 1.0,
+        router_loss: Callable[..., Any] | None = None,
+        cache_default: bool = False,
+        compiled: bool = False,
+    ) -> None:
         super().__init__(module)
         self.cache_default = cache_default
         self.compiled = compiled
@@ -338,17 +389,28 @@ class ChunkedLossForward(_ForwardWrapper):
         # Under FSDP/DDP a rank that refused its ids here would leave the others waiting in the
         # backbone's first all-gather: the refusal is shared first, so every rank ends with it.
         # (Looked up per call: the model is sharded after this wrapper is installed. One rank: no walk.)
-        on_every_rank("loss:chunked: the batch's token ids", lambda: _check_token_ids(arguments, head, model, ignore_index),
-                      shared=not torch.compiler.is_compiling() and runs_collectives(model))
+        on_every_rank(
+            "loss:chunked: the batch's token ids",
+            lambda: _check_token_ids(arguments, head, model, ignore_index),
+            shared=not torch.compiler.is_compiling() and runs_collectives(model),
+        )
         backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep", "return_dict")}
         routed = _router_logits_on(model, arguments)
         if routed is not None:
             backbone_args["output_router_logits"] = routed
         outputs = model.base_model(**backbone_args, return_dict=True)
         loss = _chunked_lm_loss(
-            outputs[0], head, labels=arguments.get("labels"), shift_labels=arguments.get("shift_labels"),
-            num_items_in_batch=arguments.get("num_items_in_batch"), ignore_index=ignore_index,
-            chunk_tokens=self.chunk_tokens, softcap=self.softcap, logit_multiplier=self.logit_multiplier, compiled=self.compiled)
+            outputs[0],
+            head,
+            labels=arguments.get("labels"),
+            shift_labels=arguments.get("shift_labels"),
+            num_items_in_batch=arguments.get("num_items_in_batch"),
+            ignore_index=ignore_index,
+            chunk_tokens=self.chunk_tokens,
+            softcap=self.softcap,
+            logit_multiplier=self.logit_multiplier,
+            compiled=self.compiled,
+        )
         aux_loss = None
         if routed and self.router_loss is not None:
             # As the model's forward: aux_loss in the output, coefficient x aux_loss added to the loss.
@@ -360,13 +422,22 @@ class ChunkedLossForward(_ForwardWrapper):
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
         if not return_dict:
-            return _as_tuple(result, cache_slot=self.cache_default if arguments.get("use_cache") is None
-                             else bool(arguments.get("use_cache")))
+            return _as_tuple(
+                result,
+                cache_slot=self.cache_default
+                if arguments.get("use_cache") is None
+                else bool(arguments.get("use_cache")),
+            )
         return result
 
     def _options(self) -> dict[str, Any]:
-        return {"chunk_tokens": self.chunk_tokens, "softcap": self.softcap, "logit_multiplier": self.logit_multiplier,
-                "router_loss": self.router_loss, "cache_default": self.cache_default}
+        return {
+            "chunk_tokens": self.chunk_tokens,
+            "softcap": self.softcap,
+            "logit_multiplier": self.logit_multiplier,
+            "router_loss": self.router_loss,
+            "cache_default": self.cache_default,
+        }
 
 
 def _as_tuple(result: Any, *, cache_slot: bool) -> tuple[Any, ...]:
@@ -376,8 +447,11 @@ def _as_tuple(result: Any, *, cache_slot: bool) -> tuple[Any, ...]:
     else its config's default, which prepare_model turned off: training never reads the cache), so
     a mixture-of-experts model's router_logits stay at their index."""
     kept = {"logits", *(("cache", "past_key_values") if cache_slot else ())}
-    return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
-                 if f.name in kept or getattr(result, f.name) is not None)
+    return tuple(
+        getattr(result, f.name)
+        for f in dataclasses.fields(result)
+        if f.name in kept or getattr(result, f.name) is not None
+    )
 
 
 def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> Any:
@@ -391,8 +465,13 @@ def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> An
     extra: dict[str, Any] = {n: cache for n in ("cache", "past_key_values") if n in fields}
     if moe:
         extra.update(aux_loss=aux_loss, router_logits=getattr(outputs, "router_logits", None))
-    return cls(loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
-               attentions=getattr(outputs, "attentions", None), **extra)
+    return cls(
+        loss=loss,
+        logits=None,
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+        **extra,
+    )
 
 
 def _check_token_ids(arguments: dict[str, Any], head: nn.Module, model: nn.Module, ignore_index: int) -> None:
@@ -416,8 +495,12 @@ def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model
         return
     # The smallest and largest id of each tensor (ignored labels counted as 0), fetched together.
     device = checks[0][1].device
-    ranges = torch.stack([torch.stack(torch.aminmax(t if ignored is None else t.masked_fill(t == ignored, 0))).to(device)
-                          for _, t, _, ignored in checks]).tolist()
+    ranges = torch.stack(
+        [
+            torch.stack(torch.aminmax(t if ignored is None else t.masked_fill(t == ignored, 0))).to(device)
+            for _, t, _, ignored in checks
+        ]
+    ).tolist()
     failing = [c for c, (low, high) in zip(checks, ranges) if low < 0 or high >= c[2]]
     if not failing:
         return
@@ -426,12 +509,17 @@ def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model
     if ignored is not None:
         mask &= ids != ignored
     offending = ids[mask]
-    hint = f"; {ignored} (ignore_index) is the one label outside it, for positions without a loss" if ignored is not None else ""
+    hint = (
+        f"; {ignored} (ignore_index) is the one label outside it, for positions without a loss"
+        if ignored is not None
+        else ""
+    )
     raise ValueError(
         f"loss:chunked: {name} holds id {int(offending.flatten()[0])} ({offending.numel()} id(s) in all) outside the "
         f"vocabulary of {model_name} ({size} ids: 0-{size - 1}){hint}. The tokenizer and the model disagree (after adding "
         "tokens, call model.resize_token_embeddings(len(tokenizer)) before prepare_model), or make_batch/the collator "
-        f"builds ids >= {size}")
+        f"builds ids >= {size}"
+    )
 
 
 # ------------------------------------------------------------------------------------------- loss
@@ -467,16 +555,37 @@ def chunked_lm_loss(
     """
     vocab = _head_outputs(head)
     if vocab is not None:
-        _check_ids_in_range([(name, t, vocab, ignore_index) for name, t in (("labels", labels), ("shift_labels", shift_labels))],
-                            model_name=type(head).__name__)
-    return _chunked_lm_loss(hidden, head, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
-                            ignore_index=ignore_index, chunk_tokens=chunk_tokens, softcap=softcap,
-                            logit_multiplier=logit_multiplier, compiled=compiled)
+        _check_ids_in_range(
+            [(name, t, vocab, ignore_index) for name, t in (("labels", labels), ("shift_labels", shift_labels))],
+            model_name=type(head).__name__,
+        )
+    return _chunked_lm_loss(
+        hidden,
+        head,
+        labels=labels,
+        shift_labels=shift_labels,
+        num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index,
+        chunk_tokens=chunk_tokens,
+        softcap=softcap,
+        logit_multiplier=logit_multiplier,
+        compiled=compiled,
+    )
 
 
-def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Tensor | None,
-                     shift_labels: torch.Tensor | None, num_items_in_batch: torch.Tensor | int | None, ignore_index: int,
-                     chunk_tokens: int, softcap: float | None, logit_multiplier: float, compiled: bool = False) -> torch.Tensor:
+def _chunked_lm_loss(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    *,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int,
+    chunk_tokens: int,
+    softcap: float | None,
+    logit_multiplier: float,
+    compiled: bool = False,
+) -> torch.Tensor:
     if shift_labels is None:
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -485,8 +594,18 @@ def _chunked_lm_loss(hidden: torch.Tensor, head: nn.Module, *, labels: torch.Ten
     linear = _plain_linear(head)
     if linear is not None:
         weight, bias = _full(linear.weight), _full(linear.bias) if linear.bias is not None else None
-        total = _FusedLinearCrossEntropy.apply(flat, weight, bias, targets, chunk_tokens, logit_multiplier, softcap,
-                                               _compute_dtype(flat, weight), ignore_index, compiled)
+        total = _FusedLinearCrossEntropy.apply(
+            flat,
+            weight,
+            bias,
+            targets,
+            chunk_tokens,
+            logit_multiplier,
+            softcap,
+            _compute_dtype(flat, weight),
+            ignore_index,
+            compiled,
+        )
     else:
         total = _checkpointed_chunks(flat, head, targets, chunk_tokens, logit_multiplier, softcap, ignore_index)
     if num_items_in_batch is None:
@@ -503,9 +622,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     input's gradient and the head's (in the compute dtype, like the weight copy autocast saves)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                chunk: int, multiplier: float, softcap: float | None, dtype: torch.dtype, ignore_index: int,
-                compiled: bool = False) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        multiplier: float,
+        softcap: float | None,
+        dtype: torch.dtype,
+        ignore_index: int,
+        compiled: bool = False,
+    ) -> torch.Tensor:
         wants_h, wants_w = hidden.requires_grad, weight.requires_grad
         wants_b = bias is not None and bias.requires_grad
         with torch.autocast(hidden.device.type, enabled=False):
@@ -525,8 +654,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             step = _compiled_chunk_step if compiled and not eager else _chunk_step
             for start in range(0, h.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                total += step(h[rows], w, b, targets[rows], multiplier, softcap, ignore_index, grad_h, grad_w, grad_b,
-                              rows, wants_h or wants_w or wants_b)
+                total += step(
+                    h[rows],
+                    w,
+                    b,
+                    targets[rows],
+                    multiplier,
+                    softcap,
+                    ignore_index,
+                    grad_h,
+                    grad_w,
+                    grad_b,
+                    rows,
+                    wants_h or wants_w or wants_b,
+                )
         # Saved: the input's and the head's gradients, in the compute dtype - the head's takes the
         # bytes of the weight copy that the unchunked path saves for its backward.
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -544,9 +685,20 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
-def _chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, multiplier: float,
-                softcap: float | None, ignore_index: int, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
-                grad_b: torch.Tensor | None, rows: slice, wants_grad: bool) -> torch.Tensor:
+def _chunk_step(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    rows: slice,
+    wants_grad: bool,
+) -> torch.Tensor:
     """One chunk: its summed loss; its gradients written into ``grad_h[rows]`` and added to ``grad_w``/``grad_b``."""
     z, squash = _chunk_logits(h, w, b, multiplier, softcap)
     valid = (y != ignore_index).to(z.dtype).unsqueeze(1)
@@ -577,12 +729,25 @@ def _chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: tor
     return loss
 
 
-def _compiled_chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor, multiplier: float,
-                         softcap: float | None, ignore_index: int, grad_h: torch.Tensor | None, grad_w: torch.Tensor | None,
-                         grad_b: torch.Tensor | None, rows: slice, wants_grad: bool) -> torch.Tensor:
+def _compiled_chunk_step(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    rows: slice,
+    wants_grad: bool,
+) -> torch.Tensor:
     """:func:`_chunk_step` with the work between the matmuls compiled (one fused function)."""
     raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
-    loss, g_low, g_bias = _compiled_softmax_xent()(raw, y, multiplier, softcap, ignore_index, wants_grad, grad_b is not None)
+    loss, g_low, g_bias = _compiled_softmax_xent()(
+        raw, y, multiplier, softcap, ignore_index, wants_grad, grad_b is not None
+    )
     if g_low is not None:
         if grad_h is not None:
             grad_h[rows] = g_low @ w
@@ -593,8 +758,15 @@ def _compiled_chunk_step(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     return loss
 
 
-def _softmax_xent(raw: torch.Tensor, y: torch.Tensor, multiplier: float, softcap: float | None, ignore_index: int,
-                  wants_grad: bool, bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _softmax_xent(
+    raw: torch.Tensor,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    wants_grad: bool,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One chunk's summed loss and the loss's gradient on the raw logits (in their dtype; its fp32
     column sums for a bias), written out of place: Inductor fuses it into a few passes over the chunk."""
     z = raw.float()
@@ -630,8 +802,9 @@ def _compiled_softmax_xent() -> Any:
     return _COMPILED[0]
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, multiplier: float,
-                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk_logits(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, multiplier: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk's fp32 logits after the head's transform, and ``tanh`` of the soft-cap (None without one)."""
     raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()  # the matmul in the compute dtype
     z = raw.float()
@@ -643,17 +816,33 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, mult
     return squash * softcap, squash
 
 
-def _checkpointed_chunks(flat: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int, multiplier: float,
-                         softcap: float | None, ignore_index: int) -> torch.Tensor:
+def _checkpointed_chunks(
+    flat: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    chunk: int,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+) -> torch.Tensor:
     total = flat.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], chunk):
-        total = total + checkpoint(_head_chunk_loss, head, flat[start:start + chunk], targets[start:start + chunk],
-                                   multiplier, softcap, ignore_index, use_reentrant=False)
+        total = total + checkpoint(
+            _head_chunk_loss,
+            head,
+            flat[start : start + chunk],
+            targets[start : start + chunk],
+            multiplier,
+            softcap,
+            ignore_index,
+            use_reentrant=False,
+        )
     return total
 
 
-def _head_chunk_loss(head: nn.Module, h: torch.Tensor, y: torch.Tensor, multiplier: float, softcap: float | None,
-                     ignore_index: int) -> torch.Tensor:
+def _head_chunk_loss(
+    head: nn.Module, h: torch.Tensor, y: torch.Tensor, multiplier: float, softcap: float | None, ignore_index: int
+) -> torch.Tensor:
     z = head(h).float()  # the head runs under the caller's autocast: its matmul stays in the compute dtype
     if multiplier != 1.0:
         z = z * multiplier
@@ -706,4 +895,3 @@ def _has_values(model: nn.Module) -> bool:
 def auto_chunk_tokens(vocab_size: int) -> int:
     """Tokens per chunk when ``chunk_tokens`` is None: about 16M logits per chunk."""
     return max(1, _AUTO_CHUNK_LOGITS // max(1, vocab_size))
-

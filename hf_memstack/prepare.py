@@ -15,7 +15,12 @@ from torch import nn
 
 from ._device import device_of, shard_device
 from .blocks import Blocks, find_blocks
-from .checkpointing import apply_checkpointing, check_checkpointing, install_checkpointing_guard, uses_transformers_checkpointing
+from .checkpointing import (
+    apply_checkpointing,
+    check_checkpointing,
+    install_checkpointing_guard,
+    uses_transformers_checkpointing,
+)
 from .compile import apply_compile, check_backend
 from .data.guard import install_packing_guard
 from .fsdp import (
@@ -125,7 +130,9 @@ def _coerce_policy(policy: Any) -> MemoryPolicy:
 def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
     """The checks, agreed across ranks under FSDP: one rank's failure fails every rank."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}"
+        )
     require_process_group(policy.fsdp)
     if policy.fsdp.mode == "none":
         return _preflight(model, policy, accelerator)
@@ -173,16 +180,38 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
-    quant = check_quant(model, policy.quant, dtype=precision.dtype, blocks=blocks, shards=_shards(policy), fsdp=policy.fsdp.mode != "none")
+    quant = check_quant(
+        model,
+        policy.quant,
+        dtype=precision.dtype,
+        blocks=blocks,
+        shards=_shards(policy),
+        fsdp=policy.fsdp.mode != "none",
+    )
     _warn_on_training_setup(model, policy, blocks, quant)
-    master = check_master_weights(model, policy, mixed=precision.mixed, precision_name=precision.name,
-                                  before_adapters=_base_before_adapters(model, quant))
+    master = check_master_weights(
+        model,
+        policy,
+        mixed=precision.mixed,
+        precision_name=precision.name,
+        before_adapters=_base_before_adapters(model, quant),
+    )
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
-    autocast_here = precision.mixed and (accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate))
-    return _Plan(policy=policy, precision=precision, blocks=blocks, sharded_by_accelerate=sharded_by_accelerate,
-                 autocast_here=autocast_here, loss_head=loss_head, quant=quant,
-                 tiles=tiles, master=master)
+    autocast_here = precision.mixed and (
+        accelerator is None or (policy.fsdp.mode != "none" and not sharded_by_accelerate)
+    )
+    return _Plan(
+        policy=policy,
+        precision=precision,
+        blocks=blocks,
+        sharded_by_accelerate=sharded_by_accelerate,
+        autocast_here=autocast_here,
+        loss_head=loss_head,
+        quant=quant,
+        tiles=tiles,
+        master=master,
+    )
 
 
 def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
@@ -231,19 +260,40 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
         fsdp = FSDPResult(mode=policy.fsdp.mode, by="accelerator.prepare", weights_from="accelerate")
     elif policy.fsdp.mode != "none":
         assert plan.blocks is not None
-        fsdp = apply_fsdp(model, policy.fsdp, blocks=plan.blocks, precision=plan.precision,
-                          broadcast_from_rank0=plan.broadcast_from_rank0)
+        fsdp = apply_fsdp(
+            model,
+            policy.fsdp,
+            blocks=plan.blocks,
+            precision=plan.precision,
+            broadcast_from_rank0=plan.broadcast_from_rank0,
+        )
         if master.mode == "bf16":  # the sharded parameters are new objects: tag them for the step check
             mark_pure_bf16(p for p in model.parameters() if p.requires_grad)
     # fp16 needs a loss scaler. On FSDP2's sharded gradients (DTensors) torch.amp.GradScaler's
     # inf check is reduced over the mesh, so every rank skips the same steps (tested on 2 ranks).
-    grad_scaler = torch.amp.GradScaler(plan.precision.device_type) if plan.precision.name == "fp16" and plan.autocast_here else None
+    grad_scaler = (
+        torch.amp.GradScaler(plan.precision.device_type)
+        if plan.precision.name == "fp16" and plan.autocast_here
+        else None
+    )
     autocast_by = "hf_memstack" if plan.autocast_here else ("accelerator.prepare" if plan.precision.mixed else "none")
     return MemstackRecord(
-        policy=policy, precision=plan.precision, autocast_by=autocast_by, grad_scaler=grad_scaler, blocks=plan.blocks,
-        checkpointing=checkpointing, compile=compile_stats, fsdp=fsdp, prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled, loss=loss, mlp=mlp, packing_guard=packing_guard,
-        chunkable_loss=supports_chunked_loss(model), quant=quant, master_weights=master,
+        policy=policy,
+        precision=plan.precision,
+        autocast_by=autocast_by,
+        grad_scaler=grad_scaler,
+        blocks=plan.blocks,
+        checkpointing=checkpointing,
+        compile=compile_stats,
+        fsdp=fsdp,
+        prepare_seconds=time.perf_counter() - start,
+        kv_cache_disabled=kv_cache_disabled,
+        loss=loss,
+        mlp=mlp,
+        packing_guard=packing_guard,
+        chunkable_loss=supports_chunked_loss(model),
+        quant=quant,
+        master_weights=master,
     )
 
 
@@ -265,15 +315,22 @@ def _check_not_set_by_hand(model: nn.Module) -> None:
     if optimizer_in_backward_of(model) is not None:
         raise ValueError(
             f"{type(model).__name__} already has an optimizer stepping in the backward (make_optimizer was called before "
-            "prepare_model): build the optimizer after prepare_model, so that it follows the policy's optim: tokens")
-    checkpointed = [n or type(model).__name__ for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+            "prepare_model): build the optimizer after prepare_model, so that it follows the policy's optim: tokens"
+        )
+    checkpointed = [
+        n or type(model).__name__
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
     if checkpointed:
         raise ValueError(
             f"{type(model).__name__} already has activation checkpointing on ({len(checkpointed)} module(s), e.g. "
             f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
             "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
         )
-    compiled = [n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    compiled = [
+        n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
+    ]
     if compiled:
         raise ValueError(
             f"{type(model).__name__} is already compiled in place (module.compile() on {compiled[:3]}): compile is set by the "
@@ -342,7 +399,12 @@ class _TrainingInEvalModeCheck:
         # Inside a compiled graph the check would be traced (and break the graph): skipped there,
         # first, so that the graph guards on nothing of it.
         # Every module, not only this one: a PEFT wrapper around a model from from_pretrained trains, its model not.
-        if torch.compiler.is_compiling() or self.warned or not torch.is_grad_enabled() or all(m.training for m in module.modules()):
+        if (
+            torch.compiler.is_compiling()
+            or self.warned
+            or not torch.is_grad_enabled()
+            or all(m.training for m in module.modules())
+        ):
             return
         self.warned = True
         warnings.warn(

@@ -68,20 +68,28 @@ class MemstackRecord(RecordBase):
         """A few lines saying what was applied, and how."""
         lines = [f"hf_memstack policy: {self.policy.to_string()}"]
         p = self.precision
-        lines.append(f"  precision: {p.name} on {p.device_type} ({p.reason}); autocast by {self.autocast_by}"
-                     + ("; GradScaler: model.memstack.grad_scaler" if self.grad_scaler is not None else ""))
+        lines.append(
+            f"  precision: {p.name} on {p.device_type} ({p.reason}); autocast by {self.autocast_by}"
+            + ("; GradScaler: model.memstack.grad_scaler" if self.grad_scaler is not None else "")
+        )
         if self.blocks is not None:
-            lines.append(f"  blocks: {len(self.blocks)} x {'/'.join(self.blocks.class_names)} (from {self.blocks.source})")
+            lines.append(
+                f"  blocks: {len(self.blocks)} x {'/'.join(self.blocks.class_names)} (from {self.blocks.source})"
+            )
         ck = self.checkpointing
         if ck.method != "none":
-            lines.append(f"  checkpointing: {self.policy.checkpointing.mode} via {ck.method}, blocks {list(ck.checkpointed)}"
-                         + (f" ({ck.note})" if ck.note else ""))
+            lines.append(
+                f"  checkpointing: {self.policy.checkpointing.mode} via {ck.method}, blocks {list(ck.checkpointed)}"
+                + (f" ({ck.note})" if ck.note else "")
+            )
         else:
             lines.append("  checkpointing: off")
         co = self.policy.compile
         if co.mode != "none":
-            lines.append(f"  compile: {co.mode} ({len(self.compile.regions)} region(s), backend {co.backend}); "
-                         f"graphs compiled {self.compile.graphs_compiled}, compiled calls {self.compile.graph_calls}")
+            lines.append(
+                f"  compile: {co.mode} ({len(self.compile.regions)} region(s), backend {co.backend}); "
+                f"graphs compiled {self.compile.graphs_compiled}, compiled calls {self.compile.graph_calls}"
+            )
         else:
             lines.append("  compile: off")
         lines.append(f"  fsdp: {self.fsdp.describe()}" if self.fsdp else "  fsdp: off")
@@ -92,9 +100,13 @@ class MemstackRecord(RecordBase):
             lines.append(f"  mlp: {self.mlp.describe()}")
         op = self.policy.optimizer
         if (op.state, op.step) != ("fp32", "after_backward"):
-            lines.append(f"  optimizer: AdamW with {op.state} state, stepped {op.step.replace('_', ' ')} "
-                         "(build it with hf_memstack.make_optimizer(model, lr=...))")
+            lines.append(
+                f"  optimizer: AdamW with {op.state} state, stepped {op.step.replace('_', ' ')} "
+                "(build it with hf_memstack.make_optimizer(model, lr=...))"
+            )
         if self.kv_cache_disabled:
-            lines.append("  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)")
+            lines.append(
+                "  kv cache: model.config.use_cache set to False for training (generate() uses its generation_config)"
+            )
         lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
         return "\n".join(lines)

@@ -126,24 +126,34 @@ def simulated_memory_limit(
         mode.check_entry()
         yield SimulatedMemory(mode)
     if mode.peak == 0 and mode.elsewhere:
-        warnings.warn(f"simulated_memory_limit(device={device!r}) counted nothing: no tensor lived on {device!r} while operators "
-                      f"ran on {', '.join(map(repr, sorted(mode.elsewhere)))}, so nothing was limited; "
-                      f"{_fix(mode.elsewhere, device)}", stacklevel=3)
+        warnings.warn(
+            f"simulated_memory_limit(device={device!r}) counted nothing: no tensor lived on {device!r} while operators "
+            f"ran on {', '.join(map(repr, sorted(mode.elsewhere)))}, so nothing was limited; "
+            f"{_fix(mode.elsewhere, device)}",
+            stacklevel=3,
+        )
 
 
 def _fix(devices: set[str], device: str) -> str:
     other = sorted(devices & set(_DEVICES))
-    return (f"pass device={other[0]!r} (where the tensors live), or move them to {device!r} first" if other
-            else f"move the tensors to {device!r} first")
+    return (
+        f"pass device={other[0]!r} (where the tensors live), or move them to {device!r} first"
+        if other
+        else f"move the tensors to {device!r} first"
+    )
 
 
 def _check_available(device: str) -> None:
     """A device type that does not exist here has no tensors to count: the limit would limit nothing."""
-    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}.get(device)
+    backend = {"cuda": torch.cuda, "xpu": getattr(torch, "xpu", None), "mps": getattr(torch.backends, "mps", None)}.get(
+        device
+    )
     if backend is not None and not backend.is_available():
-        raise RuntimeError(f"simulated_memory_limit(device={device!r}): no {device} device is available here, so no tensor would "
-                           f"be counted and nothing limited; use device='cpu' (the default: a device of that size simulated on "
-                           f"the CPU), or run where a {device} device is")
+        raise RuntimeError(
+            f"simulated_memory_limit(device={device!r}): no {device} device is available here, so no tensor would "
+            f"be counted and nothing limited; use device='cpu' (the default: a device of that size simulated on "
+            f"the CPU), or run where a {device} device is"
+        )
 
 
 def _counted_tensors(count: Any, device: str) -> list[torch.Tensor]:
@@ -154,14 +164,18 @@ def _counted_tensors(count: Any, device: str) -> list[torch.Tensor]:
     if isinstance(count, (nn.Module, torch.optim.Optimizer, torch.Tensor)):
         count = [count]
     elif not isinstance(count, Iterable):
-        raise TypeError(f"count={count!r} ({type(count).__name__}): expected 'all', a model, an optimizer or a tensor, or a "
-                        "list of them (e.g. count=[model, optimizer])")
+        raise TypeError(
+            f"count={count!r} ({type(count).__name__}): expected 'all', a model, an optimizer or a tensor, or a "
+            "list of them (e.g. count=[model, optimizer])"
+        )
     tensors = list(_tensors_of(count))
     devices = {t.device.type for t in tensors}
     if tensors and device not in devices and not any(is_traceable_wrapper_subclass(t) for t in tensors):
-        raise ValueError(f"simulated_memory_limit(device={device!r}): the {len(tensors)} tensors of count= live on "
-                         f"{', '.join(map(repr, sorted(devices)))}, none on {device!r}, so none would be counted and nothing "
-                         f"limited; {_fix(devices, device)}")
+        raise ValueError(
+            f"simulated_memory_limit(device={device!r}): the {len(tensors)} tensors of count= live on "
+            f"{', '.join(map(repr, sorted(devices)))}, none on {device!r}, so none would be counted and nothing "
+            f"limited; {_fix(devices, device)}"
+        )
     return tensors
 
 
@@ -254,7 +268,9 @@ class LiveBytes(TorchDispatchMode):
     # -- bookkeeping -------------------------------------------------------------------------
     def _account(self, out: Any) -> torch.OutOfMemoryError | None:
         """Count ``out``'s new storages; the error to raise (nothing counted) when they do not fit."""
-        leaves = [out] if isinstance(out, torch.Tensor) else [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        leaves = (
+            [out] if isinstance(out, torch.Tensor) else [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        )
         if self.peak == 0 and len(self.elsewhere) < 4:  # cheap: only until the first counted byte
             self.elsewhere.update(t.device.type for t in leaves if t.device.type != self.device_type)
         fresh: dict[int, torch.UntypedStorage] = {}
@@ -266,7 +282,9 @@ class LiveBytes(TorchDispatchMode):
                     fresh[id(st)] = st
                 elif known[1] != st.nbytes():
                     resized[id(st)] = st
-        added = sum(st.nbytes() for st in fresh.values()) + sum(st.nbytes() - self._storages[k][1] for k, st in resized.items())
+        added = sum(st.nbytes() for st in fresh.values()) + sum(
+            st.nbytes() - self._storages[k][1] for k, st in resized.items()
+        )
         if self.budget is not None and added > 0 and self.live + added > self.budget:
             self.refused += 1
             # The outputs are dropped with the exception: nothing of this operator stays counted.
@@ -339,6 +357,9 @@ def _tensors_of(things: Iterable[Countable]) -> Iterator[torch.Tensor]:
 def _all_tensors(device: str) -> Iterator[torch.Tensor]:
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which some module proxies warn on.
-        if (issubclass(type(obj), torch.Tensor) and not isinstance(obj, torch.nn.parameter.UninitializedTensorMixin)
-                and (is_traceable_wrapper_subclass(obj) or obj.device.type == device)):
+        if (
+            issubclass(type(obj), torch.Tensor)
+            and not isinstance(obj, torch.nn.parameter.UninitializedTensorMixin)
+            and (is_traceable_wrapper_subclass(obj) or obj.device.type == device)
+        ):
             yield obj

@@ -7,8 +7,17 @@ import re
 
 __all__ = ["format_bytes", "parse_bytes"]
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _NUMBER = re.compile(r"\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 # Anything above this is a typo, not a machine (1 EiB).
 _LARGEST = 2**60
@@ -40,8 +49,10 @@ def parse_bytes(value: int | float | str, *, field: str = "budget") -> int:
         m = _NUMBER.fullmatch(value)
         unit = m.group(2).lower() if m else ""
         if not m or (unit and unit not in _UNITS):
-            raise ValueError(f"{field}={value!r} is not a size; write a number with an optional unit "
-                             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), {example}")
+            raise ValueError(
+                f"{field}={value!r} is not a size; write a number with an optional unit "
+                f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), {example}"
+            )
         number = float(m.group(1)) * _UNITS[unit or "b"]
     else:
         number = float(value)

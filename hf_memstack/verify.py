@@ -88,7 +88,9 @@ class _Observed:
         return t
 
 
-def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False) -> VerifyReport:
+def verify(
+    model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False
+) -> VerifyReport:
     """Run one forward + backward on ``batch`` and check what ``prepare_model`` promised.
 
     Checks:
@@ -155,12 +157,22 @@ def verify(model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise
 def _record(model: nn.Module) -> MemstackRecord:
     record = record_of(model)
     if record is None:
-        raise ValueError(f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record")
+        raise ValueError(
+            f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record"
+        )
     return record
 
 
-def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord,
-                 params: list[nn.Parameter], *, shared: bool) -> None:
+def _verify_into(
+    report: VerifyReport,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    record: MemstackRecord,
+    params: list[nn.Parameter],
+    *,
+    shared: bool,
+) -> None:
     _refuse_empty(batch)
     for p in params:
         p.grad = None
@@ -169,7 +181,9 @@ def _verify_into(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: Lo
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
         observed = _observe_step(model, batch, loss_fn, record, shared=shared)
-        loss_check = _check_loss_head(model, batch, loss_fn, record, shared=shared) if record.loss.mode == "chunked" else None
+        loss_check = (
+            _check_loss_head(model, batch, loss_fn, record, shared=shared) if record.loss.mode == "chunked" else None
+        )
         packing_check = _check_packing(model, batch, record, shared=shared)
     report.saved_activation_bytes = observed.saved_bytes
     report.recomputed_blocks = observed.recomputed
@@ -205,11 +219,15 @@ def _refuse_empty(batch: Any) -> None:
         fields = [("batch", batch)]
     for name, value in fields:
         if torch.is_tensor(value) and value.ndim > 0 and value.numel() == 0:
-            raise ValueError(f"{name} has shape {tuple(value.shape)}: an empty batch (0 rows or 0 tokens) runs no step to "
-                             "verify; pass a batch of at least one sample with at least one token")
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}: an empty batch (0 rows or 0 tokens) runs no step to "
+                "verify; pass a batch of at least one sample with at least one token"
+            )
 
 
-def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool) -> _Observed:
+def _observe_step(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
+) -> _Observed:
     from torch.utils.flop_counter import FlopCounterMode
 
     observed = _Observed()
@@ -226,15 +244,20 @@ def _observe_step(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: 
             observed.flops.forward = counter.get_total_flops()
             observed.loss_dtype = loss.dtype
             phase.backward = True
-            every_rank_needs_grad = share_error("verify: the loss needs gradients", None, values=(int(loss.requires_grad),))[0] \
-                if shared else loss.requires_grad
+            every_rank_needs_grad = (
+                share_error("verify: the loss needs gradients", None, values=(int(loss.requires_grad),))[0]
+                if shared
+                else loss.requires_grad
+            )
             if every_rank_needs_grad:
                 with counter:
                     loss.backward()
                 observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
             elif loss.requires_grad:
-                observed.backward_error = ("the loss does not require grad on another rank, so no rank runs the backward "
-                                           "(its collectives need every rank)")
+                observed.backward_error = (
+                    "the loss does not require grad on another rank, so no rank runs the backward "
+                    "(its collectives need every rank)"
+                )
             else:
                 observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
             del loss  # the checkpoints' frames sit in reference cycles: free them while listening
@@ -254,8 +277,9 @@ class _Phase:
     backward = False
 
 
-def _watch(model: nn.Module, record: MemstackRecord, observed: _Observed, counter: Any,
-           phase: _Phase) -> tuple[list[Any], list[int]]:
+def _watch(
+    model: nn.Module, record: MemstackRecord, observed: _Observed, counter: Any, phase: _Phase
+) -> tuple[list[Any], list[int]]:
     """Forward hooks counting each block's runs in the backward (its recompute), each tiled MLP's
     tiles in the forward and the backward, and the Linear outputs' dtypes; the FLOP watch on the
     checkpointed blocks. Returns the handles and the per-block backward run counts."""
@@ -267,6 +291,7 @@ def _watch(model: nn.Module, record: MemstackRecord, observed: _Observed, counte
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if phase.backward:
                 backward_calls[i] += 1
+
         return hook
 
     def linear_hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -277,6 +302,7 @@ def _watch(model: nn.Module, record: MemstackRecord, observed: _Observed, counte
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if module.training:  # not the packed-batch guard's probe (it runs in eval mode)
                 observed.tiles.setdefault(i, [0, 0])[int(phase.backward)] += 1
+
         return hook
 
     # Submodules, not the block itself: checkpointing re-runs the block's forward function, not
@@ -284,11 +310,17 @@ def _watch(model: nn.Module, record: MemstackRecord, observed: _Observed, counte
     # MLP recomputes its tiles in the backward on its own: its modules are watched apart.
     mlps = _tiled_mlps(record)
     inside_mlps = {id(m) for mlp in mlps.values() for m in mlp.modules()}
-    handles = [sub.register_forward_hook(block_hook(i)) for i, block in enumerate(blocks) for sub in block.modules()
-               if id(sub) not in inside_mlps]
+    handles = [
+        sub.register_forward_hook(block_hook(i))
+        for i, block in enumerate(blocks)
+        for sub in block.modules()
+        if id(sub) not in inside_mlps
+    ]
     handles += [next(mlp.children(), mlp).register_forward_hook(tile_hook(i)) for i, mlp in mlps.items()]
     handles += [sub.register_forward_hook(linear_hook) for sub in model.modules() if isinstance(sub, nn.Linear)]
-    handles += observed.flops.watch([b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: phase.backward)
+    handles += observed.flops.watch(
+        [b for i, b in enumerate(blocks) if i in checkpointed], counter, lambda: phase.backward
+    )
     return handles, backward_calls
 
 
@@ -341,38 +373,61 @@ class _Flops:
         subs = [sub for block in blocks for sub in block.children()]
         # always_call: a recompute stops early (once it has what the backward needs) by raising
         # through the module that runs; its FLOPs so far still count, and the depth stays right.
-        return [h for sub in subs for h in (sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave, always_call=True))]
+        return [
+            h
+            for sub in subs
+            for h in (sub.register_forward_pre_hook(enter), sub.register_forward_hook(leave, always_call=True))
+        ]
 
 
 def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
     """Compare what runs now with what the record says was applied."""
     inner = unwrap_model(model)
     problems = []
-    if "_original_forward" in inner.__dict__ and record.autocast_by != "accelerator.prepare" and record.precision.name != "fp16":
+    if (
+        "_original_forward" in inner.__dict__
+        and record.autocast_by != "accelerator.prepare"
+        and record.precision.name != "fp16"
+    ):
         # Accelerate's prepare sets _original_forward when it wraps the forward in its own autocast.
         if not record.precision.mixed:
-            problems.append("accelerator.prepare (e.g. Trainer with bf16=True/fp16=True) added autocast to a model whose policy "
-                            "is fp32: it trains in mixed precision while model.memstack says fp32")
+            problems.append(
+                "accelerator.prepare (e.g. Trainer with bf16=True/fp16=True) added autocast to a model whose policy "
+                "is fp32: it trains in mixed precision while model.memstack says fp32"
+            )
     if record.blocks is not None and record.checkpointing.method == "transformers":
         flags = [i for i, b in enumerate(record.blocks.modules) if getattr(b, "gradient_checkpointing", False)]
         if flags != list(record.checkpointing.checkpointed):
-            problems.append(f"Transformers checkpointing is on for blocks {flags}, but the policy checkpointed "
-                            f"{list(record.checkpointing.checkpointed)} (gradient_checkpointing_enable/disable was called after prepare_model)")
+            problems.append(
+                f"Transformers checkpointing is on for blocks {flags}, but the policy checkpointed "
+                f"{list(record.checkpointing.checkpointed)} (gradient_checkpointing_enable/disable was called after prepare_model)"
+            )
         reentrant = {_reentrant(b) for i, b in enumerate(record.blocks.modules) if i in flags} - {None}
         if reentrant and reentrant != {record.policy.checkpointing.use_reentrant}:
-            problems.append(f"blocks checkpoint with use_reentrant={sorted(reentrant)} but the policy says "
-                            f"use_reentrant={record.policy.checkpointing.use_reentrant}")
+            problems.append(
+                f"blocks checkpoint with use_reentrant={sorted(reentrant)} but the policy says "
+                f"use_reentrant={record.policy.checkpointing.use_reentrant}"
+            )
     compiled_outside = type(model).__name__ == "OptimizedModule" or (
-        record.policy.compile.mode != "full" and getattr(inner, "_compiled_call_impl", None) is not None)
+        record.policy.compile.mode != "full" and getattr(inner, "_compiled_call_impl", None) is not None
+    )
     if compiled_outside and not record.compile.regions:
-        problems.append("the model was compiled after prepare_model (e.g. TrainingArguments(torch_compile=True)) but the "
-                        "policy has no compile: put compile in the policy instead, so it is placed after checkpointing")
+        problems.append(
+            "the model was compiled after prepare_model (e.g. TrainingArguments(torch_compile=True)) but the "
+            "policy has no compile: put compile in the policy instead, so it is placed after checkpointing"
+        )
     elif compiled_outside:
-        problems.append(f"the model was compiled again after prepare_model (e.g. TrainingArguments(torch_compile=True)) on top of "
-                        f"the policy's {record.policy.compile.mode} compile: set torch_compile=False")
+        problems.append(
+            f"the model was compiled again after prepare_model (e.g. TrainingArguments(torch_compile=True)) on top of "
+            f"the policy's {record.policy.compile.mode} compile: set torch_compile=False"
+        )
     if problems:
-        return Check("policy", False, "; ".join(problems) + ". Prepare a fresh model with the policy you want and leave "
-                     "these settings to it (hf_memstack.integrations.trainer.training_arguments does for Trainer)")
+        return Check(
+            "policy",
+            False,
+            "; ".join(problems) + ". Prepare a fresh model with the policy you want and leave "
+            "these settings to it (hf_memstack.integrations.trainer.training_arguments does for Trainer)",
+        )
     return Check("policy", True, f"what runs matches model.memstack ({record.policy.to_string()})")
 
 
@@ -389,18 +444,28 @@ def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn
         return Check("checkpointing", not expected, f"not observed: {observed.backward_error}")
     if not expected:
         ok = not got
-        return Check("checkpointing", ok, "off, and no block recomputed" if ok else f"off, yet blocks {got} recomputed in backward")
+        return Check(
+            "checkpointing",
+            ok,
+            "off, and no block recomputed" if ok else f"off, yet blocks {got} recomputed in backward",
+        )
     ok = got == expected
-    detail = (f"blocks {got} recomputed in backward (expected {expected}); {report.saved_activation_bytes / 2**20:.2f} MiB "
-              f"saved for backward outside checkpoints; {_recompute_summary(observed.flops)}")
+    detail = (
+        f"blocks {got} recomputed in backward (expected {expected}); {report.saved_activation_bytes / 2**20:.2f} MiB "
+        f"saved for backward outside checkpoints; {_recompute_summary(observed.flops)}"
+    )
     if observed.selective_saved_nothing:
         ok = False
-        detail += (": selective checkpointing recomputed all of the blocks' matmuls, as full checkpointing does - no op in "
-                   "its save list (hf_memstack.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'")
+        detail += (
+            ": selective checkpointing recomputed all of the blocks' matmuls, as full checkpointing does - no op in "
+            "its save list (hf_memstack.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'"
+        )
     if not got and not all(m.training for m in model.modules()):
         # A PEFT wrapper made around a model from from_pretrained is in training mode, its model not.
-        detail += (": the model (or a module inside it, e.g. the model a PEFT wrapper holds) is in eval mode, and "
-                   "checkpointing only runs in training; call model.train()")
+        detail += (
+            ": the model (or a module inside it, e.g. the model a PEFT wrapper holds) is in eval mode, and "
+            "checkpointing only runs in training; call model.train()"
+        )
     elif not ok:
         detail += ": checkpointing is not doing what the policy says"
     return Check("checkpointing", ok, detail)
@@ -408,11 +473,15 @@ def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn
 
 def _recompute_summary(flops: _Flops) -> str:
     grads = max(1, flops.backward - flops.recompute)
-    return (f"backward recomputed {flops.recompute / 1e9:.3g} GFLOP, {flops.recompute / grads:+.1%} over the gradients' "
-            f"{grads / 1e9:.3g} GFLOP (the checkpointed blocks' forward: {flops.checkpointed_forward / 1e9:.3g} GFLOP)")
+    return (
+        f"backward recomputed {flops.recompute / 1e9:.3g} GFLOP, {flops.recompute / grads:+.1%} over the gradients' "
+        f"{grads / 1e9:.3g} GFLOP (the checkpointed blocks' forward: {flops.checkpointed_forward / 1e9:.3g} GFLOP)"
+    )
 
 
-def _check_loss_head(model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool) -> Check:
+def _check_loss_head(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
+) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
     from .loss import ChunkedLossForward
@@ -449,14 +518,26 @@ def _check_tiles(record: MemstackRecord, observed: _Observed) -> Check:
         return Check("mlp", False, f"not observed: {observed.backward_error}")
     counts = [observed.tiles.get(i, [0, 0]) for i in record.mlp.tiled]
     forward, backward = min(c[0] for c in counts), min(c[1] for c in counts)
-    detail = (f"{len(counts)} tiled MLP(s), tiles of {record.mlp.tile_tokens} tokens: at least {forward} tile(s) each in the "
-              f"forward, {backward} recomputed in the backward")
+    detail = (
+        f"{len(counts)} tiled MLP(s), tiles of {record.mlp.tile_tokens} tokens: at least {forward} tile(s) each in the "
+        f"forward, {backward} recomputed in the backward"
+    )
     if forward <= 1:
-        return Check("mlp", True, detail + f": this batch fits one tile per row set (<= {record.mlp.tile_tokens} tokens), so "
-                     "the MLPs ran whole; longer batches run in tiles")
+        return Check(
+            "mlp",
+            True,
+            detail + f": this batch fits one tile per row set (<= {record.mlp.tile_tokens} tokens), so "
+            "the MLPs ran whole; longer batches run in tiles",
+        )
     ok = backward >= forward
-    return Check("mlp", ok, detail if ok else detail + ": some tiles were not recomputed in the backward - the tiles' "
-                 "intermediates were kept; prepare the model without mlp:tiled and report it")
+    return Check(
+        "mlp",
+        ok,
+        detail
+        if ok
+        else detail + ": some tiles were not recomputed in the backward - the tiles' "
+        "intermediates were kept; prepare the model without mlp:tiled and report it",
+    )
 
 
 def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shared: bool) -> Check | None:
@@ -490,23 +571,39 @@ def _check_precision(record: MemstackRecord, observed: _Observed) -> Check:
         return Check("precision", dtypes == {torch.float32}, f"fp32: Linear outputs in {sorted(map(str, dtypes))}")
     ok = p.dtype in dtypes and observed.loss_dtype == torch.float32
     if record.autocast_by == "accelerator.prepare" and p.dtype not in dtypes:
-        return Check("precision", ok, f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it")
+        return Check(
+            "precision",
+            ok,
+            f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it",
+        )
     detail = f"Linear outputs in {sorted(map(str, dtypes))}, loss in {observed.loss_dtype}"
     if p.dtype not in dtypes:
-        detail += (f": no Linear computed in {p.name}; model.forward was probably replaced after prepare_model, dropping "
-                   "hf_memstack's autocast (with Trainer/TRL set bf16/fp16 in TrainingArguments to match the policy)")
+        detail += (
+            f": no Linear computed in {p.name}; model.forward was probably replaced after prepare_model, dropping "
+            "hf_memstack's autocast (with Trainer/TRL set bf16/fp16 in TrainingArguments to match the policy)"
+        )
     return Check("precision", ok, detail)
 
 
-def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: _Observed) -> Check:
+def _check_gradients(
+    model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: _Observed
+) -> Check:
     if not params:
-        return Check("gradients", False, "no parameter requires grad: nothing would train. Unfreeze some (requires_grad_(True)) "
-                     "or check the PEFT config (every adapter frozen?)")
+        return Check(
+            "gradients",
+            False,
+            "no parameter requires grad: nothing would train. Unfreeze some (requires_grad_(True)) "
+            "or check the PEFT config (every adapter frozen?)",
+        )
     if observed.backward_error is not None:
         return Check("gradients", False, f"{observed.backward_error}. {_frozen_input_hint(record)}")
     names = {id(p): n for n, p in model.named_parameters()}
     missing = [names.get(id(p), "?") for p in params if p.grad is None]
-    bad = [names.get(id(p), "?") for p in params if p.grad is not None and not torch.isfinite(p.grad.detach().float()).all()]
+    bad = [
+        names.get(id(p), "?")
+        for p in params
+        if p.grad is not None and not torch.isfinite(p.grad.detach().float()).all()
+    ]
     detail = f"{len(params) - len(missing) - len(bad)}/{len(params)} trainable parameters got finite gradients"
     if missing:
         detail += f"; no gradient: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
@@ -519,13 +616,16 @@ def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: Memst
 
 def _frozen_input_hint(record: MemstackRecord) -> str:
     if record.policy.checkpointing.mode != "none" and record.policy.checkpointing.use_reentrant:
-        return ("Likely cause: reentrant checkpointing with block inputs that do not require grad (frozen embeddings, "
-                "LoRA) drops the gradients; fix: use_reentrant=False (the default), or model.enable_input_require_grads()")
+        return (
+            "Likely cause: reentrant checkpointing with block inputs that do not require grad (frozen embeddings, "
+            "LoRA) drops the gradients; fix: use_reentrant=False (the default), or model.enable_input_require_grads()"
+        )
     return "Check which parameters are frozen (requires_grad) and that the loss depends on them"
 
 
-def _check_compile(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *,
-                   shared: bool) -> Check:
+def _check_compile(
+    report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
+) -> Check:
     before = record.compile.graph_calls
     breaks_before = dict(_graph_breaks())
     on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared).backward()
@@ -534,12 +634,16 @@ def _check_compile(report: VerifyReport, model: nn.Module, batch: Any, loss_fn: 
     n = len(record.compile.regions)
     # Each region's forward is at least one compiled call; fewer means a region ran eager.
     ok = report.compiled_calls >= n
-    detail = (f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
-              f"({record.compile.graphs_compiled} graph(s) compiled so far)")
+    detail = (
+        f"{report.compiled_calls} calls into compiled graphs for {n} compiled region(s) "
+        f"({record.compile.graphs_compiled} graph(s) compiled so far)"
+    )
     if not ok:
         detail += ": some compiled code did not run, part of the model ran eager"
     if breaks:
-        detail += "; graph breaks: " + "; ".join(f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3])
+        detail += "; graph breaks: " + "; ".join(
+            f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3]
+        )
     return Check("compile", ok, detail)
 
 

@@ -40,14 +40,36 @@ from typing import Any
 import torch
 import yaml
 from finetune_support import config
-from finetune_support.checkpoint import checkpoint_without_4bit_weights, commit_output, load_checkpoint, load_without_4bit_weights, save_checkpoint
+from finetune_support.checkpoint import (
+    checkpoint_without_4bit_weights,
+    commit_output,
+    load_checkpoint,
+    load_without_4bit_weights,
+    save_checkpoint,
+)
 from finetune_support.checks import check_config
 from finetune_support.common import RecipeError, Route, agree
 from finetune_support.config import FinetuneConfig
 from finetune_support.data import collate, load_raw_data, packing_summary, tokenize
 from finetune_support.faults import test_hook
-from finetune_support.model import add_lora, choose_policy, choose_route, load_model, load_model_config, load_tokenizer, resolve_model_path
-from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, read_trainer_state, run_record
+from finetune_support.model import (
+    add_lora,
+    choose_policy,
+    choose_route,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+)
+from finetune_support.run_dir import (
+    OutputPlan,
+    RunDir,
+    compare_runs,
+    fsync_dir,
+    plan_output,
+    read_trainer_state,
+    run_record,
+)
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -125,8 +147,10 @@ def setup(cfg: FinetuneConfig) -> Job:
     model_path = resolve_model_path(cfg.model)
     train_raw, val_raw, task, data_digest = load_raw_data(cfg)
     if cfg.packing != "off" and task == "classification":  # --task auto found labels: check_config could not know
-        raise RecipeError(f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
-                          "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text")
+        raise RecipeError(
+            f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
+            "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text"
+        )
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
     try:
@@ -161,9 +185,22 @@ def setup(cfg: FinetuneConfig) -> Job:
 
     try:
         set_seed(cfg.seed)
-        job = _build(cfg, accelerator=accelerator, plan=plan, route=route, policy=policy, precision=precision, task=task,
-                     tokenizer=tokenizer, train_ds=train_ds, val_ds=val_ds, num_labels=num_labels, model_path=model_path,
-                     record=record, device_type=device_type)
+        job = _build(
+            cfg,
+            accelerator=accelerator,
+            plan=plan,
+            route=route,
+            policy=policy,
+            precision=precision,
+            task=task,
+            tokenizer=tokenizer,
+            train_ds=train_ds,
+            val_ds=val_ds,
+            num_labels=num_labels,
+            model_path=model_path,
+            record=record,
+            device_type=device_type,
+        )
     except RecipeError as e:
         error = e
     agree(accelerator, error)
@@ -171,12 +208,18 @@ def setup(cfg: FinetuneConfig) -> Job:
     return job
 
 
-def _run_record(cfg: FinetuneConfig, plan: OutputPlan, accelerator: Any, policy: Any, data_digest: str) -> dict[str, Any]:
+def _run_record(
+    cfg: FinetuneConfig, plan: OutputPlan, accelerator: Any, policy: Any, data_digest: str
+) -> dict[str, Any]:
     """What this run is (run_config's record); resuming, compared with the checkpoint's."""
     record = run_record(cfg, world_size=accelerator.num_processes, policy=policy.to_string(), data=data_digest)
     if plan.reference is not None:
-        diffs = compare_runs(plan.reference, record, where=str(plan.resume.path if plan.resume else cfg.output_dir),
-                             allow=cfg.allow_config_change)
+        diffs = compare_runs(
+            plan.reference,
+            record,
+            where=str(plan.resume.path if plan.resume else cfg.output_dir),
+            allow=cfg.allow_config_change,
+        )
         if diffs:
             accelerator.print("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
     return record
@@ -229,9 +272,23 @@ def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
         return torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
 
 
-def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Route, policy: Any, precision: Any, task: str,
-           tokenizer: Any, train_ds: Any, val_ds: Any, num_labels: int, model_path: str, record: dict[str, Any],
-           device_type: str) -> Job:
+def _build(
+    cfg: FinetuneConfig,
+    *,
+    accelerator: Any,
+    plan: OutputPlan,
+    route: Route,
+    policy: Any,
+    precision: Any,
+    task: str,
+    tokenizer: Any,
+    train_ds: Any,
+    val_ds: Any,
+    num_labels: int,
+    model_path: str,
+    record: dict[str, Any],
+    device_type: str,
+) -> Job:
     """The model under its policy, the optimizer, the batch size, the loaders and the schedule; the checkpoint loaded."""
 
     from hf_memstack import PolicyError, describe, prepare_model
@@ -269,23 +326,46 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     state, resolved = TrainerState(), None
     if plan.resume is not None:
         saved = read_trainer_state(plan.resume.path)
-        state = TrainerState(step=saved["step"], epoch=saved["epoch"], batches_in_epoch=saved["batches_in_epoch"],
-                             log_history=saved.get("log_history", []))
+        state = TrainerState(
+            step=saved["step"],
+            epoch=saved["epoch"],
+            batches_in_epoch=saved["batches_in_epoch"],
+            log_history=saved.get("log_history", []),
+        )
         resolved = saved.get("resolved")
     batch_size, grad_accum = _batch_size(cfg, plan, resolved, accelerator, model, optimizer, train_ds, batch_collate)
     accelerator.gradient_accumulation_steps = grad_accum
 
-    train_dl, val_dl = _loaders(cfg, tokenizer, batch_collate, train_ds, val_ds, batch_size, pad_to, pin=device_type == "cuda")
+    train_dl, val_dl = _loaders(
+        cfg, tokenizer, batch_collate, train_ds, val_ds, batch_size, pad_to, pin=device_type == "cuda"
+    )
     scheduler, total_steps = _schedule(cfg, optimizer, train_dl, accelerator.num_processes, grad_accum)
     # The scheduler goes through Accelerate on every route, so that save_state/load_state carry it;
     # with step_scheduler_with_optimizer=False its step() is exactly one step of the schedule.
     train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
 
-    job = Job(cfg=cfg, accelerator=accelerator, route=route, policy=policy, precision=precision, task=task, tokenizer=tokenizer,
-              model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, val_dl=val_dl, state=state,
-              run_dir=plan.run_dir, record=record, batch_size=batch_size, grad_accum=grad_accum, total_steps=total_steps,
-              device_type=device_type,
-              meter_first_step=_meter_first_step(policy, device_type, route, resuming=plan.resume is not None))
+    job = Job(
+        cfg=cfg,
+        accelerator=accelerator,
+        route=route,
+        policy=policy,
+        precision=precision,
+        task=task,
+        tokenizer=tokenizer,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_dl=train_dl,
+        val_dl=val_dl,
+        state=state,
+        run_dir=plan.run_dir,
+        record=record,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        total_steps=total_steps,
+        device_type=device_type,
+        meter_first_step=_meter_first_step(policy, device_type, route, resuming=plan.resume is not None),
+    )
     if plan.resume is not None:
         load_checkpoint(job, plan.resume.path)
         if cfg.allow_config_change:
@@ -294,15 +374,28 @@ def _build(cfg: FinetuneConfig, *, accelerator: Any, plan: OutputPlan, route: Ro
     return job
 
 
-def _batch_size(cfg: FinetuneConfig, plan: OutputPlan, resolved: dict[str, Any] | None, accelerator: Any, model: Any, optimizer: Any,
-                train_ds: Any, batch_collate: Any) -> tuple[int, int]:
+def _batch_size(
+    cfg: FinetuneConfig,
+    plan: OutputPlan,
+    resolved: dict[str, Any] | None,
+    accelerator: Any,
+    model: Any,
+    optimizer: Any,
+    train_ds: Any,
+    batch_collate: Any,
+) -> tuple[int, int]:
     """The micro-batch and the accumulation steps: the flag's, the finder's (--batch-size auto), or,
     resuming an auto run on as many processes, what the finder found when it started."""
     from hf_memstack import find_batch_size
 
     world, log = accelerator.num_processes, accelerator.print
-    if resolved and cfg.batch_size == "auto" and plan.reference and plan.reference.get("batch_size") == "auto" \
-            and plan.reference.get("world_size") == world:
+    if (
+        resolved
+        and cfg.batch_size == "auto"
+        and plan.reference
+        and plan.reference.get("batch_size") == "auto"
+        and plan.reference.get("world_size") == world
+    ):
         batch_size = resolved["batch_size"]  # what the finder found when the run started
         grad_accum = _grad_accum(cfg.global_batch_size, batch_size, world)
     elif cfg.batch_size == "auto":
@@ -310,8 +403,14 @@ def _batch_size(cfg: FinetuneConfig, plan: OutputPlan, resolved: dict[str, Any] 
         try:
             # No larger than one process's share of the training rows: a bigger batch never runs whole
             # (under compile, which drops the last partial batch, it would not run at all).
-            found = find_batch_size(model, make_batch, optimizer, budget=cfg.memory_budget, global_batch_size=cfg.global_batch_size,
-                                    max_batch_size=max(1, len(train_ds) // world))
+            found = find_batch_size(
+                model,
+                make_batch,
+                optimizer,
+                budget=cfg.memory_budget,
+                global_batch_size=cfg.global_batch_size,
+                max_batch_size=max(1, len(train_ds) // world),
+            )
         except ValueError as e:
             raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory_budget!r}: {e}") from None
         log(found.summary())
@@ -321,25 +420,51 @@ def _batch_size(cfg: FinetuneConfig, plan: OutputPlan, resolved: dict[str, Any] 
         batch_size = int(cfg.batch_size)
         grad_accum = _grad_accum(cfg.global_batch_size, batch_size, world)
     if cfg.global_batch_size and grad_accum * batch_size * world != cfg.global_batch_size:
-        log(f"note: global batch {cfg.global_batch_size} is not a multiple of {batch_size} x {world} process(es); "
-            f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}")
+        log(
+            f"note: global batch {cfg.global_batch_size} is not a multiple of {batch_size} x {world} process(es); "
+            f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
+        )
     return batch_size, grad_accum
 
 
-def _loaders(cfg: FinetuneConfig, tokenizer: Any, batch_collate: Any, train_ds: Any, val_ds: Any, batch_size: int,
-             pad_to: int | None, *, pin: bool) -> tuple[Any, Any]:
+def _loaders(
+    cfg: FinetuneConfig,
+    tokenizer: Any,
+    batch_collate: Any,
+    train_ds: Any,
+    val_ds: Any,
+    batch_size: int,
+    pad_to: int | None,
+    *,
+    pin: bool,
+) -> tuple[Any, Any]:
     """The training and validation loaders (before accelerator.prepare)."""
     # Each loader draws its workers' base seed from its own generator, not from the global RNG: a
     # resumed run creates its iterator mid-epoch, after the restored RNG state, and a draw there
     # would shift every later dropout mask (an uninterrupted run drew it at the epoch's start).
-    train_dl = torch.utils.data.DataLoader(train_ds, batch_size=batch_size, shuffle=True, collate_fn=batch_collate,
-                                           num_workers=cfg.num_workers, pin_memory=pin, drop_last=pad_to is not None,
-                                           generator=torch.Generator().manual_seed(cfg.seed))
-    val_dl = torch.utils.data.DataLoader(val_ds, batch_size=batch_size, collate_fn=collate(tokenizer, pad_to, packed=cfg.packing == "on"),
-                                         num_workers=cfg.num_workers, pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
+    train_dl = torch.utils.data.DataLoader(
+        train_ds,
+        batch_size=batch_size,
+        shuffle=True,
+        collate_fn=batch_collate,
+        num_workers=cfg.num_workers,
+        pin_memory=pin,
+        drop_last=pad_to is not None,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    val_dl = torch.utils.data.DataLoader(
+        val_ds,
+        batch_size=batch_size,
+        collate_fn=collate(tokenizer, pad_to, packed=cfg.packing == "on"),
+        num_workers=cfg.num_workers,
+        pin_memory=pin,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
     if len(train_dl) == 0:
-        raise RecipeError(f"batch_size={batch_size}: the {len(train_ds)} training rows do not fill one batch (compile drops the "
-                          "last partial batch for one static shape); lower --batch-size or add rows")
+        raise RecipeError(
+            f"batch_size={batch_size}: the {len(train_ds)} training rows do not fill one batch (compile drops the "
+            "last partial batch for one static shape); lower --batch-size or add rows"
+        )
     return train_dl, val_dl
 
 
@@ -350,8 +475,12 @@ def _schedule(cfg: FinetuneConfig, optimizer: Any, train_dl: Any, world: int, gr
     # Accelerate ends every epoch with an optimizer step, even a short accumulation.
     steps_per_epoch = math.ceil(len(train_dl) / world / grad_accum)
     total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = get_scheduler(
+        cfg.lr_scheduler,
+        optimizer,
+        num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+        num_training_steps=total_steps,
+    )
     return scheduler, total_steps
 
 
@@ -442,8 +571,9 @@ def _measured_micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torc
     from hf_memstack import measure_step
 
     result: list[tuple[torch.Tensor, float | None]] = []
-    job.first_step = measure_step(job.model, batch, None, warmup=False, timed=False,
-                                  step_fn=lambda _m, b, _o: result.append(micro_step(job, b)))
+    job.first_step = measure_step(
+        job.model, batch, None, warmup=False, timed=False, step_fn=lambda _m, b, _o: result.append(micro_step(job, b))
+    )
     job.peak_bytes = job.first_step.peak_bytes
     job.log(f"memory meter, first step: {job.first_step.summary()}")
     return result[0]
@@ -475,7 +605,9 @@ def train(job: Job) -> None:
         job.log(why)
     while state.step < stop_at:
         job.train_dl.set_epoch(state.epoch)
-        batches = acc.skip_first_batches(job.train_dl, state.batches_in_epoch) if state.batches_in_epoch else job.train_dl
+        batches = (
+            acc.skip_first_batches(job.train_dl, state.batches_in_epoch) if state.batches_in_epoch else job.train_dl
+        )
         for batch in batches:
             loss, lr = _measured_micro_step(job, batch) if measure_next else micro_step(job, batch)
             measure_next = False
@@ -530,8 +662,13 @@ def _log_row(job: Job, window: _Window) -> dict[str, Any]:
     loss = job.accelerator.reduce(torch.stack(window.losses).float().mean(), reduction="mean")
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     peak = torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes
-    row = {"step": job.state.step, "loss": float(loss), "lr": window.lr, "tokens_per_s": window.tokens / elapsed,
-           "samples_per_s": window.samples / elapsed}
+    row = {
+        "step": job.state.step,
+        "loss": float(loss),
+        "lr": window.lr,
+        "tokens_per_s": window.tokens / elapsed,
+        "samples_per_s": window.samples / elapsed,
+    }
     if peak:  # left out where nothing measured it: train() said why (unmeasured_peak_reason)
         row["peak_memory_mib"] = peak / 2**20
     return row
@@ -548,8 +685,10 @@ def unmeasured_peak_reason(job: Job) -> str | None:
         why = "the meter measures one unsharded process, not a rank's shards"
     else:
         why = "after a resume with optim:8bit the meter would round the 8-bit step differently and the run would no longer resume exactly"
-    return (f"peak memory is not logged on this run: on CPU it comes from the memory meter's first step, and {why}; "
-            "hf-memstack estimate gives the eager estimate")
+    return (
+        f"peak memory is not logged on this run: on CPU it comes from the memory meter's first step, and {why}; "
+        "hf-memstack estimate gives the eager estimate"
+    )
 
 
 # ============================================================================= save
@@ -632,31 +771,50 @@ def save(job: Job) -> dict[str, Any]:
     trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
     model_dir = save_model(job)
     if job.policy.quant.mode != "none" and not cfg.merge_lora:
-        job.log(f"{model_dir} holds the adapters; the base stayed 4-bit. To merge them into a 16-bit model: "
-                f"PeftModel.from_pretrained(prepare_model(<--model loaded in bf16>, '{job.policy.to_string()}'), '{model_dir}'), then "
-                "hf_memstack.merge_adapters(peft_model, dtype=torch.bfloat16).save_pretrained(...) (or pass --merge-lora when "
-                "training: the merge in the policy's dtype)")
+        job.log(
+            f"{model_dir} holds the adapters; the base stayed 4-bit. To merge them into a 16-bit model: "
+            f"PeftModel.from_pretrained(prepare_model(<--model loaded in bf16>, '{job.policy.to_string()}'), '{model_dir}'), then "
+            "hf_memstack.merge_adapters(peft_model, dtype=torch.bfloat16).save_pretrained(...) (or pass --merge-lora when "
+            "training: the merge in the policy's dtype)"
+        )
     history = state.log_history
     seconds = time.perf_counter() - job.started
     report = {
-        "task": job.task, "model": cfg.model, "policy": job.policy.to_string(), "precision": job.precision.name,
-        "batch_size": job.batch_size, "grad_accum": job.grad_accum, "world_size": acc.num_processes, "route": job.route,
-        "fsdp": _fsdp_report(acc.unwrap_model(job.model)), "steps": state.step, "seconds": seconds,
+        "task": job.task,
+        "model": cfg.model,
+        "policy": job.policy.to_string(),
+        "precision": job.precision.name,
+        "batch_size": job.batch_size,
+        "grad_accum": job.grad_accum,
+        "world_size": acc.num_processes,
+        "route": job.route,
+        "fsdp": _fsdp_report(acc.unwrap_model(job.model)),
+        "steps": state.step,
+        "seconds": seconds,
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes or None,
         # The memory meter's first step of this process's run (after a resume: its first step), by category.
         "first_step_memory": dataclasses.asdict(job.first_step) if job.first_step is not None else None,
-        "first_logged_loss": history[0]["loss"] if history else None, "last_logged_loss": history[-1]["loss"] if history else None,
-        "final_metrics": metrics, "history": history, "model_dir": str(model_dir), "trainable_parameters": trainable,
-        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target": cfg.lora_target} if cfg.lora_r else None,
+        "first_logged_loss": history[0]["loss"] if history else None,
+        "last_logged_loss": history[-1]["loss"] if history else None,
+        "final_metrics": metrics,
+        "history": history,
+        "model_dir": str(model_dir),
+        "trainable_parameters": trainable,
+        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target": cfg.lora_target}
+        if cfg.lora_r
+        else None,
     }
     if acc.is_main_process:
         job.run_dir.write("report.json", json.dumps(report, indent=2))
         if cfg.memory_plot:
             plot_memory(job.run_dir.claim("memory.png", atomic=False), job.first_step, history, report)
         losses = _loss_summary(history, cfg.log_every)
-        job.log(f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
-                f"{acc.num_processes} process(es); {losses}" + " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-                + f"; model and report in {job.run_dir.path}")
+        job.log(
+            f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
+            f"{acc.num_processes} process(es); {losses}"
+            + " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+            + f"; model and report in {job.run_dir.path}"
+        )
     return report
 
 
@@ -665,8 +823,10 @@ def _loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
     if not history:
         return ""
     if len(history) == 1:
-        return (f"loss {history[0]['loss']:.4f} (one log line, the mean over steps 1-{history[0]['step']}; a lower --log-every "
-                f"than {log_every} shows the trend); ")
+        return (
+            f"loss {history[0]['loss']:.4f} (one log line, the mean over steps 1-{history[0]['step']}; a lower --log-every "
+            f"than {log_every} shows the trend); "
+        )
     return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
 
 
@@ -710,7 +870,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if cfg.report_to:
             if job.accelerator.is_main_process:
                 job.run_dir.claim("hf_memstack-finetune", "trees")
-            job.accelerator.init_trackers("hf_memstack-finetune", config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None})
+            job.accelerator.init_trackers(
+                "hf_memstack-finetune", config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}
+            )
         job.log(f"resolved config:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
         train(job)
         if job.state.step < job.total_steps:
@@ -722,8 +884,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise
     except Exception as e:
         if job is not None and job.accelerator.num_processes > 1:
-            e.add_note(f"[rank {job.accelerator.process_index}] if another rank failed or hung first, its error is the cause: a "
-                       f"collective waits --dist-timeout={job.cfg.dist_timeout:g} s for every rank, then fails")
+            e.add_note(
+                f"[rank {job.accelerator.process_index}] if another rank failed or hung first, its error is the cause: a "
+                f"collective waits --dist-timeout={job.cfg.dist_timeout:g} s for every rank, then fails"
+            )
         raise
     finally:
         if job is not None:

@@ -20,9 +20,12 @@ import torch.multiprocessing as mp
 def _worker(rank: int, world: int, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
     import torch.distributed as dist
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         result = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - shipped back to the test, which re-raises
@@ -45,7 +48,9 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
     """``fn(rank, world, *args)`` on each rank; returns each rank's result or raises with its traceback."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = str(Path(tmp) / "init")
-        ctx = mp.start_processes(_worker, args=(world, init_file, tmp, fn, args), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker, args=(world, init_file, tmp, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:

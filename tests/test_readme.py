@@ -36,10 +36,19 @@ def test_trainer_snippet_runs_verbatim(load_model, word_tokenizer, tmp_path, mon
 
     monkeypatch.chdir(tmp_path)  # it writes to ./out
     texts = [" ".join(["the cat sat on a mat"] * (1 + i % 3)) for i in range(64)]
-    train = datasets.Dataset.from_dict({"text": texts}).map(lambda r: word_tokenizer(r["text"]), remove_columns=["text"])
-    scope = {"__name__": "__readme__", "model": load_model("llama"), "train": train,
-             "collator": DataCollatorForLanguageModeling(word_tokenizer, mlm=False)}
+    train = datasets.Dataset.from_dict({"text": texts}).map(
+        lambda r: word_tokenizer(r["text"]), remove_columns=["text"]
+    )
+    scope = {
+        "__name__": "__readme__",
+        "model": load_model("llama"),
+        "train": train,
+        "collator": DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+    }
     exec(compile(_snippet("trainer"), "README.md:trainer", "exec"), scope)
     trainer = scope["trainer"]
-    assert trainer.state.global_step > 0 and trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size >= 64
+    assert (
+        trainer.state.global_step > 0
+        and trainer.args.gradient_accumulation_steps * trainer.args.per_device_train_batch_size >= 64
+    )
     assert scope["model"].memstack.policy.to_string() == "bf16+ckpt"

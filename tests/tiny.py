@@ -18,16 +18,54 @@ def configs() -> dict[str, Any]:
     from transformers import BertConfig, GPT2Config, LlamaConfig, T5Config
 
     return {
-        "llama": LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
-                             eos_token_id=2, pad_token_id=0),
-        "gpt2": GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
-                           eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-        "bert": BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                           vocab_size=VOCAB, max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
-                           attention_probs_dropout_prob=0.0),
-        "t5": T5Config(d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16,
-                       vocab_size=VOCAB, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+        "llama": LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        "gpt2": GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            bos_token_id=1,
+            eos_token_id=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+        "bert": BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+        "t5": T5Config(
+            d_model=64,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            d_kv=16,
+            vocab_size=VOCAB,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
     }
 
 
@@ -52,8 +90,11 @@ def make_batch(arch: str, batch_size: int = 2, seq: int = SEQ, seed: int = 0) ->
         return {"x": x, "y": x.mean(1).sum(-1, keepdim=True).tanh()}
     ids = torch.randint(3, VOCAB, (batch_size, seq), generator=g)
     if arch == "bert":
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "labels": torch.randint(0, 3, (batch_size,), generator=g)}
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": torch.randint(0, 3, (batch_size,), generator=g),
+        }
     return {"input_ids": ids, "labels": ids.clone()}
 
 

@@ -77,8 +77,16 @@ def cache_path(cache_dir: str | Path | None, key: str) -> Path:
     return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "batch_size" / f"{key}.json"
 
 
-def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, policy: dict[str, Any] | None,
-              batch: list[list[Any]], mode: str, budget: int, loss_fn: Any) -> str:
+def cache_key(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    policy: dict[str, Any] | None,
+    batch: list[list[Any]],
+    mode: str,
+    budget: int,
+    loss_fn: Any,
+) -> str:
     """A hash of everything that changes the step's memory (see the module docstring)."""
     import transformers
 
@@ -91,13 +99,19 @@ def cache_key(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, poli
     signature = {
         "parameters": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
-        "config": config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__qualname__,
+        "config": config.to_json_string(use_diff=False)
+        if hasattr(config, "to_json_string")
+        else type(model).__qualname__,
         "policy": policy,
         # Every setting but the learning rate (swept often, never changes the state's size).
-        "optimizer": None if optimizer is None else [type(optimizer).__qualname__,
-                                                     _plain({k: v for k, v in optimizer.defaults.items() if k != "lr"})],
+        "optimizer": None
+        if optimizer is None
+        else [type(optimizer).__qualname__, _plain({k: v for k, v in optimizer.defaults.items() if k != "lr"})],
         "loss_fn": None if loss_fn is None else getattr(loss_fn, "__qualname__", type(loss_fn).__qualname__),
-        "batch": batch, "mode": mode, "budget": budget, "world_size": world_size(),
+        "batch": batch,
+        "mode": mode,
+        "budget": budget,
+        "world_size": world_size(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "versions": [torch.__version__, transformers.__version__, __version__],
     }
@@ -113,7 +127,9 @@ def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        warnings.warn(f"hf_memstack: cannot read the batch-size cache entry {path} ({e}); searching again", stacklevel=3)
+        warnings.warn(
+            f"hf_memstack: cannot read the batch-size cache entry {path} ({e}); searching again", stacklevel=3
+        )
         return None
     problem = None
     try:
@@ -123,12 +139,17 @@ def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         problem, entry = str(e), None
     if entry is None:
-        warnings.warn(f"hf_memstack: discarding the invalid batch-size cache entry {path} ({problem}); searching again",
-                      stacklevel=3)
+        warnings.warn(
+            f"hf_memstack: discarding the invalid batch-size cache entry {path} ({problem}); searching again",
+            stacklevel=3,
+        )
         path.unlink(missing_ok=True)
     elif problem is not None:
-        warnings.warn(f"hf_memstack: discarding the batch-size cache entry {path}: {problem} - edited or damaged; "
-                      "measuring again", stacklevel=3)
+        warnings.warn(
+            f"hf_memstack: discarding the batch-size cache entry {path}: {problem} - edited or damaged; "
+            "measuring again",
+            stacklevel=3,
+        )
         path.unlink(missing_ok=True)
         entry = None
     return entry
@@ -147,13 +168,19 @@ def _validate(data: Any) -> CacheEntry:
     steps = data.get("steps")
     if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_RECORDED_STEPS or not all(map(_step_ok, steps)):
         shown = repr(steps) if len(repr(steps)) <= 80 else repr(steps)[:77] + "..."
-        problems.append(f"steps={shown} (a list of 1 to {MAX_RECORDED_STEPS} {{batch_size, peak_bytes, fits}}; an entry "
-                        "written before hf_memstack recorded them has none)")
+        problems.append(
+            f"steps={shown} (a list of 1 to {MAX_RECORDED_STEPS} {{batch_size, peak_bytes, fits}}; an entry "
+            "written before hf_memstack recorded them has none)"
+        )
     if problems:
         raise ValueError("missing or out-of-range " + ", ".join(problems))
-    return CacheEntry(batch_size=data["batch_size"], peak_bytes=data["peak_bytes"],
-                      bytes_per_sample=data["bytes_per_sample"], capped=data["capped"],
-                      steps=tuple(CachedStep(batch_size=d["batch_size"], peak_bytes=d["peak_bytes"], fits=d["fits"]) for d in steps))
+    return CacheEntry(
+        batch_size=data["batch_size"],
+        peak_bytes=data["peak_bytes"],
+        bytes_per_sample=data["bytes_per_sample"],
+        capped=data["capped"],
+        steps=tuple(CachedStep(batch_size=d["batch_size"], peak_bytes=d["peak_bytes"], fits=d["fits"]) for d in steps),
+    )
 
 
 def _count(value: Any, *, least: int) -> bool:
@@ -161,9 +188,14 @@ def _count(value: Any, *, least: int) -> bool:
 
 
 def _step_ok(step: Any) -> bool:
-    return (isinstance(step, dict) and set(step) == {"batch_size", "peak_bytes", "fits"} and _count(step["batch_size"], least=1)
-            and (step["peak_bytes"] is None or _count(step["peak_bytes"], least=1)) and isinstance(step["fits"], bool)
-            and (not step["fits"] or step["peak_bytes"] is not None))
+    return (
+        isinstance(step, dict)
+        and set(step) == {"batch_size", "peak_bytes", "fits"}
+        and _count(step["batch_size"], least=1)
+        and (step["peak_bytes"] is None or _count(step["peak_bytes"], least=1))
+        and isinstance(step["fits"], bool)
+        and (not step["fits"] or step["peak_bytes"] is not None)
+    )
 
 
 def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
@@ -177,8 +209,10 @@ def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
         return "none of its recorded steps fitted"
     best = max(fitted, key=lambda s: s.batch_size)
     if (best.batch_size, best.peak_bytes) != (entry.batch_size, entry.peak_bytes):
-        return (f"batch_size={entry.batch_size} with peak_bytes={entry.peak_bytes} is not what its recorded steps found "
-                f"(the largest that fitted: {best.batch_size}, peak {best.peak_bytes} bytes)")
+        return (
+            f"batch_size={entry.batch_size} with peak_bytes={entry.peak_bytes} is not what its recorded steps found "
+            f"(the largest that fitted: {best.batch_size}, peak {best.peak_bytes} bytes)"
+        )
     over = [s for s in fitted if (s.peak_bytes or 0) > budget]
     if over:
         return f"a recorded step at batch size {over[0].batch_size} fitted with a peak above the budget"
@@ -199,8 +233,11 @@ def write_entry(path: Path, entry: CacheEntry) -> None:
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
-        warnings.warn(f"hf_memstack: could not write the batch-size cache at {path.parent} ({e}); the result is "
-                      "returned but not cached (pass cache=False or another cache_dir)", stacklevel=3)
+        warnings.warn(
+            f"hf_memstack: could not write the batch-size cache at {path.parent} ({e}); the result is "
+            "returned but not cached (pass cache=False or another cache_dir)",
+            stacklevel=3,
+        )
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -215,8 +252,13 @@ def agree_entry(entry: CacheEntry | None) -> CacheEntry | None:
     ok, smallest = agree("cache entry", int(valid) * (2 if uncapped else 1), size)
     if not ok or entry is None:
         return None
-    return CacheEntry(batch_size=smallest, peak_bytes=entry.peak_bytes, bytes_per_sample=entry.bytes_per_sample,
-                      capped=ok == 1 or smallest != entry.batch_size, steps=entry.steps)
+    return CacheEntry(
+        batch_size=smallest,
+        peak_bytes=entry.peak_bytes,
+        bytes_per_sample=entry.bytes_per_sample,
+        capped=ok == 1 or smallest != entry.batch_size,
+        steps=entry.steps,
+    )
 
 
 def _private_dir(folder: Path) -> None:

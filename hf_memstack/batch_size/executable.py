@@ -92,17 +92,30 @@ def find_executable_batch_size(
         RuntimeError: ``No executable batch size found, reached zero.`` (Accelerate's message).
         BudgetTooSmallError: the finder found that not even batch size 1 fits.
     """
-    options = {"make_batch": make_batch, "model": model, "optimizer": optimizer, "budget": budget, "mode": mode,
-               "cache": cache, "cache_dir": cache_dir}
+    options = {
+        "make_batch": make_batch,
+        "model": model,
+        "optimizer": optimizer,
+        "budget": budget,
+        "mode": mode,
+        "cache": cache,
+        "cache_dir": cache_dir,
+    }
     # Checked when decorating, so a typo fails at import time rather than after a first OOM.
     _check_arguments(function, starting_batch_size, reduce_batch_size_fn, options)
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn, **options)
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+            **options,
+        )
     state = {"batch_size": starting_batch_size, "predicted": False, "returned": None}
 
     def reduce() -> int:
-        state["batch_size"] = _next_size(reduce_batch_size_fn, state) if reduce_batch_size_fn else int(state["batch_size"] * 0.9)
+        state["batch_size"] = (
+            _next_size(reduce_batch_size_fn, state) if reduce_batch_size_fn else int(state["batch_size"] * 0.9)
+        )
         return state["batch_size"]
 
     @functools.wraps(function)
@@ -129,7 +142,9 @@ def find_executable_batch_size(
     return wrapper
 
 
-def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_fn: Any, options: dict[str, Any]) -> None:
+def _check_arguments(
+    function: Any, starting_batch_size: Any, reduce_batch_size_fn: Any, options: dict[str, Any]
+) -> None:
     if function is not None and not callable(function):
         hint = f" (did you mean starting_batch_size={function!r}?)" if isinstance(function, int) else ""
         raise TypeError(f"function={function!r} must be callable: the function to decorate{hint}")
@@ -141,10 +156,14 @@ def _check_arguments(function: Any, starting_batch_size: Any, reduce_batch_size_
     if reduce_batch_size_fn is not None:
         _check_no_arguments(reduce_batch_size_fn)
     if options["mode"] not in ("train", "eval"):
-        raise ValueError(f"mode={options['mode']!r} is not one of 'train', 'eval' (train: forward, backward and optimizer "
-                         "step; eval: forward under no_grad)")
+        raise ValueError(
+            f"mode={options['mode']!r} is not one of 'train', 'eval' (train: forward, backward and optimizer "
+            "step; eval: forward under no_grad)"
+        )
     if options["model"] is not None and not isinstance(options["model"], nn.Module):
-        raise TypeError(f"model={type(options['model']).__name__} must be a torch.nn.Module (the model the function trains)")
+        raise TypeError(
+            f"model={type(options['model']).__name__} must be a torch.nn.Module (the model the function trains)"
+        )
     if options["optimizer"] is not None and not isinstance(options["optimizer"], torch.optim.Optimizer):
         raise TypeError(f"optimizer={type(options['optimizer']).__name__} must be a torch.optim.Optimizer")
     if not isinstance(options["cache"], bool):
@@ -161,9 +180,11 @@ def _check_no_arguments(reduce_batch_size_fn: Callable[..., Any]) -> None:
     try:
         signature.bind()
     except TypeError as e:
-        raise TypeError(f"reduce_batch_size_fn{signature} cannot be called with no arguments ({e}), and Accelerate's "
-                        "find_executable_batch_size calls it with none after an out-of-memory error; keep the batch size "
-                        "in a variable it closes over, e.g. lambda: int(state['batch_size'] * 0.9)") from None
+        raise TypeError(
+            f"reduce_batch_size_fn{signature} cannot be called with no arguments ({e}), and Accelerate's "
+            "find_executable_batch_size calls it with none after an out-of-memory error; keep the batch size "
+            "in a variable it closes over, e.g. lambda: int(state['batch_size'] * 0.9)"
+        ) from None
 
 
 def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -> int:
@@ -171,15 +192,19 @@ def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -
     while True:
         returned = reduce_batch_size_fn()
         if not isinstance(returned, numbers.Integral) or isinstance(returned, bool):  # numpy's integers are fine
-            raise TypeError(f"reduce_batch_size_fn returned {returned!r} ({type(returned).__name__}); it must return the next "
-                            "batch size as an int")
+            raise TypeError(
+                f"reduce_batch_size_fn returned {returned!r} ({type(returned).__name__}); it must return the next "
+                "batch size as an int"
+            )
         size = int(returned)
         previous = state["returned"]
         if size < 0 or (previous is not None and size >= previous):
             why = "a negative size" if size < 0 else f"{size} after returning {previous} on its previous call"
-            raise ValueError(f"reduce_batch_size_fn returned {why}, and batch size {state['batch_size']} ran out of memory: "
-                             "each call must return a smaller batch size than the last (0 ends the search), or the retries "
-                             "never end; e.g. return int(batch_size * 0.9) and store it")
+            raise ValueError(
+                f"reduce_batch_size_fn returned {why}, and batch size {state['batch_size']} ran out of memory: "
+                "each call must return a smaller batch size than the last (0 ends the search), or the retries "
+                "never end; e.g. return int(batch_size * 0.9) and store it"
+            )
         state["returned"] = size
         # At or above the size that just ran out of memory: it counts down from starting_batch_size
         # while the prediction started lower; ask again (it falls each call, so this ends).
@@ -187,18 +212,32 @@ def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -
             return size
 
 
-def _predict(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, cap: int, make_batch: Any, model: Any,
-             optimizer: Any, **finder: Any) -> Any:
+def _predict(
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    cap: int,
+    make_batch: Any,
+    model: Any,
+    optimizer: Any,
+    **finder: Any,
+) -> Any:
     values = [*args, *kwargs.values()]
     model = model if model is not None else next((v for v in values if isinstance(v, nn.Module)), None)
-    optimizer = optimizer if optimizer is not None else next((v for v in values if isinstance(v, torch.optim.Optimizer)), None)
+    optimizer = (
+        optimizer if optimizer is not None else next((v for v in values if isinstance(v, torch.optim.Optimizer)), None)
+    )
     missing = [name for name, v in (("make_batch", make_batch), ("model", model)) if v is None]
     if finder["mode"] == "train" and optimizer is None:
         missing.append("optimizer")
     if missing:
-        warnings.warn(f"hf_memstack.find_executable_batch_size: no {', '.join(missing)} (pass it to the decorator, or the "
-                      f"model/optimizer among the function's arguments){_closure_hint(function, missing)}: no prediction, "
-                      f"retrying from {cap} on out-of-memory errors as Accelerate does", stacklevel=3)
+        warnings.warn(
+            f"hf_memstack.find_executable_batch_size: no {', '.join(missing)} (pass it to the decorator, or the "
+            f"model/optimizer among the function's arguments){_closure_hint(function, missing)}: no prediction, "
+            f"retrying from {cap} on out-of-memory errors as Accelerate does",
+            stacklevel=3,
+        )
         return None
     return find_batch_size(model, make_batch, optimizer, max_batch_size=cap, **finder)
 
@@ -211,7 +250,11 @@ def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
         return ""
     found = {**scope.globals, **scope.nonlocals}
     kinds = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
-    names = {kind: next((n for n, v in found.items() if isinstance(v, cls)), None) for kind, cls in kinds.items() if kind in missing}
+    names = {
+        kind: next((n for n, v in found.items() if isinstance(v, cls)), None)
+        for kind, cls in kinds.items()
+        if kind in missing
+    }
     names = {kind: name for kind, name in names.items() if name is not None}
     if not names:
         return ""
@@ -226,8 +269,10 @@ def _check_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any
     variadic = any(p.kind is p.VAR_POSITIONAL for p in parameters.values())  # def f(batch_size, *args): any count fits
     if (not variadic and len(params) < len(args) + 1) or (params and params[0] in kwargs):
         arg_str = ", ".join(f"{arg}={value}" for arg, value in zip(params[1:], args[1:]))
-        raise TypeError(f"Batch size was passed into `{function.__name__}` as the first argument when called."
-                        f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`")
+        raise TypeError(
+            f"Batch size was passed into `{function.__name__}` as the first argument when called."
+            f"Remove this as the decorator already does so: `{function.__name__}({arg_str})`"
+        )
 
 
 def _free_device_memory() -> None:

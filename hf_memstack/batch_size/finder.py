@@ -160,24 +160,41 @@ class BatchSizeResult:
         return self.cache == "hit"
 
     def summary(self) -> str:
-        lines = [f"batch size {self.batch_size} ({self.mode}): peak {format_bytes(self.peak_bytes)} of a "
-                 f"{format_bytes(self.budget)} budget, {self.steps_run} real step(s)"
-                 + (f", {self.over_budget_probes} over budget" if self.over_budget_probes else "")
-                 + (" (cache hit)" if self.cache_hit else "") + (" (max_batch_size)" if self.capped else "")]
+        lines = [
+            f"batch size {self.batch_size} ({self.mode}): peak {format_bytes(self.peak_bytes)} of a "
+            f"{format_bytes(self.budget)} budget, {self.steps_run} real step(s)"
+            + (f", {self.over_budget_probes} over budget" if self.over_budget_probes else "")
+            + (" (cache hit)" if self.cache_hit else "")
+            + (" (max_batch_size)" if self.capped else "")
+        ]
         if self.tokens_per_batch and self.packed:
-            lines.append(f"  {self.tokens_per_batch} tokens per batch: {self.batch_size} packed rows of {self.seq_len} tokens")
+            lines.append(
+                f"  {self.tokens_per_batch} tokens per batch: {self.batch_size} packed rows of {self.seq_len} tokens"
+            )
         elif self.tokens_per_batch:
             lines.append(f"  {self.tokens_per_batch} tokens per batch at sequence length {self.seq_len}")
         if self.global_batch_size:
-            lines.append(f"  global batch {self.global_batch_size} = {self.batch_size} x {self.grad_accum} accumulation x "
-                         f"{self.world_size} device(s)" + ("" if self.exact_global_batch else " (not exact)"))
+            lines.append(
+                f"  global batch {self.global_batch_size} = {self.batch_size} x {self.grad_accum} accumulation x "
+                f"{self.world_size} device(s)" + ("" if self.exact_global_batch else " (not exact)")
+            )
         if self.fit is not None:
-            lines.append(f"  fit ({self.fit.method}, probes {self.fit.from_sizes[0]} and {self.fit.from_sizes[1]}): "
-                         f"{format_bytes(self.fit.bytes_per_sample)} per {'packed row' if self.tokens_per_batch and self.packed else 'sample'}, "
-                         + (f"peak in the {self.fit.binding_phase}" if self.fit.binding_phase != "unknown" else "peak phase not measured"))
-        lines.append("  probes: " + ", ".join(
-            f"{p.batch_size}:{'OOM' if p.partial else format_bytes(p.peak_bytes or 0)}{'' if p.fits else '(over)'}"
-            for p in self.probes))
+            lines.append(
+                f"  fit ({self.fit.method}, probes {self.fit.from_sizes[0]} and {self.fit.from_sizes[1]}): "
+                f"{format_bytes(self.fit.bytes_per_sample)} per {'packed row' if self.tokens_per_batch and self.packed else 'sample'}, "
+                + (
+                    f"peak in the {self.fit.binding_phase}"
+                    if self.fit.binding_phase != "unknown"
+                    else "peak phase not measured"
+                )
+            )
+        lines.append(
+            "  probes: "
+            + ", ".join(
+                f"{p.batch_size}:{'OOM' if p.partial else format_bytes(p.peak_bytes or 0)}{'' if p.fits else '(over)'}"
+                for p in self.probes
+            )
+        )
         lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -238,40 +255,89 @@ def find_batch_size(
             message says how much is needed and which rung of the ladder to try).
         DistributedMismatchError: another rank failed (every rank raises; none is left waiting).
     """
-    budget_bytes, sample = _preflight(model, make_batch, optimizer, budget=budget, mode=mode,
-                                      global_batch_size=global_batch_size, max_batch_size=max_batch_size, probe_size=probe_size)
+    budget_bytes, sample = _preflight(
+        model,
+        make_batch,
+        optimizer,
+        budget=budget,
+        mode=mode,
+        global_batch_size=global_batch_size,
+        max_batch_size=max_batch_size,
+        probe_size=probe_size,
+    )
     # What decides the probes must match on every rank (the budget may differ: the search takes the minimum).
-    agree_arguments(mode=mode, max_batch_size=max_batch_size, global_batch_size=global_batch_size, probe_size=probe_size,
-                    cache=bool(cache))
+    agree_arguments(
+        mode=mode,
+        max_batch_size=max_batch_size,
+        global_batch_size=global_batch_size,
+        probe_size=probe_size,
+        cache=bool(cache),
+    )
     device = device_of(model)
     record = record_of(model)
     grad_scaler = record.grad_scaler if record is not None else None
     optimizer = optimizer if mode == "train" else None
-    runner = StepRunner(model=model, make_batch=make_batch, optimizer=optimizer, loss_fn=loss_fn, grad_scaler=grad_scaler,
-                        mode=mode, budget=budget_bytes)
+    runner = StepRunner(
+        model=model,
+        make_batch=make_batch,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        grad_scaler=grad_scaler,
+        mode=mode,
+        budget=budget_bytes,
+    )
     if global_batch_size is not None:
         # A per-device batch above the global batch would overshoot it on its own.
         max_batch_size = min(max_batch_size, max(1, global_batch_size // world_size()))
-    search = Search(runner, budget=budget_bytes, cap=max_batch_size,
-                    too_small=lambda m: _too_small(m, mode=mode, budget=budget_bytes, record=record))
+    search = Search(
+        runner,
+        budget=budget_bytes,
+        cap=max_batch_size,
+        too_small=lambda m: _too_small(m, mode=mode, budget=budget_bytes, record=record),
+    )
     path = None
     if cache:
-        path = on_every_rank("find_batch_size: the cache key", lambda: cache_path(cache_dir, cache_key(
-            model, optimizer, policy=record.policy.to_dict() if record is not None else None, batch=batch_signature(sample),
-            mode=mode, budget=budget_bytes, loss_fn=loss_fn)))
+        path = on_every_rank(
+            "find_batch_size: the cache key",
+            lambda: cache_path(
+                cache_dir,
+                cache_key(
+                    model,
+                    optimizer,
+                    policy=record.policy.to_dict() if record is not None else None,
+                    batch=batch_signature(sample),
+                    mode=mode,
+                    budget=budget_bytes,
+                    loss_fn=loss_fn,
+                ),
+            ),
+        )
     with ExitStack() as stack, preserved_rng(device):
         # A rank that cannot copy its training state (host memory) stops every rank before the first probe.
-        state = on_every_rank("find_batch_size: the snapshot of the training state", lambda: stack.enter_context(
-            step_state_restored(model, optimizer, scheduler, grad_scaler)))
+        state = on_every_rank(
+            "find_batch_size: the snapshot of the training state",
+            lambda: stack.enter_context(step_state_restored(model, optimizer, scheduler, grad_scaler)),
+        )
         found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size)
     if path is not None and status != "hit" and is_local_leader():
         write_entry(path, search.entry(found))
-    return _result(found, runner, status, path, sample=sample, budget=budget_bytes, mode=mode, record=record,
-                   global_batch_size=global_batch_size, snapshot_bytes=state.copied_bytes)
+    return _result(
+        found,
+        runner,
+        status,
+        path,
+        sample=sample,
+        budget=budget_bytes,
+        mode=mode,
+        record=record,
+        global_batch_size=global_batch_size,
+        snapshot_bytes=state.copied_bytes,
+    )
 
 
-def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path | None, *,
-                mode: str, probe_size: int) -> tuple[Found, CacheStatus]:
+def _run_search(
+    model: nn.Module, runner: StepRunner, search: Search, path: Path | None, *, mode: str, probe_size: int
+) -> tuple[Found, CacheStatus]:
     """Inside the snapshot: start as a training loop does (no gradients held), create the
     optimizer state, try the cache, else search."""
     for p in model.parameters():
@@ -283,7 +349,9 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
         runner.run(min(probe_size, search.cap), "warmup")
     status: CacheStatus = "off"
     if path is not None:
-        entry = agree_entry(on_every_rank("find_batch_size: reading the cache entry", lambda: read_entry(path, budget=search.budget)))
+        entry = agree_entry(
+            on_every_rank("find_batch_size: reading the cache entry", lambda: read_entry(path, budget=search.budget))
+        )
         status = "miss"
         if entry is not None:
             found = search.warm(entry)
@@ -293,16 +361,32 @@ def _run_search(model: nn.Module, runner: StepRunner, search: Search, path: Path
     return search.cold(probe_size), status
 
 
-def _preflight(model: Any, make_batch: Any, optimizer: Any, *, budget: Any, mode: Any, global_batch_size: Any,
-               max_batch_size: Any, probe_size: Any) -> tuple[int, Any]:
+def _preflight(
+    model: Any,
+    make_batch: Any,
+    optimizer: Any,
+    *,
+    budget: Any,
+    mode: Any,
+    global_batch_size: Any,
+    max_batch_size: Any,
+    probe_size: Any,
+) -> tuple[int, Any]:
     """Every check before any step, agreed across ranks (a rank that fails - a wrong argument, a
     budget that does not parse or cannot hold the weights, a ``make_batch`` that fails - makes
     every rank raise). Returns the budget in bytes and a batch of one sample."""
     error: BaseException | None = None
     budget_bytes, sample = 0, None
     try:
-        _check_arguments(model, make_batch, optimizer, mode=mode, global_batch_size=global_batch_size,
-                         max_batch_size=max_batch_size, probe_size=probe_size)
+        _check_arguments(
+            model,
+            make_batch,
+            optimizer,
+            mode=mode,
+            global_batch_size=global_batch_size,
+            max_batch_size=max_batch_size,
+            probe_size=probe_size,
+        )
         budget_bytes = _resolve_budget(budget, device_of(model))
         sample = _check_model_and_sample(model, make_batch, mode=mode, budget=budget_bytes, record=record_of(model))
     except Exception as e:  # noqa: BLE001 - agreed with the other ranks first, then raised on every rank
@@ -311,44 +395,83 @@ def _preflight(model: Any, make_batch: Any, optimizer: Any, *, budget: Any, mode
     return budget_bytes, sample
 
 
-def _check_model_and_sample(model: nn.Module, make_batch: Callable[[int], Any], *, mode: str, budget: int,
-                            record: MemstackRecord | None) -> Any:
+def _check_model_and_sample(
+    model: nn.Module, make_batch: Callable[[int], Any], *, mode: str, budget: int, record: MemstackRecord | None
+) -> Any:
     if mode == "train" and not any(p.requires_grad for p in model.parameters()):
         n = sum(1 for _ in model.parameters())
-        raise ValueError(f"mode='train' but every one of the model's {n} parameters is frozen (requires_grad=False): "
-                         "a training step would change nothing. Unfreeze what should train (e.g. PEFT's "
-                         "get_peft_model adds trainable adapters), or size evaluation with mode='eval'")
+        raise ValueError(
+            f"mode='train' but every one of the model's {n} parameters is frozen (requires_grad=False): "
+            "a training step would change nothing. Unfreeze what should train (e.g. PEFT's "
+            "get_peft_model adds trainable adapters), or size evaluation with mode='eval'"
+        )
     params = model_state_bytes(model).parameters  # this rank's local shards under FSDP
     if params >= budget:
         raise BudgetTooSmallError(
             f"budget={format_bytes(budget)} is smaller than the model's parameters alone ({format_bytes(params)}); "
             f"training needs about {format_bytes(4 * params)} before activations (parameters, gradients, AdamW "
-            f"state). {_next_rung(record, weights_dominate=True)}", budget_bytes=budget, needed_bytes=4 * params)
+            f"state). {_next_rung(record, weights_dominate=True)}",
+            budget_bytes=budget,
+            needed_bytes=4 * params,
+        )
     with untracked():  # a look at the batch's shapes, not part of any step
         sample = make_batch(1)
         check_batch_size(sample, 1)
     return sample
 
 
-def _result(found: Found, runner: StepRunner, status: CacheStatus, path: Path | None, *, sample: Any, budget: int,
-            mode: Any, record: MemstackRecord | None, global_batch_size: int | None, snapshot_bytes: int) -> BatchSizeResult:
+def _result(
+    found: Found,
+    runner: StepRunner,
+    status: CacheStatus,
+    path: Path | None,
+    *,
+    sample: Any,
+    budget: int,
+    mode: Any,
+    record: MemstackRecord | None,
+    global_batch_size: int | None,
+    snapshot_bytes: int,
+) -> BatchSizeResult:
     best, world = found.best, world_size()
     seq_len = seq_len_of(sample)
     fit = None
     if found.lines is not None:
         fixed, per_sample, phase = found.lines.binding(best.batch_size)
-        fit = Fit(method=found.lines.method, fixed_bytes=fixed, bytes_per_sample=per_sample, binding_phase=phase,
-                  from_sizes=(found.lines.a, found.lines.b))
+        fit = Fit(
+            method=found.lines.method,
+            fixed_bytes=fixed,
+            bytes_per_sample=per_sample,
+            binding_phase=phase,
+            from_sizes=(found.lines.a, found.lines.b),
+        )
     accum, exact, exact_size, notes = _global_batch(best.batch_size, global_batch_size, world)
     if record is not None and record.compile.regions:
-        notes += (("compiled model: the probes ran eagerly (Dynamo does not run compiled code under the finder's memory "
-                   "tracker), so the size comes from eager memory and no graph was compiled for the probe sizes"),)
+        notes += (
+            (
+                "compiled model: the probes ran eagerly (Dynamo does not run compiled code under the finder's memory "
+                "tracker), so the size comes from eager memory and no graph was compiled for the probe sizes"
+            ),
+        )
     return BatchSizeResult(
-        batch_size=best.batch_size, peak_bytes=best.peak_bytes or 0, budget=budget, mode=mode,
-        probes=tuple(_probe(m) for m in runner.steps), fit=fit, capped=found.capped, world_size=world,
-        seq_len=seq_len, tokens_per_batch=best.batch_size * seq_len if seq_len else None,
-        global_batch_size=global_batch_size, grad_accum=accum, exact_global_batch=exact, exact_batch_size=exact_size,
-        cache=status, cache_file=str(path) if path is not None else None, snapshot_bytes=snapshot_bytes, notes=notes,
+        batch_size=best.batch_size,
+        peak_bytes=best.peak_bytes or 0,
+        budget=budget,
+        mode=mode,
+        probes=tuple(_probe(m) for m in runner.steps),
+        fit=fit,
+        capped=found.capped,
+        world_size=world,
+        seq_len=seq_len,
+        tokens_per_batch=best.batch_size * seq_len if seq_len else None,
+        global_batch_size=global_batch_size,
+        grad_accum=accum,
+        exact_global_batch=exact,
+        exact_batch_size=exact_size,
+        cache=status,
+        cache_file=str(path) if path is not None else None,
+        snapshot_bytes=snapshot_bytes,
+        notes=notes,
         packed=isinstance(sample, dict) and is_packed(sample.get("position_ids"), sample.get("attention_mask")),
     )
 
@@ -357,7 +480,9 @@ def _probe(m: Measured) -> Probe:
     return Probe(batch_size=m.batch_size, kind=m.kind, fits=m.fits, peak_bytes=m.peak_bytes, seconds=m.seconds)
 
 
-def _global_batch(batch_size: int, global_batch: int | None, world: int) -> tuple[int, bool, int | None, tuple[str, ...]]:
+def _global_batch(
+    batch_size: int, global_batch: int | None, world: int
+) -> tuple[int, bool, int | None, tuple[str, ...]]:
     """Accumulation steps for ``global_batch`` (and, when inexact, the largest size that is exact)."""
     if global_batch is None:
         return 1, True, None, ()
@@ -366,14 +491,24 @@ def _global_batch(batch_size: int, global_batch: int | None, world: int) -> tupl
     if accum * per_step == global_batch:
         return accum, True, None, ()
     exact = next((b for b in range(batch_size, 0, -1) if global_batch % (b * world) == 0), None)
-    note = (f"global batch {global_batch} is not a multiple of {batch_size} x {world}: {accum} accumulation steps give "
-            f"{accum * per_step}" + (f"; batch size {exact} with {global_batch // (exact * world)} steps matches exactly"
-                                     if exact else ""))
+    note = (
+        f"global batch {global_batch} is not a multiple of {batch_size} x {world}: {accum} accumulation steps give "
+        f"{accum * per_step}"
+        + (f"; batch size {exact} with {global_batch // (exact * world)} steps matches exactly" if exact else "")
+    )
     return accum, False, exact, (note,)
 
 
-def _check_arguments(model: Any, make_batch: Any, optimizer: Any, *, mode: Any, global_batch_size: Any,
-                     max_batch_size: Any, probe_size: Any) -> None:
+def _check_arguments(
+    model: Any,
+    make_batch: Any,
+    optimizer: Any,
+    *,
+    mode: Any,
+    global_batch_size: Any,
+    max_batch_size: Any,
+    probe_size: Any,
+) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__} must be a torch.nn.Module")
     if not callable(make_batch):
@@ -383,11 +518,16 @@ def _check_arguments(model: Any, make_batch: Any, optimizer: Any, *, mode: Any, 
     for name, value in (("max_batch_size", max_batch_size), ("probe_size", probe_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive integer")
-    if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool)
-                                          or global_batch_size <= 0):
-        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)")
+    if global_batch_size is not None and (
+        not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0
+    ):
+        raise ValueError(
+            f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)"
+        )
     if mode == "train" and optimizer is None:
-        raise ValueError("mode='train' needs the optimizer (its state is part of the step's memory); pass optimizer=...")
+        raise ValueError(
+            "mode='train' needs the optimizer (its state is part of the step's memory); pass optimizer=..."
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer")
 
@@ -410,9 +550,12 @@ def _resolve_budget(budget: int | str | None, device: torch.device) -> int:
 
 def _too_small(m: Measured, *, mode: str, budget: int, record: MemstackRecord | None) -> BudgetTooSmallError:
     need = format_bytes(m.peak_bytes) if m.peak_bytes else "more than the budget (out of memory)"
-    return BudgetTooSmallError(f"budget={format_bytes(budget)} cannot hold one {mode} step at batch size {m.batch_size}: "
-                               f"it needs {need}. {_next_rung(record, weights_dominate=False)}",
-                               budget_bytes=budget, needed_bytes=m.peak_bytes)
+    return BudgetTooSmallError(
+        f"budget={format_bytes(budget)} cannot hold one {mode} step at batch size {m.batch_size}: "
+        f"it needs {need}. {_next_rung(record, weights_dominate=False)}",
+        budget_bytes=budget,
+        needed_bytes=m.peak_bytes,
+    )
 
 
 def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
@@ -421,5 +564,10 @@ def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
 
     if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."
-    return next_rung(record.policy, num_blocks=len(record.blocks or ()), weights_dominate=weights_dominate,
-                     causal_lm=record.chunkable_loss, quantize=quantizable(record.blocks))
+    return next_rung(
+        record.policy,
+        num_blocks=len(record.blocks or ()),
+        weights_dominate=weights_dominate,
+        causal_lm=record.chunkable_loss,
+        quantize=quantizable(record.blocks),
+    )

@@ -96,8 +96,20 @@ def fit_lines(x: Measured, y: Measured) -> Lines | None:
         return None
     lo, hi = (x, y) if x.batch_size < y.batch_size else (y, x)
     if len(lo.timeline) == len(hi.timeline) and len(lo.timeline) > 0:
-        return Lines(a=lo.batch_size, b=hi.batch_size, start=lo.timeline, rise=hi.timeline - lo.timeline,
-                     method="per-operator", phase_ends=lo.phase_ends)
+        return Lines(
+            a=lo.batch_size,
+            b=hi.batch_size,
+            start=lo.timeline,
+            rise=hi.timeline - lo.timeline,
+            method="per-operator",
+            phase_ends=lo.phase_ends,
+        )
     low, high = int(lo.peak_bytes or 0), int(hi.peak_bytes or 0)
-    return Lines(a=lo.batch_size, b=hi.batch_size, start=np.array([low], dtype=np.int64),
-                 rise=np.array([high - low], dtype=np.int64), method="peak-line", phase_ends=())
+    return Lines(
+        a=lo.batch_size,
+        b=hi.batch_size,
+        start=np.array([low], dtype=np.int64),
+        rise=np.array([high - low], dtype=np.int64),
+        method="peak-line",
+        phase_ends=(),
+    )

@@ -65,8 +65,17 @@ class Measured:
 class StepRunner:
     """Runs measured steps of one job (model, batches, optimizer, mode) and keeps them in order."""
 
-    def __init__(self, *, model: nn.Module, make_batch: Callable[[int], Any], optimizer: torch.optim.Optimizer | None,
-                 loss_fn: LossFn | None, grad_scaler: Any, mode: Literal["train", "eval"], budget: int):
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        make_batch: Callable[[int], Any],
+        optimizer: torch.optim.Optimizer | None,
+        loss_fn: LossFn | None,
+        grad_scaler: Any,
+        mode: Literal["train", "eval"],
+        budget: int,
+    ):
         self.model, self.make_batch, self.optimizer = model, make_batch, optimizer
         self.loss_fn, self.grad_scaler, self.mode, self.budget = loss_fn, grad_scaler, mode, budget
         self.device = device_of(model)
@@ -95,11 +104,19 @@ class StepRunner:
         if oom:  # outside the except block: the traceback no longer holds the step's tensors
             self._recover()
         peak, ratio = self._peaks(tracker, other, complete=not oom and error is None)
-        fits = agree_no_error(error, f"probe at batch size {n}", budget=self.budget,
-                              fits=peak is not None and peak <= self.budget)
-        measured = Measured(batch_size=n, kind=kind, fits=fits, peak_bytes=peak, allocator_ratio=ratio, seconds=seconds,
-                            timeline=np.asarray(tracker.timeline, dtype=np.int64) + other,
-                            phase_ends=tuple(marks))
+        fits = agree_no_error(
+            error, f"probe at batch size {n}", budget=self.budget, fits=peak is not None and peak <= self.budget
+        )
+        measured = Measured(
+            batch_size=n,
+            kind=kind,
+            fits=fits,
+            peak_bytes=peak,
+            allocator_ratio=ratio,
+            seconds=seconds,
+            timeline=np.asarray(tracker.timeline, dtype=np.int64) + other,
+            phase_ends=tuple(marks),
+        )
         self.steps.append(measured)
         return measured
 
@@ -234,19 +251,29 @@ def check_batch_size(batch: Any, n: int) -> None:
     """
     positional = isinstance(batch, (list, tuple)) and all(torch.is_tensor(t) for t in batch)
     if not (isinstance(batch, Mapping) or torch.is_tensor(batch) or positional):
-        inner = sorted({type(v).__name__ for v in batch if not torch.is_tensor(v)}) if isinstance(batch, (list, tuple)) else []
+        inner = (
+            sorted({type(v).__name__ for v in batch if not torch.is_tensor(v)})
+            if isinstance(batch, (list, tuple))
+            else []
+        )
         what = f"{type(batch).__name__}" + (f" of {', '.join(inner)}" if inner else "")
-        raise TypeError(f"make_batch({n}) returned a {what}; it must return a dict of tensors (a Mapping such as the "
-                        "BatchEncoding a collator returns), which the model is called with as model(**batch): e.g. "
-                        f"return collator(rows) rather than [collator(rows)]")
+        raise TypeError(
+            f"make_batch({n}) returned a {what}; it must return a dict of tensors (a Mapping such as the "
+            "BatchEncoding a collator returns), which the model is called with as model(**batch): e.g. "
+            f"return collator(rows) rather than [collator(rows)]"
+        )
     tensors = _tensors(batch)
     if not tensors:
-        raise ValueError(f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "
-                         "such as a collator does")
+        raise ValueError(
+            f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "
+            "such as a collator does"
+        )
     wrong = [tuple(t.shape) for t in tensors if t.ndim == 0 or t.shape[0] != n]
     if wrong:
-        raise ValueError(f"make_batch({n}) returned tensors of shapes {wrong}: their first dimension must be exactly {n}. "
-                         "Build the batch from n samples (and pad to the longest sequence of the run)")
+        raise ValueError(
+            f"make_batch({n}) returned tensors of shapes {wrong}: their first dimension must be exactly {n}. "
+            "Build the batch from n samples (and pad to the longest sequence of the run)"
+        )
 
 
 def batch_signature(batch: Any) -> list[list[Any]]:

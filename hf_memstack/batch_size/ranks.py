@@ -60,7 +60,8 @@ def agree_no_error(error: BaseException | None, tag: str, *, budget: int, fits: 
         text = "; ".join(f.describe() for f in failed)
         if all(f.error_type == BudgetTooSmallError.__name__ for f in failed):
             return BudgetTooSmallError(f"another rank's budget cannot hold the step ({text})", budget_bytes=budget)
-        return DistributedMismatchError(f"find_batch_size failed on another rank ({tag}): {text}",
-                                        failed_ranks=tuple(f.rank for f in failed))
+        return DistributedMismatchError(
+            f"find_batch_size failed on another rank ({tag}): {text}", failed_ranks=tuple(f.rank for f in failed)
+        )
 
     return bool(share_error(tag, error, values=(int(fits),), peer_error=on_the_others)[0])

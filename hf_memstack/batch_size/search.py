@@ -84,7 +84,9 @@ class Search:
         # Still the maximum: no more room left than when it was found (a larger size would have
         # fitted then), or not room for one more sample.
         room = self.budget - (m.peak_bytes or 0)
-        still_max = room < entry.bytes_per_sample or room <= self.budget - entry.peak_bytes + entry.bytes_per_sample // 2
+        still_max = (
+            room < entry.bytes_per_sample or room <= self.budget - entry.peak_bytes + entry.bytes_per_sample // 2
+        )
         if not agree("cached size still the maximum", int(still_max))[0]:
             return None
         return Found(best=m, lines=None, capped=False)
@@ -92,10 +94,18 @@ class Search:
     def entry(self, found: Found) -> CacheEntry:
         """What to cache for ``found``, with the steps that found it (a later read checks the entry against them)."""
         per_sample = found.lines.binding(found.best.batch_size)[1] if found.lines is not None else 0
-        steps = tuple(CachedStep(batch_size=m.batch_size, peak_bytes=m.peak_bytes, fits=m.fits)
-                      for m in self.runner.steps if m.kind != "warmup")
-        return CacheEntry(batch_size=found.best.batch_size, peak_bytes=found.best.peak_bytes or 1,
-                          bytes_per_sample=max(0, int(per_sample)), capped=found.capped, steps=steps)
+        steps = tuple(
+            CachedStep(batch_size=m.batch_size, peak_bytes=m.peak_bytes, fits=m.fits)
+            for m in self.runner.steps
+            if m.kind != "warmup"
+        )
+        return CacheEntry(
+            batch_size=found.best.batch_size,
+            peak_bytes=found.best.peak_bytes or 1,
+            bytes_per_sample=max(0, int(per_sample)),
+            capped=found.capped,
+            steps=steps,
+        )
 
     # -- internals ---------------------------------------------------------------------------
     def _first_fitting(self, size: int) -> Measured:

@@ -71,8 +71,11 @@ class StepState:
             self.buffers = [(b, _Saved.of(b)) for b in dict.fromkeys(model.buffers())]
             self.grads = [(p, None if p.grad is None else _Saved.of(p.grad)) for p in params]
             self.opt_state = _save_optimizer(optimizer)
-            self.opt_groups = [] if optimizer is None else [
-                {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            self.opt_groups = (
+                []
+                if optimizer is None
+                else [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            )
             self.sched = None if scheduler is None else copy.deepcopy(scheduler.state_dict())
             self.scaler = None if grad_scaler is None else copy.deepcopy(grad_scaler.state_dict())
         self.modes = [(m, m.training) for m in model.modules()]
@@ -98,8 +101,9 @@ class StepState:
 
 
 @contextlib.contextmanager
-def step_state_restored(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
-                        grad_scaler: Any) -> Iterator[StepState]:
+def step_state_restored(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, grad_scaler: Any
+) -> Iterator[StepState]:
     """Copy the step's state now and write it back on exit, also when the body raises."""
     state = StepState(model, optimizer, scheduler, grad_scaler)
     try:
@@ -111,12 +115,15 @@ def step_state_restored(model: nn.Module, optimizer: torch.optim.Optimizer | Non
 def _save_optimizer(optimizer: torch.optim.Optimizer | None) -> dict[Any, dict[str, Any]]:
     if optimizer is None:
         return {}
-    return {p: {k: _Saved.of(v) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in state.items()}
-            for p, state in optimizer.state.items()}
+    return {
+        p: {k: _Saved.of(v) if torch.is_tensor(v) else copy.deepcopy(v) for k, v in state.items()}
+        for p, state in optimizer.state.items()
+    }
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer | None, saved: dict[Any, dict[str, Any]],
-                       groups: list[dict[str, Any]]) -> None:
+def _restore_optimizer(
+    optimizer: torch.optim.Optimizer | None, saved: dict[Any, dict[str, Any]], groups: list[dict[str, Any]]
+) -> None:
     if optimizer is None:
         return
     for p in list(optimizer.state):

@@ -96,10 +96,12 @@ def check_packed_batch(model: nn.Module, batch: Mapping[str, Any], *, probe: boo
 
 def ignores_boundaries_message(model: nn.Module) -> str:
     """The refusal for a model whose attention lets packed samples see each other."""
-    return (f"{type(_unwrapped(model)).__name__} (attn_implementation={_attn_implementation(model)!r}) lets the samples of a "
-            "packed batch attend to each other: two samples packed in one row give the second other logits than it has "
-            "alone. Packed batches need a causal LM whose attention reads position_ids boundaries (Transformers 5: "
-            f"{', '.join(_BOUNDARY_AWARE)}); load it with one, or do not pack (pad each sample: DataCollatorWithPadding)")
+    return (
+        f"{type(_unwrapped(model)).__name__} (attn_implementation={_attn_implementation(model)!r}) lets the samples of a "
+        "packed batch attend to each other: two samples packed in one row give the second other logits than it has "
+        "alone. Packed batches need a causal LM whose attention reads position_ids boundaries (Transformers 5: "
+        f"{', '.join(_BOUNDARY_AWARE)}); load it with one, or do not pack (pad each sample: DataCollatorWithPadding)"
+    )
 
 
 def _check_no_2d_mask(mask: Any) -> None:
@@ -114,8 +116,10 @@ def _check_no_2d_mask(mask: Any) -> None:
 
 def _check_no_cache(model: nn.Module, batch: Mapping[str, Any]) -> None:
     if batch.get("past_key_values") is not None:
-        raise ValueError("past_key_values: a packed batch with a KV cache attends across samples (Transformers skips its "
-                         "packed-sequence detection when a cache is given); do not pass a cache with packed batches")
+        raise ValueError(
+            "past_key_values: a packed batch with a KV cache attends across samples (Transformers skips its "
+            "packed-sequence detection when a cache is given); do not pass a cache with packed batches"
+        )
     use_cache = batch.get("use_cache")
     config = getattr(_unwrapped(model), "config", None)
     if use_cache is None:
@@ -209,16 +213,21 @@ class PackedComparison:
 
     def describe(self) -> str:
         where = f" (row {self.worst[0]}, sample {self.worst[1]})" if self.worst else ""
-        text = (f"{self.samples} samples of {self.rows} packed row(s) run alone: per-token losses of {self.tokens} tokens "
-                f"differ by at most {self.max_abs_diff:.2e}{where} (tolerance {self.tolerance:g})")
+        text = (
+            f"{self.samples} samples of {self.rows} packed row(s) run alone: per-token losses of {self.tokens} tokens "
+            f"differ by at most {self.max_abs_diff:.2e}{where} (tolerance {self.tolerance:g})"
+        )
         if not self.ok:
-            text += (": the samples of a packed row attend to each other. Drop any attention_mask from packed batches, keep "
-                     "use_cache=False, and use an attention implementation that reads position_ids (sdpa, eager, flash)")
+            text += (
+                ": the samples of a packed row attend to each other. Drop any attention_mask from packed batches, keep "
+                "use_cache=False, and use an attention implementation that reads position_ids (sdpa, eager, flash)"
+            )
         return text
 
 
-def compare_packed_to_separate(model: nn.Module, batch: Mapping[str, Any], *, max_samples: int = 8,
-                               tolerance: float = 1e-3) -> PackedComparison:
+def compare_packed_to_separate(
+    model: nn.Module, batch: Mapping[str, Any], *, max_samples: int = 8, tolerance: float = 1e-3
+) -> PackedComparison:
     """Run the packed ``batch`` and each of its first ``max_samples`` samples alone (positions from
     0, no mask), without gradients and in eval mode, and compare their per-token losses on the
     labelled tokens (labels default to the input ids)."""
@@ -232,8 +241,11 @@ def compare_packed_to_separate(model: nn.Module, batch: Mapping[str, Any], *, ma
     with torch.no_grad(), preserved_rng(device), module_mode(model, training=False):
         # The packed rows as the batch has them (its mask, its use_cache: what is being checked).
         # Not fused_lm_head: TRL's fused head returns a loss, not the per-token logits compared here.
-        extra = {k: v for k, v in batch.items()
-                 if k not in ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch", "fused_lm_head")}
+        extra = {
+            k: v
+            for k, v in batch.items()
+            if k not in ("input_ids", "position_ids", "labels", "shift_labels", "num_items_in_batch", "fused_lm_head")
+        }
         packed = _token_losses(model, ids, positions, labels, **extra)
         for r, lengths in enumerate(segment_lengths(positions)):
             if samples >= max_samples:
@@ -246,20 +258,31 @@ def compare_packed_to_separate(model: nn.Module, batch: Mapping[str, Any], *, ma
                 counted = labels[r, span][1:] != -100
                 if samples >= max_samples or not bool(counted.any()):
                     continue
-                alone = _token_losses(model, ids[r:r + 1, span], torch.arange(n, device=ids.device).unsqueeze(0),
-                                      labels[r:r + 1, span], use_cache=False)[0]
-                diff = float((packed[r, span.start:span.stop - 1][counted] - alone[counted]).abs().max())
+                alone = _token_losses(
+                    model,
+                    ids[r : r + 1, span],
+                    torch.arange(n, device=ids.device).unsqueeze(0),
+                    labels[r : r + 1, span],
+                    use_cache=False,
+                )[0]
+                diff = float((packed[r, span.start : span.stop - 1][counted] - alone[counted]).abs().max())
                 samples, tokens = samples + 1, tokens + int(counted.sum())
                 if worst is None or diff > biggest:
                     worst, biggest = (r, s), diff
-    return PackedComparison(rows=rows, samples=samples, tokens=tokens, max_abs_diff=biggest, worst=worst, tolerance=tolerance)
+    return PackedComparison(
+        rows=rows, samples=samples, tokens=tokens, max_abs_diff=biggest, worst=worst, tolerance=tolerance
+    )
 
 
-def _token_losses(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, **extra: Any) -> torch.Tensor:
+def _token_losses(
+    model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, **extra: Any
+) -> torch.Tensor:
     """``[rows, tokens - 1]``: the loss of predicting each next token (0 where its label is -100)."""
     logits = _logits(model, ids, positions, **extra)
     if logits is None:
-        raise ValueError(f"{type(model).__name__} returns no per-token logits: packed batches are for causal language models")
+        raise ValueError(
+            f"{type(model).__name__} returns no per-token logits: packed batches are for causal language models"
+        )
     targets = labels[:, 1:].to(logits.device)
     losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), targets.clamp(min=0), reduction="none")
     return losses.masked_fill(targets == -100, 0.0)

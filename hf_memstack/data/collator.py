@@ -63,13 +63,18 @@ class PackedCollator:
             rows = [[s for row in rows for s in row]]
         flat = [_flatten(row) for row in rows]
         width = self._width(max(r["input_ids"].shape[1] for r in flat))
-        return {k: torch.cat([_pad(r[k], width, k, self.pad_token_id) for r in flat]) for k in ("input_ids", "labels", "position_ids")}
+        return {
+            k: torch.cat([_pad(r[k], width, k, self.pad_token_id) for r in flat])
+            for k in ("input_ids", "labels", "position_ids")
+        }
 
     def _width(self, longest: int) -> int:
         width = longest if self.pad_to is None else self.pad_to
         if longest > width:
-            raise ValueError(f"PackedCollator: a row holds {longest} tokens, more than pad_to={self.pad_to}; pack rows of at most "
-                             f"{self.pad_to} tokens (pack_dataset(..., tokens_per_row={self.pad_to})) or raise pad_to")
+            raise ValueError(
+                f"PackedCollator: a row holds {longest} tokens, more than pad_to={self.pad_to}; pack rows of at most "
+                f"{self.pad_to} tokens (pack_dataset(..., tokens_per_row={self.pad_to})) or raise pad_to"
+            )
         m = self.pad_to_multiple_of
         return width if m is None else -(-width // m) * m
 
@@ -77,22 +82,32 @@ class PackedCollator:
 def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[int]]]:
     """A feature split into its samples (by ``seq_lengths``; a feature without them is one sample)."""
     if not isinstance(feature, Mapping) or "input_ids" not in feature:
-        raise ValueError(f"PackedCollator: feature {index} has no 'input_ids' (got {type(feature).__name__}); "
-                         "pass tokenized samples or rows from pack_dataset")
+        raise ValueError(
+            f"PackedCollator: feature {index} has no 'input_ids' (got {type(feature).__name__}); "
+            "pass tokenized samples or rows from pack_dataset"
+        )
     ids = _as_list(feature["input_ids"])
     labels = _as_list(feature["labels"]) if feature.get("labels") is not None else list(ids)
     mask = feature.get("attention_mask")
     if mask is not None and 0 in _as_list(mask):
-        raise ValueError(f"PackedCollator: feature {index} has padding inside it (attention_mask holds zeros): padded "
-                         "samples cannot be packed, their pad tokens would train as text. Tokenize without padding "
-                         "(padding=False), then pack")
-    lengths = _as_list(feature["seq_lengths"]) if feature.get("seq_lengths") is not None else _runs(feature.get("position_ids"), len(ids))
+        raise ValueError(
+            f"PackedCollator: feature {index} has padding inside it (attention_mask holds zeros): padded "
+            "samples cannot be packed, their pad tokens would train as text. Tokenize without padding "
+            "(padding=False), then pack"
+        )
+    lengths = (
+        _as_list(feature["seq_lengths"])
+        if feature.get("seq_lengths") is not None
+        else _runs(feature.get("position_ids"), len(ids))
+    )
     if len(labels) != len(ids) or sum(lengths) != len(ids) or any(n < 1 for n in lengths):
-        raise ValueError(f"PackedCollator: feature {index} has {len(ids)} input_ids, {len(labels)} labels and seq_lengths "
-                         f"{lengths} (sum {sum(lengths)}): give one label per token and seq_lengths that add up to the row")
+        raise ValueError(
+            f"PackedCollator: feature {index} has {len(ids)} input_ids, {len(labels)} labels and seq_lengths "
+            f"{lengths} (sum {sum(lengths)}): give one label per token and seq_lengths that add up to the row"
+        )
     out, start = [], 0
     for n in lengths:
-        out.append({"input_ids": ids[start:start + n], "labels": labels[start:start + n]})
+        out.append({"input_ids": ids[start : start + n], "labels": labels[start : start + n]})
         start += n
     return out
 

@@ -89,7 +89,9 @@ class PackedBatchGuard(_ForwardWrapper):
         if self._respects is None:
             self._busy = True  # the probe calls this forward
             try:
-                self._respects = attention_respects_boundaries(self.module) if self.probe else _known_boundary_aware(self.module)
+                self._respects = (
+                    attention_respects_boundaries(self.module) if self.probe else _known_boundary_aware(self.module)
+                )
             finally:
                 self._busy = False
         if not self._respects:

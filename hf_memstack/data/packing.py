@@ -163,20 +163,28 @@ def _columns(samples: Any) -> dict[str, list[Any]]:
     names = getattr(samples, "column_names", None)
     if names is not None:
         if "input_ids" not in names:
-            raise ValueError(f"pack_dataset: the dataset has no 'input_ids' column (columns: {names}); tokenize it first")
+            raise ValueError(
+                f"pack_dataset: the dataset has no 'input_ids' column (columns: {names}); tokenize it first"
+            )
         columns = {k: list(samples[k]) for k in _PER_TOKEN if k in names}
     else:
         if not isinstance(samples, Sequence):
-            raise TypeError(f"pack_dataset: samples must be a list of dicts or a datasets.Dataset, got {type(samples).__name__}")
+            raise TypeError(
+                f"pack_dataset: samples must be a list of dicts or a datasets.Dataset, got {type(samples).__name__}"
+            )
         for i, s in enumerate(samples):
             if not isinstance(s, Mapping) or "input_ids" not in s:
-                raise ValueError(f"pack_dataset: sample {i} has no 'input_ids' (got {type(s).__name__}); tokenize the samples first")
+                raise ValueError(
+                    f"pack_dataset: sample {i} has no 'input_ids' (got {type(s).__name__}); tokenize the samples first"
+                )
         keys = [k for k in _PER_TOKEN if all(k in s for s in samples)] if samples else ["input_ids"]
         columns = {k: [s[k] for s in samples] for k in keys}
     columns = {k: [list(v.tolist() if hasattr(v, "tolist") else v) for v in vs] for k, vs in columns.items()}
     for i, (ids, labels) in enumerate(zip(columns["input_ids"], columns.get("labels", columns["input_ids"]))):
         if len(labels) != len(ids):
-            raise ValueError(f"pack_dataset: sample {i} has {len(ids)} input_ids but {len(labels)} labels; give one label per token")
+            raise ValueError(
+                f"pack_dataset: sample {i} has {len(ids)} input_ids but {len(labels)} labels; give one label per token"
+            )
     return columns
 
 
@@ -198,7 +206,7 @@ def padding_stats(lengths: Sequence[int], batch_size: int, *, seed: int | None =
     order = [n for n in lengths if n > 0]
     if seed is not None:
         random.Random(seed).shuffle(order)
-    slots = sum(len(b) * max(b) for b in (order[i:i + batch_size] for i in range(0, len(order), batch_size)))
+    slots = sum(len(b) * max(b) for b in (order[i : i + batch_size] for i in range(0, len(order), batch_size)))
     return PackingStats(samples=len(order), tokens=sum(order), slots=slots)
 
 

@@ -26,8 +26,14 @@ def _length(sample: Any) -> int:
         return 0
     if sample.get("input_ids") is not None:
         return len(sample["input_ids"])
-    return max((len(v) if not torch.is_tensor(v) else v.numel() for v in sample.values() if isinstance(v, (list, tuple)) or torch.is_tensor(v)),
-               default=0)
+    return max(
+        (
+            len(v) if not torch.is_tensor(v) else v.numel()
+            for v in sample.values()
+            if isinstance(v, (list, tuple)) or torch.is_tensor(v)
+        ),
+        default=0,
+    )
 
 
 def _signature_columns(model: nn.Module) -> set[str]:

@@ -49,13 +49,23 @@ from ..verify import VerifyReport, verify
 from ._columns import _longest_first, _signature_columns, _trainer_columns
 from .trainer_eval import check_eval_logits
 
-__all__ = ["MemstackCallback", "add_memstack_callback", "check_eval_logits", "check_optimizer", "check_training_arguments",
-           "training_arguments"]
+__all__ = [
+    "MemstackCallback",
+    "add_memstack_callback",
+    "check_eval_logits",
+    "check_optimizer",
+    "check_training_arguments",
+    "training_arguments",
+]
 
 logger = logging.getLogger("hf_memstack")
 
 # transformers >= 5.20 names it activation_checkpointing (gradient_checkpointing is a deprecated alias).
-_CHECKPOINTING_FIELD = "activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+_CHECKPOINTING_FIELD = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 
 def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[str]:
@@ -83,27 +93,37 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
     _check_optimizer_args(args, record, problems)
     if getattr(args, "torch_compile", False):
         if record.policy.compile.mode != "none":
-            problems.append(f"{cls}.torch_compile=True would compile the model a second time; the policy "
-                            f"{record.policy.to_string()!r} already compiles it ({record.policy.compile.mode}): set torch_compile=False")
+            problems.append(
+                f"{cls}.torch_compile=True would compile the model a second time; the policy "
+                f"{record.policy.to_string()!r} already compiles it ({record.policy.compile.mode}): set torch_compile=False"
+            )
         else:
-            repeats.append(f"{cls}.torch_compile=True compiles the model outside its hf_memstack policy, which "
-                           "model.memstack does not record; prefer adding compile to the policy (e.g. "
-                           f"'{record.policy.to_string()}+compile:regional') and torch_compile=False")
+            repeats.append(
+                f"{cls}.torch_compile=True compiles the model outside its hf_memstack policy, which "
+                "model.memstack does not record; prefer adding compile to the policy (e.g. "
+                f"'{record.policy.to_string()}+compile:regional') and torch_compile=False"
+            )
     if getattr(args, "fsdp", None):
-        problems.append(f"{cls}.fsdp={args.fsdp!r}: Trainer's FSDP would shard a model hf_memstack already "
-                        "checkpointed (and maybe sharded) without knowing where its checkpoints are; set fsdp='' and put "
-                        "fsdp in the policy, launched with torchrun or the recipe (recipes/finetune.py)")
+        problems.append(
+            f"{cls}.fsdp={args.fsdp!r}: Trainer's FSDP would shard a model hf_memstack already "
+            "checkpointed (and maybe sharded) without knowing where its checkpoints are; set fsdp='' and put "
+            "fsdp in the policy, launched with torchrun or the recipe (recipes/finetune.py)"
+        )
     if problems:
-        raise ValueError(f"{cls} contradicts the model's hf_memstack policy "
-                         f"{record.policy.to_string()!r}:\n  - " + "\n  - ".join(problems))
+        raise ValueError(
+            f"{cls} contradicts the model's hf_memstack policy "
+            f"{record.policy.to_string()!r}:\n  - " + "\n  - ".join(problems)
+        )
     return repeats
 
 
 def _record(model: nn.Module | None) -> MemstackRecord:
     record = record_of(model) if isinstance(model, nn.Module) else None
     if record is None:
-        raise ValueError(f"the model ({type(model).__name__}) was not prepared by hf_memstack: call "
-                         "hf_memstack.prepare_model(model, policy) before building the Trainer")
+        raise ValueError(
+            f"the model ({type(model).__name__}) was not prepared by hf_memstack: call "
+            "hf_memstack.prepare_model(model, policy) before building the Trainer"
+        )
     return record
 
 
@@ -123,15 +143,26 @@ def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecor
         return
     field = _checkpointing_field(args)
     setting = f"{type(args).__name__}({field}=True)"
-    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    kwargs = dict(
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
     every_n, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
     guard = getattr(model, "activation_checkpointing_enable", None)
     if not isinstance(guard, CheckpointingGuard):
-        problems.append(f"{setting}, but {type(model).__name__} has no Transformers checkpointing API for Trainer to call; "
-                        f"checkpointing comes from the policy ({record.policy.to_string()!r}): set {field}=False")
+        problems.append(
+            f"{setting}, but {type(model).__name__} has no Transformers checkpointing API for Trainer to call; "
+            f"checkpointing comes from the policy ({record.policy.to_string()!r}): set {field}=False"
+        )
         return
-    conflict = guard.conflict(kwargs or None, every_n_layers=every_n, offload=offload, caller=setting,
-                              fix=f"set {type(args).__name__}({field}=False)" + (" (TRL's configs default to True)" if _is_trl(args) else ""))
+    conflict = guard.conflict(
+        kwargs or None,
+        every_n_layers=every_n,
+        offload=offload,
+        caller=setting,
+        fix=f"set {type(args).__name__}({field}=False)" + (" (TRL's configs default to True)" if _is_trl(args) else ""),
+    )
     if conflict:
         problems.append(conflict)
     # Otherwise Trainer's call repeats the policy or asks for the default checkpointing over the
@@ -144,12 +175,16 @@ def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]
     if record.policy.optimizer.step != "in_backward":
         return
     if (args.max_grad_norm or 0) > 0:
-        problems.append(f"TrainingArguments.max_grad_norm={args.max_grad_norm}: the policy's optim:in_backward updates each "
-                        "parameter inside the backward, before a global gradient norm exists; set max_grad_norm=0")
+        problems.append(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm}: the policy's optim:in_backward updates each "
+            "parameter inside the backward, before a global gradient norm exists; set max_grad_norm=0"
+        )
     if args.gradient_accumulation_steps != 1:
-        problems.append(f"TrainingArguments.gradient_accumulation_steps={args.gradient_accumulation_steps}: with optim:in_backward "
-                        "every backward updates the weights, so gradients cannot be accumulated; set gradient_accumulation_steps=1 "
-                        "(a larger per_device_train_batch_size instead)")
+        problems.append(
+            f"TrainingArguments.gradient_accumulation_steps={args.gradient_accumulation_steps}: with optim:in_backward "
+            "every backward updates the weights, so gradients cannot be accumulated; set gradient_accumulation_steps=1 "
+            "(a larger per_device_train_batch_size instead)"
+        )
 
 
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:
@@ -162,23 +197,36 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
     cfg = record.policy.optimizer
     inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
     _check_holds_the_trainable(model, inner)
-    fix = ("build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer(model, lr=args.learning_rate, "
-           "weight_decay=args.weight_decay), None))")
+    fix = (
+        "build it with the policy: Trainer(..., optimizers=(hf_memstack.make_optimizer(model, lr=args.learning_rate, "
+        "weight_decay=args.weight_decay), None))"
+    )
     if (cfg.state, cfg.step) != ("fp32", "after_backward"):
-        built = isinstance(inner, OptimizerInBackward) if cfg.step == "in_backward" else "8bit" in type(inner).__name__.lower()
+        built = (
+            isinstance(inner, OptimizerInBackward)
+            if cfg.step == "in_backward"
+            else "8bit" in type(inner).__name__.lower()
+        )
         if not built:
-            raise ValueError(f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
-                             f"{type(inner).__name__}; {fix}")
+            raise ValueError(
+                f"the policy {record.policy.to_string()!r} asks for an optimizer rung, but Trainer's optimizer is "
+                f"{type(inner).__name__}; {fix}"
+            )
     rounds = rounds_stochastically(inner)
     if record.policy.master_weights == "bf16" and not rounds:
-        raise ValueError(f"the policy {record.policy.to_string()!r} trains pure bf16, which needs AdamW with bf16 stochastic "
-                         f"rounding, but Trainer's optimizer is {type(inner).__name__} (its updates below bf16's resolution "
-                         f"would round away); {fix}")
+        raise ValueError(
+            f"the policy {record.policy.to_string()!r} trains pure bf16, which needs AdamW with bf16 stochastic "
+            f"rounding, but Trainer's optimizer is {type(inner).__name__} (its updates below bf16's resolution "
+            f"would round away); {fix}"
+        )
     sixteen = [p for g in inner.param_groups for p in g["params"] if p.dtype in (torch.bfloat16, torch.float16)]
     if sixteen and not rounds:
-        warnings.warn(f"Trainer's optimizer {type(inner).__name__} updates {len(sixteen)} {sixteen[0].dtype} parameter(s) without "
-                      "stochastic rounding: updates smaller than their resolution are lost. Prepare the model with a mixed "
-                      "precision policy (fp32 master weights), or 'bf16+weights:bf16' and " + fix, stacklevel=3)
+        warnings.warn(
+            f"Trainer's optimizer {type(inner).__name__} updates {len(sixteen)} {sixteen[0].dtype} parameter(s) without "
+            "stochastic rounding: updates smaller than their resolution are lost. Prepare the model with a mixed "
+            "precision policy (fp32 master weights), or 'bf16+weights:bf16' and " + fix,
+            stacklevel=3,
+        )
 
 
 def _check_holds_the_trainable(model: nn.Module, optimizer: Any) -> None:
@@ -192,7 +240,8 @@ def _check_holds_the_trainable(model: nn.Module, optimizer: Any) -> None:
             f"the optimizer given to Trainer holds none of the model's {len(trainable)} trainable parameters (e.g. {missing[0]!r}): "
             "it was built before they existed or trained - with TRL's peft_config, PEFT adds the adapters inside SFTTrainer, after "
             "make_optimizer saw the base. Add the adapters first (model = get_peft_model(model, config); prepare_model(model, "
-            "policy); make_optimizer(model, ...)) and pass that model without peft_config")
+            "policy); make_optimizer(model, ...)) and pass that model without peft_config"
+        )
 
 
 def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
@@ -202,25 +251,35 @@ def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]
     if policy == "fp16" and record.precision.device_type == "cpu":
         # Accelerate creates neither an autocast nor a GradScaler for fp16 on the CPU
         # (accelerator.scaler is None): Trainer would run hf_memstack's fp16 autocast unscaled.
-        problems.append("the policy computes in fp16 on the CPU, where Accelerate (and so Trainer) creates no loss scaler "
-                        "(trainer.accelerator.scaler is None): fp16 gradients would underflow unscaled. Use a bf16 or fp32 "
-                        "policy on the CPU, train fp16 on a GPU (there fp16=True gives Trainer's GradScaler), or use your own "
-                        "loop with model.memstack.grad_scaler")
+        problems.append(
+            "the policy computes in fp16 on the CPU, where Accelerate (and so Trainer) creates no loss scaler "
+            "(trainer.accelerator.scaler is None): fp16 gradients would underflow unscaled. Use a bf16 or fp32 "
+            "policy on the CPU, train fp16 on a GPU (there fp16=True gives Trainer's GradScaler), or use your own "
+            "loop with model.memstack.grad_scaler"
+        )
         return
     if asked == "no":
         if policy == "fp16":
-            problems.append("the policy computes in fp16, which needs a loss scaler, and Trainer only creates one with "
-                            f"fp16=True: set {cls}(fp16=True)")
+            problems.append(
+                "the policy computes in fp16, which needs a loss scaler, and Trainer only creates one with "
+                f"fp16=True: set {cls}(fp16=True)"
+            )
         elif record.autocast_by == "accelerator.prepare":
-            problems.append(f"the model was prepared for an Accelerator with mixed_precision={policy!r}; set "
-                            f"{cls}({policy}=True) so Trainer's Accelerator applies it")
+            problems.append(
+                f"the model was prepared for an Accelerator with mixed_precision={policy!r}; set "
+                f"{cls}({policy}=True) so Trainer's Accelerator applies it"
+            )
         return
     if policy == "fp32":
-        problems.append(f"{cls}.{asked}=True autocasts a model whose policy is fp32; set {asked}=False, or "
-                        f"prepare the model with precision {asked!r} (e.g. '{asked}+ckpt')")
+        problems.append(
+            f"{cls}.{asked}=True autocasts a model whose policy is fp32; set {asked}=False, or "
+            f"prepare the model with precision {asked!r} (e.g. '{asked}+ckpt')"
+        )
     elif asked != policy:
-        problems.append(f"{cls}.{asked}=True contradicts the policy's precision {policy!r}; set {asked}=False"
-                        + (" and fp16=True" if policy == "fp16" else ""))
+        problems.append(
+            f"{cls}.{asked}=True contradicts the policy's precision {policy!r}; set {asked}=False"
+            + (" and fp16=True" if policy == "fp16" else "")
+        )
     # The same precision in both is consistent: Trainer's autocast around the prepared model's own is
     # the same dtype twice, and it also covers code that bypasses model.forward (TRL's fused LM head).
 
@@ -254,26 +313,43 @@ def training_arguments(
     """
     record = _record(model)
     # The deprecated name is what most scripts still pass: it means the same field.
-    for old, new in (("gradient_checkpointing", _CHECKPOINTING_FIELD), ("gradient_checkpointing_kwargs", f"{_CHECKPOINTING_FIELD}_kwargs")):
+    for old, new in (
+        ("gradient_checkpointing", _CHECKPOINTING_FIELD),
+        ("gradient_checkpointing_kwargs", f"{_CHECKPOINTING_FIELD}_kwargs"),
+    ):
         if old != new and old in kwargs:
             kwargs.setdefault(new, kwargs.pop(old))
-    precision = {} if {"bf16", "fp16"} & set(kwargs) else {"bf16": record.precision.name == "bf16", "fp16": record.precision.name == "fp16"}
+    precision = (
+        {}
+        if {"bf16", "fp16"} & set(kwargs)
+        else {"bf16": record.precision.name == "bf16", "fp16": record.precision.name == "fp16"}
+    )
     # optim:in_backward steps inside the backward: no global-norm clipping there (Trainer's default is 1.0).
     no_clip = {"max_grad_norm": 0.0} if record.policy.optimizer.step == "in_backward" else {}
     fields = {**precision, "torch_compile": False, _CHECKPOINTING_FIELD: False, **no_clip, **kwargs}
     _keep_packed_rows(train_dataset, data_collator, fields, "position_ids" in _signature_columns(model))
     # Without a GPU, Trainer accepts bf16 only when told it trains on the CPU.
     fields.setdefault("use_cpu", not torch.cuda.is_available())
-    if global_batch_size is not None and (not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0):
-        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)")
+    if global_batch_size is not None and (
+        not isinstance(global_batch_size, int) or isinstance(global_batch_size, bool) or global_batch_size <= 0
+    ):
+        raise ValueError(
+            f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)"
+        )
     world = _world_size()
     accumulation = kwargs.get("gradient_accumulation_steps")
     if global_batch_size is not None and accumulation is not None and global_batch_size % (accumulation * world):
         # Refused before the finder measures anything: no per-device size can make them agree.
         _refuse_accumulation(global_batch_size, accumulation, None, world)
     if "per_device_train_batch_size" not in fields and budget is not None:
-        result = _find_batch_size(model, train_dataset, data_collator, budget, global_batch_size,
-                                  remove_unused_columns=fields.get("remove_unused_columns", True))
+        result = _find_batch_size(
+            model,
+            train_dataset,
+            data_collator,
+            budget,
+            global_batch_size,
+            remove_unused_columns=fields.get("remove_unused_columns", True),
+        )
         fields["per_device_train_batch_size"] = result.batch_size
         fields.setdefault("per_device_eval_batch_size", result.batch_size)
         _report_batch_size(result)
@@ -304,16 +380,20 @@ def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any], model
     if "seq_lengths" not in columns:
         return
     if not _reads_seq_lengths(collator):
-        raise ValueError(f"train_dataset holds packed rows (a 'seq_lengths' column, from hf_memstack.data.pack_dataset) but "
-                         f"data_collator={type(collator).__name__ if collator is not None else None} collates each row as one "
-                         "sample: the samples in a row would attend to each other; pass "
-                         "data_collator=hf_memstack.data.PackedCollator(pad_token_id=tokenizer.pad_token_id)")
+        raise ValueError(
+            f"train_dataset holds packed rows (a 'seq_lengths' column, from hf_memstack.data.pack_dataset) but "
+            f"data_collator={type(collator).__name__ if collator is not None else None} collates each row as one "
+            "sample: the samples in a row would attend to each other; pass "
+            "data_collator=hf_memstack.data.PackedCollator(pad_token_id=tokenizer.pad_token_id)"
+        )
     # TRL's trainers keep seq_lengths among their signature columns; Trainer does not.
     kept = "position_ids" in columns and model_takes_position_ids
     if fields.setdefault("remove_unused_columns", False) and isinstance(collator, PackedCollator) and not kept:
-        raise ValueError("remove_unused_columns=True: Trainer would drop the packed rows' 'seq_lengths' column (the model's "
-                         "forward does not take it) before the collator sees it, and each row would train as one sample "
-                         "whose parts attend to each other; leave remove_unused_columns unset (False for packed rows)")
+        raise ValueError(
+            "remove_unused_columns=True: Trainer would drop the packed rows' 'seq_lengths' column (the model's "
+            "forward does not take it) before the collator sees it, and each row would train as one sample "
+            "whose parts attend to each other; leave remove_unused_columns unset (False for packed rows)"
+        )
 
 
 def _columns_of(dataset: Any) -> set[str]:
@@ -328,18 +408,25 @@ def _columns_of(dataset: Any) -> set[str]:
 def _reads_seq_lengths(collator: Any) -> bool:
     """The collators that split a packed row at its ``seq_lengths``: the library's, and TRL's
     padding-free one (``DataCollatorForLanguageModeling(padding_free=True)``)."""
-    return isinstance(collator, PackedCollator) or (type(collator).__module__.startswith("trl.") and getattr(collator, "padding_free", False))
+    return isinstance(collator, PackedCollator) or (
+        type(collator).__module__.startswith("trl.") and getattr(collator, "padding_free", False)
+    )
 
 
 def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: int | None, world: int) -> None:
     """A ``global_batch_size`` that an explicit ``gradient_accumulation_steps`` contradicts: the
     run would silently step on another number of samples than the one asked for."""
-    per_step = (f"per_device_train_batch_size={per_device} x {world} process(es) x gradient_accumulation_steps={accumulation} "
-                f"= {per_device * world * accumulation} samples per optimizer step" if per_device is not None else
-                f"gradient_accumulation_steps={accumulation} x {world} process(es) does not divide it")
-    raise ValueError(f"global_batch_size={global_batch_size} contradicts gradient_accumulation_steps={accumulation}: {per_step}; "
-                     "pass one of them: global_batch_size (the accumulation is derived from the per-device batch size) "
-                     "or gradient_accumulation_steps")
+    per_step = (
+        f"per_device_train_batch_size={per_device} x {world} process(es) x gradient_accumulation_steps={accumulation} "
+        f"= {per_device * world * accumulation} samples per optimizer step"
+        if per_device is not None
+        else f"gradient_accumulation_steps={accumulation} x {world} process(es) does not divide it"
+    )
+    raise ValueError(
+        f"global_batch_size={global_batch_size} contradicts gradient_accumulation_steps={accumulation}: {per_step}; "
+        "pass one of them: global_batch_size (the accumulation is derived from the per-device batch size) "
+        "or gradient_accumulation_steps"
+    )
 
 
 def _report_batch_size(result: Any) -> None:
@@ -352,8 +439,11 @@ def _report_batch_size(result: Any) -> None:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
     logger.info("hf_memstack: %s", result.summary())
     if rank == 0:
-        print(f"hf_memstack training_arguments: per_device_train_batch_size={result.batch_size} from the batch-size finder: "
-              f"{result.summary()}", flush=True)
+        print(
+            f"hf_memstack training_arguments: per_device_train_batch_size={result.batch_size} from the batch-size finder: "
+            f"{result.summary()}",
+            flush=True,
+        )
 
 
 def _world_size() -> int:
@@ -368,16 +458,25 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int | str, global_batch_size: int | None, *,
-                     remove_unused_columns: bool = True) -> Any:
+def _find_batch_size(
+    model: nn.Module,
+    dataset: Any,
+    collator: Any,
+    budget: int | str,
+    global_batch_size: int | None,
+    *,
+    remove_unused_columns: bool = True,
+) -> Any:
     """The finder on the batches Trainer's loader will build: the longest samples of ``dataset``,
     with the columns Trainer removes removed (``remove_unused_columns``), through ``collator``,
     so each probe has the padding and the length of the widest training batch."""
     from ..batch_size import find_batch_size
 
     if dataset is None or collator is None or not isinstance(dataset, Sized) or len(dataset) == 0:
-        raise ValueError("budget= needs train_dataset (a non-empty, indexable dataset) and data_collator to measure steps "
-                         "with; pass both, or per_device_train_batch_size instead of budget")
+        raise ValueError(
+            "budget= needs train_dataset (a non-empty, indexable dataset) and data_collator to measure steps "
+            "with; pass both, or per_device_train_batch_size instead of budget"
+        )
     order = _longest_first(dataset)
     keep = _signature_columns(model) if remove_unused_columns else None
     device = device_of(model)
@@ -392,7 +491,9 @@ def _find_batch_size(model: nn.Module, dataset: Any, collator: Any, budget: int 
     # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
     cap = min(cap, len(dataset))  # a batch larger than the dataset is never built
-    return find_batch_size(model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap)
+    return find_batch_size(
+        model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -429,8 +530,14 @@ class MemstackCallback(TrainerCallback):
       as trackers want them).
     """
 
-    def __init__(self, *, verify: bool = True, measure: bool = True, raise_on_failure: bool = False,
-                 eval_budget: int | str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        verify: bool = True,
+        measure: bool = True,
+        raise_on_failure: bool = False,
+        eval_budget: int | str | None = None,
+    ) -> None:
         if eval_budget is not None:
             parse_bytes(eval_budget, field="eval_budget")  # a bad size is refused here, not when training starts
         self.eval_budget = eval_budget
@@ -441,19 +548,32 @@ class MemstackCallback(TrainerCallback):
         self._optimizer_bytes = 0
         self._step_started = 0.0
 
-    def on_init_end(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+    def on_init_end(
+        self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+    ) -> None:
         _put_first(self)
         for note in check_training_arguments(model, args):
             warnings.warn(note, stacklevel=2)
 
-    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None,
-                       train_dataloader: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: Any,
+        control: Any,
+        model: nn.Module | None = None,
+        train_dataloader: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         check_training_arguments(model, args)
         check_optimizer(model, optimizer)
         record = _record(model)
         if restore_autocast(model):
-            logger.info("hf_memstack: the model's forward was replaced after prepare_model (TRL's fused LM head); "
-                        "the policy's %s autocast is put back around it", record.precision.name)
+            logger.info(
+                "hf_memstack: the model's forward was replaced after prepare_model (TRL's fused LM head); "
+                "the policy's %s autocast is put back around it",
+                record.precision.name,
+            )
         self._check_eval_logits(args)
         fused = fused_lm_head_installed(unwrap_model(model))
         if fused and record.loss.mode == "chunked":
@@ -464,7 +584,9 @@ class MemstackCallback(TrainerCallback):
         report = memory = seconds = None
         if batch is not None and (self.run_verify or self.measure):
             start = time.perf_counter()
-            with module_mode(model, training=True):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
+            with module_mode(
+                model, training=True
+            ):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
                 report, memory = _verify_and_measure(model, batch, run_verify=self.run_verify, measure=self.measure)
             seconds = time.perf_counter() - start
             self._log_first_batch(report, memory, seconds)
@@ -479,16 +601,24 @@ class MemstackCallback(TrainerCallback):
             return
         trainer = _dispatching_trainer()
         if trainer is None:
-            logger.info("hf_memstack: MemstackCallback could not find the Trainer; call "
-                        "hf_memstack.integrations.trainer.check_eval_logits(trainer) to check the logits evaluate() keeps")
+            logger.info(
+                "hf_memstack: MemstackCallback could not find the Trainer; call "
+                "hf_memstack.integrations.trainer.check_eval_logits(trainer) to check the logits evaluate() keeps"
+            )
             return
         problem = check_eval_logits(trainer, self.eval_budget)
         if problem is not None:
             warnings.warn(problem, stacklevel=3)
 
     def _log_first_batch(self, report: VerifyReport | None, memory: StepMemory | None, seconds: float) -> None:
-        what = " and ".join(x for x, on in (("verify", report is not None), ("the memory meter", memory is not None)) if on)
-        logger.info("hf_memstack: %s on the first batch: one extra forward + backward before the first step, %.2f s", what, seconds)
+        what = " and ".join(
+            x for x, on in (("verify", report is not None), ("the memory meter", memory is not None)) if on
+        )
+        logger.info(
+            "hf_memstack: %s on the first batch: one extra forward + backward before the first step, %.2f s",
+            what,
+            seconds,
+        )
         if memory is not None:
             logger.info("hf_memstack memory meter, first batch (forward + backward): %s", memory.summary())
         if report is not None:
@@ -499,21 +629,31 @@ class MemstackCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
 
-    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: Any, control: Any, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         if not self._optimizer_bytes and optimizer is not None:
             self._optimizer_bytes = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer))
         if state.global_step == 1 and self.first_step is not None and self.first_step.seconds is not None:
-            logger.info("hf_memstack: the first training step took %.2f s; the callback's pass on the first batch added %.2f s "
-                        "before it", time.perf_counter() - self._step_started, self.first_step.seconds)
+            logger.info(
+                "hf_memstack: the first training step took %.2f s; the callback's pass on the first batch added %.2f s "
+                "before it",
+                time.perf_counter() - self._step_started,
+                self.first_step.seconds,
+            )
 
-    def on_log(self, args: TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self, args: TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         if logs is None or self.first_step is None:
             return
         memory = self.first_step.memory
         # evaluate()/predict() log "{prefix}_runtime"; the training step's figure is not theirs.
         evaluating = any(k.endswith("_runtime") and not k.startswith("train_") for k in logs)
         if torch.cuda.is_available():
-            logs["memory/peak_mib"] = torch.cuda.max_memory_allocated() / 2**20  # since the last log: evaluation's own peak
+            logs["memory/peak_mib"] = (
+                torch.cuda.max_memory_allocated() / 2**20
+            )  # since the last log: evaluation's own peak
             torch.cuda.reset_peak_memory_stats()
         elif memory is not None and not evaluating:
             logs["memory/peak_mib"] = (memory.peak_bytes + self._optimizer_bytes) / 2**20
@@ -556,8 +696,10 @@ def _put_first(callback: MemstackCallback) -> None:
             handler.callbacks.remove(callback)
             handler.callbacks.insert(0, callback)
             return
-    logger.info("hf_memstack: MemstackCallback could not find the Trainer's callback list; use add_memstack_callback(trainer) "
-                "to put it before the reporting callbacks")
+    logger.info(
+        "hf_memstack: MemstackCallback could not find the Trainer's callback list; use add_memstack_callback(trainer) "
+        "to put it before the reporting callbacks"
+    )
 
 
 def _dispatching_trainer() -> Any:
@@ -589,7 +731,9 @@ def _tell_chunked_once(model: nn.Module, record: MemstackRecord) -> None:
     warnings.warn(trl_replaces_chunked_loss(record.policy.to_string()), stacklevel=3)
 
 
-def _verify_and_measure(model: nn.Module, batch: Any, *, run_verify: bool, measure: bool) -> tuple[VerifyReport | None, StepMemory | None]:
+def _verify_and_measure(
+    model: nn.Module, batch: Any, *, run_verify: bool, measure: bool
+) -> tuple[VerifyReport | None, StepMemory | None]:
     """``verify`` on ``batch`` with the memory meter's tracker (PyTorch's MemTracker) around it:
     one forward + backward gives both. verify's later passes (the chunked-loss check's forwards
     without gradients, the compile check's compiled step) call the model again, which MemTracker
@@ -636,9 +780,18 @@ def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepM
     if device.type == "cuda":
         synchronize(device)
         total, method = max(total, torch.cuda.max_memory_allocated(device)), "memtracker+cuda-allocator"
-    return StepMemory(peak_bytes=total, parameters=cat["param"] + cat["buffer"], gradients=cat["grad"], optimizer=cat["opt"],
-                      activations=cat["act"], temporaries=cat["temp"], other=cat["oth"], step_seconds=None, device=str(device),
-                      method=method)
+    return StepMemory(
+        peak_bytes=total,
+        parameters=cat["param"] + cat["buffer"],
+        gradients=cat["grad"],
+        optimizer=cat["opt"],
+        activations=cat["act"],
+        temporaries=cat["temp"],
+        other=cat["oth"],
+        step_seconds=None,
+        device=str(device),
+        method=method,
+    )
 
 
 def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
@@ -658,11 +811,23 @@ def _first_batch(dataloader: Any, model: nn.Module | None) -> Any:
     Trainer's dataloader would consume its sampler's randomness and Accelerate's state)."""
     dataset = getattr(dataloader, "dataset", None)
     collate = getattr(dataloader, "collate_fn", None)
-    if model is None or collate is None or not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
+    if (
+        model is None
+        or collate is None
+        or not isinstance(dataset, Sized)
+        or not hasattr(dataset, "__getitem__")
+        or len(dataset) == 0
+    ):
         logger.info("hf_memstack: no indexable training dataset; skipping verify and the memory meter")
         return None
-    size = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None) or 1
+    size = (
+        getattr(dataloader, "batch_size", None)
+        or getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+        or 1
+    )
     device = device_of(model)
     with preserved_rng(device):  # a collator may draw random numbers (masking)
         batch = collate([dataset[i] for i in range(min(size, len(dataset)))])
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} if isinstance(batch, dict) else batch
+    return (
+        {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()} if isinstance(batch, dict) else batch
+    )

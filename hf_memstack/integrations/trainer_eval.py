@@ -32,9 +32,11 @@ __all__ = ["check_eval_logits"]
 
 logger = logging.getLogger("hf_memstack")
 
-_FIXES = ("set prediction_loss_only=True (metrics from the loss alone), eval_accumulation_steps=N (every N batches the "
-          "logits move to host memory, as numpy), or preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1) "
-          "(one id a token kept instead of the vocabulary's scores)")
+_FIXES = (
+    "set prediction_loss_only=True (metrics from the loss alone), eval_accumulation_steps=N (every N batches the "
+    "logits move to host memory, as numpy), or preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1) "
+    "(one id a token kept instead of the vocabulary's scores)"
+)
 
 
 def check_eval_logits(trainer: Any, budget: int | str | None = None) -> str | None:
@@ -61,8 +63,10 @@ def check_eval_logits(trainer: Any, budget: int | str | None = None) -> str | No
     device = device_of(trainer.model)
     if limit is None:
         if device.type != "cuda":
-            logger.info("hf_memstack: the logits Trainer.evaluate keeps are not checked on the CPU without a budget; "
-                        "pass MemstackCallback(eval_budget=...)")
+            logger.info(
+                "hf_memstack: the logits Trainer.evaluate keeps are not checked on the CPU without a budget; "
+                "pass MemstackCallback(eval_budget=...)"
+            )
             return None
         limit = torch.cuda.get_device_properties(device).total_memory
     for name, dataset in datasets.items():
@@ -77,17 +81,27 @@ def _dataset_problem(trainer: Any, dataset: Any, name: str, limit: int) -> str |
         return None
     one = _one_sample(trainer, dataset)
     args, samples = trainer.args, len(dataset)
-    held = samples if args.eval_accumulation_steps is None else min(samples, args.eval_accumulation_steps * args.eval_batch_size)
+    held = (
+        samples
+        if args.eval_accumulation_steps is None
+        else min(samples, args.eval_accumulation_steps * args.eval_batch_size)
+    )
     kept, model = held * one.device_bytes, _model_bytes(trainer.model)
     if kept + model <= limit:
         return None
     where = f"eval_dataset[{name!r}]" if name else "eval_dataset"
-    accumulated = "" if args.eval_accumulation_steps is None else f" ({args.eval_accumulation_steps} accumulation steps of {args.eval_batch_size})"
-    return (f"Trainer.evaluate() will keep {format_bytes(kept)} of model outputs on {device_of(trainer.model)} for {held} of the "
-            f"{samples} samples of {where}{accumulated} ({format_bytes(one.device_bytes)} a sample, {', '.join(one.dtypes)}); with the "
-            f"model's {format_bytes(model)} of parameters and buffers that is {format_bytes(kept + model)}, more than the budget of "
-            f"{format_bytes(limit)}; {_FIXES} (in host memory they take "
-            f"{format_bytes(samples * one.host_bytes)} as numpy)")
+    accumulated = (
+        ""
+        if args.eval_accumulation_steps is None
+        else f" ({args.eval_accumulation_steps} accumulation steps of {args.eval_batch_size})"
+    )
+    return (
+        f"Trainer.evaluate() will keep {format_bytes(kept)} of model outputs on {device_of(trainer.model)} for {held} of the "
+        f"{samples} samples of {where}{accumulated} ({format_bytes(one.device_bytes)} a sample, {', '.join(one.dtypes)}); with the "
+        f"model's {format_bytes(model)} of parameters and buffers that is {format_bytes(kept + model)}, more than the budget of "
+        f"{format_bytes(limit)}; {_FIXES} (in host memory they take "
+        f"{format_bytes(samples * one.host_bytes)} as numpy)"
+    )
 
 
 def _model_bytes(model: nn.Module) -> int:
@@ -111,6 +125,10 @@ def _one_sample(trainer: Any, dataset: Any) -> KeptOutputs:
         outputs = model(**batch)
         if trainer.preprocess_logits_for_metrics is None:
             return kept_outputs(outputs, ignore)
-        kept = [v for k, v in outputs.items() if k not in {*ignore, "loss"}] if isinstance(outputs, Mapping) else list(outputs)
+        kept = (
+            [v for k, v in outputs.items() if k not in {*ignore, "loss"}]
+            if isinstance(outputs, Mapping)
+            else list(outputs)
+        )
         logits = kept[0] if len(kept) == 1 else tuple(kept)  # what prediction_step hands on
         return kept_outputs(trainer.preprocess_logits_for_metrics(logits, batch.get("labels")), ignore)

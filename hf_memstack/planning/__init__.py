@@ -1,16 +1,16 @@
 """Predicting a step before it runs: the estimator, the planner and the ladder's memory rungs.
 
-    estimate.py       estimate_memory: the real prepare_model and step, traced on fake tensors
-    estimate_checks.py  what it refuses before tracing (arguments, a model without blocks, the chunked loss's head)
-    model_config.py   the config and task from what was given; the model built from it
-    trainable.py      what trains: everything, LoRA, a PEFT config, or what a PEFT model says
-    fake_model.py     the model on fake tensors and the meter's step traced on it
-    depth.py          a deep stack traced at two shallow depths and extrapolated, equal to the full trace
-    build_cache.py    the fake model and depth plan, built once per config and job
-    weights_dtype.py  the dtype from_pretrained would give the weights (dtype="auto")
-    eval_logits.py    the outputs Trainer.evaluate() keeps
-    rungs.py          the memory rungs the planner walks (and the finder points to), with measured speeds
-    planner.py        plan_policy: the cheapest rung that fits a budget
+estimate.py       estimate_memory: the real prepare_model and step, traced on fake tensors
+estimate_checks.py  what it refuses before tracing (arguments, a model without blocks, the chunked loss's head)
+model_config.py   the config and task from what was given; the model built from it
+trainable.py      what trains: everything, LoRA, a PEFT config, or what a PEFT model says
+fake_model.py     the model on fake tensors and the meter's step traced on it
+depth.py          a deep stack traced at two shallow depths and extrapolated, equal to the full trace
+build_cache.py    the fake model and depth plan, built once per config and job
+weights_dtype.py  the dtype from_pretrained would give the weights (dtype="auto")
+eval_logits.py    the outputs Trainer.evaluate() keeps
+rungs.py          the memory rungs the planner walks (and the finder points to), with measured speeds
+planner.py        plan_policy: the cheapest rung that fits a budget
 """
 
 from __future__ import annotations

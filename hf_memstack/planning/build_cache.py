@@ -36,8 +36,11 @@ def _private_settings(config: Any) -> str:
     settings = []
     for owner in (config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", {}) or {})):
         if owner is not None and hasattr(owner, "__dict__"):
-            settings += sorted((k, v) for k, v in vars(owner).items()
-                               if k.startswith("_") and isinstance(v, (str, int, bool, type(None))) and "implementation" in k)
+            settings += sorted(
+                (k, v)
+                for k, v in vars(owner).items()
+                if k.startswith("_") and isinstance(v, (str, int, bool, type(None))) and "implementation" in k
+            )
     return repr(settings)
 
 

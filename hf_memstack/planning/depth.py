@@ -30,7 +30,15 @@ from torch import nn
 
 from ..memory import PhasePeaks
 
-__all__ = ["DepthPlan", "extrapolate_line", "extrapolate_phases", "num_layers", "plan_depths", "text_config", "with_depth"]
+__all__ = [
+    "DepthPlan",
+    "extrapolate_line",
+    "extrapolate_phases",
+    "num_layers",
+    "plan_depths",
+    "text_config",
+    "with_depth",
+]
 
 # Periods of blocks in the shallower trace, and at least 2 blocks: the second trace's extra period
 # is then an interior block, neither the first (whose input is the embeddings') nor the last, as
@@ -59,8 +67,10 @@ class DepthPlan:
 
     def note(self) -> str:
         repeat = "every block alike" if self.period == 1 else f"the stack repeats every {self.period} blocks"
-        return (f"traced with {self.depths[0]} and {self.depths[1]} of the model's {self.layers} blocks ({repeat}) and "
-                "extrapolated, phase by phase; extrapolate=False (--full-trace) traces every block")
+        return (
+            f"traced with {self.depths[0]} and {self.depths[1]} of the model's {self.layers} blocks ({repeat}) and "
+            "extrapolated, phase by phase; extrapolate=False (--full-trace) traces every block"
+        )
 
 
 def text_config(config: Any) -> Any:
@@ -85,7 +95,9 @@ def with_depth(config: Any, depth: int) -> Any:
     return new
 
 
-def plan_depths(config: Any, build: Callable[[Any], nn.Module], *, every_n: int, peft_config: Any | None) -> DepthPlan | None:
+def plan_depths(
+    config: Any, build: Callable[[Any], nn.Module], *, every_n: int, peft_config: Any | None
+) -> DepthPlan | None:
     """The two shallow depths to trace for ``config``, or None when the model must be traced in full
     (too shallow to gain, blocks that differ, a PEFT config that picks blocks by index).
 
@@ -115,7 +127,11 @@ def plan_depths(config: Any, build: Callable[[Any], nn.Module], *, every_n: int,
         return None
     model = build(with_depth(config, depths[1]))
     few = _blocks(model)
-    if few is None or [_signature(b) for b in few] != signatures[: depths[1]] or _outside(model, few) != _outside(deep, blocks):
+    if (
+        few is None
+        or [_signature(b) for b in few] != signatures[: depths[1]]
+        or _outside(model, few) != _outside(deep, blocks)
+    ):
         return None  # the shallow model is not the deep one's first blocks: trace in full
     return DepthPlan(layers=layers, period=period, depths=depths)
 
@@ -153,9 +169,16 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
     """What makes two blocks the same block: classes, parameters and buffers, plain attributes."""
     parts: list[Any] = []
     for name, sub in module.named_modules():
-        tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
-        plain = sorted((k, v) for k, v in vars(sub).items()
-                       if k not in _INDEX_ATTRIBUTES and not k.startswith("_") and _is_plain(v))
+        tensors = [
+            (n, tuple(t.shape), t.dtype, t.requires_grad)
+            for n, t in (*sub._parameters.items(), *sub._buffers.items())
+            if t is not None
+        ]
+        plain = sorted(
+            (k, v)
+            for k, v in vars(sub).items()
+            if k not in _INDEX_ATTRIBUTES and not k.startswith("_") and _is_plain(v)
+        )
         parts.append((name, type(sub).__qualname__, tuple(tensors), tuple(plain)))
     return tuple(parts)
 
@@ -173,7 +196,9 @@ def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]
     for name, sub in model.named_modules():
         if id(sub) in inside:
             continue
-        own = [(n, tuple(t.shape), t.dtype) for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None]
+        own = [
+            (n, tuple(t.shape), t.dtype) for n, t in (*sub._parameters.items(), *sub._buffers.items()) if t is not None
+        ]
         parts.append((name, type(sub).__qualname__, tuple(own)))
     return tuple(parts)
 
@@ -198,6 +223,8 @@ def _peft_picks_blocks(peft_config: Any | None) -> bool:
         value = getattr(peft_config, field, None)
         if isinstance(value, str) and value != "all-linear":
             return True  # a regular expression over the full names, which may name blocks
-        if isinstance(value, (list, tuple, set, frozenset)) and any(p.isdigit() for v in value for p in str(v).split(".")):
+        if isinstance(value, (list, tuple, set, frozenset)) and any(
+            p.isdigit() for v in value for p in str(v).split(".")
+        ):
             return True  # a name with a block's index (layers.0.q_proj)
     return False

@@ -38,13 +38,32 @@ from ..sizes import format_bytes
 from . import build_cache
 from .depth import DepthPlan, _peft_picks_blocks, extrapolate_line, extrapolate_phases, plan_depths, with_depth
 from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
-from .fake_model import blocks_or_empty, build_fake_model, build_key, fake_batch, quant_counts, quant_notes, refuse_mixture_of_experts, traced_step
+from .fake_model import (
+    blocks_or_empty,
+    build_fake_model,
+    build_key,
+    fake_batch,
+    quant_counts,
+    quant_notes,
+    refuse_mixture_of_experts,
+    traced_step,
+)
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
 from .weights_dtype import WeightsDtype, resolve_weights_dtype, set_dtypes, short_name
 
-__all__ = ["DEFAULT_LORA", "MemoryEstimate", "build_model", "check_seq_len", "chunked_loss_problem", "estimate_memory", "infer_task",
-           "load_config", "peft_config_from", "task_note"]
+__all__ = [
+    "DEFAULT_LORA",
+    "MemoryEstimate",
+    "build_model",
+    "check_seq_len",
+    "chunked_loss_problem",
+    "estimate_memory",
+    "infer_task",
+    "load_config",
+    "peft_config_from",
+    "task_note",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,14 +130,21 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
     def summary(self) -> str:
-        cats = ", ".join(f"{k} {format_bytes(getattr(self, k))}" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries"))
+        cats = ", ".join(
+            f"{k} {format_bytes(getattr(self, k))}"
+            for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
+        )
         if self.mode == "eval":
-            return (f"{self.model} [{self.policy}] {self.weights_dtype} weights, eval batch {self.batch_size} x seq {self.seq_len}, "
-                    f"{self.world_size} rank(s): forward peak {format_bytes(self.peak_bytes)} ({cats}); logits kept by "
-                    f"Trainer.evaluate for {self.eval_samples} samples {format_bytes(self.eval_logits_bytes)} on the device "
-                    f"({format_bytes(self.eval_logits_host_bytes)} as numpy in host memory)")
-        return (f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
-                f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})")
+            return (
+                f"{self.model} [{self.policy}] {self.weights_dtype} weights, eval batch {self.batch_size} x seq {self.seq_len}, "
+                f"{self.world_size} rank(s): forward peak {format_bytes(self.peak_bytes)} ({cats}); logits kept by "
+                f"Trainer.evaluate for {self.eval_samples} samples {format_bytes(self.eval_logits_bytes)} on the device "
+                f"({format_bytes(self.eval_logits_host_bytes)} as numpy in host memory)"
+            )
+        return (
+            f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
+            f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})"
+        )
 
 
 def estimate_memory(
@@ -184,7 +210,9 @@ def estimate_memory(
             with random weights when that is small; the notes say when it was not checked).
         TypeError: ``model``, ``trainable`` or ``dtype`` of a type that is none of the above.
     """
-    check_arguments(batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype)
+    check_arguments(
+        batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
+    )
     check_mode(mode, eval_samples)
     given = model
     model, trainable = what_trains(model, trainable)
@@ -196,14 +224,21 @@ def estimate_memory(
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     if optimizer == "sgd" and (policy.optimizer.state, policy.optimizer.step) != ("fp32", "after_backward"):
-        raise ValueError(f"optimizer='sgd' with policy {policy.to_string()!r}: the policy's optimizer rung (optim:8bit, "
-                         "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens")
-    notes = [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"] if (
-        policy.fsdp.mode == "none" and world_size > 1) else []
+        raise ValueError(
+            f"optimizer='sgd' with policy {policy.to_string()!r}: the policy's optimizer rung (optim:8bit, "
+            "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens"
+        )
+    notes = (
+        [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"]
+        if (policy.fsdp.mode == "none" and world_size > 1)
+        else []
+    )
     if inferred_note:
         notes.append(inferred_note)
     if policy.fsdp.mode != "none" and world_size == 1:
-        notes.append("an fsdp policy with world_size=1 shards nothing: pass world_size (--world-size) as the number of devices")
+        notes.append(
+            "an fsdp policy with world_size=1 shards nothing: pass world_size (--world-size) as the number of devices"
+        )
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
@@ -215,8 +250,18 @@ def estimate_memory(
             raise ValueError(problem)
         notes += [note] if note else []
 
-    job = _Job(task=task, peft_config=peft_config, trust_remote_code=trust_remote_code, weights=weights, policy=traced,
-               optimizer=optimizer, batch_size=batch_size, seq_len=seq_len, packed=packed and task == "causal-lm", mode=mode)
+    job = _Job(
+        task=task,
+        peft_config=peft_config,
+        trust_remote_code=trust_remote_code,
+        weights=weights,
+        policy=traced,
+        optimizer=optimizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        packed=packed and task == "causal-lm",
+        mode=mode,
+    )
     depth = _depth_plan(config, job) if extrapolate else None
     if depth is None:
         full = _trace(config, job)
@@ -229,14 +274,27 @@ def estimate_memory(
         notes.append(depth.note())
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
-    est = _per_rank(m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model)
+    est = _per_rank(
+        m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model
+    )
     if mode == "eval":
         est = _with_kept_logits(est, counts, eval_samples or batch_size)
     # fp32 weights need no note (the fields say it); 16-bit ones say where the dtype came from and what it means.
-    notes = (*est.notes, _dtype_note(weights, net, policy, training=mode == "train")) if weights.dtype != torch.float32 else est.notes
-    trainable_dtype = "/".join(sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()}))
-    return dataclasses.replace(est, weights_dtype=weights.name, weights_dtype_source=weights.source,
-                               trainable_dtype=trainable_dtype or "none", notes=notes)
+    notes = (
+        (*est.notes, _dtype_note(weights, net, policy, training=mode == "train"))
+        if weights.dtype != torch.float32
+        else est.notes
+    )
+    trainable_dtype = "/".join(
+        sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()})
+    )
+    return dataclasses.replace(
+        est,
+        weights_dtype=weights.name,
+        weights_dtype_source=weights.source,
+        trainable_dtype=trainable_dtype or "none",
+        notes=notes,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +344,11 @@ def _trace(config: Any, job: _Job) -> _Traced:
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
         with packing_as_traced(job.packed):
             phases = traced_step(net, batch, opt, config, job.task)
-    counts = {"total": sum(p.numel() for p in net.parameters()), "trainable": sum(p.numel() for p in params), **quant_counts(net)}
+    counts = {
+        "total": sum(p.numel() for p in net.parameters()),
+        "trainable": sum(p.numel() for p in params),
+        **quant_counts(net),
+    }
     return _Traced(net=net, phases=phases, counts=counts)
 
 
@@ -307,8 +369,13 @@ def _trace_eval(net: nn.Module, config: Any, job: _Job, mode: Any) -> _Traced:
             phases, outputs = trace_eval_forward(net, batch)
     kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
     params = [p for p in net.parameters() if p.requires_grad]
-    counts = {"total": sum(p.numel() for p in net.parameters()), "trainable": sum(p.numel() for p in params),
-              "kept": kept.device_bytes, "kept_host": kept.host_bytes, **quant_counts(net)}
+    counts = {
+        "total": sum(p.numel() for p in net.parameters()),
+        "trainable": sum(p.numel() for p in params),
+        "kept": kept.device_bytes,
+        "kept_host": kept.host_bytes,
+        **quant_counts(net),
+    }
     return _Traced(net=net, phases=phases, counts=counts)
 
 
@@ -316,14 +383,25 @@ def _with_kept_logits(est: MemoryEstimate, counts: dict[str, int], samples: int)
     """The eval estimate: the forward's peak, nothing saved for a backward, and the outputs kept for ``samples``."""
     per_sample, per_sample_host = counts["kept"] // est.batch_size, counts["kept_host"] // est.batch_size
     kept = per_sample * samples
-    note = (f"eval: Trainer.evaluate() with compute_metrics (and predict()) keeps {format_bytes(kept)} of logits for {samples} samples "
-            f"on the device until the loop ends: its peak there is about {format_bytes(est.peak_bytes + kept)} (the forward's peak "
-            "plus them; concatenating a batch copies what is kept so far). prediction_loss_only=True keeps none, "
-            "eval_accumulation_steps=N moves them to host memory every N batches, preprocess_logits_for_metrics="
-            f"lambda logits, labels: logits.argmax(-1) keeps one id a token; in host memory they take {format_bytes(per_sample_host * samples)}")
-    return dataclasses.replace(est, mode="eval", peak_phase="forward", activations=0, temporaries=est.activations + est.temporaries,
-                               forward_backward_peak=est.peak_bytes, eval_samples=samples, eval_logits_bytes=kept,
-                               eval_logits_host_bytes=per_sample_host * samples, notes=(*est.notes, note))
+    note = (
+        f"eval: Trainer.evaluate() with compute_metrics (and predict()) keeps {format_bytes(kept)} of logits for {samples} samples "
+        f"on the device until the loop ends: its peak there is about {format_bytes(est.peak_bytes + kept)} (the forward's peak "
+        "plus them; concatenating a batch copies what is kept so far). prediction_loss_only=True keeps none, "
+        "eval_accumulation_steps=N moves them to host memory every N batches, preprocess_logits_for_metrics="
+        f"lambda logits, labels: logits.argmax(-1) keeps one id a token; in host memory they take {format_bytes(per_sample_host * samples)}"
+    )
+    return dataclasses.replace(
+        est,
+        mode="eval",
+        peak_phase="forward",
+        activations=0,
+        temporaries=est.activations + est.temporaries,
+        forward_backward_peak=est.peak_bytes,
+        eval_samples=samples,
+        eval_logits_bytes=kept,
+        eval_logits_host_bytes=per_sample_host * samples,
+        notes=(*est.notes, note),
+    )
 
 
 def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
@@ -347,7 +425,11 @@ def _depth_plan(config: Any, job: _Job) -> DepthPlan | None:
 
     # The same for every rung and batch of a plan: what plan_depths reads is the config, the
     # weights' dtypes, the checkpointing period and whether the PEFT config picks blocks.
-    key = (*build_key(config, job.task, job.trust_remote_code, job.weights), every_n, _peft_picks_blocks(job.peft_config))
+    key = (
+        *build_key(config, job.task, job.trust_remote_code, job.weights),
+        every_n,
+        _peft_picks_blocks(job.peft_config),
+    )
     return build_cache.cached("depth_plans", key, depth_plan)
 
 
@@ -356,18 +438,33 @@ def _dtype_note(weights: WeightsDtype, net: nn.Module, policy: MemoryPolicy, *, 
     trainable = sorted({short_name(p.dtype) for p in net.parameters() if p.requires_grad and p.is_floating_point()})
     frozen = sorted({short_name(p.dtype) for p in net.parameters() if not p.requires_grad and p.is_floating_point()})
     held = f"trainable parameters {'/'.join(trainable) or 'none'}" + (f", frozen {'/'.join(frozen)}" if frozen else "")
-    note = f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
+    note = (
+        f"weights counted in {weights.name} ({weights.source}): {held}; pass dtype= (--dtype) to estimate another load"
+    )
     if training and policy.master_weights == "bf16":
         note += ". Pure bf16 (weights:bf16): the trainable weights, their gradients and AdamW's moments in bf16, updated with stochastic rounding"
     elif training and policy.precision != "fp32" and weights.dtype != torch.float32:
         # prepare_model casts the 16-bit trainable weights to fp32 master weights (policy.master_weights='fp32').
-        note += (". prepare_model casts 16-bit trainable weights to fp32 master weights (weights:fp32, counted here); "
-                 "'weights:bf16' keeps them in bf16 with stochastic rounding (8 bytes per trainable parameter instead of 16)")
+        note += (
+            ". prepare_model casts 16-bit trainable weights to fp32 master weights (weights:fp32, counted here); "
+            "'weights:bf16' keeps them in bf16 with stochastic rounding (8 bytes per trainable parameter instead of 16)"
+        )
     return note
 
 
-def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, config: Any, batch: int, seq: int,
-              trainable: int, total: int, notes: list[str], model: Any) -> MemoryEstimate:
+def _per_rank(
+    m: StepMemory,
+    net: nn.Module,
+    policy: MemoryPolicy,
+    world: int,
+    config: Any,
+    batch: int,
+    seq: int,
+    trainable: int,
+    total: int,
+    notes: list[str],
+    model: Any,
+) -> MemoryEstimate:
     params, grads, opt = m.parameters, m.gradients, m.optimizer
     # What the peak holds beyond the model states: activations and temporaries (logits, their gradients, buffers).
     rest = max(0, m.peak_bytes - params - grads - opt)
@@ -386,10 +483,20 @@ def _per_rank(m: StepMemory, net: nn.Module, policy: MemoryPolicy, world: int, c
     fb_peak = max(0, m.forward_backward_peak - (traced_states - (params + grads + opt)))
     name = getattr(config, "_name_or_path", "") or type(net).__name__
     return MemoryEstimate(
-        model=str(model) if isinstance(model, (str, Path)) else name, policy=policy.to_string(), batch_size=batch, seq_len=seq,
-        world_size=world, parameters=params, gradients=grads, optimizer=opt, activations=min(m.saved_activations, rest),
-        temporaries=rest - min(m.saved_activations, rest), peak_bytes=params + grads + opt + rest, peak_phase=m.peak_phase,
-        forward_backward_peak=fb_peak, trainable_parameters=trainable, total_parameters=total, notes=tuple(notes),
+        model=str(model) if isinstance(model, (str, Path)) else name,
+        policy=policy.to_string(),
+        batch_size=batch,
+        seq_len=seq,
+        world_size=world,
+        parameters=params,
+        gradients=grads,
+        optimizer=opt,
+        activations=min(m.saved_activations, rest),
+        temporaries=rest - min(m.saved_activations, rest),
+        peak_bytes=params + grads + opt + rest,
+        peak_phase=m.peak_phase,
+        forward_backward_peak=fb_peak,
+        trainable_parameters=trainable,
+        total_parameters=total,
+        notes=tuple(notes),
     )
-
-

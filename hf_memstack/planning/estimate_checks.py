@@ -27,23 +27,31 @@ def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer
 
 def check_mode(mode: Any, eval_samples: Any) -> None:
     if mode not in ("train", "eval"):
-        raise ValueError(f"mode={mode!r} is not one of 'train' (a training step), 'eval' (an evaluation forward and the "
-                         "logits Trainer.evaluate keeps)")
+        raise ValueError(
+            f"mode={mode!r} is not one of 'train' (a training step), 'eval' (an evaluation forward and the "
+            "logits Trainer.evaluate keeps)"
+        )
     if eval_samples is None:
         return
     if not isinstance(eval_samples, int) or isinstance(eval_samples, bool) or eval_samples <= 0:
-        raise ValueError(f"eval_samples={eval_samples!r} must be a positive integer (the evaluation set's size, len(eval_dataset))")
+        raise ValueError(
+            f"eval_samples={eval_samples!r} must be a positive integer (the evaluation set's size, len(eval_dataset))"
+        )
     if mode != "eval":
-        raise ValueError(f"eval_samples={eval_samples} is only used with mode='eval' (mode={mode!r}); pass mode='eval' to "
-                         "estimate evaluation, or drop eval_samples")
+        raise ValueError(
+            f"eval_samples={eval_samples} is only used with mode='eval' (mode={mode!r}); pass mode='eval' to "
+            "estimate evaluation, or drop eval_samples"
+        )
 
 
 def check_depth(config: Any) -> None:
     """A config without blocks builds (embeddings and a head) and would be estimated as that: refused."""
     layers = getattr(text_config(config), "num_hidden_layers", None)
     if isinstance(layers, int) and not isinstance(layers, bool) and layers <= 0:
-        raise ValueError(f"model= a {type(config).__name__} with num_hidden_layers={layers}: a model without blocks, which no "
-                         "checkpoint is; set num_hidden_layers to the model's number of layers (config.json's num_hidden_layers)")
+        raise ValueError(
+            f"model= a {type(config).__name__} with num_hidden_layers={layers}: a model without blocks, which no "
+            "checkpoint is; set num_hidden_layers to the model's number of layers (config.json's num_hidden_layers)"
+        )
 
 
 # Past this many parameters (one block kept), the chunked loss is not compared with the model's own here.
@@ -89,8 +97,10 @@ def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tupl
         except ValueError:
             return None, None  # the full model's build (next) says what is wrong with the config
     if sum(p.numel() for p in shape.parameters()) > _LOSS_CHECK_MAX_PARAMETERS:
-        return None, ("loss:chunked was not compared with the model's own loss here (too large to build for that check); "
-                      "prepare_model compares them on the real weights before training")
+        return None, (
+            "loss:chunked was not compared with the model's own loss here (too large to build for that check); "
+            "prepare_model compares them on the real weights before training"
+        )
     del shape
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -17,12 +17,14 @@ from .trainable import apply_peft
 from .weights_dtype import WeightsDtype, set_dtypes
 
 
-def build_fake_model(config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any,
-                     weights: WeightsDtype) -> nn.Module:
+def build_fake_model(
+    config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any, weights: WeightsDtype
+) -> nn.Module:
     """The model built on the meta device in the weights' dtype (PEFT adapters added there, in the
     dtype PEFT gives them), then given fake tensors: shapes and dtypes, no storage. Built on meta
     first because ``Module.to()`` (which PEFT calls on its new adapters) cannot swap fake
     parameters; tied parameters stay tied. A model object's own per-parameter dtypes are kept."""
+
     def build() -> nn.Module:
         with torch.device("meta"):
             net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
@@ -104,8 +106,12 @@ def quant_counts(net: nn.Module) -> dict[str, int]:
     quant = record.quant if record is not None else None
     if quant is None or not quant.layers:
         return {}
-    return {"quant_layers": len(quant.layers), "quant_weights": quant.weights, "quant_bytes": quant.bytes_4bit,
-            "quant_bytes_before": quant.bytes_before}
+    return {
+        "quant_layers": len(quant.layers),
+        "quant_weights": quant.weights,
+        "quant_bytes": quant.bytes_4bit,
+        "quant_bytes_before": quant.bytes_before,
+    }
 
 
 def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
@@ -120,7 +126,11 @@ def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
 def fake_batch(config: Any, task: str, batch: int, seq: int, *, packed: bool = False) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, max(2, config.vocab_size - 1), (batch, seq))
     if task == "classification":
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(batch, dtype=torch.long)}
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": torch.zeros(batch, dtype=torch.long),
+        }
     if packed:  # two samples a row, positions restarting at the second: the collator's layout
         half = seq // 2
         positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, seq)
@@ -133,9 +143,13 @@ def quant_notes(counts: dict[str, int], lora: bool) -> list[str]:
     if not counts.get("quant_layers"):
         return []
     bits = 8 * counts["quant_bytes"] / counts["quant_weights"]
-    notes = [f"4-bit base weights: {counts['quant_layers']} linear layers, {format_bytes(counts['quant_bytes'])} for "
-             f"{counts['quant_weights']:,} weights ({bits:.2f} bits each; {format_bytes(counts['quant_bytes_before'])} before quantization)"]
+    notes = [
+        f"4-bit base weights: {counts['quant_layers']} linear layers, {format_bytes(counts['quant_bytes'])} for "
+        f"{counts['quant_weights']:,} weights ({bits:.2f} bits each; {format_bytes(counts['quant_bytes_before'])} before quantization)"
+    ]
     if not lora:
-        notes.append("quant:nf4 with trainable='all': the 4-bit layers are frozen and only the rest trains; pass trainable='lora' "
-                     "(--lora-r) for QLoRA")
+        notes.append(
+            "quant:nf4 with trainable='all': the 4-bit layers are frozen and only the rest trains; pass trainable='lora' "
+            "(--lora-r) for QLoRA"
+        )
     return notes

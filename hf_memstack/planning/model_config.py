@@ -16,8 +16,10 @@ from torch import nn
 from .trainable import apply_peft
 from .weights_dtype import cast_like_from_pretrained
 
-_ACCEPTED = ("a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
-             "dict with its 'model_type' (config.to_dict()), or a model")
+_ACCEPTED = (
+    "a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
+    "dict with its 'model_type' (config.to_dict()), or a model"
+)
 
 
 def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> Any:
@@ -39,19 +41,26 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
     if isinstance(model, dict):
         return _config_from_dict(model)
     if not isinstance(model, (str, Path)):
-        what = f"the class {model.__name__}, not a config: pass {model.__name__}(...)" if isinstance(model, type) else type(model).__name__
+        what = (
+            f"the class {model.__name__}, not a config: pass {model.__name__}(...)"
+            if isinstance(model, type)
+            else type(model).__name__
+        )
         raise TypeError(f"model={_short(model)} ({what}); pass {_ACCEPTED}")
     path = Path(str(model)).expanduser()
     if path.is_dir():
         _check_config_file(path)
     try:
-        return AutoConfig.from_pretrained(str(path) if path.is_dir() else str(model), local_files_only=True,
-                                          trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(
+            str(path) if path.is_dir() else str(model), local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as e:  # noqa: BLE001 - any failure to build the config is an invalid model (huggingface_hub's
         # strict-dataclass validation raises its own error type), said with its cause
         if path.is_dir():
-            raise ValueError(f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
-                             f"({_reason(e)}); fix the file or pass another model") from None
+            raise ValueError(
+                f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
+                f"({_reason(e)}); fix the file or pass another model"
+            ) from None
         raise ValueError(
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
@@ -65,19 +74,25 @@ def _config_from_dict(data: dict[str, Any]) -> Any:
 
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise ValueError(f"model= a config dict without a 'model_type' string (model_type={model_type!r}; keys "
-                         f"{sorted(map(str, data))[:8]}...): it does not say which architecture it is; add it (e.g. "
-                         "{'model_type': 'llama', ...}) or pass the config object")
+        raise ValueError(
+            f"model= a config dict without a 'model_type' string (model_type={model_type!r}; keys "
+            f"{sorted(map(str, data))[:8]}...): it does not say which architecture it is; add it (e.g. "
+            "{'model_type': 'llama', ...}) or pass the config object"
+        )
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"model= a config dict with model_type={model_type!r}, which this Transformers does not know (a model with "
-                         "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)")
+        raise ValueError(
+            f"model= a config dict with model_type={model_type!r}, which this Transformers does not know (a model with "
+            "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)"
+        )
     cls = CONFIG_MAPPING[model_type]
     _check_dict_keys(cls, data)
     try:
         return cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as e:  # noqa: BLE001 - a config class's own validation raises its own types
-        raise ValueError(f"model= a config dict with model_type={model_type!r} is not a valid Transformers config ({_reason(e)}); "
-                         "fix its values") from None
+        raise ValueError(
+            f"model= a config dict with model_type={model_type!r} is not a valid Transformers config ({_reason(e)}); "
+            "fix its values"
+        ) from None
 
 
 def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
@@ -92,8 +107,10 @@ def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
     for key in (str(k) for k in data if k not in known):
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
         if close:
-            raise ValueError(f"model= a config dict with {key!r}, which {cls.__name__} does not define (the model would be "
-                             f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?")
+            raise ValueError(
+                f"model= a config dict with {key!r}, which {cls.__name__} does not define (the model would be "
+                f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?"
+            )
 
 
 def _short(value: Any) -> str:
@@ -111,14 +128,18 @@ def _reason(e: BaseException) -> str:
 def _check_config_file(path: Path) -> None:
     config = path / "config.json"
     if not config.is_file():
-        raise ValueError(f"model={str(path)!r} is a directory without a config.json; pass a directory written by save_pretrained")
+        raise ValueError(
+            f"model={str(path)!r} is a directory without a config.json; pass a directory written by save_pretrained"
+        )
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"model={str(path)!r}: {config} is not valid JSON ({e}); fix or re-download it") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
-                         "add it (e.g. \"model_type\": \"llama\") or re-save the model with save_pretrained")
+        raise ValueError(
+            f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
+            'add it (e.g. "model_type": "llama") or re-save the model with save_pretrained'
+        )
 
 
 def check_seq_len(config: Any, seq_len: int) -> None:
@@ -127,7 +148,9 @@ def check_seq_len(config: Any, seq_len: int) -> None:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and seq_len > limit:
-        raise ValueError(f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less")
+        raise ValueError(
+            f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less"
+        )
 
 
 def infer_task(model: Any, config: Any) -> str:
@@ -150,7 +173,11 @@ _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
     from ..record import unwrap_model
 
-    names = [type(unwrap_model(model)).__name__] if isinstance(model, nn.Module) else list(getattr(config, "architectures", None) or [])
+    names = (
+        [type(unwrap_model(model)).__name__]
+        if isinstance(model, nn.Module)
+        else list(getattr(config, "architectures", None) or [])
+    )
     if any(n.endswith("ForSequenceClassification") for n in names):
         return "classification", None
     if any(n.endswith(_CAUSAL_HEADS) for n in names):
@@ -161,8 +188,10 @@ def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
         # An encoder (BERT, RoBERTa...) is not a causal LM: building it as one makes a decoder it
         # never was (BertLMHeadModel, with an is_decoder warning per layer) and estimates its MLM-sized head.
         what = names[0] if names else type(config).__name__
-        return "classification", (f"task: classification ({what} is an encoder, fine-tuned with a classification head as the "
-                                  "recipe does); pass task='causal-lm' (--task causal-lm) to estimate it as a decoder")
+        return "classification", (
+            f"task: classification ({what} is an encoder, fine-tuned with a classification head as the "
+            "recipe does); pass task='causal-lm' (--task causal-lm) to estimate it as a decoder"
+        )
     return "causal-lm", None
 
 
@@ -176,8 +205,14 @@ def _is_encoder(config: Any) -> bool:
     return getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def build_model(config: Any, task: str, peft_config: Any | None = None, *, trust_remote_code: bool = False,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_model(
+    config: Any,
+    task: str,
+    peft_config: Any | None = None,
+    *,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """The model of ``config`` for ``task`` (random weights in ``dtype``, the modules Transformers
     keeps in fp32 kept there as ``from_pretrained`` keeps them), with PEFT adapters when given.
     ``config`` is left as it was.
@@ -199,9 +234,15 @@ def _build(config: Any, task: str, trust_remote_code: bool, dtype: torch.dtype) 
         return auto.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code, dtype=dtype)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
-            raise ValueError(f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
-                             "or 'causal-lm' to match the model") from None
-        raise ValueError(f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config") from None
+            raise ValueError(
+                f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
+                "or 'causal-lm' to match the model"
+            ) from None
+        raise ValueError(
+            f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config"
+        ) from None
     except (RuntimeError, TypeError, AssertionError) as e:
-        raise ValueError(f"{type(config).__name__} does not describe a model Transformers can build "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:240]}); fix its config") from None
+        raise ValueError(
+            f"{type(config).__name__} does not describe a model Transformers can build "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:240]}); fix its config"
+        ) from None

@@ -64,30 +64,53 @@ class Plan:
         return self.policy is not None
 
     def table(self) -> str:
-        lines = ["| policy | estimated peak | fits | relative speed |" + (" max batch |" if any(r.max_batch_size for r in self.rows) else ""),
-                 "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else "")]
+        lines = [
+            "| policy | estimated peak | fits | relative speed |"
+            + (" max batch |" if any(r.max_batch_size for r in self.rows) else ""),
+            "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else ""),
+        ]
         for r in self.rows:
-            peak = (format_bytes(r.peak_bytes) if r.traced else f"~{format_bytes(r.peak_bytes)} (interpolated)" if r.interpolated
-                    else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})" if r.bound_by
-                    else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)")
+            peak = (
+                format_bytes(r.peak_bytes)
+                if r.traced
+                else f"~{format_bytes(r.peak_bytes)} (interpolated)"
+                if r.interpolated
+                else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})"
+                if r.bound_by
+                else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)"
+            )
             line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
             if any(x.max_batch_size for x in self.rows):
                 line += f" {r.max_batch_size or 0} |"
             lines.append(line)
-        lines.append(f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load")
+        lines.append(
+            f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
+        )
         if self.fits:
-            lines.append(f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})")
+            lines.append(
+                f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})"
+            )
             lines += [f"  - {s}" for s in self.suggestions]
         else:
-            lines.append(f"nothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best")
+            lines.append(
+                f"nothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best"
+            )
             lines += [f"  - {s}" for s in self.suggestions]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.to_string() if self.policy else None, "batch_size": self.batch_size, "budget": self.budget,
-                "fits": self.fits, "rows": [dataclasses.asdict(r) for r in self.rows], "shortfall_bytes": self.shortfall_bytes,
-                "suggestions": self.suggestions, "weights_dtype": self.weights_dtype,
-                "weights_dtype_source": self.weights_dtype_source, "estimate": self.estimate.as_dict() if self.estimate else None}
+        return {
+            "policy": self.policy.to_string() if self.policy else None,
+            "batch_size": self.batch_size,
+            "budget": self.budget,
+            "fits": self.fits,
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "shortfall_bytes": self.shortfall_bytes,
+            "suggestions": self.suggestions,
+            "weights_dtype": self.weights_dtype,
+            "weights_dtype_source": self.weights_dtype_source,
+            "estimate": self.estimate.as_dict() if self.estimate else None,
+        }
 
 
 def plan_policy(
@@ -153,22 +176,49 @@ def plan_policy(
     weights = resolve_weights_dtype(model, config, dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
-    precision = "bf16" if device.startswith("cuda") and not torch.cuda.is_available() else resolve_precision("auto", device).name
-    est = _Estimates(config, seq_len=seq_len, world_size=world_size, task=task, trainable=trainable, dtype=weights.dtype,
-                     packed=packed)
-    plan = Plan(policy=None, batch_size=0 if batch_size == "max" else batch_size, budget=budget_bytes,
-                weights_dtype=weights.name, weights_dtype_source=weights.source)
+    precision = (
+        "bf16"
+        if device.startswith("cuda") and not torch.cuda.is_available()
+        else resolve_precision("auto", device).name
+    )
+    est = _Estimates(
+        config,
+        seq_len=seq_len,
+        world_size=world_size,
+        task=task,
+        trainable=trainable,
+        dtype=weights.dtype,
+        packed=packed,
+    )
+    plan = Plan(
+        policy=None,
+        batch_size=0 if batch_size == "max" else batch_size,
+        budget=budget_bytes,
+        weights_dtype=weights.name,
+        weights_dtype_source=weights.source,
+    )
     shortfalls = []
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
-    rungs = memory_rungs(precision, num_blocks=_num_blocks(config), world_size=world_size, causal_lm=chunked,
-                         eightbit=torchao, step_in_backward=step_in_backward, quantize=torchao and not _trains_all(trainable),
-                         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
-                         pure_bf16=_trains_all(trainable))
+    rungs = memory_rungs(
+        precision,
+        num_blocks=_num_blocks(config),
+        world_size=world_size,
+        causal_lm=chunked,
+        eightbit=torchao,
+        step_in_backward=step_in_backward,
+        quantize=torchao and not _trains_all(trainable),
+        tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
+        pure_bf16=_trains_all(trainable),
+    )
     floors: dict[str, int] = {}
     for i, rung in enumerate(rungs):
-        bound = None if floors.get(_states_key(rung.policy), 0) > usable else _bounded_by_next(est, rung, rungs[i + 1:], batch_size, usable)
+        bound = (
+            None
+            if floors.get(_states_key(rung.policy), 0) > usable
+            else _bounded_by_next(est, rung, rungs[i + 1 :], batch_size, usable)
+        )
         if bound is not None:
             plan.rows.append(bound)
             shortfalls.append(int(bound.peak_bytes - usable))
@@ -178,8 +228,10 @@ def plan_policy(
         shortfalls.append(int(row.peak_bytes - usable))
         if fitted >= 1 and e is not None:
             plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
-            plan.suggestions = [f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
-                                *_optimizer_notes(plan.policy)]
+            plan.suggestions = [
+                f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
+                *_optimizer_notes(plan.policy),
+            ]
             return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
     closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
@@ -187,19 +239,30 @@ def plan_policy(
     return plan
 
 
-def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
-              floors: dict[str, int]) -> tuple[PlanRow, int, MemoryEstimate | None]:
+def _try_rung(
+    est: _Estimates, rung: Any, batch_size: int | str, usable: float, floors: dict[str, int]
+) -> tuple[PlanRow, int, MemoryEstimate | None]:
     """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
     weights and optimizer state already held more than ``usable`` in those alone: what only saves
     activations (the loss head, checkpointing) cannot bring the peak below them. Big models then
     trace a handful of rungs instead of every one (a 7B LoRA base in fp32 is 25 GiB on each)."""
     key = _states_key(rung.policy)
     if floors.get(key, 0) > usable:
-        return PlanRow(rung.policy, floors[key], False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False), 0, None
+        return (
+            PlanRow(
+                rung.policy, floors[key], False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False
+            ),
+            0,
+            None,
+        )
     if batch_size != "max":
         guess = _every_n_between(est, rung.policy, int(batch_size))
         if guess is not None and guess > _SCREEN * usable:
-            return PlanRow(rung.policy, guess, False, rung.relative_speed, None, traced=False, interpolated=True), 0, None
+            return (
+                PlanRow(rung.policy, guess, False, rung.relative_speed, None, traced=False, interpolated=True),
+                0,
+                None,
+            )
     if batch_size == "max":
         fitted, e = _max_batch(est, rung.policy, usable)
     else:
@@ -207,10 +270,16 @@ def _try_rung(est: _Estimates, rung: Any, batch_size: int | str, usable: float,
         fitted = int(batch_size) if e.peak_bytes <= usable else 0
     # Parameters and optimizer state are alive at every moment of a step, whatever saves activations.
     floors[key] = min(floors.get(key, e.parameters + e.optimizer), e.parameters + e.optimizer)
-    return PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None), fitted, e
+    return (
+        PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None),
+        fitted,
+        e,
+    )
 
 
-def _bounded_by_next(est: _Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float) -> PlanRow | None:
+def _bounded_by_next(
+    est: _Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float
+) -> PlanRow | None:
     """A rung not traced when a later rung is the same policy saving strictly more, and that one is
     over the budget: its peak is then a lower bound of this one's. Two such pairs are on the ladder:
     adding the chunked loss (it only removes the logits and their fp32 copy), and selective
@@ -224,8 +293,14 @@ def _bounded_by_next(est: _Estimates, rung: Any, later: list[Any], batch_size: i
     if p.loss.mode == "default":
         stronger.append(MemoryPolicy.from_dict({**p.to_dict(), "loss": {"mode": "chunked"}}))
     if p.checkpointing.mode == "selective" and p.checkpointing.selective_matmuls == "save_all":
-        stronger.append(MemoryPolicy.from_dict({**p.to_dict(), "checkpointing": {**p.to_dict()["checkpointing"],
-                                                                                 "selective_matmuls": "save_alternate"}}))
+        stronger.append(
+            MemoryPolicy.from_dict(
+                {
+                    **p.to_dict(),
+                    "checkpointing": {**p.to_dict()["checkpointing"], "selective_matmuls": "save_alternate"},
+                }
+            )
+        )
     bound = next((r for r in later if MemoryPolicy.coerce(r.policy) in stronger), None)
     if bound is None:
         return None
@@ -280,7 +355,9 @@ class _Estimates:
     def __call__(self, policy: str, batch_size: int) -> MemoryEstimate:
         key = self._key(policy, batch_size)
         if key not in self.cache:
-            self.cache[key] = estimate_memory(self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job)
+            self.cache[key] = estimate_memory(
+                self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job
+            )
         return self.cache[key]
 
     def has(self, policy: str, batch_size: int) -> bool:
@@ -346,20 +423,30 @@ def _trains_all(trainable: Any) -> bool:
 def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
     notes = []
     if policy.quant.mode == "nf4":
-        notes.append("quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
-                     "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
-                     "hf_memstack.merge_adapters")
+        notes.append(
+            "quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
+            "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
+            "hf_memstack.merge_adapters"
+        )
     if policy.optimizer != MemoryPolicy().optimizer or policy.master_weights == "bf16":
-        notes.append("build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung")
+        notes.append(
+            "build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung"
+        )
     if policy.optimizer.step == "in_backward":
-        notes.append("optim:in_backward updates each parameter inside the backward: no gradient accumulation and no "
-                     "global-norm clipping (make_optimizer refuses them)")
+        notes.append(
+            "optim:in_backward updates each parameter inside the backward: no gradient accumulation and no "
+            "global-norm clipping (make_optimizer refuses them)"
+        )
     if policy.optimizer.state == "8bit":
-        notes.append("optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs")
+        notes.append(
+            "optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs"
+        )
     if policy.master_weights == "bf16":
-        notes.append("weights:bf16 trains pure bf16 (weights, gradients and moments; hf_memstack's BF16AdamW with stochastic rounding, "
-                     "so that updates below bf16's resolution survive in expectation): 8 bytes per trainable parameter instead "
-                     "of 16; see bench/optimizer_curves.py for its loss curve beside fp32 master weights")
+        notes.append(
+            "weights:bf16 trains pure bf16 (weights, gradients and moments; hf_memstack's BF16AdamW with stochastic rounding, "
+            "so that updates below bf16's resolution survive in expectation): 8 bytes per trainable parameter instead "
+            "of 16; see bench/optimizer_curves.py for its loss curve beside fp32 master weights"
+        )
     return notes
 
 
@@ -374,7 +461,11 @@ def _tiles_help(config: Any, tokens: int) -> bool:
 
 
 def _num_blocks(config: Any) -> int:
-    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or getattr(config, "num_layers", 4))
+    return int(
+        getattr(config, "num_hidden_layers", None)
+        or getattr(config, "n_layer", None)
+        or getattr(config, "num_layers", 4)
+    )
 
 
 def _suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:
@@ -388,23 +479,33 @@ def _suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_si
     while ranks <= 4096 and states / ranks + activations > usable:
         ranks *= 2
     if ranks <= 4096:
-        out.append(f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
-                   f"optimizer state of {closest}")
+        out.append(
+            f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
+            f"optimizer state of {closest}"
+        )
     else:  # what is not sharded (the activations) alone exceeds the budget: more ranks cannot help
-        out.append(f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
-                   "do not shard them")
+        out.append(
+            f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
+            "do not shard them"
+        )
     if isinstance(batch_size, int) and batch_size > 1:
-        out.append(f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch")
+        out.append(
+            f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch"
+        )
     shorter = _shorter_sequence(est, closest, base, seq_len, usable)
     if shorter is not None:
-        out.append(f"a shorter sequence: {shorter.seq_len} tokens instead of {seq_len} fits at batch 1 with {closest} "
-                   f"(estimated peak {format_bytes(shorter.peak_bytes)})")
+        out.append(
+            f"a shorter sequence: {shorter.seq_len} tokens instead of {seq_len} fits at batch 1 with {closest} "
+            f"(estimated peak {format_bytes(shorter.peak_bytes)})"
+        )
     else:
         out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")
     return out
 
 
-def _shorter_sequence(est: _Estimates, policy: str, full: MemoryEstimate, seq_len: int, usable: float) -> MemoryEstimate | None:
+def _shorter_sequence(
+    est: _Estimates, policy: str, full: MemoryEstimate, seq_len: int, usable: float
+) -> MemoryEstimate | None:
     """The estimate of the longest sequence (a multiple of 64, or of 8 below 256) that fits at
     batch 1, found on the line through the forward+backward peaks at ``seq_len`` and half of it
     (the optimizer step's peak does not depend on the sequence), then confirmed by estimating it;

@@ -34,8 +34,18 @@ __all__ = ["LADDER", "MEASURED_SPEED", "Rung", "memory_rungs", "next_rung"]
 # rungs that fit, so they need only be rough. 4-bit base weights: bench/qlora.py (LoRA r=16 on its
 # Llama, bf16 + full checkpointing, against the same run with 16-bit frozen weights).
 MEASURED_SPEED = {
-    "bf16": 1.52, "ckpt": 0.86, "loss_chunked": 1.07, "selective": 0.95, "selective_alternate": 0.93,
-    "in_backward": 0.99, "8bit": 0.57, "offload": 0.8, "fsdp": 0.8, "fsdp_offload": 0.2, "quant": 0.8, "mlp_tiled": 0.9,
+    "bf16": 1.52,
+    "ckpt": 0.86,
+    "loss_chunked": 1.07,
+    "selective": 0.95,
+    "selective_alternate": 0.93,
+    "in_backward": 0.99,
+    "8bit": 0.57,
+    "offload": 0.8,
+    "fsdp": 0.8,
+    "fsdp_offload": 0.2,
+    "quant": 0.8,
+    "mlp_tiled": 0.9,
     "pure_bf16": 1.0,
 }
 # pure_bf16 (weights:bf16) is an assumption: the same bf16 matmuls, a step that reads half the bytes.
@@ -55,9 +65,18 @@ class Rung:
     relative_speed: float
 
 
-def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal_lm: bool = False,
-                 eightbit: bool = True, step_in_backward: bool = True, quantize: bool = False,
-                 tiled_mlp: bool = False, pure_bf16: bool = False) -> list[Rung]:
+def memory_rungs(
+    precision: str,
+    *,
+    num_blocks: int,
+    world_size: int = 1,
+    causal_lm: bool = False,
+    eightbit: bool = True,
+    step_in_backward: bool = True,
+    quantize: bool = False,
+    tiled_mlp: bool = False,
+    pure_bf16: bool = False,
+) -> list[Rung]:
     """The memory rungs from the device's mixed ``precision``, least memory saving (and fastest)
     first. fp32 is the correctness rung and compile changes speed rather than memory: neither is a
     memory rung. ``causal_lm``: the chunked loss head applies (from the second rung on);
@@ -78,7 +97,11 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
         rungs.append(Rung(policy=base, relative_speed=speed))
     rungs.append(Rung(policy=f"{base}+ckpt:selective", relative_speed=speed * s["selective"]))
     # The least block checkpointing that fits first: every 4th block, 3rd, 2nd, then every block.
-    rungs += [Rung(policy=f"{base}+ckpt:{n}", relative_speed=speed * (1 - (1 - s["ckpt"]) / n)) for n in (4, 3, 2) if n < num_blocks]
+    rungs += [
+        Rung(policy=f"{base}+ckpt:{n}", relative_speed=speed * (1 - (1 - s["ckpt"]) / n))
+        for n in (4, 3, 2)
+        if n < num_blocks
+    ]
     rungs.append(Rung(policy=f"{base}+ckpt:selective:alternate", relative_speed=speed * s["selective_alternate"]))
     full = speed * s["ckpt"]
     rungs.append(Rung(policy=f"{base}+ckpt", relative_speed=full))
@@ -86,7 +109,9 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
         # Activation rungs change no arithmetic and go before the 4-bit and optimizer rungs, fastest
         # first; the rungs after this one keep the tiles (their other savings come on top of it).
         tiled = Rung(policy=f"{base}+ckpt+mlp:tiled", relative_speed=full * s["mlp_tiled"])
-        at = next((i for i, r in enumerate(rungs) if i > causal_lm and r.relative_speed < tiled.relative_speed), len(rungs))
+        at = next(
+            (i for i, r in enumerate(rungs) if i > causal_lm and r.relative_speed < tiled.relative_speed), len(rungs)
+        )
         rungs.insert(at, tiled)
         full *= s["mlp_tiled"]
     tiles = "+mlp:tiled" * tiled_mlp
@@ -109,7 +134,9 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
         rungs.append(Rung(policy=f"{base}+ckpt{keep}+optim:8bit{weights}", relative_speed=full * s["8bit"]))
     optim = "+optim:8bit" * eightbit + "+optim:in_backward" * in_backward
     if eightbit and in_backward:
-        rungs.append(Rung(policy=f"{base}+ckpt{keep}{optim}{weights}", relative_speed=full * s["8bit"] * s["in_backward"]))
+        rungs.append(
+            Rung(policy=f"{base}+ckpt{keep}{optim}{weights}", relative_speed=full * s["8bit"] * s["in_backward"])
+        )
     rungs.append(Rung(policy=f"{base}+ckpt:offload{keep}{optim}{weights}", relative_speed=full * s["offload"]))
     if world_size > 1:
         rungs.append(Rung(policy=f"{base}+ckpt{keep}+fsdp{weights}", relative_speed=full * s["fsdp"]))
@@ -117,8 +144,14 @@ def memory_rungs(precision: str, *, num_blocks: int, world_size: int = 1, causal
     return rungs
 
 
-def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool = False, causal_lm: bool = False,
-              quantize: bool = False) -> str:
+def next_rung(
+    policy: MemoryPolicy,
+    *,
+    num_blocks: int,
+    weights_dominate: bool = False,
+    causal_lm: bool = False,
+    quantize: bool = False,
+) -> str:
     """What to try when ``policy`` does not fit, as a sentence: the first memory rung that adds a
     saving to ``policy`` (its features kept: compile, precision, what it already saves).
     ``weights_dominate``: the parameters alone do not fit, so neither activation nor optimizer
@@ -135,7 +168,9 @@ def next_rung(policy: MemoryPolicy, *, num_blocks: int, weights_dominate: bool =
     if policy.fsdp.mode == "none":
         return "Next rung of the ladder: shard the model with FSDP over several devices (policy 'fsdp'), or a larger budget."
     if not policy.fsdp.cpu_offload:
-        return f"Next rung of the ladder: FSDP with CPU offload ('{policy.precision}+ckpt+fsdp:offload'), or more ranks."
+        return (
+            f"Next rung of the ladder: FSDP with CPU offload ('{policy.precision}+ckpt+fsdp:offload'), or more ranks."
+        )
     return "Nothing left on the ladder: more ranks, a shorter sequence or a smaller model."
 
 

@@ -17,9 +17,11 @@ def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     if isinstance(model, nn.Module) and type(model).__module__.startswith("peft.") and hasattr(model, "peft_config"):
         return model.get_base_model(), model.peft_config[model.active_adapter] if trainable == "all" else trainable
     if isinstance(model, nn.Module) and trainable == "all" and any(not p.requires_grad for p in model.parameters()):
-        warnings.warn(f"{type(model).__name__} has frozen parameters, but the estimate builds it from its config, where every "
-                      "parameter trains; pass trainable= (a PEFT config, 'lora' or a dict) to estimate what really trains",
-                      stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__} has frozen parameters, but the estimate builds it from its config, where every "
+            "parameter trains; pass trainable= (a PEFT config, 'lora' or a dict) to estimate what really trains",
+            stacklevel=3,
+        )
     path = Path(str(model)).expanduser() if isinstance(model, (str, Path)) else None
     if path is not None and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from peft import PeftConfig
@@ -53,8 +55,10 @@ def peft_config_from(trainable: Any) -> Any | None:
         try:
             return LoraConfig(**{**DEFAULT_LORA, **trainable})
         except (TypeError, ValueError) as e:
-            raise ValueError(f"trainable={trainable!r} is not a valid LoraConfig ({e}); allowed fields are LoraConfig's, "
-                             "e.g. {'r': 16, 'lora_alpha': 32, 'target_modules': ['q_proj', 'v_proj']}") from None
+            raise ValueError(
+                f"trainable={trainable!r} is not a valid LoraConfig ({e}); allowed fields are LoraConfig's, "
+                "e.g. {'r': 16, 'lora_alpha': 32, 'target_modules': ['q_proj', 'v_proj']}"
+            ) from None
     return trainable
 
 
@@ -73,5 +77,7 @@ def apply_peft(net: nn.Module, peft_config: Any) -> nn.Module:
         return get_peft_model(net, peft_config)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
-                         f"its linear layers are named {names}: pass target_modules from those") from None
+        raise ValueError(
+            f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
+            f"its linear layers are named {names}: pass target_modules from those"
+        ) from None

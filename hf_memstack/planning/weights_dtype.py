@@ -23,14 +23,30 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DTYPE_CHOICES", "WeightsDtype", "cast_like_from_pretrained", "parse_dtype", "resolve_weights_dtype", "set_dtypes", "short_name"]
+__all__ = [
+    "DTYPE_CHOICES",
+    "WeightsDtype",
+    "cast_like_from_pretrained",
+    "parse_dtype",
+    "resolve_weights_dtype",
+    "set_dtypes",
+    "short_name",
+]
 
-_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
+_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 """What ``dtype=`` (``--dtype``) accepts, besides ``torch.float32`` / ``torch.bfloat16`` / ``torch.float16``
 and the long names (``"bfloat16"``)."""
-_ALLOWED = "'auto' (what from_pretrained gives), 'fp32', 'bf16', 'fp16' (or torch.float32, torch.bfloat16, torch.float16)"
+_ALLOWED = (
+    "'auto' (what from_pretrained gives), 'fp32', 'bf16', 'fp16' (or torch.float32, torch.bfloat16, torch.float16)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +66,9 @@ class WeightsDtype:
 
 def short_name(dtype: torch.dtype) -> str:
     """``bf16`` for torch.bfloat16 (the policy's names), else the dtype without ``torch.``."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).removeprefix("torch."))
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
 
 
 def parse_dtype(dtype: Any, *, field: str = "dtype") -> torch.dtype | None:
@@ -94,7 +112,9 @@ def resolve_weights_dtype(model: Any, config: Any, dtype: Any = "auto") -> Weigh
     found = _checkpoint_dtype(folder) if folder is not None else None
     if found is not None:
         return WeightsDtype(*found)
-    return WeightsDtype(torch.float32, "fp32: the config names no dtype" + (" and no weights file was found" if folder else ""))
+    return WeightsDtype(
+        torch.float32, "fp32: the config names no dtype" + (" and no weights file was found" if folder else "")
+    )
 
 
 def _of_module(model: nn.Module) -> WeightsDtype:
@@ -130,7 +150,9 @@ def _local_folder(model: Any) -> Path | None:
     from transformers.utils import cached_file
 
     try:
-        found = cached_file(str(model), "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+        found = cached_file(
+            str(model), "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False
+        )
     except (OSError, ValueError):
         return None
     return Path(found).parent if found else None
@@ -141,7 +163,10 @@ def _checkpoint_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
     ``dtype``, else the first floating tensor of the first weights file (safetensors: the header)."""
     from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
 
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         index, first = folder / index_name, folder / single
         if index.is_file():
             try:
@@ -169,7 +194,9 @@ def cast_like_from_pretrained(net: nn.Module, dtype: torch.dtype) -> None:
     if plan:
         # The same matching as Transformers' loader: each key a pattern searched in the parameter's name.
         pattern = re.compile("|".join(f"(?:{key.replace('*', '.*')})" for key in plan))
-        set_dtypes(net, {n: torch.float32 for n, _ in net.named_parameters(remove_duplicate=False) if pattern.search(n)})
+        set_dtypes(
+            net, {n: torch.float32 for n, _ in net.named_parameters(remove_duplicate=False) if pattern.search(n)}
+        )
 
 
 def set_dtypes(net: nn.Module, dtypes: dict[str, torch.dtype]) -> None:

@@ -19,6 +19,7 @@ the bad value, the allowed values and the fix.
     validate.py       every field's check and the combinations refused
     presets.py        the ladder's preset names
 """
+
 from __future__ import annotations
 
 from ..errors import PolicyError

@@ -7,8 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["MAX_EVERY_N", "SUBCONFIGS", "CheckpointingConfig", "CompileConfig", "FSDPConfig", "LossConfig", "MLPConfig",
-           "OptimizerConfig", "QuantConfig"]
+__all__ = [
+    "MAX_EVERY_N",
+    "SUBCONFIGS",
+    "CheckpointingConfig",
+    "CompileConfig",
+    "FSDPConfig",
+    "LossConfig",
+    "MLPConfig",
+    "OptimizerConfig",
+    "QuantConfig",
+]
 
 # The largest ckpt:N / every_n: one block in N is checkpointed, and no model has more blocks.
 MAX_EVERY_N = 10_000

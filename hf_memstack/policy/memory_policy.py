@@ -11,7 +11,18 @@ from typing import Any
 
 from ..errors import PolicyError
 from . import tokens
-from .config import SUBCONFIGS, CheckpointingConfig, CompileConfig, FSDPConfig, LossConfig, MasterWeights, MLPConfig, OptimizerConfig, Precision, QuantConfig
+from .config import (
+    SUBCONFIGS,
+    CheckpointingConfig,
+    CompileConfig,
+    FSDPConfig,
+    LossConfig,
+    MasterWeights,
+    MLPConfig,
+    OptimizerConfig,
+    Precision,
+    QuantConfig,
+)
 from .presets import LADDER
 from .validate import (
     DTYPE_FIELDS,
@@ -205,11 +216,15 @@ class MemoryPolicy:
 
         path = Path(path).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"policy file {str(path)!r} does not exist; pass an existing YAML file or a policy string")
+            raise FileNotFoundError(
+                f"policy file {str(path)!r} does not exist; pass an existing YAML file or a policy string"
+            )
         try:
             data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
         except UnicodeDecodeError as e:
-            raise PolicyError([f"policy file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
+            raise PolicyError(
+                [f"policy file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]
+            ) from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
@@ -217,15 +232,23 @@ class MemoryPolicy:
             hint = " (indent with spaces, not tabs)" if "\\t" in str(problem) or "'\\t'" in str(e) else ""
             raise PolicyError([f"policy file {str(path)!r} is not valid YAML{line}: {problem}{hint}"]) from None
         if data is None:
-            raise PolicyError([f"policy file {str(path)!r} is empty; write policy fields (precision: bf16, checkpointing: full, ...) "
-                               "or a policy string"])
+            raise PolicyError(
+                [
+                    f"policy file {str(path)!r} is empty; write policy fields (precision: bf16, checkpointing: full, ...) "
+                    "or a policy string"
+                ]
+            )
         if isinstance(data, dict) and set(data) == {"policy"}:
             data = data["policy"]
         if isinstance(data, str):
             return cls.from_string(data)
         if not isinstance(data, dict):
-            raise PolicyError([f"policy file {str(path)!r} holds {type(data).__name__} {data!r}, not a mapping; write a mapping of policy "
-                               "fields (precision: bf16, checkpointing: full, ...) or a policy string"])
+            raise PolicyError(
+                [
+                    f"policy file {str(path)!r} holds {type(data).__name__} {data!r}, not a mapping; write a mapping of policy "
+                    "fields (precision: bf16, checkpointing: full, ...) or a policy string"
+                ]
+            )
         return cls.from_dict(data)
 
     def to_yaml(self, path: str | Path | None = None) -> str:

@@ -42,7 +42,11 @@ class Token:
 
 def _every_n(arg: str) -> dict[str, Any] | None:
     # ASCII digits only: '²'.isdigit() is True, and int('²') fails.
-    return {"mode": "every_n", "every_n": int(arg)} if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_EVERY_N else None
+    return (
+        {"mode": "every_n", "every_n": int(arg)}
+        if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_EVERY_N
+        else None
+    )
 
 
 TOKENS: tuple[Token, ...] = (
@@ -84,7 +88,9 @@ def listed_spellings(group: str | None = None) -> list[str]:
 
 
 def _allowed(group: str) -> str:
-    return ", ".join(f"'{s}'" + (f" (2 <= N <= {MAX_EVERY_N})" if s == "ckpt:N" else "") for s in listed_spellings(group))
+    return ", ".join(
+        f"'{s}'" + (f" (2 <= N <= {MAX_EVERY_N})" if s == "ckpt:N" else "") for s in listed_spellings(group)
+    )
 
 
 def _lookup(token: str) -> tuple[str, Any] | None:
@@ -120,8 +126,11 @@ def parse(spec: str) -> tuple[dict[str, Any], list[str]]:
             continue
         found = _lookup(token)
         if found is None:
-            problems.append(_unknown(original, token) if name not in _GROUPS
-                            else f"policy string {original!r}: {token!r} is not one of {_allowed(name)}")
+            problems.append(
+                _unknown(original, token)
+                if name not in _GROUPS
+                else f"policy string {original!r}: {token!r} is not one of {_allowed(name)}"
+            )
             continue
         field, fragment = found
         keys = list(fragment) if isinstance(fragment, dict) else [""]
@@ -137,13 +146,17 @@ def parse(spec: str) -> tuple[dict[str, Any], list[str]]:
 
 
 def _conflict(original: str, token: str, earlier: str) -> str:
-    return (f"policy string {original!r}: {token!r} conflicts with {earlier!r}; give each of precision, "
-            f"{', '.join(_GROUPS[:-1])} and {_GROUPS[-1]} at most once (optim:8bit and optim:in_backward may go together)")
+    return (
+        f"policy string {original!r}: {token!r} conflicts with {earlier!r}; give each of precision, "
+        f"{', '.join(_GROUPS[:-1])} and {_GROUPS[-1]} at most once (optim:8bit and optim:in_backward may go together)"
+    )
 
 
 def _unknown(original: str, token: str) -> str:
-    return (f"policy string {original!r}: unknown token {token!r}; allowed: a precision ({', '.join(get_args(Precision))}), "
-            f"{', '.join(_allowed(g) for g in _GROUPS)}, or a preset ({', '.join(LADDER)})")
+    return (
+        f"policy string {original!r}: unknown token {token!r}; allowed: a precision ({', '.join(get_args(Precision))}), "
+        f"{', '.join(_allowed(g) for g in _GROUPS)}, or a preset ({', '.join(LADDER)})"
+    )
 
 
 def _holds(value: Any, fragment: Any) -> bool:

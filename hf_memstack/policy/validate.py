@@ -28,8 +28,20 @@ from .config import (
     SelectiveMatmuls,
 )
 
-__all__ = ["DTYPE_FIELDS", "check_choice", "coerce_subconfig", "dtype_name", "optimizer_from_string", "validate_checkpointing",
-           "validate_compile", "validate_fsdp", "validate_loss", "validate_mlp", "validate_optimizer", "validate_quant"]
+__all__ = [
+    "DTYPE_FIELDS",
+    "check_choice",
+    "coerce_subconfig",
+    "dtype_name",
+    "optimizer_from_string",
+    "validate_checkpointing",
+    "validate_compile",
+    "validate_fsdp",
+    "validate_loss",
+    "validate_mlp",
+    "validate_optimizer",
+    "validate_quant",
+]
 
 
 def optimizer_from_string(value: str) -> OptimizerConfig | None:
@@ -48,8 +60,10 @@ def optimizer_from_string(value: str) -> OptimizerConfig | None:
 
 def validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> None:
     if ck.mode == "selective:alternate":  # the string token's spelling, given as a mode
-        problems.append("policy.checkpointing.mode='selective:alternate' is not a mode; use mode='selective' with "
-                        "selective_matmuls='save_alternate' (the policy string's token is 'ckpt:selective:alternate')")
+        problems.append(
+            "policy.checkpointing.mode='selective:alternate' is not a mode; use mode='selective' with "
+            "selective_matmuls='save_alternate' (the policy string's token is 'ckpt:selective:alternate')"
+        )
     else:
         check_choice(problems, "policy.checkpointing.mode", ck.mode, CheckpointingMode)
     if not isinstance(ck.every_n, int) or isinstance(ck.every_n, bool) or ck.every_n < 2:
@@ -58,12 +72,16 @@ def validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> None
             "(use mode='full' to checkpoint every block)"
         )
     elif ck.every_n > MAX_EVERY_N:
-        problems.append(f"policy.checkpointing.every_n={ck.every_n} must be at most {MAX_EVERY_N} (one block in N is "
-                        "checkpointed; no model has that many blocks); use a number of blocks, or mode='full'")
+        problems.append(
+            f"policy.checkpointing.every_n={ck.every_n} must be at most {MAX_EVERY_N} (one block in N is "
+            "checkpointed; no model has that many blocks); use a number of blocks, or mode='full'"
+        )
     elif ck.every_n != 2 and ck.mode != "every_n":
         # 2 is the default, written by to_dict for every mode: it cannot be told from an explicit 2.
-        problems.append(f"policy.checkpointing.every_n={ck.every_n} only applies to mode='every_n' (mode is {ck.mode!r}, "
-                        "which would ignore it); set mode='every_n' or drop every_n")
+        problems.append(
+            f"policy.checkpointing.every_n={ck.every_n} only applies to mode='every_n' (mode is {ck.mode!r}, "
+            "which would ignore it); set mode='every_n' or drop every_n"
+        )
     check_bool(problems, "policy.checkpointing.use_reentrant", ck.use_reentrant)
     check_choice(problems, "policy.checkpointing.selective_matmuls", ck.selective_matmuls, SelectiveMatmuls)
     if ck.selective_matmuls != "save_all" and ck.mode != "selective":
@@ -81,7 +99,11 @@ def validate_checkpointing(ck: CheckpointingConfig, problems: list[str]) -> None
             object.__setattr__(ck, "block_classes", (ck.block_classes,))
         elif isinstance(ck.block_classes, list):
             object.__setattr__(ck, "block_classes", tuple(ck.block_classes))
-        if not isinstance(ck.block_classes, tuple) or not ck.block_classes or not all(isinstance(c, str) and c for c in ck.block_classes):
+        if (
+            not isinstance(ck.block_classes, tuple)
+            or not ck.block_classes
+            or not all(isinstance(c, str) and c for c in ck.block_classes)
+        ):
             problems.append(
                 f"policy.checkpointing.block_classes={ck.block_classes!r} must be a non-empty list of "
                 "class names, e.g. ['LlamaDecoderLayer'], or None to detect the blocks"
@@ -120,14 +142,20 @@ def validate_loss(lo: LossConfig, problems: list[str]) -> None:
     check_choice(problems, "policy.loss.mode", lo.mode, LossMode)
     n = lo.chunk_tokens
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        problems.append(f"policy.loss.chunk_tokens={n!r} must be a positive integer (tokens per chunk) or None (sized to the vocabulary)")
+        problems.append(
+            f"policy.loss.chunk_tokens={n!r} must be a positive integer (tokens per chunk) or None (sized to the vocabulary)"
+        )
     elif n is not None and lo.mode != "chunked":
-        problems.append(f"policy.loss.chunk_tokens={n!r} only applies to mode='chunked' (mode is {lo.mode!r}); set "
-                        "mode='chunked' or drop chunk_tokens")
+        problems.append(
+            f"policy.loss.chunk_tokens={n!r} only applies to mode='chunked' (mode is {lo.mode!r}); set "
+            "mode='chunked' or drop chunk_tokens"
+        )
     check_bool(problems, "policy.loss.compiled", lo.compiled)
     if lo.compiled is True and lo.mode != "chunked":
-        problems.append(f"policy.loss.compiled=True only applies to mode='chunked' (mode is {lo.mode!r}); set "
-                        "mode='chunked' (token 'loss:chunked:compiled') or drop compiled")
+        problems.append(
+            f"policy.loss.compiled=True only applies to mode='chunked' (mode is {lo.mode!r}); set "
+            "mode='chunked' (token 'loss:chunked:compiled') or drop compiled"
+        )
 
 
 def validate_quant(qu: QuantConfig, problems: list[str]) -> None:
@@ -138,22 +166,37 @@ def validate_quant(qu: QuantConfig, problems: list[str]) -> None:
         problems.append(f"policy.quant.block_size={n!r} must be a power of two from 16 to 4096 (QLoRA's is 64)")
     if isinstance(qu.targets, (list, str)):
         object.__setattr__(qu, "targets", (qu.targets,) if isinstance(qu.targets, str) else tuple(qu.targets))
-    if qu.targets is not None and (not isinstance(qu.targets, tuple) or not qu.targets
-                                   or not all(isinstance(t, str) and t.strip() for t in qu.targets)):
-        problems.append(f"policy.quant.targets={qu.targets!r} must be a non-empty list of module names (e.g. ['q_proj', "
-                        "'v_proj']), or None for every linear layer of the blocks")
+    if qu.targets is not None and (
+        not isinstance(qu.targets, tuple)
+        or not qu.targets
+        or not all(isinstance(t, str) and t.strip() for t in qu.targets)
+    ):
+        problems.append(
+            f"policy.quant.targets={qu.targets!r} must be a non-empty list of module names (e.g. ['q_proj', "
+            "'v_proj']), or None for every linear layer of the blocks"
+        )
     if qu.mode == "none" and (qu.upcast or qu.targets is not None):
-        problems.append("policy.quant.upcast / targets are set but policy.quant.mode='none'; set quant.mode='nf4' or drop them")
+        problems.append(
+            "policy.quant.upcast / targets are set but policy.quant.mode='none'; set quant.mode='nf4' or drop them"
+        )
+
+
 def validate_mlp(ml: MLPConfig, problems: list[str]) -> None:
     check_choice(problems, "policy.mlp.mode", ml.mode, MLPMode)
     n = ml.tile_tokens
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        problems.append(f"policy.mlp.tile_tokens={n!r} must be a positive integer (tokens per tile) or None (the hidden size)")
+        problems.append(
+            f"policy.mlp.tile_tokens={n!r} must be a positive integer (tokens per tile) or None (the hidden size)"
+        )
     if ml.module_name is not None and (not isinstance(ml.module_name, str) or not ml.module_name):
-        problems.append(f"policy.mlp.module_name={ml.module_name!r} must be the MLP's name inside a block (e.g. 'mlp') or None")
+        problems.append(
+            f"policy.mlp.module_name={ml.module_name!r} must be the MLP's name inside a block (e.g. 'mlp') or None"
+        )
     if ml.mode != "tiled" and (n is not None or ml.module_name is not None):
-        problems.append(f"policy.mlp.tile_tokens / module_name only apply to mode='tiled' (mode is {ml.mode!r}); set "
-                        "mode='tiled' or drop them")
+        problems.append(
+            f"policy.mlp.tile_tokens / module_name only apply to mode='tiled' (mode is {ml.mode!r}); set "
+            "mode='tiled' or drop them"
+        )
 
 
 def validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:
@@ -167,8 +210,10 @@ def coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> A
     if isinstance(value, str) and cls is OptimizerConfig:
         parsed = optimizer_from_string(value)
         if parsed is None:
-            problems.append(f"policy.{name}={value!r} is not an optimizer setting; allowed: 'fp32' or '8bit' (state), "
-                            "'after_backward' or 'in_backward' (step), joined with '+', e.g. '8bit+in_backward'")
+            problems.append(
+                f"policy.{name}={value!r} is not an optimizer setting; allowed: 'fp32' or '8bit' (state), "
+                "'after_backward' or 'in_backward' (step), joined with '+', e.g. '8bit+in_backward'"
+            )
         return parsed
     if isinstance(value, str):
         return cls(mode=value)
@@ -203,9 +248,7 @@ def dtype_name(value: Any) -> Any:
 def check_choice(problems: list[str], where: str, value: Any, literal: Any) -> None:
     allowed = get_args(literal)
     if value not in allowed:
-        problems.append(
-            f"{where}={value!r} is not one of {', '.join(repr(a) for a in allowed)}; pick one of those"
-        )
+        problems.append(f"{where}={value!r} is not one of {', '.join(repr(a) for a in allowed)}; pick one of those")
 
 
 def check_bool(problems: list[str], where: str, value: Any) -> None:

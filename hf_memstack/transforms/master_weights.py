@@ -48,7 +48,11 @@ class MasterWeightsResult:
     """The dtypes they had before."""
 
     def describe(self) -> str:
-        kept = "fp32 master weights" if self.mode == "fp32" else "pure bf16 (BF16AdamW, stochastic rounding: make_optimizer)"
+        kept = (
+            "fp32 master weights"
+            if self.mode == "fp32"
+            else "pure bf16 (BF16AdamW, stochastic rounding: make_optimizer)"
+        )
         if not self.cast:
             return kept
         return f"{kept}; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode}"
@@ -65,8 +69,9 @@ class MasterWeightsPlan:
     """Every trainable parameter (pure bf16 marks them for the optimizer step check)."""
 
 
-def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool, precision_name: str,
-                         before_adapters: bool) -> MasterWeightsPlan:
+def check_master_weights(
+    model: nn.Module, policy: MemoryPolicy, *, mixed: bool, precision_name: str, before_adapters: bool
+) -> MasterWeightsPlan:
     """Which trainable parameters to cast, and warnings for what is left as loaded.
 
     ``mixed``: the resolved precision autocasts. ``before_adapters``: every parameter trains because
@@ -76,8 +81,12 @@ def check_master_weights(model: nn.Module, policy: MemoryPolicy, *, mixed: bool,
     if policy.master_weights == "bf16":
         if before_adapters:  # the adapters PEFT adds next are what trains: make_optimizer checks their dtype
             return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16)
-        return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16, params=tuple(p for p in trainable if p.dtype != torch.bfloat16),
-                                 trainable=tuple(trainable))
+        return MasterWeightsPlan(
+            mode="bf16",
+            dtype=torch.bfloat16,
+            params=tuple(p for p in trainable if p.dtype != torch.bfloat16),
+            trainable=tuple(trainable),
+        )
     sixteen = [p for p in trainable if p.dtype in _SIXTEEN_BIT]
     if not sixteen or before_adapters:
         return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
@@ -114,4 +123,3 @@ def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
     if plan.mode == "bf16":
         mark_pure_bf16(plan.trainable)
     return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
-

@@ -110,8 +110,10 @@ class QuantResult:
     def describe(self) -> str:
         if not self.layers:
             return "off"
-        text = (f"{len(self.layers)} linear layer(s) in 4 bits ({self.backend}; {self.weights:,} weights, "
-                f"{self.bits_per_weight:.2f} bits each)")
+        text = (
+            f"{len(self.layers)} linear layer(s) in 4 bits ({self.backend}; {self.weights:,} weights, "
+            f"{self.bits_per_weight:.2f} bits each)"
+        )
         if self.quantized:
             text += f", {self.quantized} quantized here from {self.bytes_before / 2**20:.2f} MiB to {self.bytes_4bit / 2**20:.2f} MiB"
         if self.upcast:
@@ -119,8 +121,15 @@ class QuantResult:
         return text + "; they are frozen: train adapters on them (LoRA)"
 
 
-def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, blocks: Blocks | None, shards: int = 1,
-                fsdp: bool = False) -> QuantPlan:
+def check_quant(
+    model: nn.Module,
+    cfg: QuantConfig,
+    *,
+    dtype: torch.dtype,
+    blocks: Blocks | None,
+    shards: int = 1,
+    fsdp: bool = False,
+) -> QuantPlan:
     """Decide what to quantize, refusing (before anything changes) what cannot work.
 
     Args:
@@ -143,9 +152,11 @@ def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, block
     _refuse_trainable_4bit(loaded)
     backends = {_backend_of(m.weight) for _, m in loaded}
     if fsdp and "bitsandbytes" in backends:
-        raise ValueError(f"{type(model).__name__} holds bitsandbytes 4-bit weights and the policy shards with FSDP2, which cannot "
-                         "shard them (their quantization state is not a tensor); load the model in 16 bits and add quant:nf4 to the "
-                         "policy (torchao's NF4 weights define FSDP2's all-gather)")
+        raise ValueError(
+            f"{type(model).__name__} holds bitsandbytes 4-bit weights and the policy shards with FSDP2, which cannot "
+            "shard them (their quantization state is not a tensor); load the model in 16 bits and add quant:nf4 to the "
+            "policy (torchao's NF4 weights define FSDP2's all-gather)"
+        )
     loaded_backend: Backend = "bitsandbytes" if "bitsandbytes" in backends else ("torchao" if backends else "none")
     plan = QuantPlan(cfg=cfg, dtype=dtype, loaded=tuple(loaded), loaded_backend=loaded_backend)
     if cfg.mode == "none" or loaded:  # a model loaded 4-bit is the 4-bit base: nothing more is quantized
@@ -153,8 +164,9 @@ def check_quant(model: nn.Module, cfg: QuantConfig, *, dtype: torch.dtype, block
     _nf4_module()  # torchao is there (RuntimeError otherwise)
     found = find_targets(model, cfg, blocks)
     refuse_trainable_targets(model, found)
-    targets = tuple(_Target(name=n, module=m, scaler_block_size=scaler_block_size(n, m, cfg.block_size, shards))
-                    for n, m in found)
+    targets = tuple(
+        _Target(name=n, module=m, scaler_block_size=scaler_block_size(n, m, cfg.block_size, shards)) for n, m in found
+    )
     return QuantPlan(cfg=cfg, dtype=dtype, targets=targets, loaded_backend=loaded_backend)
 
 
@@ -173,9 +185,15 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
     names = [t.name for t in plan.targets] or [n for n, _ in plan.loaded]
     upcast = _upcast(model) if plan.cfg.upcast else 0
     return QuantResult(
-        mode=plan.cfg.mode, backend="torchao" if plan.targets else plan.loaded_backend, layers=tuple(layers), names=tuple(names),
-        quantized=len(plan.targets), weights=sum(m.in_features * m.out_features for m in layers),
-        bytes_4bit=sum(tensor_bytes(m.weight) for m in layers), bytes_before=before, upcast=upcast,
+        mode=plan.cfg.mode,
+        backend="torchao" if plan.targets else plan.loaded_backend,
+        layers=tuple(layers),
+        names=tuple(names),
+        quantized=len(plan.targets),
+        weights=sum(m.in_features * m.out_features for m in layers),
+        bytes_4bit=sum(tensor_bytes(m.weight) for m in layers),
+        bytes_before=before,
+        upcast=upcast,
     )
 
 
@@ -193,10 +211,20 @@ def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> to
         def empty(size: int | tuple[()], dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(size, dtype=dtype, device=weight.device)
 
-        meta = nf4.SubclassTensorArgs(weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, False)
-        return nf4.NF4Tensor(meta, block_size, n_blocks, scaler_block_size, empty(n_blocks, torch.int8),
-                             empty(n_blocks // scaler_block_size, weight.dtype), empty((), weight.dtype),
-                             empty(weight.numel() // 2, torch.uint8), empty(16, weight.dtype))
+        meta = nf4.SubclassTensorArgs(
+            weight.size(), weight.stride(), weight.storage_offset(), weight.dtype, weight.device, False
+        )
+        return nf4.NF4Tensor(
+            meta,
+            block_size,
+            n_blocks,
+            scaler_block_size,
+            empty(n_blocks, torch.int8),
+            empty(n_blocks // scaler_block_size, weight.dtype),
+            empty((), weight.dtype),
+            empty(weight.numel() // 2, torch.uint8),
+            empty(16, weight.dtype),
+        )
     out = nf4.to_nf4(weight, block_size, scaler_block_size)
     # With a single second-level factor, torchao keeps it as a view of a temporary
     # scaler_block_size long (up to 512 bytes a layer): hold only the factor.
@@ -209,8 +237,11 @@ def quantizable(blocks: Blocks | None) -> bool:
     weights that are not 4-bit yet (a LoRA base), and torchao is installed."""
     import importlib.util
 
-    frozen = any(isinstance(m, nn.Linear) and not m.weight.requires_grad and not is_4bit(m.weight)
-                 for block in (blocks.modules if blocks is not None else ()) for m in block.modules())
+    frozen = any(
+        isinstance(m, nn.Linear) and not m.weight.requires_grad and not is_4bit(m.weight)
+        for block in (blocks.modules if blocks is not None else ())
+        for m in block.modules()
+    )
     return frozen and importlib.util.find_spec("torchao") is not None
 
 
@@ -228,8 +259,10 @@ def _nf4_module() -> Any:
 
             return nf4tensor
         except ImportError:
-            raise RuntimeError(f"policy.quant.mode='nf4' needs torchao's NF4 weights: {_INSTALL}; or load the model 4-bit with "
-                               f"bitsandbytes ({BNB_LOAD}) and drop quant:nf4") from None
+            raise RuntimeError(
+                f"policy.quant.mode='nf4' needs torchao's NF4 weights: {_INSTALL}; or load the model 4-bit with "
+                f"bitsandbytes ({BNB_LOAD}) and drop quant:nf4"
+            ) from None
 
 
 def four_bit_weight(module: nn.Module) -> nn.Parameter | None:
@@ -246,26 +279,44 @@ def _loaded_4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _refuse_other_integer_weights(model: nn.Module) -> None:
     """torch.ao's quantized modules, 8-bit bitsandbytes weights and other integer parameters cannot
     take adapters the way 4-bit bases do (and torch.ao's hold no parameters to train at all)."""
-    fix = (f"load the model in 16 bits (from_pretrained(..., dtype=torch.bfloat16)) and add quant:nf4 to the policy (QLoRA-style), "
-           f"or load it 4-bit with bitsandbytes ({BNB_LOAD}), or load it in fp32 (dtype=torch.float32) for full training")
-    other = sorted({type(m).__name__ for m in model.modules() if ".quantized." in type(m).__module__
-                    or type(m).__name__ in ("Linear8bitLt", "Int8Params")})
+    fix = (
+        f"load the model in 16 bits (from_pretrained(..., dtype=torch.bfloat16)) and add quant:nf4 to the policy (QLoRA-style), "
+        f"or load it 4-bit with bitsandbytes ({BNB_LOAD}), or load it in fp32 (dtype=torch.float32) for full training"
+    )
+    other = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if ".quantized." in type(m).__module__ or type(m).__name__ in ("Linear8bitLt", "Int8Params")
+        }
+    )
     if other or getattr(model, "is_loaded_in_8bit", False):
-        raise ValueError(f"{type(model).__name__} has quantized modules ({', '.join(other) or '8-bit bitsandbytes'}) that are not "
-                         f"4-bit: hf_memstack trains 4-bit (NF4) bases only; {fix}")
-    integer = sorted({str(p.dtype) for p in model.parameters()
-                      if not p.dtype.is_floating_point and not p.dtype.is_complex and not is_4bit(p)})
+        raise ValueError(
+            f"{type(model).__name__} has quantized modules ({', '.join(other) or '8-bit bitsandbytes'}) that are not "
+            f"4-bit: hf_memstack trains 4-bit (NF4) bases only; {fix}"
+        )
+    integer = sorted(
+        {
+            str(p.dtype)
+            for p in model.parameters()
+            if not p.dtype.is_floating_point and not p.dtype.is_complex and not is_4bit(p)
+        }
+    )
     if integer:
-        raise ValueError(f"{type(model).__name__} has quantized (integer) weights ({', '.join(integer)}) that are not 4-bit "
-                         f"bitsandbytes or torchao weights; {fix}")
+        raise ValueError(
+            f"{type(model).__name__} has quantized (integer) weights ({', '.join(integer)}) that are not 4-bit "
+            f"bitsandbytes or torchao weights; {fix}"
+        )
 
 
 def _refuse_trainable_4bit(loaded: list[tuple[str, nn.Module]]) -> None:
     trainable = [n for n, m in loaded if m.weight.requires_grad]
     if trainable:
-        raise ValueError(f"4-bit weights require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}): 4-bit "
-                         "weights cannot train. Freeze them (module.weight.requires_grad_(False)) and train adapters on them "
-                         "(peft.get_peft_model with a LoraConfig freezes the base)")
+        raise ValueError(
+            f"4-bit weights require grad ({', '.join(trainable[:3])}{' ...' if len(trainable) > 3 else ''}): 4-bit "
+            "weights cannot train. Freeze them (module.weight.requires_grad_(False)) and train adapters on them "
+            "(peft.get_peft_model with a LoraConfig freezes the base)"
+        )
 
 
 def _upcast(model: nn.Module) -> int:
@@ -274,5 +325,3 @@ def _upcast(model: nn.Module) -> int:
     for p in cast:
         p.data = p.data.to(torch.float32)
     return len(cast)
-
-

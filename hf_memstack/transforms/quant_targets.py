@@ -23,31 +23,54 @@ def find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> l
     names = {id(m): n for n, m in model.named_modules()}
     if cfg.targets is None:
         if blocks is None:
-            raise ValueError(f"policy.quant.mode='nf4' quantizes the linear layers of the repeated blocks, and {type(model).__name__} "
-                             "has no blocks hf_memstack can find; name the layers with policy.quant.targets (e.g. ['fc1', 'fc2']) "
-                             "or the blocks with policy.checkpointing.block_classes")
+            raise ValueError(
+                f"policy.quant.mode='nf4' quantizes the linear layers of the repeated blocks, and {type(model).__name__} "
+                "has no blocks hf_memstack can find; name the layers with policy.quant.targets (e.g. ['fc1', 'fc2']) "
+                "or the blocks with policy.checkpointing.block_classes"
+            )
         scope = [m for block in blocks.modules for m in block.modules() if id(m) not in adapters]
-        odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in scope if _projection_like(m) and not isinstance(m, nn.Linear)})
+        odd = sorted(
+            {
+                f"{names[id(m)]} ({type(m).__name__})"
+                for m in scope
+                if _projection_like(m) and not isinstance(m, nn.Linear)
+            }
+        )
         if odd:
             raise ValueError(_unsupported(model, odd, "the blocks' projections"))
         found = [(names[id(m)], m) for m in scope if isinstance(m, nn.Linear)]
         if not found:
-            raise ValueError(f"policy.quant.mode='nf4': the blocks of {type(model).__name__} hold no nn.Linear layer to quantize; "
-                             "name the layers with policy.quant.targets, or drop quant:nf4")
+            raise ValueError(
+                f"policy.quant.mode='nf4': the blocks of {type(model).__name__} hold no nn.Linear layer to quantize; "
+                "name the layers with policy.quant.targets, or drop quant:nf4"
+            )
         return _untied(model, found)
     return _untied(model, _named_targets(model, cfg.targets, adapters, names))
 
 
-def _named_targets(model: nn.Module, targets: tuple[str, ...], adapters: set[int], names: dict[int, str]) -> list[tuple[str, nn.Module]]:
+def _named_targets(
+    model: nn.Module, targets: tuple[str, ...], adapters: set[int], names: dict[int, str]
+) -> list[tuple[str, nn.Module]]:
     found: dict[int, tuple[str, nn.Module]] = {}
     for target in targets:
-        hits = [m for n, m in model.named_modules()
-                if id(m) not in adapters and (logical_name(n) == target or logical_name(n).endswith(f".{target}"))]
+        hits = [
+            m
+            for n, m in model.named_modules()
+            if id(m) not in adapters and (logical_name(n) == target or logical_name(n).endswith(f".{target}"))
+        ]
         hits = [base_layer_of(m) for m in hits]
         if not hits:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in adapters})
-            raise ValueError(f"policy.quant.targets: {target!r} matches no module of {type(model).__name__}; its linear layers are "
-                             f"named {linear[:12]}")
+            linear = sorted(
+                {
+                    n.rsplit(".", 1)[-1]
+                    for n, m in model.named_modules()
+                    if isinstance(m, nn.Linear) and id(m) not in adapters
+                }
+            )
+            raise ValueError(
+                f"policy.quant.targets: {target!r} matches no module of {type(model).__name__}; its linear layers are "
+                f"named {linear[:12]}"
+            )
         odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in hits if not isinstance(m, nn.Linear)})
         if odd:
             raise ValueError(_unsupported(model, odd, f"policy.quant.targets {target!r}"))
@@ -56,10 +79,12 @@ def _named_targets(model: nn.Module, targets: tuple[str, ...], adapters: set[int
 
 
 def _unsupported(model: nn.Module, odd: list[str], what: str) -> str:
-    return (f"policy.quant.mode='nf4': {what} in {type(model).__name__} include layers that are not nn.Linear ({', '.join(odd[:4])}"
-            f"{' ...' if len(odd) > 4 else ''}): 4-bit weights run through F.linear only (torchao's NF4), so embeddings and "
-            f"Transformers' Conv1D (GPT-2) cannot be quantized here. Load the model 4-bit with bitsandbytes ({BNB_LOAD}, which "
-            "converts Conv1D) and drop quant:nf4, or set policy.quant.targets to nn.Linear layers only")
+    return (
+        f"policy.quant.mode='nf4': {what} in {type(model).__name__} include layers that are not nn.Linear ({', '.join(odd[:4])}"
+        f"{' ...' if len(odd) > 4 else ''}): 4-bit weights run through F.linear only (torchao's NF4), so embeddings and "
+        f"Transformers' Conv1D (GPT-2) cannot be quantized here. Load the model 4-bit with bitsandbytes ({BNB_LOAD}, which "
+        "converts Conv1D) and drop quant:nf4, or set policy.quant.targets to nn.Linear layers only"
+    )
 
 
 def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -72,8 +97,10 @@ def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[
     tied = [(n, users[id(m.weight)]) for n, m in found if len(set(users.get(id(m.weight), []))) > 1]
     if tied:
         name, shared = tied[0]
-        raise ValueError(f"policy.quant: {name!r} shares its weight with {[s for s in shared if s != name]} (tied weights): it cannot be "
-                         "4-bit in one and dense in the other; leave it out of policy.quant.targets")
+        raise ValueError(
+            f"policy.quant: {name!r} shares its weight with {[s for s in shared if s != name]} (tied weights): it cannot be "
+            "4-bit in one and dense in the other; leave it out of policy.quant.targets"
+        )
     return found
 
 
@@ -85,22 +112,28 @@ def refuse_trainable_targets(model: nn.Module, found: list[tuple[str, nn.Module]
         return
     trainable = [n for n, m in found if m.weight.requires_grad]
     if trainable:
-        raise ValueError(f"policy.quant.mode='nf4' would quantize weights that train ({', '.join(trainable[:3])}"
-                         f"{' ...' if len(trainable) > 3 else ''}), and 4-bit weights cannot train. Freeze them and train adapters on "
-                         "them (LoRA: peft.get_peft_model freezes the base), or leave them out with policy.quant.targets")
+        raise ValueError(
+            f"policy.quant.mode='nf4' would quantize weights that train ({', '.join(trainable[:3])}"
+            f"{' ...' if len(trainable) > 3 else ''}), and 4-bit weights cannot train. Freeze them and train adapters on "
+            "them (LoRA: peft.get_peft_model freezes the base), or leave them out with policy.quant.targets"
+        )
 
 
 def scaler_block_size(name: str, module: nn.Linear, block_size: int, shards: int) -> int:
     """Validate the layer's size against the blocks (and the shards) and pick its second-level block size."""
     rows, numel = module.out_features, module.weight.numel()
     if numel % block_size:
-        raise ValueError(f"policy.quant.block_size={block_size}: {name!r} has {numel:,} weights ({tuple(module.weight.shape)}), not a "
-                         "multiple of the block size; use a block_size that divides it (e.g. 32) or leave the layer out with "
-                         "policy.quant.targets")
+        raise ValueError(
+            f"policy.quant.block_size={block_size}: {name!r} has {numel:,} weights ({tuple(module.weight.shape)}), not a "
+            "multiple of the block size; use a block_size that divides it (e.g. 32) or leave the layer out with "
+            "policy.quant.targets"
+        )
     if rows % shards or (numel // shards) % block_size:
-        raise ValueError(f"policy.quant with FSDP over {shards} ranks: {name!r} ({tuple(module.weight.shape)}) does not split into "
-                         f"{shards} shards of whole {block_size}-weight blocks; use a number of ranks that divides its "
-                         f"{rows} rows, or leave the layer out with policy.quant.targets")
+        raise ValueError(
+            f"policy.quant with FSDP over {shards} ranks: {name!r} ({tuple(module.weight.shape)}) does not split into "
+            f"{shards} shards of whole {block_size}-weight blocks; use a number of ranks that divides its "
+            f"{rows} rows, or leave the layer out with policy.quant.targets"
+        )
     per_shard = numel // block_size // shards
     return max(d for d in range(1, min(256, per_shard) + 1) if per_shard % d == 0)
 

@@ -30,7 +30,14 @@ from .._wrappers import _ForwardWrapper
 from ..blocks import Blocks
 from ..policy import MLPConfig
 
-__all__ = ["TiledMLPForward", "TiledMLPResult", "apply_tiled_mlp", "auto_tile_tokens", "check_tiled_mlp", "inside_tiled_mlp"]
+__all__ = [
+    "TiledMLPForward",
+    "TiledMLPResult",
+    "apply_tiled_mlp",
+    "auto_tile_tokens",
+    "check_tiled_mlp",
+    "inside_tiled_mlp",
+]
 
 # Where the MLP of a block sits in Transformers' decoder layers (Llama, Mistral, Qwen2/3, Gemma,
 # Phi-3, GPT-2, GPT-NeoX, Falcon: ``mlp``; Llama 4, some others: ``feed_forward``).
@@ -80,27 +87,35 @@ def check_tiled_mlp(model: nn.Module, cfg: MLPConfig, blocks: Blocks | None) -> 
     if cfg.mode == "default":
         return None
     if blocks is None or not len(blocks):
-        raise ValueError(f"policy.mlp.mode='tiled': {type(model).__name__} has no repeated blocks to find MLPs in; set "
-                         "policy.checkpointing.block_classes to the block class, or drop mlp:tiled")
+        raise ValueError(
+            f"policy.mlp.mode='tiled': {type(model).__name__} has no repeated blocks to find MLPs in; set "
+            "policy.checkpointing.block_classes to the block class, or drop mlp:tiled"
+        )
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-        raise ValueError(f"policy.mlp.mode='tiled': {type(model).__name__} is a mixture-of-experts model, whose expert layers "
-                         "route and balance over all tokens at once (router loss, capacity); tiling them is not supported. "
-                         "Drop mlp:tiled")
+        raise ValueError(
+            f"policy.mlp.mode='tiled': {type(model).__name__} is a mixture-of-experts model, whose expert layers "
+            "route and balance over all tokens at once (router loss, capacity); tiling them is not supported. "
+            "Drop mlp:tiled"
+        )
     name = cfg.module_name or _find_name(blocks.modules[0])
     missing = [i for i, b in enumerate(blocks.modules) if not isinstance(_child(b, name), nn.Module)]
     if name is None or missing:
         found = sorted(n for n, _ in blocks.modules[0].named_children())
-        raise ValueError(f"policy.mlp.module_name={name!r}: block(s) {missing or [0]} of {type(model).__name__} have no such MLP "
-                         f"module (block children: {found}); set policy.mlp.module_name to the MLP's name, or drop mlp:tiled")
+        raise ValueError(
+            f"policy.mlp.module_name={name!r}: block(s) {missing or [0]} of {type(model).__name__} have no such MLP "
+            f"module (block children: {found}); set policy.mlp.module_name to the MLP's name, or drop mlp:tiled"
+        )
     mlps = tuple(_child(b, name) for b in blocks.modules)
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
     tile = cfg.tile_tokens or auto_tile_tokens(hidden)
     if _has_values(mlps[0]):
         _check_token_wise(mlps[0], name)
-    return _TilePlan(mlps=mlps, result=TiledMLPResult(mode="tiled", tile_tokens=tile, module_name=name,
-                                                      tiled=tuple(range(len(mlps)))))
+    return _TilePlan(
+        mlps=mlps,
+        result=TiledMLPResult(mode="tiled", tile_tokens=tile, module_name=name, tiled=tuple(range(len(mlps)))),
+    )
 
 
 def apply_tiled_mlp(plan: _TilePlan | None) -> TiledMLPResult:
@@ -128,8 +143,12 @@ class TiledMLPForward(_ForwardWrapper):
             return self.__wrapped__(hidden, *args, **kwargs)
         flat = hidden.reshape(tokens, hidden.shape[-1])
         with _tiled():
-            outs = [checkpoint(self.__wrapped__, flat[s:s + self.tile_tokens], use_reentrant=False,
-                               preserve_rng_state=self._rng) for s in range(0, tokens, self.tile_tokens)]
+            outs = [
+                checkpoint(
+                    self.__wrapped__, flat[s : s + self.tile_tokens], use_reentrant=False, preserve_rng_state=self._rng
+                )
+                for s in range(0, tokens, self.tile_tokens)
+            ]
         out = torch.cat(outs)
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
@@ -180,11 +199,17 @@ def _check_token_wise(mlp: nn.Module, name: str) -> None:
     x = torch.linspace(-1, 1, 6 * width, device=weight.device, dtype=weight.dtype).reshape(1, 6, width)
     with torch.no_grad(), module_mode(mlp, training=False):
         whole = mlp(x)
-        tiles = torch.cat([mlp(x[:, s:s + 2]) for s in range(0, 6, 2)], dim=1)
-    if not torch.is_tensor(whole) or whole.shape[:2] != x.shape[:2] or not torch.allclose(whole, tiles, rtol=1e-4, atol=1e-5):
-        raise ValueError(f"policy.mlp.mode='tiled': block.{name} ({type(mlp).__name__}) does not compute each token on its own "
-                         "(its output on tokens in tiles differs from its output on all of them, or is not one tensor per "
-                         "token); set policy.mlp.module_name to a token-wise MLP, or drop mlp:tiled")
+        tiles = torch.cat([mlp(x[:, s : s + 2]) for s in range(0, 6, 2)], dim=1)
+    if (
+        not torch.is_tensor(whole)
+        or whole.shape[:2] != x.shape[:2]
+        or not torch.allclose(whole, tiles, rtol=1e-4, atol=1e-5)
+    ):
+        raise ValueError(
+            f"policy.mlp.mode='tiled': block.{name} ({type(mlp).__name__}) does not compute each token on its own "
+            "(its output on tokens in tiles differs from its output on all of them, or is not one tensor per "
+            "token); set policy.mlp.module_name to a token-wise MLP, or drop mlp:tiled"
+        )
 
 
 def _input_width(mlp: nn.Module) -> int | None:

@@ -52,7 +52,9 @@ def load_without_4bit_weights(models: list[Any], input_dir: str) -> None:
     from safetensors.torch import load_file
 
     for i, model in enumerate(models):
-        model.load_state_dict(load_file(str(Path(input_dir) / f"model{f'_{i}' if i else ''}.safetensors")), strict=False)
+        model.load_state_dict(
+            load_file(str(Path(input_dir) / f"model{f'_{i}' if i else ''}.safetensors")), strict=False
+        )
     models.clear()
 
 
@@ -69,9 +71,11 @@ def _check_4bit_checkpoint(job: Job, path: Path) -> None:
         saved = set(f.keys())
     if saved != expected:
         missing, extra = sorted(expected - saved)[:5], sorted(saved - expected)[:5]
-        raise RecipeError(f"resume_from={str(path)!r}: its model.safetensors does not hold this run's trainable weights "
-                          f"(missing {missing}, unexpected {extra}); resume with the --policy, --lora-* flags and --model "
-                          "the checkpoint was written with")
+        raise RecipeError(
+            f"resume_from={str(path)!r}: its model.safetensors does not hold this run's trainable weights "
+            f"(missing {missing}, unexpected {extra}); resume with the --policy, --lora-* flags and --model "
+            "the checkpoint was written with"
+        )
 
 
 def save_checkpoint(job: Job) -> Path:
@@ -103,9 +107,17 @@ def save_checkpoint(job: Job) -> Path:
         acc.wait_for_everyone()
     test_hook(f"save-{state.step}:state-written", acc.process_index)
     if acc.is_main_process:
-        trainer_state = {**dataclasses.asdict(state), "run": job.record,
-                         "resolved": {"batch_size": job.batch_size, "grad_accum": job.grad_accum, "total_steps": job.total_steps,
-                                      "precision": job.precision.name, "route": job.route}}
+        trainer_state = {
+            **dataclasses.asdict(state),
+            "run": job.record,
+            "resolved": {
+                "batch_size": job.batch_size,
+                "grad_accum": job.grad_accum,
+                "total_steps": job.total_steps,
+                "precision": job.precision.name,
+                "route": job.route,
+            },
+        }
         write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1))
         write_atomic(tmp / "run_config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         files = {}
@@ -149,9 +161,11 @@ def load_checkpoint(job: Job, path: Path) -> None:
         for metadata in sorted(path.rglob(".metadata")):
             check_checkpoint_folder(metadata.parent)
     except UntrustedCheckpointError as e:
-        refused = RecipeError(f"resume_from={str(path)!r}: refused without loading it, because loading would run code or read "
-                              f"files from outside it: {e}. The recipe's own checkpoints never hold such files: this one was "
-                              "altered or made elsewhere; resume from a checkpoint this recipe wrote, or start again")
+        refused = RecipeError(
+            f"resume_from={str(path)!r}: refused without loading it, because loading would run code or read "
+            f"files from outside it: {e}. The recipe's own checkpoints never hold such files: this one was "
+            "altered or made elsewhere; resume from a checkpoint this recipe wrote, or start again"
+        )
     refused = refused or _unreadable_rng_state(path, job.accelerator.process_index)
     agree(job.accelerator, refused)  # before load_state's collectives: every rank stops with it
     four_bit = job.policy.quant.mode != "none"
@@ -176,9 +190,11 @@ def _unreadable_rng_state(path: Path, process_index: int) -> RecipeError | None:
     try:
         load(rng)
     except Exception as e:  # noqa: BLE001 - missing, damaged or not plain data: the resume would not be exact
-        return RecipeError(f"resume_from={str(path)!r}: {rng.name} does not load ({type(e).__name__}: {str(e).strip()[:160]}), "
-                           "so the resumed run could not continue the interrupted one's random draws; resume from an "
-                           "earlier checkpoint or start again")
+        return RecipeError(
+            f"resume_from={str(path)!r}: {rng.name} does not load ({type(e).__name__}: {str(e).strip()[:160]}), "
+            "so the resumed run could not continue the interrupted one's random draws; resume from an "
+            "earlier checkpoint or start again"
+        )
     return None
 
 
@@ -186,11 +202,15 @@ def _unloadable(path: Path, e: BaseException) -> RecipeError:
     refused = _refused_pickle(path) if "Weights only load failed" in str(e) else None
     if refused is not None:
         name, reason = refused
-        return RecipeError(f"resume_from={str(path)!r}: {name} holds objects that weights-only loading refuses ({reason}): it was "
-                           "not made by this recipe or was tampered with, and nothing in it was run. Resume from a checkpoint "
-                           "this recipe wrote, or start again")
-    return RecipeError(f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
-                       "resume from an earlier one or start again")
+        return RecipeError(
+            f"resume_from={str(path)!r}: {name} holds objects that weights-only loading refuses ({reason}): it was "
+            "not made by this recipe or was tampered with, and nothing in it was run. Resume from a checkpoint "
+            "this recipe wrote, or start again"
+        )
+    return RecipeError(
+        f"resume_from={str(path)!r}: the checkpoint does not load ({type(e).__name__}: {str(e)[:200]}); "
+        "resume from an earlier one or start again"
+    )
 
 
 def _refused_pickle(path: Path) -> tuple[str, str] | None:
@@ -221,7 +241,10 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
         if plan.overwrite:
             kept = run_dir.remove_recipe_files()
             run_dir.manifest = RunDir(run_dir.path).manifest
-            job.log(f"--overwrite: removed the previous run's files from {run_dir.path}" + (f"; kept yours: {', '.join(kept)}" if kept else ""))
+            job.log(
+                f"--overwrite: removed the previous run's files from {run_dir.path}"
+                + (f"; kept yours: {', '.join(kept)}" if kept else "")
+            )
         for c in reversed(plan.discard):
             remove_checkpoint(c.path)
             job.log(f"--discard-later-checkpoints: removed {c.path}")
@@ -237,7 +260,11 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
 
 def _remove_model(run_dir: RunDir) -> None:
     # Through real folders only, as --overwrite: a model/ you replaced by a symlink is not followed.
-    for path in [p for n, p in zip(manifest_entries(run_dir.manifest, "files"), run_dir._owned("files")) if n.startswith("model/")]:
+    for path in [
+        p
+        for n, p in zip(manifest_entries(run_dir.manifest, "files"), run_dir._owned("files"))
+        if n.startswith("model/")
+    ]:
         if not path.is_symlink():
             path.unlink(missing_ok=True)
     for name in ("report.json",):

@@ -22,8 +22,13 @@ def check_config(cfg: FinetuneConfig) -> None:
     Raises:
         RecipeError: the list of problems, each naming the field, the value, what is allowed and the fix.
     """
-    problems = [*_number_problems(cfg), *_schedule_problems(cfg), *_policy_and_batch_problems(cfg), *_input_problems(cfg),
-                *_lora_problems(cfg)]
+    problems = [
+        *_number_problems(cfg),
+        *_schedule_problems(cfg),
+        *_policy_and_batch_problems(cfg),
+        *_input_problems(cfg),
+        *_lora_problems(cfg),
+    ]
     if problems:
         raise RecipeError("invalid configuration (nothing was loaded or written):\n  - " + "\n  - ".join(problems))
 
@@ -37,8 +42,11 @@ def _number_problems(cfg: FinetuneConfig) -> list[str]:
 
     for name in ("lr", "weight_decay", "warmup_ratio", "grad_clip", "epochs", "validation_split", "dist_timeout"):
         if not math.isfinite(getattr(cfg, name)):
-            bad(name, "is not a finite number; give a real value (e.g. the default "
-                      f"{FinetuneConfig.__dataclass_fields__[name].default})")
+            bad(
+                name,
+                "is not a finite number; give a real value (e.g. the default "
+                f"{FinetuneConfig.__dataclass_fields__[name].default})",
+            )
     finite = lambda name: math.isfinite(getattr(cfg, name))  # noqa: E731 - ranges only for finite values
     if finite("lr") and cfg.lr <= 0:
         bad("lr", "must be positive, e.g. 2e-4")
@@ -81,8 +89,12 @@ def _schedule_problems(cfg: FinetuneConfig) -> list[str]:
         bad("lr_scheduler", f"cannot be used here: {refused[cfg.lr_scheduler]}; use one of {', '.join(usable)}")
     elif cfg.lr_scheduler not in usable:
         close = difflib.get_close_matches(cfg.lr_scheduler, usable, 1)
-        bad("lr_scheduler", "is not a transformers scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
-            + f"; use one of {', '.join(usable)}")
+        bad(
+            "lr_scheduler",
+            "is not a transformers scheduler"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; use one of {', '.join(usable)}",
+        )
     return problems
 
 
@@ -112,7 +124,10 @@ def _policy_and_batch_problems(cfg: FinetuneConfig) -> list[str]:
         except (ValueError, TypeError, OverflowError) as e:
             problems.append(str(e) if "memory_budget" in str(e) else f"memory_budget={cfg.memory_budget!r}: {e}")
         if cfg.batch_size != "auto" and cfg.policy != "auto":
-            bad("memory_budget", "has no effect: it is used by --batch-size auto and --policy auto; drop it or use one of those")
+            bad(
+                "memory_budget",
+                "has no effect: it is used by --batch-size auto and --policy auto; drop it or use one of those",
+            )
     elif cfg.batch_size == "auto" and not torch.cuda.is_available():
         bad("batch_size", "needs --memory-budget on CPU (e.g. '8GiB'): a CPU has no out-of-memory error to catch")
     return problems
@@ -140,8 +155,11 @@ def _input_problems(cfg: FinetuneConfig) -> list[str]:
     if cfg.packing != "off" and cfg.task == "classification":
         bad("packing", "only applies to causal-lm (a classification row is one sample with one label); drop --packing")
     elif cfg.packing == "wrapped" and cfg.prompt_field:
-        bad("packing", "cuts blocks across samples, which prompt/response data cannot be; use --packing on "
-            "(whole samples per row, the prompt stays masked)")
+        bad(
+            "packing",
+            "cuts blocks across samples, which prompt/response data cannot be; use --packing on "
+            "(whole samples per row, the prompt stays masked)",
+        )
     if not is_alias(cfg.model) and looks_local(cfg.model) and not (Path(cfg.model) / "config.json").is_file():
         bad("model", "is not a model directory (no config.json); pass a directory saved by save_pretrained or a hub id")
     if cfg.tokenizer is not None and looks_local(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
@@ -149,10 +167,15 @@ def _input_problems(cfg: FinetuneConfig) -> list[str]:
     if cfg.report_to:
         problems += _tracker_problems(cfg.report_to)
     if cfg.memory_plot and importlib.util.find_spec("matplotlib") is None:
-        bad("memory_plot", "needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --memory-plot)")
+        bad(
+            "memory_plot",
+            "needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --memory-plot)",
+        )
     if cfg.overwrite and cfg.resume_from == "latest":
-        problems.append("overwrite=True with resume_from='latest' contradict each other: --overwrite starts again, "
-                        "--resume-from latest continues; pick one")
+        problems.append(
+            "overwrite=True with resume_from='latest' contradict each other: --overwrite starts again, "
+            "--resume-from latest continues; pick one"
+        )
     if cfg.discard_later_checkpoints and not cfg.resume_from:
         bad("discard_later_checkpoints", "only applies with --resume-from CHECKPOINT")
     return problems
@@ -170,13 +193,20 @@ def _lora_problems(cfg: FinetuneConfig) -> list[str]:
     if not [t for t in cfg.lora_target.split(",") if t.strip()]:
         problems.append(f"lora_target={cfg.lora_target!r} names no module; pass e.g. q_proj,v_proj or all-linear")
     if cfg.lora_r == 0:
-        unused = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "lora_target", "merge_lora")
-                  if getattr(cfg, f) != FinetuneConfig.__dataclass_fields__[f].default]
+        unused = [
+            f"--{f.replace('_', '-')}"
+            for f in ("lora_alpha", "lora_dropout", "lora_target", "merge_lora")
+            if getattr(cfg, f) != FinetuneConfig.__dataclass_fields__[f].default
+        ]
         if unused:
-            problems.append(f"{', '.join(unused)} given without --lora-r: they only apply to LoRA; add --lora-r 8 (or drop them)")
+            problems.append(
+                f"{', '.join(unused)} given without --lora-r: they only apply to LoRA; add --lora-r 8 (or drop them)"
+            )
     elif cfg.policy != "auto" and "fsdp" in cfg.policy:
-        problems.append(f"lora_r={cfg.lora_r} with policy={cfg.policy!r}: LoRA under FSDP is not supported by this recipe yet "
-                        "(the adapters are small: drop fsdp from the policy)")
+        problems.append(
+            f"lora_r={cfg.lora_r} with policy={cfg.policy!r}: LoRA under FSDP is not supported by this recipe yet "
+            "(the adapters are small: drop fsdp from the policy)"
+        )
     return problems
 
 
@@ -186,8 +216,10 @@ def _policy_problems(policy: Any, spec: str) -> list[str]:
     if policy.compile.mode != "none":
         backends = torch.compiler.list_backends(exclude_tags=())
         if policy.compile.backend not in backends:
-            problems.append(f"policy={spec!r}: compile.backend={policy.compile.backend!r} is not a torch.compile backend here; "
-                            f"use one of {', '.join(b for b in ('inductor', 'aot_eager', 'eager') if b in backends)}")
+            problems.append(
+                f"policy={spec!r}: compile.backend={policy.compile.backend!r} is not a torch.compile backend here; "
+                f"use one of {', '.join(b for b in ('inductor', 'aot_eager', 'eager') if b in backends)}"
+            )
     if policy.precision == "fp16" and not torch.cuda.is_available():
         problems.append(f"policy={spec!r}: fp16 needs a GPU (Accelerate refuses fp16 on CPU); use bf16 or fp32 here")
     return problems
@@ -197,8 +229,10 @@ def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     """4-bit base weights (quant:nf4) are frozen: only adapters can train on them."""
     if policy.quant.mode == "none" or cfg.lora_r:
         return []
-    return [f"policy={cfg.policy!r} keeps the base weights in 4 bits, which cannot be trained: add --lora-r 16 (LoRA adapters "
-            "train on the frozen 4-bit base, as QLoRA does), or drop quant:nf4 for full fine-tuning"]
+    return [
+        f"policy={cfg.policy!r} keeps the base weights in 4 bits, which cannot be trained: add --lora-r 16 (LoRA adapters "
+        "train on the frozen 4-bit base, as QLoRA does), or drop quant:nf4 for full fine-tuning"
+    ]
 
 
 def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
@@ -215,16 +249,24 @@ def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
         return problems
     why = "optim:in_backward updates each parameter inside the backward"
     if cfg.grad_clip > 0:
-        problems.append(f"grad_clip={cfg.grad_clip} with policy={spec!r}: {why}, before the global gradient norm exists; "
-                        "pass --grad-clip 0, or drop optim:in_backward from the policy")
+        problems.append(
+            f"grad_clip={cfg.grad_clip} with policy={spec!r}: {why}, before the global gradient norm exists; "
+            "pass --grad-clip 0, or drop optim:in_backward from the policy"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.global_batch_size and not (cfg.batch_size.isdigit() and int(cfg.batch_size) * world == cfg.global_batch_size):
-        problems.append(f"global_batch_size={cfg.global_batch_size} with policy={spec!r}: {why}, so gradients cannot be "
-                        "accumulated over micro-batches; drop --global-batch-size (the per-device batch is the step's batch), "
-                        "or drop optim:in_backward")
+    if cfg.global_batch_size and not (
+        cfg.batch_size.isdigit() and int(cfg.batch_size) * world == cfg.global_batch_size
+    ):
+        problems.append(
+            f"global_batch_size={cfg.global_batch_size} with policy={spec!r}: {why}, so gradients cannot be "
+            "accumulated over micro-batches; drop --global-batch-size (the per-device batch is the step's batch), "
+            "or drop optim:in_backward"
+        )
     if world > 1 and policy.fsdp.mode == "none":
-        problems.append(f"policy={spec!r} on {world} processes without fsdp: {why}, before DDP averages the gradients, so "
-                        "the replicas would drift apart; add fsdp to the policy, or drop optim:in_backward")
+        problems.append(
+            f"policy={spec!r} on {world} processes without fsdp: {why}, before DDP averages the gradients, so "
+            "the replicas would drift apart; add fsdp to the policy, or drop optim:in_backward"
+        )
     return problems
 
 
@@ -237,9 +279,13 @@ def _tracker_problems(report_to: str) -> list[str]:
         if name == "all":
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
-            problems.append(f"report_to={name!r} is not an Accelerate tracker; use one of {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+            problems.append(
+                f"report_to={name!r} is not an Accelerate tracker; use one of {', '.join(sorted(LOGGER_TYPE_TO_CLASS))}"
+            )
         elif name not in available:
-            problems.append(f"report_to={name!r}: the {name} package is not installed; pip install {name}, or leave --report-to out")
+            problems.append(
+                f"report_to={name!r}: the {name} package is not installed; pip install {name}, or leave --report-to out"
+            )
     return problems
 
 
@@ -250,8 +296,12 @@ def _scheduler_names() -> tuple[list[str], dict[str, str]]:
     usable, refused = [], {}
     for kind in SchedulerType:
         try:  # built once on a dummy optimizer: names needing extra arguments fail here, not mid-run
-            built = get_scheduler(kind.value, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
-                                  num_warmup_steps=1, num_training_steps=10)
+            built = get_scheduler(
+                kind.value,
+                torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                num_warmup_steps=1,
+                num_training_steps=10,
+            )
         except (ValueError, TypeError) as e:
             refused[kind.value] = f"it needs arguments this recipe does not pass ({str(e)[:80]})"
             continue

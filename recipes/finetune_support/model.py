@@ -12,7 +12,11 @@ from .config import FinetuneConfig
 
 
 def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
-    return "all-linear" if cfg.lora_target.strip() == "all-linear" else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+    return (
+        "all-linear"
+        if cfg.lora_target.strip() == "all-linear"
+        else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+    )
 
 
 def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
@@ -21,14 +25,21 @@ def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
     from peft import LoraConfig, TaskType, get_peft_model
 
     targets = _lora_targets(cfg)
-    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r, lora_dropout=cfg.lora_dropout, target_modules=targets,
-                        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM)
+    config = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise RecipeError(f"lora_target={cfg.lora_target!r} does not fit {cfg.model} ({str(e).splitlines()[0][:160]}); its linear "
-                          f"layers are named {', '.join(names)}: pass some of those (or all-linear)") from None
+        raise RecipeError(
+            f"lora_target={cfg.lora_target!r} does not fit {cfg.model} ({str(e).splitlines()[0][:160]}); its linear "
+            f"layers are named {', '.join(names)}: pass some of those (or all-linear)"
+        ) from None
 
 
 def resolve_model_path(name: str) -> str:
@@ -48,8 +59,10 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
-        raise RecipeError(f"no tokenizer could be loaded from {source!r} ({type(e).__name__}: {str(e)[:160]}); "
-                          "pass --tokenizer with a tokenizer id or directory") from None
+        raise RecipeError(
+            f"no tokenizer could be loaded from {source!r} ({type(e).__name__}: {str(e)[:160]}); "
+            "pass --tokenizer with a tokenizer id or directory"
+        ) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
@@ -61,16 +74,27 @@ def load_model_config(cfg: FinetuneConfig, model_path: str) -> Any:
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model={cfg.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
-                          "pass a local directory or check the id and the network") from None
+        raise RecipeError(
+            f"model={cfg.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
+            "pass a local directory or check the id and the network"
+        ) from None
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and cfg.seq_len > limit:
-        raise RecipeError(f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; use --seq-len {limit} or less")
+        raise RecipeError(
+            f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; use --seq-len {limit} or less"
+        )
     return config
 
 
-def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int, *, rank0_only: bool = False,
-               skeleton: bool = False) -> Any:
+def load_model(
+    cfg: FinetuneConfig,
+    model_path: str,
+    task: str,
+    num_labels: int,
+    *,
+    rank0_only: bool = False,
+    skeleton: bool = False,
+) -> Any:
     """The pretrained model in fp32 (mixed precision computes in bf16/fp16 from fp32 master weights).
     ``rank0_only``: only rank 0 reads the weights, the other ranks build on the meta device and get
     their shards by broadcast in prepare_model. ``skeleton``: the architecture on the meta device,
@@ -84,7 +108,11 @@ def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int,
     if skeleton:
         with torch.device("meta"):
             return auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    kwargs: dict[str, Any] = {"trust_remote_code": cfg.trust_remote_code, "dtype": torch.float32, "use_safetensors": None}
+    kwargs: dict[str, Any] = {
+        "trust_remote_code": cfg.trust_remote_code,
+        "dtype": torch.float32,
+        "use_safetensors": None,
+    }
     if task == "classification":
         kwargs["num_labels"] = num_labels
     try:
@@ -92,7 +120,9 @@ def load_model(cfg: FinetuneConfig, model_path: str, task: str, num_labels: int,
             return from_pretrained_for_fsdp(auto_class, model_path, **kwargs)
         return auto_class.from_pretrained(model_path, **kwargs)
     except (OSError, ValueError) as e:
-        raise RecipeError(f"model={cfg.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})") from None
+        raise RecipeError(
+            f"model={cfg.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int) -> tuple[Any, str]:
@@ -110,16 +140,38 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
         # master weights under mixed precision), so that is what the plan must count.
         # A LoRA run plans for its adapters (which also opens the 4-bit base rung), not a full fine-tune.
-        trainable: Any = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target_modules": _lora_targets(cfg),
-                           "task_type": "SEQ_CLS" if task == "classification" else "CAUSAL_LM"} if cfg.lora_r else "all"
-        plan = plan_policy(model_path, budget=cfg.memory_budget, seq_len=cfg.seq_len, batch_size=batch, device=device_type,
-                           world_size=world, task=task, step_in_backward=in_backward, dtype="fp32", trainable=trainable)
+        trainable: Any = (
+            {
+                "r": cfg.lora_r,
+                "lora_alpha": cfg.lora_alpha or 2 * cfg.lora_r,
+                "target_modules": _lora_targets(cfg),
+                "task_type": "SEQ_CLS" if task == "classification" else "CAUSAL_LM",
+            }
+            if cfg.lora_r
+            else "all"
+        )
+        plan = plan_policy(
+            model_path,
+            budget=cfg.memory_budget,
+            seq_len=cfg.seq_len,
+            batch_size=batch,
+            device=device_type,
+            world_size=world,
+            task=task,
+            step_in_backward=in_backward,
+            dtype="fp32",
+            trainable=trainable,
+        )
     except (ValueError, TypeError, RuntimeError, OSError) as e:
-        raise RecipeError(f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
-                          "pass --policy explicitly") from None
+        raise RecipeError(
+            f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
+            "pass --policy explicitly"
+        ) from None
     if not plan.fits:
-        raise RecipeError(f"policy=auto: nothing fits memory_budget={cfg.memory_budget}; raise --memory-budget, "
-                          f"lower --seq-len/--batch-size, or use more devices:\n{plan.table()}")
+        raise RecipeError(
+            f"policy=auto: nothing fits memory_budget={cfg.memory_budget}; raise --memory-budget, "
+            f"lower --seq-len/--batch-size, or use more devices:\n{plan.table()}"
+        )
     return plan.policy, plan.table()
 
 
@@ -135,9 +187,13 @@ def choose_route(policy: Any, precision: Any, device_type: str) -> Route:
     else:
         route = "fully_shard"
     if route == "fully_shard" and precision.name == "fp16":
-        raise RecipeError(f"policy={policy.to_string()!r}: fp16 with fsdp:hybrid_shard is not supported: Accelerate's loss scaler "
-                          "does not reach an optimizer it has not prepared; use bf16, or fsdp (full_shard) through Accelerate's plugin")
+        raise RecipeError(
+            f"policy={policy.to_string()!r}: fp16 with fsdp:hybrid_shard is not supported: Accelerate's loss scaler "
+            "does not reach an optimizer it has not prepared; use bf16, or fsdp (full_shard) through Accelerate's plugin"
+        )
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and route == "none":
-        raise RecipeError(f"launched with an Accelerate FSDP config but policy={policy.to_string()!r} has no fsdp; add it "
-                          "(e.g. --policy bf16+ckpt+fsdp) or launch with recipes/configs/multi-gpu-ddp.yaml")
+        raise RecipeError(
+            f"launched with an Accelerate FSDP config but policy={policy.to_string()!r} has no fsdp; add it "
+            "(e.g. --policy bf16+ckpt+fsdp) or launch with recipes/configs/multi-gpu-ddp.yaml"
+        )
     return route

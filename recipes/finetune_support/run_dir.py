@@ -56,14 +56,22 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
             raise ValueError("no 'files' list")
     except (ValueError, UnicodeDecodeError) as e:
-        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({e}); the recipe cannot tell its files "
-                          "from yours: choose another --output-dir") from None
-    outside = [f"{kind}: {name!r}" for kind in ("files", "dirs", "trees") for name in manifest_entries(manifest, kind)
-               if _relative_inside(name) is None]
+        raise RecipeError(
+            f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({e}); the recipe cannot tell its files "
+            "from yours: choose another --output-dir"
+        ) from None
+    outside = [
+        f"{kind}: {name!r}"
+        for kind in ("files", "dirs", "trees")
+        for name in manifest_entries(manifest, kind)
+        if _relative_inside(name) is None
+    ]
     if outside:
-        raise RecipeError(f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory (or no path at all), which "
-                          f"the recipe never writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
-                          "entries (or the manifest, to keep every file) or choose another --output-dir")
+        raise RecipeError(
+            f"output_dir={str(out)!r}: its {MANIFEST} lists names outside the directory (or no path at all), which "
+            f"the recipe never writes ({', '.join(outside[:5])}): it was edited, so nothing was removed or written. Remove those "
+            "entries (or the manifest, to keep every file) or choose another --output-dir"
+        )
     return manifest
 
 
@@ -102,7 +110,9 @@ class RunDir:
     claimed in the manifest before it is written, so --overwrite can remove exactly those."""
 
     path: Path
-    manifest: dict[str, Any] = field(default_factory=lambda: {"recipe": "hf_memstack/recipes/finetune.py", "files": [], "dirs": [], "trees": []})
+    manifest: dict[str, Any] = field(
+        default_factory=lambda: {"recipe": "hf_memstack/recipes/finetune.py", "files": [], "dirs": [], "trees": []}
+    )
 
     def claim(self, name: str, kind: Literal["files", "dirs", "trees"] = "files", *, atomic: bool = True) -> Path:
         """Record ``name`` (relative; a file, a directory removed only if empty, or a tree the
@@ -161,8 +171,12 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     if not m:
         return Checkpoint(step, path, "its name is not step-N (a .tmp folder is a save that never finished)")
     if manifest.is_symlink():
-        return Checkpoint(step, path, f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
-                                      "saves one, so it was altered; resume from a checkpoint this recipe wrote")
+        return Checkpoint(
+            step,
+            path,
+            f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
+            "saves one, so it was altered; resume from a checkpoint this recipe wrote",
+        )
     if not manifest.is_file():
         return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
     try:
@@ -174,13 +188,19 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
         link = _symlink_inside(path, name)
         if link is not None:
             # The sizes could still match: a symlink would resume from a file outside the checkpoint.
-            return Checkpoint(step, path, f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
-                                          "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
-                                          "wrote, or replace the link by the file itself")
+            return Checkpoint(
+                step,
+                path,
+                f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
+                "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
+                "wrote, or replace the link by the file itself",
+            )
         if not f.is_file():
             return Checkpoint(step, path, f"{name} is missing")
         if f.stat().st_size != size:
-            return Checkpoint(step, path, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or replaced)")
+            return Checkpoint(
+                step, path, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or replaced)"
+            )
     try:
         json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -226,8 +246,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
                 raise ValueError(f"{key}={state.get(key)!r} is not a step count")
         return state
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise RecipeError(f"resume_from={str(path)!r}: trainer_state.json is not a readable checkpoint state ({type(e).__name__}: "
-                          f"{str(e)[:120]}; truncated by a crash?); resume from an earlier checkpoint or start again") from None
+        raise RecipeError(
+            f"resume_from={str(path)!r}: trainer_state.json is not a readable checkpoint state ({type(e).__name__}: "
+            f"{str(e)[:120]}; truncated by a crash?); resume from an earlier checkpoint or start again"
+        ) from None
 
 
 @dataclass
@@ -254,9 +276,11 @@ def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
     for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed]):
         path = _owned_path(out, name)
         if path is not None and path.is_symlink():
-            raise RecipeError(f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
-                              f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
-                              "folder it points to is kept) or choose another --output-dir")
+            raise RecipeError(
+                f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
+                f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
+                "folder it points to is kept) or choose another --output-dir"
+            )
 
 
 def plan_output(cfg: FinetuneConfig) -> OutputPlan:
@@ -271,18 +295,29 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
         raise RecipeError(f"output_dir={cfg.output_dir!r} is a file, not a directory; choose another --output-dir")
     ancestor = next(p for p in [out, *out.parents] if p.exists())
     if not ancestor.is_dir():
-        raise RecipeError(f"output_dir={cfg.output_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir")
+        raise RecipeError(
+            f"output_dir={cfg.output_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir"
+        )
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise RecipeError(f"output_dir={cfg.output_dir!r}: {ancestor} is not writable; choose a directory you can write to")
+        raise RecipeError(
+            f"output_dir={cfg.output_dir!r}: {ancestor} is not writable; choose a directory you can write to"
+        )
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     manifest = read_manifest(out) if entries else None
     plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out))
-    foreign = (f"output_dir={cfg.output_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
-               f"{', ...' if len(entries) > 5 else ''}); choose an empty or new --output-dir (nothing was changed)")
+    foreign = (
+        f"output_dir={cfg.output_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
+        f"{', ...' if len(entries) > 5 else ''}); choose an empty or new --output-dir (nothing was changed)"
+    )
     if entries and manifest is None:
         if cfg.overwrite:
-            raise RecipeError(foreign.replace("; choose", "; --overwrite only removes files the recipe wrote itself (listed in "
-                                              f"{MANIFEST}), so it leaves them alone: choose"))
+            raise RecipeError(
+                foreign.replace(
+                    "; choose",
+                    "; --overwrite only removes files the recipe wrote itself (listed in "
+                    f"{MANIFEST}), so it leaves them alone: choose",
+                )
+            )
         raise RecipeError(foreign)
     _refuse_linked_folders(out, manifest)
     checkpoints = list_checkpoints(out)
@@ -292,8 +327,10 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
         if not complete:
             broken = [c for c in checkpoints]
             if broken:
-                raise RecipeError(f"resume_from='latest': {broken[-1].path} is incomplete ({broken[-1].problem}) and no complete "
-                                  "checkpoint is left; delete it to start again, or resume from a copy")
+                raise RecipeError(
+                    f"resume_from='latest': {broken[-1].path} is incomplete ({broken[-1].problem}) and no complete "
+                    "checkpoint is left; delete it to start again, or resume from a copy"
+                )
             plan.notes.append(f"resume_from=latest: no checkpoint in {out} yet: starting from step 0")
             plan.reference = manifest.get("run") if manifest else None
             return plan
@@ -302,9 +339,11 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
         _resume_from(cfg, plan, checkpoints, entries, out)
     elif entries:
         if not cfg.overwrite:
-            raise RecipeError(f"output_dir={cfg.output_dir!r} already holds a run of this recipe; continue it with --resume-from latest, "
-                              "replace it with --overwrite (removes only the files the recipe wrote; yours are kept), "
-                              "or choose another --output-dir")
+            raise RecipeError(
+                f"output_dir={cfg.output_dir!r} already holds a run of this recipe; continue it with --resume-from latest, "
+                "replace it with --overwrite (removes only the files the recipe wrote; yours are kept), "
+                "or choose another --output-dir"
+            )
         plan.overwrite = True
     if plan.resume is not None:
         plan.reference = read_trainer_state(plan.resume.path)["run"]
@@ -317,29 +356,39 @@ def _latest(checkpoints: list[Checkpoint], complete: list[Checkpoint]) -> Checkp
     later_broken = [c for c in checkpoints if c.problem and c.step > newest.step]
     if later_broken:
         c = later_broken[-1]
-        raise RecipeError(f"resume_from='latest': {c.path} is newer than the last complete checkpoint but incomplete "
-                          f"({c.problem}); it was not written by this recipe's saves (they rename only finished folders): "
-                          f"delete it to resume from {newest.path.name}")
+        raise RecipeError(
+            f"resume_from='latest': {c.path} is newer than the last complete checkpoint but incomplete "
+            f"({c.problem}); it was not written by this recipe's saves (they rename only finished folders): "
+            f"delete it to resume from {newest.path.name}"
+        )
     return newest
 
 
-def _resume_from(cfg: FinetuneConfig, plan: OutputPlan, checkpoints: list[Checkpoint], entries: list[str], out: Path) -> None:
+def _resume_from(
+    cfg: FinetuneConfig, plan: OutputPlan, checkpoints: list[Checkpoint], entries: list[str], out: Path
+) -> None:
     """--resume-from CHECKPOINT: it must be complete; another run's needs --overwrite of this one; an
     earlier one of this run abandons the later ones only with --discard-later-checkpoints."""
     path = Path(cfg.resume_from)
     if not path.is_dir():
-        raise RecipeError(f"resume_from={cfg.resume_from!r}: no such directory; pass a checkpoints/step-N folder or 'latest'")
+        raise RecipeError(
+            f"resume_from={cfg.resume_from!r}: no such directory; pass a checkpoints/step-N folder or 'latest'"
+        )
     ckpt = inspect_checkpoint(path)
     if ckpt.problem:
-        raise RecipeError(f"resume_from={cfg.resume_from!r}: not a complete checkpoint: {ckpt.problem}; "
-                          "pass a complete checkpoints/step-N folder (or 'latest')")
+        raise RecipeError(
+            f"resume_from={cfg.resume_from!r}: not a complete checkpoint: {ckpt.problem}; "
+            "pass a complete checkpoints/step-N folder (or 'latest')"
+        )
     plan.resume = ckpt
     inside = path.parent == out / "checkpoints"
     if entries and not inside:
         if not cfg.overwrite:
-            raise RecipeError(f"resume_from={cfg.resume_from!r} belongs to another run, and output_dir={cfg.output_dir!r} "
-                              "already holds a run; resume into an empty --output-dir, or add --overwrite to replace that run "
-                              "(only the files the recipe wrote are removed)")
+            raise RecipeError(
+                f"resume_from={cfg.resume_from!r} belongs to another run, and output_dir={cfg.output_dir!r} "
+                "already holds a run; resume into an empty --output-dir, or add --overwrite to replace that run "
+                "(only the files the recipe wrote are removed)"
+            )
         plan.overwrite = True
     if inside:
         if cfg.overwrite:
@@ -349,7 +398,8 @@ def _resume_from(cfg: FinetuneConfig, plan: OutputPlan, checkpoints: list[Checkp
             raise RecipeError(
                 f"resume_from={cfg.resume_from!r}: later checkpoints exist ({', '.join(c.path.name for c in later)}); "
                 "resuming from an earlier one abandons them. Continue from the newest with --resume-from latest, "
-                "branch into a new --output-dir (both runs are kept), or add --discard-later-checkpoints to delete them")
+                "branch into a new --output-dir (both runs are kept), or add --discard-later-checkpoints to delete them"
+            )
         plan.discard = later
 
 
@@ -359,12 +409,18 @@ def compare_runs(reference: dict[str, Any], now: dict[str, Any], *, where: str, 
     Raises:
         RecipeError: naming each differing field with both values.
     """
-    diffs = [f"{k}: {reference.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(reference) | set(now))
-             if reference.get(k) != now.get(k)]
+    diffs = [
+        f"{k}: {reference.get(k)!r} there, {now.get(k)!r} now"
+        for k in sorted(set(reference) | set(now))
+        if reference.get(k) != now.get(k)
+    ]
     if diffs and not allow:
-        raise RecipeError(f"resume: {where} was made with different settings that change the run:\n  - " + "\n  - ".join(diffs)
-                          + "\nResume with the same settings (its run_config.yaml is next to it: --config that file), or pass "
-                          "--allow-config-change to continue with the new ones")
+        raise RecipeError(
+            f"resume: {where} was made with different settings that change the run:\n  - "
+            + "\n  - ".join(diffs)
+            + "\nResume with the same settings (its run_config.yaml is next to it: --config that file), or pass "
+            "--allow-config-change to continue with the new ones"
+        )
     return diffs
 
 

@@ -19,8 +19,18 @@ def _model(vocab_size=128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=vocab_size,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).train()
 
 
 def _make(n):
@@ -45,7 +55,9 @@ def _scenarios(rank, world, cache_dirs):
     out = {}
 
     def find(**kwargs):
-        r = find_batch_size(model, kwargs.pop("make", _make), opt, **{"cache": False, "global_batch_size": GLOBAL, **kwargs})
+        r = find_batch_size(
+            model, kwargs.pop("make", _make), opt, **{"cache": False, "global_batch_size": GLOBAL, **kwargs}
+        )
         return r.batch_size, r.world_size, r.grad_accum, r.cache, [(p.batch_size, p.fits) for p in r.probes]
 
     out["agree"] = _outcome(lambda: find(budget=[LARGE, SMALL][rank]))
@@ -137,15 +149,23 @@ def _fsdp(rank, world):
     train_step(model, _make(2), opt)
     with simulated_memory_limit("1GiB", count=[model, opt]) as mem:
         train_step(model, _make(2), opt)
-    return result.batch_size, [(p.batch_size, p.fits) for p in result.probes], peak_at_2, mem.peak_bytes, restored, clean
+    return (
+        result.batch_size,
+        [(p.batch_size, p.fits) for p in result.probes],
+        peak_at_2,
+        mem.peak_bytes,
+        restored,
+        clean,
+    )
 
 
 def test_fsdp_counts_local_shards_and_restores_them():
     from hf_memstack import prepare_model
     from hf_memstack.accounting import model_state_bytes
 
-    (bs0, probes0, peak0, direct0, restored0, clean0), (bs1, probes1, peak1, direct1, restored1, clean1) = \
-        run_ranks(_fsdp, world=2)
+    (bs0, probes0, peak0, direct0, restored0, clean0), (bs1, probes1, peak1, direct1, restored1, clean1) = run_ranks(
+        _fsdp, world=2
+    )
     assert bs0 == bs1 >= 2 and probes0 == probes1 and restored0 and restored1 and clean0 and clean1
     # Each rank's probe is the step's real peak on that rank: its local shards of the weights,
     # gradients and optimizer state plus what the step allocates. Counting the global sizes of the

@@ -16,8 +16,18 @@ def _model(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).train()
 
 
 def _batch(step, lo=0, hi=GLOBAL_BATCH):
@@ -346,9 +356,15 @@ def _preflight_failures(rank, world, directory):
     tvm = MemoryPolicy(precision="fp32", compile={"mode": "regional", "backend": "tvm"}, fsdp="full_shard")
     results = {
         "policy": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else "fp32+fsdp+warp")),
-        "prepared": outcome(lambda: prepare_model(_model() if rank == 0 else prepare_model(_model(), "fp32"), "fp32+fsdp")),
+        "prepared": outcome(
+            lambda: prepare_model(_model() if rank == 0 else prepare_model(_model(), "fp32"), "fp32+fsdp")
+        ),
         "backend": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else tvm)),
-        "blocks": outcome(lambda: prepare_model(_model() if rank == 0 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "fp32+fsdp")),
+        "blocks": outcome(
+            lambda: prepare_model(
+                _model() if rank == 0 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "fp32+fsdp"
+            )
+        ),
         "load": outcome(lambda: from_pretrained_for_fsdp(AutoModelForCausalLM, f"{directory}/no-such-model")),
     }
     model = prepare_model(_model(), "fp32+fsdp")
@@ -372,10 +388,16 @@ def test_one_rank_failing_its_checks_fails_every_rank_without_hanging(tmp_path):
     for case, (kind, message) in ((c, r0[c]) for c in ("policy", "prepared", "backend", "blocks")):
         assert kind == "DistributedMismatchError" and "rank(s) [1]" in message, (case, message)
     assert r1["prepared"][0] == "RuntimeError" and "already prepared" in r1["prepared"][1]
-    assert r1["backend"][0] == "RuntimeError" and "'tvm' needs" in r1["backend"][1] and "'tvm' needs" in r0["backend"][1]
+    assert (
+        r1["backend"][0] == "RuntimeError" and "'tvm' needs" in r1["backend"][1] and "'tvm' needs" in r0["backend"][1]
+    )
     assert r1["blocks"][0] == "ValueError" and "cannot find repeated blocks" in r1["blocks"][1]
     assert r0["load"][0] in ("OSError", "ValueError") and r1["load"][0] == "DistributedMismatchError"
     assert "rank 0 could not load" in r1["load"][1]
     for r in (r0, r1):
-        assert r["manifest"][0] == "ValueError" and "no hf_memstack_checkpoint.json" in r["manifest"][1] and "trusted=True" in r["manifest"][1]
+        assert (
+            r["manifest"][0] == "ValueError"
+            and "no hf_memstack_checkpoint.json" in r["manifest"][1]
+            and "trusted=True" in r["manifest"][1]
+        )
         assert r["trusted"] == (None, "")

@@ -12,15 +12,29 @@ from dist_utils import run_ranks
 pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
-POLICIES = ["fp32+ckpt+fsdp+loss:chunked", "fp32+ckpt:selective:alternate+fsdp", "fp32+fsdp+loss:chunked+optim:in_backward"]
+POLICIES = [
+    "fp32+ckpt+fsdp+loss:chunked",
+    "fp32+ckpt:selective:alternate+fsdp",
+    "fp32+fsdp+loss:chunked+optim:in_backward",
+]
 
 
 def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).train()
 
 
 def _batch(lo=0, hi=GLOBAL_BATCH):
@@ -49,7 +63,11 @@ def _sharded(rank, world):
     for policy in POLICIES:
         model = prepare_model(_model(), policy)
         report = verify(model, _batch(rank * per, (rank + 1) * per))
-        out[policy] = (report.ok, str(report), _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per))
+        out[policy] = (
+            report.ok,
+            str(report),
+            _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per),
+        )
     # An evaluation forward before the optimizer is built: the root must not stay unsharded (its
     # parameters() would then be the gathered copies, and the optimizer would update those).
     from torch.distributed.tensor import DTensor
@@ -106,7 +124,13 @@ def _pure_bf16(rank, world):
         warnings.simplefilter("always")
         _train(model, plain, rank * per, (rank + 1) * per)
     said = [str(w.message) for w in caught if "pure bf16 (weights:bf16)" in str(w.message)]
-    return dtypes, type(optimizer) is BF16AdamW, losses, said, [str(w.message) for w in rounding if "pure bf16" in str(w.message)]
+    return (
+        dtypes,
+        type(optimizer) is BF16AdamW,
+        losses,
+        said,
+        [str(w.message) for w in rounding if "pure bf16" in str(w.message)],
+    )
 
 
 def test_pure_bf16_under_fsdp_trains_with_stochastic_rounding_and_a_plain_optimizer_warns():

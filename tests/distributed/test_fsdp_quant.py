@@ -17,8 +17,18 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).train()
 
 
 def _qlora(policy):

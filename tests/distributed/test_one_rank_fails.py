@@ -26,8 +26,18 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=256, bos_token_id=1, eos_token_id=2)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).train()
 
 
 def _make(n):
@@ -88,6 +98,7 @@ def _scenarios(rank, world, directory):
         def call():
             r = find_batch_size(model, make, opt, **kwargs)
             return r.batch_size, [(p.batch_size, p.fits, p.partial) for p in r.probes]
+
         return _timed(call)
 
     def make_or_fail(n):
@@ -144,13 +155,17 @@ def _scenarios(rank, world, directory):
     out["verify_ok"] = _timed(lambda: verify(model, _make(2)).ok)  # every rank well: no error, the same verdict
     model, opt = sharded()
     # Each rank valid alone, but the ranks disagree: rank 0 steps an optimizer, rank 1 does not (was: a hang).
-    out["measure_optimizer_on_one_rank"] = _timed(lambda: measure_step(model, _make(2), opt if rank == 0 else None, timed=False).peak_bytes)
+    out["measure_optimizer_on_one_rank"] = _timed(
+        lambda: measure_step(model, _make(2), opt if rank == 0 else None, timed=False).peak_bytes
+    )
     out["vocab_verify"] = _timed(lambda: verify(chunked(), out_of_vocabulary()).ok)
     out["vocab_measure"] = _timed(lambda: measure_step(chunked(), out_of_vocabulary(), None, timed=False).peak_bytes)
     out["checkpoint"] = _checkpoints(rank, sharded, directory)
     os.environ["LOCAL_WORLD_SIZE"] = "0"
     out["local_world_size"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
-    os.environ["LOCAL_WORLD_SIZE"] = ["1", "2"][rank]  # each a divisor of the world size: only their difference is wrong
+    os.environ["LOCAL_WORLD_SIZE"] = ["1", "2"][
+        rank
+    ]  # each a divisor of the world size: only their difference is wrong
     out["local_world_size_differs"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
     return out
 
@@ -177,7 +192,9 @@ def test_make_batch_failing_on_one_rank_ends_every_rank(ranks):
 def test_loss_fn_failing_on_one_rank_ends_every_rank_before_the_backward(ranks):
     (kind0, msg0), (kind1, msg1) = _both(ranks, "loss_fn")
     assert kind1 == "ValueError" and "rank 1's loss_fn cannot score this batch" in msg1
-    assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: rank 1's loss_fn cannot score this batch" in msg0
+    assert (
+        kind0 == "DistributedMismatchError" and "rank 1: ValueError: rank 1's loss_fn cannot score this batch" in msg0
+    )
 
 
 def test_a_bad_budget_or_argument_on_one_rank_ends_every_rank(ranks):
@@ -194,7 +211,9 @@ def test_out_of_memory_on_one_rank_is_an_outcome_on_every_rank(ranks):
     # see exactly those probes as out of memory, run the same probes and agree on a size below 8.
     ((kind0, (size0, probes0)), (kind1, (size1, probes1))) = _both(ranks, "oom_in_make_batch")
     assert kind0 == kind1 == "ok" and size0 == size1 and probes0 == probes1
-    assert all((not fits and partial) == (n >= 8) for n, fits, partial in probes0) and any(n >= 8 for n, _, _ in probes0)
+    assert all((not fits and partial) == (n >= 8) for n, fits, partial in probes0) and any(
+        n >= 8 for n, _, _ in probes0
+    )
     assert size0 == max(n for n, fits, _ in probes0 if fits) < 8
 
 
@@ -215,7 +234,9 @@ def test_a_forged_checkpoint_on_one_rank_runs_no_code_and_ends_every_rank(ranks)
     (kind0, msg0), (kind1, msg1) = _both(ranks, "checkpoint")
     assert not ranks[0]["marker"]
     assert kind1 == "UntrustedCheckpointError" and "names the global posix.system" in msg1 and "trusted=True" in msg1
-    assert kind0 == "DistributedMismatchError" and "rank 1: UntrustedCheckpointError:" in msg0 and "posix.system" in msg0
+    assert (
+        kind0 == "DistributedMismatchError" and "rank 1: UntrustedCheckpointError:" in msg0 and "posix.system" in msg0
+    )
 
 
 def test_local_world_size_zero_under_hybrid_shard_is_a_clear_error(ranks):
@@ -225,12 +246,17 @@ def test_local_world_size_zero_under_hybrid_shard_is_a_clear_error(ranks):
 
 
 def test_different_search_arguments_on_the_ranks_end_every_rank(ranks):
-    for case, field in (("different_cap", "max_batch_size=4 where rank 0 has 32"), ("different_mode", "mode='eval' where rank 0 has 'train'"),
-                        ("different_global_batch", "global_batch_size=8 where rank 0 has 64")):
+    for case, field in (
+        ("different_cap", "max_batch_size=4 where rank 0 has 32"),
+        ("different_mode", "mode='eval' where rank 0 has 'train'"),
+        ("different_global_batch", "global_batch_size=8 where rank 0 has 64"),
+    ):
         for kind, message in _both(ranks, case):
             assert kind == "DistributedMismatchError" and f"rank 1: {field}" in message, (case, message)
     for kind, message in _both(ranks, "different_steps"):
-        assert kind == "DistributedMismatchError" and "rank 0 at 'step a'" in message and "rank 1 at 'step b'" in message
+        assert (
+            kind == "DistributedMismatchError" and "rank 0 at 'step a'" in message and "rank 1 at 'step b'" in message
+        )
 
 
 def test_ids_outside_the_vocabulary_on_one_rank_end_every_rank_with_that_message(ranks):
@@ -239,12 +265,16 @@ def test_ids_outside_the_vocabulary_on_one_rank_end_every_rank_with_that_message
     for case in ("vocab_verify", "vocab_measure"):
         (kind0, msg0), (kind1, msg1) = _both(ranks, case)
         assert kind1 == "ValueError" and "input_ids holds id 999" in msg1 and "256 ids" in msg1, (case, msg1)
-        assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: loss:chunked: input_ids holds id 999" in msg0, (case, msg0)
+        assert (
+            kind0 == "DistributedMismatchError" and "rank 1: ValueError: loss:chunked: input_ids holds id 999" in msg0
+        ), (case, msg0)
 
 
 def test_the_meter_given_an_optimizer_on_one_rank_only_ends_every_rank(ranks):
     for kind, message in _both(ranks, "measure_optimizer_on_one_rank"):
-        assert kind == "DistributedMismatchError" and "rank 1: optimizer=False where rank 0 has True" in message, message
+        assert kind == "DistributedMismatchError" and "rank 1: optimizer=False where rank 0 has True" in message, (
+            message
+        )
 
 
 def test_different_local_world_sizes_under_hybrid_shard_end_every_rank(ranks):

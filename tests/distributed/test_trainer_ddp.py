@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-SCRIPT = '''
+SCRIPT = """
 import json, sys, torch
 from transformers import DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -36,13 +36,22 @@ trainer.train()
 if trainer.is_world_process_zero():
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("RESULT " + json.dumps({"world": args.world_size, "accum": args.gradient_accumulation_steps, "losses": losses}))
-'''
+"""
 
 
 def test_trainer_ddp_under_torchrun_counts_both_processes(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        str(tmp_path / "out"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])

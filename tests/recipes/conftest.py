@@ -35,12 +35,21 @@ def tiny_lm(tmp_path_factory):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
     model_dir = root / "model"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=len(vocab), max_position_embeddings=32,
-                                 pad_token_id=1, eos_token_id=2, bos_token_id=2,
-                                 # dropout: resume tests then also check that the RNG continues exactly
-                                 attention_dropout=0.1)).save_pretrained(model_dir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=len(vocab),
+            max_position_embeddings=32,
+            pad_token_id=1,
+            eos_token_id=2,
+            bos_token_id=2,
+            # dropout: resume tests then also check that the RNG continues exactly
+            attention_dropout=0.1,
+        )
+    ).save_pretrained(model_dir)
     fast.save_pretrained(model_dir)
     return {"model": model_dir, "data": data, "lines": lines}
-
-

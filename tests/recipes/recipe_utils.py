@@ -39,9 +39,29 @@ def reset_accelerate() -> None:
 
 def lm_args(tiny_lm, out, *extra) -> list[str]:
     # --dist-timeout 120: a distributed bug fails the test in two minutes instead of hanging for the default 15.
-    return ["--model", str(tiny_lm["model"]), "--dataset", str(tiny_lm["data"]), "--output-dir", str(out), "--seq-len", "16",
-            "--batch-size", "8", "--lr", "3e-3", "--policy", "fp32", "--log-every", "2", "--eval-every", "0",
-            "--dist-timeout", "120", *extra]
+    return [
+        "--model",
+        str(tiny_lm["model"]),
+        "--dataset",
+        str(tiny_lm["data"]),
+        "--output-dir",
+        str(out),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+        "--policy",
+        "fp32",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "0",
+        "--dist-timeout",
+        "120",
+        *extra,
+    ]
 
 
 def snapshot(path: Path) -> dict[str, Any] | None:
@@ -57,7 +77,12 @@ def snapshot(path: Path) -> dict[str, Any] | None:
         elif p.is_dir():
             out[str(p.relative_to(path))] = ("dir", st.st_mtime_ns)
         else:
-            out[str(p.relative_to(path))] = ("file", st.st_size, st.st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            out[str(p.relative_to(path))] = (
+                "file",
+                st.st_size,
+                st.st_mtime_ns,
+                hashlib.sha256(p.read_bytes()).hexdigest(),
+            )
     return out
 
 
@@ -88,14 +113,17 @@ def launch(cmd, *, env_extra=None, timeout=600, check=True) -> subprocess.Comple
     env.pop("HF_MEMSTACK_RECIPE_TEST_HOOK", None)
     env.update(env_extra or {})
     args = [str(c) for c in cmd]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(args[:6])} ... did not finish within {timeout} s; its output so far:\n{stdout[-2000:]}\n{stderr[-4000:]}")
+        pytest.fail(
+            f"{' '.join(args[:6])} ... did not finish within {timeout} s; its output so far:\n{stdout[-2000:]}\n{stderr[-4000:]}"
+        )
     done = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     if check:
         assert done.returncode == 0, stderr[-4000:]

@@ -31,8 +31,18 @@ def test_lr_schedule_is_the_same_on_two_processes(recipe, tiny_lm, tmp_path, sch
     """Was: on 2 processes Accelerate's prepared scheduler stepped twice per optimizer step:
     --max-steps 8 --warmup-ratio 0 logged 1.5e-4, 1e-4, 5e-5, then 0 for steps 4-8."""
     # The same global batch on both: 8 x 2 accumulation on one process, 8 x 2 processes on two.
-    common = ["--max-steps", "8", "--warmup-ratio", "0.25", "--log-every", "1", "--lr-scheduler", scheduler,
-              "--global-batch-size", "16"]
+    common = [
+        "--max-steps",
+        "8",
+        "--warmup-ratio",
+        "0.25",
+        "--log-every",
+        "1",
+        "--lr-scheduler",
+        scheduler,
+        "--global-batch-size",
+        "16",
+    ]
     one = run(recipe, lm_args(tiny_lm, tmp_path / "one", *common))
     launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, tmp_path / "two", *common)])
     two = read_report(tmp_path / "two")
@@ -53,7 +63,9 @@ def test_a_one_process_checkpoint_is_not_resumed_on_two(recipe, tiny_lm, tmp_pat
     common = ["--max-steps", "4", "--save-every", "2"]
     run(recipe, lm_args(tiny_lm, out, *common, "--stop-after", "2"))
     before = snapshot(out)
-    proc = launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300)
+    proc = launch(
+        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300
+    )
     assert proc.returncode != 0
     assert "world_size: 1 there, 2 now" in proc.stderr and "--allow-config-change" in proc.stderr, proc.stderr[-3000:]
     assert f'File "{RECIPE}"' not in proc.stderr  # no traceback through the recipe (torchrun prints its own summary)
@@ -63,8 +75,12 @@ def test_a_one_process_checkpoint_is_not_resumed_on_two(recipe, tiny_lm, tmp_pat
 def test_a_failing_rank_ends_every_rank_with_its_error(tiny_lm, tmp_path):
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "30")],
-                  env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "raise@step-2@rank1"}, check=False, timeout=300)
+    proc = launch(
+        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "30")],
+        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "raise@step-2@rank1"},
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "failure injected at step-2 on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 200
@@ -76,8 +92,12 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tiny_lm, tmp_path):
     --dist-timeout, fails, and torchrun then ends rank 1."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "20")],
-                  env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "hang@step-2@rank1"}, check=False, timeout=400)
+    proc = launch(
+        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "20")],
+        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "hang@step-2@rank1"},
+        check=False,
+        timeout=400,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
@@ -90,8 +110,12 @@ def test_a_setup_error_on_one_rank_ends_every_rank_with_it(tiny_lm, tmp_path):
     the next collective; nothing is written."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "2")],
-                  env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "reject@setup@rank1"}, check=False, timeout=300)
+    proc = launch(
+        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "2")],
+        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "reject@setup@rank1"},
+        check=False,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("error: test hook: bad input injected at setup on rank 1") == 2, proc.stderr[-3000:]
     assert f'File "{RECIPE}"' not in proc.stderr

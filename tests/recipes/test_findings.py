@@ -37,12 +37,30 @@ def test_resume_from_earlier_checkpoint_refuses_then_discards_the_abandoned_bran
     run(recipe, lm_args(tiny_lm, out, *common))
     assert _checkpoints(out) == ["step-0000006", "step-0000008"]
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, *common, "--keep-last", "1", "--resume-from", out / "checkpoints" / "step-0000006"), capsys,
-          "later checkpoints exist (step-0000008)", "--resume-from latest", "new --output-dir", "--discard-later-checkpoints")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *common, "--keep-last", "1", "--resume-from", out / "checkpoints" / "step-0000006"),
+        capsys,
+        "later checkpoints exist (step-0000008)",
+        "--resume-from latest",
+        "new --output-dir",
+        "--discard-later-checkpoints",
+    )
     assert snapshot(out) == before
     # Branch from step 6 for real: the abandoned step 8 and its final model go first; the new step 8 stays.
-    report = run(recipe, lm_args(tiny_lm, out, *common, "--keep-last", "1", "--resume-from", out / "checkpoints" / "step-0000006",
-                                 "--discard-later-checkpoints"))
+    report = run(
+        recipe,
+        lm_args(
+            tiny_lm,
+            out,
+            *common,
+            "--keep-last",
+            "1",
+            "--resume-from",
+            out / "checkpoints" / "step-0000006",
+            "--discard-later-checkpoints",
+        ),
+    )
     assert _checkpoints(out) == ["step-0000008"]
     state = json.loads((out / "checkpoints" / "step-0000008" / "trainer_state.json").read_text())
     assert state["step"] == 8 and report["steps"] == 8
@@ -69,12 +87,22 @@ def test_latest_never_resumes_a_tmp_folder(recipe, tiny_lm, tmp_path, capsys):
     run(recipe, lm_args(tiny_lm, out, *common, "--stop-after", "4"))
     # A save of step 6 cut short after all its files were written, even its manifest: still a .tmp.
     shutil.copytree(out / "checkpoints" / "step-0000004", out / "checkpoints" / "step-0000006.tmp")
-    fails(recipe, lm_args(tiny_lm, out, *common, "--resume-from", out / "checkpoints" / "step-0000006.tmp"), capsys,
-          "not a complete checkpoint", "a .tmp folder is a save that never finished")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *common, "--resume-from", out / "checkpoints" / "step-0000006.tmp"),
+        capsys,
+        "not a complete checkpoint",
+        "a .tmp folder is a save that never finished",
+    )
     capsys.readouterr()
     run(recipe, lm_args(tiny_lm, out, *common, "--resume-from", "latest"))
     assert "resumed from " + str(out / "checkpoints" / "step-0000004") in capsys.readouterr().out
-    assert _checkpoints(out) == ["step-0000002", "step-0000004", "step-0000006", "step-0000008"]  # the .tmp was cleaned up
+    assert _checkpoints(out) == [
+        "step-0000002",
+        "step-0000004",
+        "step-0000006",
+        "step-0000008",
+    ]  # the .tmp was cleaned up
 
 
 def test_truncated_trainer_state_is_a_clear_error(recipe, tiny_lm, tmp_path, capsys):
@@ -85,9 +113,14 @@ def test_truncated_trainer_state_is_a_clear_error(recipe, tiny_lm, tmp_path, cap
     state = out / "checkpoints" / "step-0000004" / "trainer_state.json"
     state.write_text(state.read_text()[:40])
     before = snapshot(out)
-    err = fails(recipe, lm_args(tiny_lm, out, *common, "--resume-from", "latest"), capsys,
-                "step-0000004 is newer than the last complete checkpoint but incomplete", "trainer_state.json has 40 bytes",
-                "delete it to resume from step-0000002")
+    err = fails(
+        recipe,
+        lm_args(tiny_lm, out, *common, "--resume-from", "latest"),
+        capsys,
+        "step-0000004 is newer than the last complete checkpoint but incomplete",
+        "trainer_state.json has 40 bytes",
+        "delete it to resume from step-0000002",
+    )
     assert "JSONDecodeError" not in err and "Traceback" not in err
     # Even when the manifest agrees with the truncated size, it is a named error, not a traceback.
     manifest = out / "checkpoints" / "step-0000004" / "checkpoint.json"
@@ -95,8 +128,12 @@ def test_truncated_trainer_state_is_a_clear_error(recipe, tiny_lm, tmp_path, cap
     m["files"]["trainer_state.json"] = 40
     manifest.write_text(json.dumps(m))
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, *common, "--resume-from", out / "checkpoints" / "step-0000004"), capsys,
-          "not a complete checkpoint: trainer_state.json is not readable JSON")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *common, "--resume-from", out / "checkpoints" / "step-0000004"),
+        capsys,
+        "not a complete checkpoint: trainer_state.json is not readable JSON",
+    )
     assert snapshot(out) == before
 
 
@@ -124,9 +161,16 @@ def test_resume_into_a_new_directory_compares_the_settings(recipe, tiny_lm, tmp_
     ckpt = tmp_path / "a" / "checkpoints" / "step-0000004"
     b = tmp_path / "b"
     changed = ["--batch-size", "16", "--lr", "0.5", "--policy", "bf16"]
-    fails(recipe, lm_args(tiny_lm, b, *common, *changed, "--resume-from", ckpt), capsys,
-          "different settings that change the run", "batch_size: '8' there, '16' now", "lr: 0.003 there, 0.5 now",
-          "policy: 'fp32' there, 'bf16' now", "--allow-config-change")
+    fails(
+        recipe,
+        lm_args(tiny_lm, b, *common, *changed, "--resume-from", ckpt),
+        capsys,
+        "different settings that change the run",
+        "batch_size: '8' there, '16' now",
+        "lr: 0.003 there, 0.5 now",
+        "policy: 'fp32' there, 'bf16' now",
+        "--allow-config-change",
+    )
     assert not b.exists()
     # With --allow-config-change the requested values are the ones that run, and the ones recorded.
     report = run(recipe, lm_args(tiny_lm, b, *common, *changed, "--resume-from", ckpt, "--allow-config-change"))
@@ -162,13 +206,19 @@ def test_changed_data_is_refused_on_resume(recipe, tiny_lm, tmp_path, capsys):
 # ----------------------------------------------------------------------------- failures after writing, types
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    (["--lr", "nan"], "lr=nan is not a finite number"),
-    (["--epochs", "inf", "--max-steps", "0"], "epochs=inf is not a finite number"),
-    (["--lr-scheduler", "cosinee"], "lr_scheduler='cosinee' is not a transformers scheduler (did you mean 'cosine'?)"),
-    (["--policy", "BACKEND_NOPE"], "compile.backend='nope' is not a torch.compile backend"),
-    (["--batch-size", "auto", "--memory-budget", "100KB"], "batch_size=auto with memory_budget='100KB'"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        (["--lr", "nan"], "lr=nan is not a finite number"),
+        (["--epochs", "inf", "--max-steps", "0"], "epochs=inf is not a finite number"),
+        (
+            ["--lr-scheduler", "cosinee"],
+            "lr_scheduler='cosinee' is not a transformers scheduler (did you mean 'cosine'?)",
+        ),
+        (["--policy", "BACKEND_NOPE"], "compile.backend='nope' is not a torch.compile backend"),
+        (["--batch-size", "auto", "--memory-budget", "100KB"], "batch_size=auto with memory_budget='100KB'"),
+    ],
+)
 def test_setup_errors_leave_nothing_and_the_next_run_works(recipe, tiny_lm, tmp_path, capsys, bad, fragment):
     """Was: these failed after run_config.yaml was written; the traceback left a directory that
     the next run with the same --output-dir refused as 'a different run'."""
@@ -182,12 +232,15 @@ def test_setup_errors_leave_nothing_and_the_next_run_works(recipe, tiny_lm, tmp_
     assert run(recipe, lm_args(tiny_lm, out, "--max-steps", "2"))["steps"] == 2
 
 
-@pytest.mark.parametrize("yaml_text, fragment", [
-    ("lr: [1, 2]\n", "lr=[1, 2] (list) must be float"),
-    ("seq_len: null\n", "seq_len=None (NoneType) must be int"),
-    ("5\n", "holds a int ('5'), not a mapping"),
-    ("grad_clip: .nan\n", "grad_clip=nan is not a finite number"),
-])
+@pytest.mark.parametrize(
+    "yaml_text, fragment",
+    [
+        ("lr: [1, 2]\n", "lr=[1, 2] (list) must be float"),
+        ("seq_len: null\n", "seq_len=None (NoneType) must be int"),
+        ("5\n", "holds a int ('5'), not a mapping"),
+        ("grad_clip: .nan\n", "grad_clip=nan is not a finite number"),
+    ],
+)
 def test_config_file_values_of_the_wrong_type(recipe, tiny_lm, tmp_path, capsys, yaml_text, fragment):
     """Was: TypeError tracebacks for lr: [1,2], seq_len: null and a YAML file that is just 5;
     grad_clip: .nan silently turned clipping off."""
@@ -237,8 +290,12 @@ def test_gradient_accumulation_rounds_up_like_the_finder(recipe, tiny_lm, tmp_pa
 
 
 def test_stop_after_without_checkpoints_is_refused(recipe, tiny_lm, tmp_path, capsys):
-    fails(recipe, lm_args(tiny_lm, tmp_path / "out", "--max-steps", "4", "--stop-after", "2"), capsys,
-          "stop_after=2 needs --save-every")
+    fails(
+        recipe,
+        lm_args(tiny_lm, tmp_path / "out", "--max-steps", "4", "--stop-after", "2"),
+        capsys,
+        "stop_after=2 needs --save-every",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -250,7 +307,12 @@ def test_resume_latest_before_the_first_checkpoint_starts_again(recipe, tiny_lm,
     run(recipe, lm_args(tiny_lm, tmp_path / "full", *common))
     run(recipe, lm_args(tiny_lm, out, *common, "--stop-after", "2"))
     shutil.rmtree(out / "checkpoints")
-    fails(recipe, lm_args(tiny_lm, out, *common, "--lr", "1e-2", "--resume-from", "latest"), capsys, "lr: 0.003 there, 0.01 now")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *common, "--lr", "1e-2", "--resume-from", "latest"),
+        capsys,
+        "lr: 0.003 there, 0.01 now",
+    )
     capsys.readouterr()
     run(recipe, lm_args(tiny_lm, out, *common, "--resume-from", "latest"))
     assert "no checkpoint in" in capsys.readouterr().out

@@ -30,7 +30,9 @@ def test_default_run_learns(recipe, tmp_path):
     assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
     # run_config.yaml is a config file: it reproduces the run's settings.
     again = recipe.parse_config(["--config", str(out / "run_config.yaml")])
-    assert again == recipe.parse_config(["--output-dir", str(out), "--max-steps", "16", "--log-every", "4", "--eval-every", "8"])
+    assert again == recipe.parse_config(
+        ["--output-dir", str(out), "--max-steps", "16", "--log-every", "4", "--eval-every", "8"]
+    )
 
 
 def test_saved_model_loads_and_reproduces_eval(recipe, tiny_lm, tmp_path):
@@ -46,14 +48,18 @@ def test_saved_model_loads_and_reproduces_eval(recipe, tiny_lm, tmp_path):
     train, val, task, _ = recipe.load_raw_data(cfg)
     tok = recipe.load_tokenizer(cfg, str(out / "model"))
     _, val_ds, _ = recipe.tokenize(train, val, task, tok, cfg)
-    batches = [recipe.collate(tok)([val_ds[j] for j in range(i, min(i + 8, len(val_ds)))]) for i in range(0, len(val_ds), 8)]
+    batches = [
+        recipe.collate(tok)([val_ds[j] for j in range(i, min(i + 8, len(val_ds)))]) for i in range(0, len(val_ds), 8)
+    ]
     with torch.no_grad():
         loss = sum(model(**b).loss.item() for b in batches) / len(batches)
     assert loss == pytest.approx(report["final_metrics"]["eval_loss"], rel=1e-5)
 
 
 def test_prompt_response_masks_the_prompt(recipe, tiny_lm, tmp_path):
-    cfg = recipe.parse_config(lm_args(tiny_lm, tmp_path / "o", "--prompt-field", "prompt", "--response-field", "response"))
+    cfg = recipe.parse_config(
+        lm_args(tiny_lm, tmp_path / "o", "--prompt-field", "prompt", "--response-field", "response")
+    )
     train, val, task, _ = recipe.load_raw_data(cfg)
     assert task == "causal-lm"
     tok = recipe.load_tokenizer(cfg, str(tiny_lm["model"]))
@@ -62,7 +68,11 @@ def test_prompt_response_masks_the_prompt(recipe, tiny_lm, tmp_path):
     n_prompt = len(tok(train[0]["prompt"] + "\n", add_special_tokens=False)["input_ids"])
     assert row["labels"][:n_prompt] == [-100] * n_prompt
     assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:]
-    report = recipe.main(lm_args(tiny_lm, tmp_path / "pr", "--prompt-field", "prompt", "--response-field", "response", "--max-steps", "6"))
+    report = recipe.main(
+        lm_args(
+            tiny_lm, tmp_path / "pr", "--prompt-field", "prompt", "--response-field", "response", "--max-steps", "6"
+        )
+    )
     assert report["steps"] == 6
 
 
@@ -101,13 +111,29 @@ def test_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):
     report = recipe.main(lm_args(tiny_lm, tmp_path / "cut", *common, "--resume-from", "latest"))
     assert_same_weights(tmp_path / "full", tmp_path / "cut")
     # The history survives the interruption: the report covers steps 2..8 like the uninterrupted run's.
-    assert [h["step"] for h in report["history"]] == [h["step"] for h in read_report(tmp_path / "full")["history"]] == [2, 4, 6, 8]
+    assert (
+        [h["step"] for h in report["history"]]
+        == [h["step"] for h in read_report(tmp_path / "full")["history"]]
+        == [2, 4, 6, 8]
+    )
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-0000004", "step-0000008"]
 
 
 def test_batch_size_auto_with_global_batch(recipe, tiny_lm, tmp_path):
-    report = recipe.main(lm_args(tiny_lm, tmp_path / "auto", "--batch-size", "auto", "--memory-budget", "40MiB",
-                                 "--global-batch-size", "64", "--max-steps", "2"))
+    report = recipe.main(
+        lm_args(
+            tiny_lm,
+            tmp_path / "auto",
+            "--batch-size",
+            "auto",
+            "--memory-budget",
+            "40MiB",
+            "--global-batch-size",
+            "64",
+            "--max-steps",
+            "2",
+        )
+    )
     bs, acc = report["batch_size"], report["grad_accum"]
     assert 1 <= bs and acc == -(-64 // bs)
 
@@ -129,8 +155,18 @@ def test_policy_auto_with_budget_uses_the_planner(recipe, tiny_lm, tmp_path, cap
 @pytest.mark.slow
 def test_accelerate_launch_single_process(tiny_lm, tmp_path):
     out = tmp_path / "out"
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--cpu", RECIPE,
-            *lm_args(tiny_lm, out, "--max-steps", "4")])
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--num_processes",
+            "1",
+            "--cpu",
+            RECIPE,
+            *lm_args(tiny_lm, out, "--max-steps", "4"),
+        ]
+    )
     report = read_report(out)
     assert report["steps"] == 4 and report["world_size"] == 1
 
@@ -153,7 +189,11 @@ def test_torchrun_two_processes_with_fsdp_policy(tiny_lm, tmp_path):
     out = tmp_path / "out"
     launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "6", "--policy", "fp32+ckpt+fsdp")])
     report = read_report(out)
-    assert report["world_size"] == 2 and report["policy"] == "fp32+ckpt+fsdp:full_shard" and report["route"] == "fully_shard"
+    assert (
+        report["world_size"] == 2
+        and report["policy"] == "fp32+ckpt+fsdp:full_shard"
+        and report["route"] == "fully_shard"
+    )
     # On CPU prepare_model shards (Accelerate 1.15 has no CPU FSDP); only rank 0 read the weights.
     assert report["fsdp"]["by"] == "fully_shard" and report["fsdp"]["weights_from"] == "rank 0 broadcast"
     assert report["last_logged_loss"] < report["first_logged_loss"]
@@ -165,7 +205,18 @@ def test_torchrun_two_processes_with_fsdp_policy(tiny_lm, tmp_path):
 @pytest.mark.distributed
 def test_fsdp_resume_equals_uninterrupted(tiny_lm, tmp_path):
     # 6 steps of batch 4 x 2 ranks with 2 accumulation steps (global batch 16), saved at step 3.
-    common = ["--max-steps", "6", "--save-every", "3", "--policy", "fp32+fsdp", "--batch-size", "4", "--global-batch-size", "16"]
+    common = [
+        "--max-steps",
+        "6",
+        "--save-every",
+        "3",
+        "--policy",
+        "fp32+fsdp",
+        "--batch-size",
+        "4",
+        "--global-batch-size",
+        "16",
+    ]
     launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, tmp_path / "full", *common)])
     cut = tmp_path / "cut"
     launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, cut, *common, "--stop-after", "3")])
@@ -195,8 +246,19 @@ def test_accelerate_launch_fsdp_plugin_on_gpu(tiny_lm, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes/configs/fsdp.yaml",
-            "--num_processes", "1", RECIPE, *lm_args(tiny_lm, out, "--max-steps", "6", "--save-every", "3", "--policy", "bf16+ckpt+fsdp")])
+    launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            ROOT / "recipes/configs/fsdp.yaml",
+            "--num_processes",
+            "1",
+            RECIPE,
+            *lm_args(tiny_lm, out, "--max-steps", "6", "--save-every", "3", "--policy", "bf16+ckpt+fsdp"),
+        ]
+    )
     report = read_report(out)
     assert report["fsdp"]["by"].startswith("accelerator.prepare") and report["route"] == "accelerate"
     assert report["last_logged_loss"] < report["first_logged_loss"]

@@ -24,22 +24,30 @@ COMMON = ["--max-steps", "12", "--save-every", "2", "--keep-last", "2", "--globa
 
 # Each restart is killed at the next of these points (the point must be reached: exit by SIGKILL).
 KILL_POINTS = [
-    "committed",                  # run_config.yaml and the manifest written, no step yet
-    "step-3",                     # mid-training, one step after the checkpoint of step 2
-    "save-4:state-written",       # mid-save: Accelerate's files in step-4.tmp, no trainer_state, no manifest
-    "save-6:files-written",       # mid-save: every file but the manifest (step 4 was saved on the way)
-    "save-6:manifest-written",    # mid-save: complete, but still step-6.tmp (never resumed)
-    "save-8:rotating",            # step 8 renamed in; step 4's manifest gone, its folder half-removed
-    "step-11",                    # mid-training, in the second epoch
-    "model:written",              # the final model in model.tmp, not yet swapped in
+    "committed",  # run_config.yaml and the manifest written, no step yet
+    "step-3",  # mid-training, one step after the checkpoint of step 2
+    "save-4:state-written",  # mid-save: Accelerate's files in step-4.tmp, no trainer_state, no manifest
+    "save-6:files-written",  # mid-save: every file but the manifest (step 4 was saved on the way)
+    "save-6:manifest-written",  # mid-save: complete, but still step-6.tmp (never resumed)
+    "save-8:rotating",  # step 8 renamed in; step 4's manifest gone, its folder half-removed
+    "step-11",  # mid-training, in the second epoch
+    "model:written",  # the final model in model.tmp, not yet swapped in
 ]
 
 
-def _restart(args: list[str], env: dict[str, str], *, kill_at: str | None = None, kill_after_s: float | None = None) -> int:
+def _restart(
+    args: list[str], env: dict[str, str], *, kill_at: str | None = None, kill_after_s: float | None = None
+) -> int:
     """One `python recipes/finetune.py ... --resume-from latest`; returns its exit status (-9: killed)."""
     env = {**env, **({"HF_MEMSTACK_RECIPE_TEST_HOOK": f"kill@{kill_at}"} if kill_at else {})}
-    proc = subprocess.Popen([sys.executable, str(RECIPE), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(RECIPE), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     fired = threading.Event()
 
     def stop() -> None:  # nothing below can wait forever on a stuck process
@@ -74,7 +82,9 @@ def _check_resumable(recipe, out) -> None:
 def _check_same_run(recipe, reference, out) -> None:
     assert_same_weights(reference, out)
     ours, theirs = read_report(out), read_report(reference)
-    assert [(h["step"], h["loss"], h["lr"]) for h in ours["history"]] == [(h["step"], h["loss"], h["lr"]) for h in theirs["history"]]
+    assert [(h["step"], h["loss"], h["lr"]) for h in ours["history"]] == [
+        (h["step"], h["loss"], h["lr"]) for h in theirs["history"]
+    ]
     # Nothing half-written is left: the newest 2 complete checkpoints, no .tmp, no model.tmp.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000010", "step-0000012"]
     assert all(c.problem is None for c in list_checkpoints(out))
@@ -88,7 +98,13 @@ def _check_same_run(recipe, reference, out) -> None:
 def test_killed_and_resumed_equals_uninterrupted(recipe, tiny_lm, tmp_path):
     reference = tmp_path / "reference"
     run(recipe, lm_args(tiny_lm, reference, *COMMON))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("HF_MEMSTACK_RECIPE_TEST_HOOK", None)
 
     # 1. Killed at each chosen point in turn, restarted by the same command each time.
@@ -111,4 +127,6 @@ def test_killed_and_resumed_equals_uninterrupted(recipe, tiny_lm, tmp_path):
         _check_resumable(recipe, out)
     assert _restart(args, env) == 0
     _check_same_run(recipe, reference, out)
-    print(f"\nkill points survived: {len(KILL_POINTS)} chosen {KILL_POINTS} and {len(timed)} timed, after training started: {timed}")
+    print(
+        f"\nkill points survived: {len(KILL_POINTS)} chosen {KILL_POINTS} and {len(timed)} timed, after training started: {timed}"
+    )

@@ -23,7 +23,8 @@ def test_lora_learns_saves_adapters_and_merges(recipe, tiny_lm, tmp_path):
     report = run(recipe, lm_args(tiny_lm, out, *LORA, "--max-steps", "12", "--merge-lora"))
     assert report["last_logged_loss"] < 0.9 * report["first_logged_loss"], report["history"]
     assert report["lora"]["r"] == 8 and 0 < report["trainable_parameters"] < 0.5 * sum(
-        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).parameters())
+        p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).parameters()
+    )
     files = {p.name for p in (out / "model").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "merged"} <= files and "model.safetensors" not in files
     saved = _adapters(out)
@@ -35,7 +36,9 @@ def test_lora_learns_saves_adapters_and_merges(recipe, tiny_lm, tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(out / "model" / "merged").eval()
         base = AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).eval()
         assert torch.allclose(peft(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-5)
-        assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-3)  # it learned something
+        assert not torch.allclose(
+            base(input_ids=ids).logits, merged(input_ids=ids).logits, atol=1e-3
+        )  # it learned something
 
 
 def test_lora_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):

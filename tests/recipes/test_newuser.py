@@ -45,11 +45,22 @@ def test_the_finder_measures_the_batches_training_runs(recipe, tiny_lm, tmp_path
             batch = make_batch(n)
             shapes.append((n, tuple(batch["input_ids"].shape)))
             return batch
+
         return real(model, recorded, *args, **kwargs)
 
     monkeypatch.setattr(hf_memstack, "find_batch_size", spy)
-    args = lm_args(tiny_lm, tmp_path / "out", "--batch-size", "auto", "--memory-budget", "40MiB", "--global-batch-size", "64",
-                   "--max-steps", "2")
+    args = lm_args(
+        tiny_lm,
+        tmp_path / "out",
+        "--batch-size",
+        "auto",
+        "--memory-budget",
+        "40MiB",
+        "--global-batch-size",
+        "64",
+        "--max-steps",
+        "2",
+    )
     if compiled:
         args = _with_policy(args, _eager_compile_policy(tmp_path))
     reset_accelerate()
@@ -81,8 +92,20 @@ def test_the_recipe_does_not_warn_about_eval_mode(recipe, tiny_lm, tmp_path):
 @pytest.mark.slow
 def test_recipes_trainer_does_not_warn_about_eval_mode(tmp_path):
     """recipes/trainer.py (MiniLM through Trainer, with checkpointing) runs without the eval-mode warning."""
-    done = launch([sys.executable, "-W", "always", ROOT / "recipes" / "trainer.py", "--policy", "fp32+ckpt", "--max_steps", "2",
-                   "--output_dir", tmp_path / "out"])
+    done = launch(
+        [
+            sys.executable,
+            "-W",
+            "always",
+            ROOT / "recipes" / "trainer.py",
+            "--policy",
+            "fp32+ckpt",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            tmp_path / "out",
+        ]
+    )
     assert "eval mode" not in done.stderr + done.stdout, done.stderr[-3000:]
 
 
@@ -94,7 +117,11 @@ def umask_022():
 
 
 def _modes(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode)
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def test_saved_files_follow_the_umask(recipe, tiny_lm, tmp_path, umask_022):
@@ -103,7 +130,11 @@ def test_saved_files_follow_the_umask(recipe, tiny_lm, tmp_path, umask_022):
     out = tmp_path / "out"
     run(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--save-every", "2", "--lora-r", "4", "--merge-lora"))
     modes = _modes(out)
-    for name in ("model/adapter_model.safetensors", "model/merged/model.safetensors", "checkpoints/step-0000002/model.safetensors"):
+    for name in (
+        "model/adapter_model.safetensors",
+        "model/merged/model.safetensors",
+        "checkpoints/step-0000002/model.safetensors",
+    ):
         assert name in modes, sorted(modes)
     assert set(modes.values()) == {0o644}, {k: oct(v) for k, v in modes.items() if v != 0o644}
 
@@ -117,7 +148,9 @@ def test_full_model_weights_follow_the_umask(recipe, tiny_lm, tmp_path, umask_02
 def test_log_lines_say_what_they_measured(recipe, tiny_lm, tmp_path, capsys):
     """Under compile on CPU no meter measures the peak: the log says why once, and no line prints
     None. A run shorter than --log-every has one log line: the summary does not read 'loss X -> X'."""
-    args = _with_policy(lm_args(tiny_lm, tmp_path / "out", "--max-steps", "3", "--log-every", "10"), _eager_compile_policy(tmp_path))
+    args = _with_policy(
+        lm_args(tiny_lm, tmp_path / "out", "--max-steps", "3", "--log-every", "10"), _eager_compile_policy(tmp_path)
+    )
     capsys.readouterr()
     report = run(recipe, args)
     out = capsys.readouterr().out
@@ -142,7 +175,13 @@ def test_the_readme_names_checkpoints_as_the_recipe_writes_them(recipe, tiny_lm,
 def test_memory_plot_without_matplotlib_is_refused_before_anything_runs(recipe, tiny_lm, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without matplotlib sees
     out = tmp_path / "out"
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--memory-plot"), capsys, "memory_plot=True", "pip install 'hf_memstack[plot]'")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--memory-plot"),
+        capsys,
+        "memory_plot=True",
+        "pip install 'hf_memstack[plot]'",
+    )
     assert snapshot(out) is None
 
 
@@ -166,14 +205,27 @@ def test_the_readmes_main_command_ends_a_refusal_cleanly(tmp_path):
     done = launch([*command, "--bad-flag"], check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "CalledProcessError" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr.count("finetune.py: error: unknown argument(s) '--bad-flag'; see --help for the flags") == 1, done.stderr[-3000:]
+    assert done.stderr.count("finetune.py: error: unknown argument(s) '--bad-flag'; see --help for the flags") == 1, (
+        done.stderr[-3000:]
+    )
 
 
 @pytest.mark.slow
 def test_accelerate_launch_quiet_keeps_the_launchers_traceback_out(tiny_lm, tmp_path):
     """What the README says for one process under accelerate launch anyway: -q leaves the recipe's one message."""
-    done = launch([sys.executable, "-m", "accelerate.commands.launch", "-q", "--num_processes", "1", "--cpu", RECIPE, "--bad-flag"],
-                  check=False)
+    done = launch(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "-q",
+            "--num_processes",
+            "1",
+            "--cpu",
+            RECIPE,
+            "--bad-flag",
+        ],
+        check=False,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "finetune.py: error: unknown argument(s) '--bad-flag'" in done.stderr
-

@@ -28,8 +28,22 @@ def test_optimizer_rung_trains_and_resumes_exactly(recipe, tiny_lm, tmp_path, po
 def test_in_backward_frees_gradients_during_the_backward(recipe, tiny_lm, tmp_path):
     """The memory meter's first step: with AdamW every gradient is alive at the step; stepped in the
     backward, each is freed after its update, so the gradient category's peak is smaller."""
-    reports = {p: run(recipe, lm_args(tiny_lm, tmp_path / p.replace(":", "_").replace("+", "_"), "--policy", p, "--max-steps", "1",
-                                      "--grad-clip", "0")) for p in ("fp32", "fp32+optim:in_backward")}
+    reports = {
+        p: run(
+            recipe,
+            lm_args(
+                tiny_lm,
+                tmp_path / p.replace(":", "_").replace("+", "_"),
+                "--policy",
+                p,
+                "--max-steps",
+                "1",
+                "--grad-clip",
+                "0",
+            ),
+        )
+        for p in ("fp32", "fp32+optim:in_backward")
+    }
     plain, in_backward = (reports[p]["first_step_memory"] for p in ("fp32", "fp32+optim:in_backward"))
     assert in_backward["gradients"] < plain["gradients"], (plain, in_backward)
 
@@ -38,8 +52,11 @@ def test_in_backward_frees_gradients_during_the_backward(recipe, tiny_lm, tmp_pa
     "extra, env, fragments",
     [
         (["--grad-clip", "1.0"], {}, ("grad_clip=1.0 with policy='fp32+optim:in_backward'", "--grad-clip 0")),
-        (["--grad-clip", "0", "--global-batch-size", "32"], {}, ("global_batch_size=32", "cannot be accumulated",
-                                                                  "drop --global-batch-size")),
+        (
+            ["--grad-clip", "0", "--global-batch-size", "32"],
+            {},
+            ("global_batch_size=32", "cannot be accumulated", "drop --global-batch-size"),
+        ),
         (["--grad-clip", "0"], {"WORLD_SIZE": "2"}, ("on 2 processes without fsdp", "add fsdp to the policy")),
     ],
     ids=["clipping", "accumulation", "ddp"],
@@ -49,13 +66,31 @@ def test_in_backward_refuses_what_it_cannot_do(recipe, tiny_lm, tmp_path, capsys
         monkeypatch.setenv(k, v)
     out = tmp_path / "out"
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--policy", "fp32+optim:in_backward", *extra), capsys, *fragments)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--policy", "fp32+optim:in_backward", *extra),
+        capsys,
+        *fragments,
+    )
     assert snapshot(out) == before
 
 
 def test_a_global_batch_of_one_step_is_allowed(recipe, tiny_lm, tmp_path):
     """--global-batch-size equal to batch x processes needs no accumulation: in_backward accepts it."""
-    report = run(recipe, lm_args(tiny_lm, tmp_path / "ok", "--policy", "fp32+optim:in_backward", "--grad-clip", "0",
-                                 "--global-batch-size", "8", "--max-steps", "2"))
+    report = run(
+        recipe,
+        lm_args(
+            tiny_lm,
+            tmp_path / "ok",
+            "--policy",
+            "fp32+optim:in_backward",
+            "--grad-clip",
+            "0",
+            "--global-batch-size",
+            "8",
+            "--max-steps",
+            "2",
+        ),
+    )
     assert report["grad_accum"] == 1 and report["steps"] == 2
     assert torch.isfinite(torch.tensor(report["last_logged_loss"]))

@@ -23,8 +23,15 @@ def test_overwrite_removes_only_the_recipes_files(recipe, tiny_lm, tmp_path, cap
     (out / "checkpoints" / "which-one-is-best.txt").write_text("step 4")
     old_config = (out / "run_config.yaml").read_text()
 
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--lr", "1e-4"), capsys,
-          "already holds a run of this recipe", "--resume-from latest", "--overwrite", "yours are kept")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--lr", "1e-4"),
+        capsys,
+        "already holds a run of this recipe",
+        "--resume-from latest",
+        "--overwrite",
+        "yours are kept",
+    )
     assert (out / "run_config.yaml").read_text() == old_config
 
     report = run(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--lr", "1e-4", "--overwrite"))
@@ -32,7 +39,9 @@ def test_overwrite_removes_only_the_recipes_files(recipe, tiny_lm, tmp_path, cap
     assert (out / "notes.txt").read_text() == "mine" and (out / "analysis" / "plot.py").read_text() == "mine too"
     assert (out / "model" / "MY_README.md").read_text() == "about this model"  # carried into the new model folder
     assert (out / "checkpoints" / "which-one-is-best.txt").read_text() == "step 4"
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["which-one-is-best.txt"]  # the old run's checkpoints went
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "which-one-is-best.txt"
+    ]  # the old run's checkpoints went
     assert "lr: 0.0001" in (out / "run_config.yaml").read_text()
 
 
@@ -60,11 +69,20 @@ def test_a_directory_of_other_files_is_refused_even_with_overwrite(recipe, tiny_
     (out / "thesis.tex").write_text("years of work")
     (out / "run_config.yaml").write_text("not from this recipe")
     before = snapshot(out)
-    err = fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2"), capsys,
-                "holds files this recipe did not write (run_config.yaml, thesis.tex)", "choose an empty or new --output-dir")
+    err = fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2"),
+        capsys,
+        "holds files this recipe did not write (run_config.yaml, thesis.tex)",
+        "choose an empty or new --output-dir",
+    )
     assert "pass --overwrite" not in err
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"), capsys,
-          "--overwrite only removes files the recipe wrote itself")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"),
+        capsys,
+        "--overwrite only removes files the recipe wrote itself",
+    )
     assert snapshot(out) == before
 
 
@@ -76,8 +94,13 @@ def test_output_dir_that_is_a_file_or_has_a_broken_manifest(recipe, tiny_lm, tmp
     run(recipe, lm_args(tiny_lm, out, "--max-steps", "2"))
     (out / "recipe_manifest.json").write_text("{broken")
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"), capsys, "recipe_manifest.json is unreadable",
-          "choose another --output-dir")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"),
+        capsys,
+        "recipe_manifest.json is unreadable",
+        "choose another --output-dir",
+    )
     assert snapshot(out) == before
 
 
@@ -87,15 +110,25 @@ def test_resume_into_a_directory_holding_another_run(recipe, tiny_lm, tmp_path, 
     run(recipe, lm_args(tiny_lm, b, "--max-steps", "2"))
     before = snapshot(b)
     ckpt = a / "checkpoints" / "step-0000002"
-    fails(recipe, lm_args(tiny_lm, b, "--max-steps", "4", "--save-every", "2", "--resume-from", ckpt), capsys,
-          "belongs to another run", "resume into an empty --output-dir", "--overwrite")
+    fails(
+        recipe,
+        lm_args(tiny_lm, b, "--max-steps", "4", "--save-every", "2", "--resume-from", ckpt),
+        capsys,
+        "belongs to another run",
+        "resume into an empty --output-dir",
+        "--overwrite",
+    )
     assert snapshot(b) == before
-    report = run(recipe, lm_args(tiny_lm, b, "--max-steps", "4", "--save-every", "2", "--resume-from", ckpt, "--overwrite"))
+    report = run(
+        recipe, lm_args(tiny_lm, b, "--max-steps", "4", "--save-every", "2", "--resume-from", ckpt, "--overwrite")
+    )
     assert report["steps"] == 4 and [h["step"] for h in report["history"]] == [2, 4]
 
 
 @pytest.mark.parametrize("name", ["model", "model.tmp", "checkpoints"])
-def test_a_folder_the_recipe_writes_that_is_a_symlink_is_refused_before_training(recipe, tiny_lm, tmp_path, capsys, name):
+def test_a_folder_the_recipe_writes_that_is_a_symlink_is_refused_before_training(
+    recipe, tiny_lm, tmp_path, capsys, name
+):
     """New-user trial: with out/model a symlink to another folder, --overwrite trained, evaluated,
     then crashed renaming model.tmp -> model (NotADirectoryError), model.tmp left behind."""
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
@@ -107,6 +140,12 @@ def test_a_folder_the_recipe_writes_that_is_a_symlink_is_refused_before_training
     (elsewhere / "mine.txt").write_text("mine")
     (out / name).symlink_to(elsewhere, target_is_directory=True)
     before, linked = snapshot(out), snapshot(elsewhere)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "1", "--overwrite"), capsys,
-          f"{name} is a symlink (to {elsewhere})", "nothing was loaded or written", "Remove the link")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "1", "--overwrite"),
+        capsys,
+        f"{name} is a symlink (to {elsewhere})",
+        "nothing was loaded or written",
+        "Remove the link",
+    )
     assert snapshot(out) == before and snapshot(elsewhere) == linked

@@ -12,7 +12,16 @@ from safetensors.torch import load_file
 pytest.importorskip("torchao")
 pytest.importorskip("peft")
 
-QLORA = ["--policy", "fp32+quant:nf4", "--lora-r", "8", "--lora-target", "q_proj,v_proj,up_proj,down_proj", "--lr", "3e-2"]
+QLORA = [
+    "--policy",
+    "fp32+quant:nf4",
+    "--lora-r",
+    "8",
+    "--lora-target",
+    "q_proj,v_proj,up_proj,down_proj",
+    "--lr",
+    "3e-2",
+]
 
 
 def test_qlora_learns_saves_adapters_and_merges_16_bit(recipe, tiny_lm, tmp_path):
@@ -32,7 +41,9 @@ def test_qlora_learns_saves_adapters_and_merges_16_bit(recipe, tiny_lm, tmp_path
     # The reference: the base quantized the same way, the saved adapters on it (what training saw).
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
-        base = prepare_model(AutoModelForCausalLM.from_pretrained(tiny_lm["model"], dtype=torch.float32), "fp32+quant:nf4")
+        base = prepare_model(
+            AutoModelForCausalLM.from_pretrained(tiny_lm["model"], dtype=torch.float32), "fp32+quant:nf4"
+        )
         four_bit = PeftModel.from_pretrained(base, out / "model").eval()
         merged = AutoModelForCausalLM.from_pretrained(out / "model" / "merged").eval()
         plain = AutoModelForCausalLM.from_pretrained(tiny_lm["model"]).eval()
@@ -55,8 +66,13 @@ def test_qlora_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):
 def test_a_4bit_base_without_adapters_is_refused_before_loading(recipe, tiny_lm, tmp_path, capsys):
     out = tmp_path / "out"
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--policy", "fp32+quant:nf4"), capsys,
-          "keeps the base weights in 4 bits, which cannot be trained", "--lora-r 16")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--policy", "fp32+quant:nf4"),
+        capsys,
+        "keeps the base weights in 4 bits, which cannot be trained",
+        "--lora-r 16",
+    )
     assert snapshot(out) == before
 
 
@@ -67,6 +83,20 @@ def test_resuming_a_4bit_run_from_a_dense_runs_checkpoint_is_refused_naming_the_
     run(recipe, lm_args(tiny_lm, tmp_path / "dense", *dense))
     checkpoint = next((tmp_path / "dense" / "checkpoints").glob("step-*"))
     before = snapshot(checkpoint)
-    fails(recipe, lm_args(tiny_lm, tmp_path / "q", *QLORA, "--max-steps", "4", "--resume-from", str(checkpoint),
-                          "--allow-config-change"), capsys, "does not hold this run's trainable weights", "unexpected")
+    fails(
+        recipe,
+        lm_args(
+            tiny_lm,
+            tmp_path / "q",
+            *QLORA,
+            "--max-steps",
+            "4",
+            "--resume-from",
+            str(checkpoint),
+            "--allow-config-change",
+        ),
+        capsys,
+        "does not hold this run's trainable weights",
+        "unexpected",
+    )
     assert snapshot(checkpoint) == before

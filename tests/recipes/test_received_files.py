@@ -57,13 +57,17 @@ def _plant(out: Path, **extra: list) -> None:
     path.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("kind, entry", [
-    ("files", "../victim.txt"),
-    ("files", "ABSOLUTE"),
-    ("trees", "../victims"),
-    ("dirs", "model/../../empty"),
-    ("files", 7),
-], ids=["dotdot-file", "absolute-file", "dotdot-tree", "dotdot-inside-dir", "not-a-name"])
+@pytest.mark.parametrize(
+    "kind, entry",
+    [
+        ("files", "../victim.txt"),
+        ("files", "ABSOLUTE"),
+        ("trees", "../victims"),
+        ("dirs", "model/../../empty"),
+        ("files", 7),
+    ],
+    ids=["dotdot-file", "absolute-file", "dotdot-tree", "dotdot-inside-dir", "not-a-name"],
+)
 def test_overwrite_never_removes_outside_the_output_directory(recipe, tiny_lm, base, tmp_path, capsys, kind, entry):
     out = _copy(base, tmp_path)
     victim, victims, empty = out.parent / "victim.txt", out.parent / "victims", out.parent / "empty"
@@ -74,9 +78,15 @@ def test_overwrite_never_removes_outside_the_output_directory(recipe, tiny_lm, b
     entry = str(victim) if entry == "ABSOLUTE" else entry
     _plant(out, **{kind: [entry]})
     before, around = snapshot(out), snapshot(out.parent)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"), capsys,
-          "recipe_manifest.json lists names outside the directory", repr(entry), "nothing was removed",
-          "choose another --output-dir")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "2", "--overwrite"),
+        capsys,
+        "recipe_manifest.json lists names outside the directory",
+        repr(entry),
+        "nothing was removed",
+        "choose another --output-dir",
+    )
     assert snapshot(out) == before and snapshot(out.parent) == around
     assert victim.read_text() == "not the recipe's" and (victims / "keep.txt").read_text() == "mine" and empty.is_dir()
 
@@ -121,9 +131,14 @@ def test_a_forged_optimizer_state_runs_no_code(recipe, tiny_lm, base, tmp_path, 
     ckpt = out / "checkpoints" / "step-0000004"
     _forge_optimizer_state(ckpt, marker)
     before = snapshot(out)
-    err = fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)), capsys,
-                f"resume_from={str(ckpt)!r}: optimizer.bin holds objects that weights-only loading refuses",
-                "posix.system", "not made by this recipe or was tampered with")
+    err = fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)),
+        capsys,
+        f"resume_from={str(ckpt)!r}: optimizer.bin holds objects that weights-only loading refuses",
+        "posix.system",
+        "not made by this recipe or was tampered with",
+    )
     # Torch's advice to load it with weights_only=False (which would run it) is not passed on.
     assert "weights_only` set to `False" not in err and "Re-running" not in err
     assert not marker.exists() and snapshot(out) == before
@@ -137,8 +152,13 @@ def test_a_forged_scheduler_state_is_named(recipe, tiny_lm, base, tmp_path, caps
     torch.save(_RunsCommand(marker), buffer)
     (ckpt / "scheduler.bin").write_bytes(buffer.getvalue())
     _rewrite_checkpoint_manifest(ckpt)
-    err = fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"), capsys,
-                "scheduler.bin holds objects that weights-only loading refuses", "tampered with")
+    err = fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"),
+        capsys,
+        "scheduler.bin holds objects that weights-only loading refuses",
+        "tampered with",
+    )
     assert "Re-running" not in err and not marker.exists()
 
 
@@ -162,8 +182,13 @@ def test_a_checkpoint_file_that_is_a_symlink_is_refused(recipe, tiny_lm, base, t
     shutil.rmtree(ckpt / target) if (ckpt / target).is_dir() else (ckpt / target).unlink()
     (ckpt / target).symlink_to(outside)
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"), capsys,
-          f"{target} is a symlink (to {outside})", "not a file of this checkpoint")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", "latest"),
+        capsys,
+        f"{target} is a symlink (to {outside})",
+        "not a file of this checkpoint",
+    )
     assert snapshot(out) == before
 
 
@@ -174,8 +199,14 @@ def test_a_damaged_rng_state_is_refused_not_skipped(recipe, tiny_lm, base, tmp_p
     (ckpt / "random_states_0.pkl").write_bytes(pickle.dumps(_RunsCommand(marker)))
     _rewrite_checkpoint_manifest(ckpt)
     before = snapshot(out)
-    fails(recipe, lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)), capsys,
-          "random_states_0.pkl does not load", "random draws", "resume from an earlier checkpoint")
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, "--max-steps", "4", "--save-every", "2", "--resume-from", str(ckpt)),
+        capsys,
+        "random_states_0.pkl does not load",
+        "random draws",
+        "resume from an earlier checkpoint",
+    )
     assert not marker.exists() and snapshot(out) == before
 
 
@@ -195,9 +226,13 @@ def test_a_forged_sharded_checkpoint_runs_no_code(tiny_lm, tmp_path):
     _write_manifest(ckpt / "sharded")
     _rewrite_checkpoint_manifest(ckpt)
     before = snapshot(out)
-    proc = launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300)
+    proc = launch(
+        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300
+    )
     assert proc.returncode != 0 and not marker.exists()
-    assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[-3000:]
+    assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[
+        -3000:
+    ]
     assert snapshot(out) == before
 
 
@@ -214,8 +249,16 @@ def test_a_forged_accelerate_fsdp_checkpoint_runs_no_code(tiny_lm, tmp_path):
 
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     common = ["--max-steps", "4", "--save-every", "2", "--policy", "bf16+ckpt+fsdp"]
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ROOT / "recipes/configs/fsdp.yaml",
-                  "--num_processes", "1", RECIPE]
+    accelerate = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        ROOT / "recipes/configs/fsdp.yaml",
+        "--num_processes",
+        "1",
+        RECIPE,
+    ]
     launch([*accelerate, *lm_args(tiny_lm, out, *common, "--stop-after", "2")])
     ckpt = out / "checkpoints" / "step-0000002"
     folders = sorted(m.parent for m in ckpt.rglob(".metadata"))
@@ -224,4 +267,6 @@ def test_a_forged_accelerate_fsdp_checkpoint_runs_no_code(tiny_lm, tmp_path):
     _rewrite_checkpoint_manifest(ckpt)
     proc = launch([*accelerate, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300)
     assert proc.returncode != 0 and not marker.exists()
-    assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[-3000:]
+    assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[
+        -3000:
+    ]

@@ -38,7 +38,7 @@ def test_packed_rows_hold_whole_samples_with_restarting_positions(recipe, tiny_l
         assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= cfg.seq_len
         start = 0
         for n in row["seq_lengths"]:
-            pieces.append(tuple(row["input_ids"][start:start + n]))
+            pieces.append(tuple(row["input_ids"][start : start + n]))
             start += n
     assert sorted(pieces) == samples and len(packed) < len(plain) / 2
     batch = recipe.collate(tokenizer, packed=True)([packed[i] for i in range(4)])
@@ -54,8 +54,9 @@ def test_packed_loss_equals_each_sample_alone(recipe, tiny_lm, tmp_path):
     from transformers import AutoModelForCausalLM
 
     data = _varied(tiny_lm, tmp_path)
-    cfg = recipe.parse_config(lm_args(data, tmp_path / "o", "--packing", "on", "--prompt-field", "prompt",
-                                      "--response-field", "response"))
+    cfg = recipe.parse_config(
+        lm_args(data, tmp_path / "o", "--packing", "on", "--prompt-field", "prompt", "--response-field", "response")
+    )
     train, val, task, _ = recipe.load_raw_data(cfg)
     tokenizer = recipe.load_tokenizer(cfg, str(tiny_lm["model"]))
     packed, _, _ = recipe.tokenize(train, val, task, tokenizer, cfg)
@@ -67,9 +68,9 @@ def test_packed_loss_equals_each_sample_alone(recipe, tiny_lm, tmp_path):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
         start = 0
         for n in row["seq_lengths"]:
-            ids = torch.tensor([row["input_ids"][start:start + n]])
+            ids = torch.tensor([row["input_ids"][start : start + n]])
             alone = model(input_ids=ids, use_cache=False).logits[0]
-            assert torch.allclose(logits[start:start + n], alone, atol=1e-5), n
+            assert torch.allclose(logits[start : start + n], alone, atol=1e-5), n
             start += n
 
 
@@ -86,8 +87,27 @@ def test_packing_labelled_rows_is_refused_when_task_auto_picks_classification(re
     """Trial finding (issue 22): --packing on a file with labels (--task auto) crashed with
     "Column 'seq_lengths' doesn't exist"; check_config only knew an explicit --task classification."""
     data = tmp_path / "labelled.jsonl"
-    data.write_text("".join(json.dumps({"text": line, "label": i % 2}) + "\n" for i, line in enumerate(tiny_lm["lines"])))
+    data.write_text(
+        "".join(json.dumps({"text": line, "label": i % 2}) + "\n" for i, line in enumerate(tiny_lm["lines"]))
+    )
     before = snapshot(data)
-    argv = ["--model", tiny_lm["model"], "--dataset", data, "--output-dir", tmp_path / "out", "--seq-len", "16", "--packing"]
-    fails(recipe, argv, capsys, "packing='on'", "--task auto trains a classifier", "drop --packing, or pass --task causal-lm")
+    argv = [
+        "--model",
+        tiny_lm["model"],
+        "--dataset",
+        data,
+        "--output-dir",
+        tmp_path / "out",
+        "--seq-len",
+        "16",
+        "--packing",
+    ]
+    fails(
+        recipe,
+        argv,
+        capsys,
+        "packing='on'",
+        "--task auto trains a classifier",
+        "drop --packing, or pass --task causal-lm",
+    )
     assert snapshot(data) == before and not (tmp_path / "out").exists()

@@ -38,11 +38,31 @@ def varied(tiny_lm, tmp_path):
 
 def test_packed_lora_run_verifies_the_rows_and_pads_less(trainer_recipe, tiny_lm, varied, tmp_path, capsys):
     out = tmp_path / "out"
-    metrics = trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(varied), "--packing", "--seq_len", "32",
-                                   "--lora_r", "4", "--policy", "fp32", "--max_steps", "3", "--per_device_train_batch_size", "4",
-                                   "--output_dir", str(out)])
+    metrics = trainer_recipe.main(
+        [
+            "--model",
+            str(tiny_lm["model"]),
+            "--dataset",
+            str(varied),
+            "--packing",
+            "--seq_len",
+            "32",
+            "--lora_r",
+            "4",
+            "--policy",
+            "fp32",
+            "--max_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "4",
+            "--output_dir",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
-    packed, padded = map(float, re.search(r"packing: .* rows of 32: ([\d.]+)% padding, against ([\d.]+)% in padded", printed).groups())
+    packed, padded = map(
+        float, re.search(r"packing: .* rows of 32: ([\d.]+)% padding, against ([\d.]+)% in padded", printed).groups()
+    )
     assert packed < padded / 2, printed
     # The callback's verify ran on the first packed batch (its packing check compares each row with its samples alone).
     assert metrics["memstack/verify_ok"] == 1.0 and metrics["eval_loss"] < 10
@@ -52,12 +72,14 @@ def test_packed_lora_run_verifies_the_rows_and_pads_less(trainer_recipe, tiny_lm
 def test_prompt_tokens_are_not_learnt(trainer_recipe, tiny_lm, varied):
     from transformers import AutoTokenizer
 
-    script = trainer_recipe.ScriptArguments(model=str(tiny_lm["model"]), dataset=str(varied), prompt_field="prompt", seq_len=32)
+    script = trainer_recipe.ScriptArguments(
+        model=str(tiny_lm["model"]), dataset=str(varied), prompt_field="prompt", seq_len=32
+    )
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm["model"])
     encoded = trainer_recipe._lm_encoder(script, tokenizer)({"prompt": ["cat sat"], "response": ["on a mat"]})
     prompt = tokenizer("cat sat\n", add_special_tokens=False)["input_ids"]
     assert encoded["labels"][0][: len(prompt)] == [-100] * len(prompt)
-    assert encoded["labels"][0][len(prompt):] == encoded["input_ids"][0][len(prompt):] != []
+    assert encoded["labels"][0][len(prompt) :] == encoded["input_ids"][0][len(prompt) :] != []
 
 
 def test_packing_a_classification_dataset_is_refused(trainer_recipe, tmp_path):
@@ -76,8 +98,21 @@ def test_prompts_filling_every_token_and_empty_files_are_refused(trainer_recipe,
     long.write_text("".join(json.dumps({"prompt": " ".join(words * 4), "response": "cat"}) + "\n" for _ in range(20)))
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=r"training row 1: the prompt fills all --seq_len=8 tokens.*raise --seq_len"):
-        trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(long), "--prompt_field", "prompt", "--packing",
-                             "--seq_len", "8", "--output_dir", str(out)])
+        trainer_recipe.main(
+            [
+                "--model",
+                str(tiny_lm["model"]),
+                "--dataset",
+                str(long),
+                "--prompt_field",
+                "prompt",
+                "--packing",
+                "--seq_len",
+                "8",
+                "--output_dir",
+                str(out),
+            ]
+        )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(SystemExit, match=r"dataset='.*empty.jsonl' (could not be read|has 0 row).*"):
@@ -86,7 +121,9 @@ def test_prompts_filling_every_token_and_empty_files_are_refused(trainer_recipe,
 
 
 @pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
-def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(trainer_recipe, tiny_lm, varied, tmp_path, monkeypatch):
+def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(
+    trainer_recipe, tiny_lm, varied, tmp_path, monkeypatch
+):
     """weights:bf16 through Trainer: the recipe passes make_optimizer's BF16AdamW (Trainer's own AdamW
     is refused by the callback under that policy), over the bf16 weights."""
     import torch
@@ -102,9 +139,24 @@ def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(trainer_rec
         return seen["optimizer"]
 
     monkeypatch.setattr(Trainer, "create_optimizer", spy)
-    metrics = trainer_recipe.main(["--model", str(tiny_lm["model"]), "--dataset", str(varied), "--seq_len", "32",
-                                   "--policy", "bf16+weights:bf16", "--max_steps", "4", "--per_device_train_batch_size", "4",
-                                   "--output_dir", str(tmp_path / "out")])
+    metrics = trainer_recipe.main(
+        [
+            "--model",
+            str(tiny_lm["model"]),
+            "--dataset",
+            str(varied),
+            "--seq_len",
+            "32",
+            "--policy",
+            "bf16+weights:bf16",
+            "--max_steps",
+            "4",
+            "--per_device_train_batch_size",
+            "4",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert isinstance(seen["optimizer"], BF16AdamW)
     assert {p.dtype for g in seen["optimizer"].param_groups for p in g["params"]} == {torch.bfloat16}
     assert metrics["eval_loss"] < 10

@@ -40,17 +40,29 @@ def qwen2_untied():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
-                                        tie_word_embeddings=False)).train()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        )
+    ).train()
 
 
-@pytest.mark.parametrize("arch, policy, seq, true_max", [
-    ("llama", "fp32", 32, 40),
-    ("llama", "bf16+ckpt", 32, 40),
-    # Issue 13's known failure: the line through two tiny probes' peaks predicted 40 for a true 37.
-    ("qwen2", "fp32+ckpt", 96, 37),
-])
+@pytest.mark.parametrize(
+    "arch, policy, seq, true_max",
+    [
+        ("llama", "fp32", 32, 40),
+        ("llama", "bf16+ckpt", 32, 40),
+        # Issue 13's known failure: the line through two tiny probes' peaks predicted 40 for a true 37.
+        ("qwen2", "fp32+ckpt", 96, 37),
+    ],
+)
 def test_finds_the_maximum_in_few_steps_without_overshooting(load_model, arch, policy, seq, true_max):
     make = batches("llama", seq)
     model, opt, budget = job(qwen2_untied() if arch == "qwen2" else load_model(arch), policy, make, true_max)
@@ -76,16 +88,23 @@ def test_no_side_effects_bitwise(load_model):
     before = {
         "state": {k: v.clone() for k, v in model.state_dict().items()},
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "opt": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state_dict()["state"].items()},
+        "opt": {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+            for k, s in opt.state_dict()["state"].items()
+        },
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "sched": sched.state_dict(),
         "rng": torch.get_rng_state(),
         "modes": [m.training for m in model.modules()],
     }
     for mode in ("train", "eval"):
-        find_batch_size(model, batches(), opt, budget="40MiB", scheduler=sched, mode=mode, max_batch_size=24, cache=False)
+        find_batch_size(
+            model, batches(), opt, budget="40MiB", scheduler=sched, mode=mode, max_batch_size=24, cache=False
+        )
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before["state"].items())
-    assert all((a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters()))
+    assert all(
+        (a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(before["grads"], model.parameters())
+    )
     after_opt = opt.state_dict()["state"]
     assert before["opt"].keys() == after_opt.keys()
     for k, s in before["opt"].items():
@@ -101,7 +120,9 @@ def test_lora_model_snapshots_only_what_a_step_changes(load_model):
     not a second copy of the frozen base weights, which stay bitwise as they were."""
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(prepare_model(load_model("llama"), "fp32"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        prepare_model(load_model("llama"), "fp32"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -137,8 +158,9 @@ def test_search_with_injected_ooms(limit):
     prediction (from bytes far below any real limit) fails part-way, geometric bisection."""
     torch.manual_seed(0)
     model = prepare_model(OOMAbove(limit), "fp32")
-    result = find_batch_size(model, batches("plain"), torch.optim.AdamW(model.parameters()), budget="8GiB",
-                             max_batch_size=4096, cache=False)
+    result = find_batch_size(
+        model, batches("plain"), torch.optim.AdamW(model.parameters()), budget="8GiB", max_batch_size=4096, cache=False
+    )
     assert limit * 0.95 <= result.batch_size <= limit, result.summary()
     assert [p for p in result.probes if p.partial], "an out-of-memory error must have been met and recorded"
     assert not any(p.fits for p in result.probes if p.batch_size > limit)
@@ -230,11 +252,15 @@ def test_eval_size_is_separate_and_larger(load_model):
 def test_global_batch_and_tokens(load_model):
     model = prepare_model(load_model("llama"), "bf16")
     opt = torch.optim.AdamW(model.parameters())
-    result = find_batch_size(model, batches(seq=48), opt, budget="2GiB", max_batch_size=24, global_batch_size=100, cache=False)
+    result = find_batch_size(
+        model, batches(seq=48), opt, budget="2GiB", max_batch_size=24, global_batch_size=100, cache=False
+    )
     assert result.batch_size == 24 and result.capped and result.seq_len == 48 and result.tokens_per_batch == 24 * 48
     assert result.grad_accum == 5 and not result.exact_global_batch  # 24 x 5 = 120 != 100
     assert result.exact_batch_size == 20 and "matches exactly" in result.summary()
-    exact = find_batch_size(model, batches(seq=48), opt, budget="2GiB", max_batch_size=25, global_batch_size=100, cache=False)
+    exact = find_batch_size(
+        model, batches(seq=48), opt, budget="2GiB", max_batch_size=25, global_batch_size=100, cache=False
+    )
     assert (exact.batch_size, exact.grad_accum, exact.exact_global_batch) == (25, 4, True)
 
 
@@ -311,7 +337,9 @@ def test_budget_below_one_step_suggests_next_rung(load_model):
     model = prepare_model(load_model("llama"), "bf16")
     params = sum(p.numel() * 4 for p in model.parameters())
     # The first memory rung for a causal LM: the chunked loss head (the logits go, at no cost in speed).
-    with pytest.raises(BudgetTooSmallError, match=r"cannot hold one train step at batch size 1: it needs .*'bf16\+loss:chunked'") as e:
+    with pytest.raises(
+        BudgetTooSmallError, match=r"cannot hold one train step at batch size 1: it needs .*'bf16\+loss:chunked'"
+    ) as e:
         find_batch_size(model, batches(), torch.optim.AdamW(model.parameters()), budget=int(params * 1.5), cache=False)
     assert e.value.budget_bytes == int(params * 1.5) and e.value.needed_bytes > e.value.budget_bytes
 
@@ -335,8 +363,13 @@ def test_bad_arguments(load_model, kwargs, error, fragment):
 
     model = load_model("llama")
     before = snapshot(model)
-    args = {"make_batch": batches(), "optimizer": torch.optim.AdamW(model.parameters()), "budget": "1GiB", "cache": False,
-            **kwargs}
+    args = {
+        "make_batch": batches(),
+        "optimizer": torch.optim.AdamW(model.parameters()),
+        "budget": "1GiB",
+        "cache": False,
+        **kwargs,
+    }
     with pytest.raises(error, match=fragment):
         find_batch_size(model, **args)
     assert_untouched(model, before)
@@ -344,9 +377,15 @@ def test_bad_arguments(load_model, kwargs, error, fragment):
 
 def test_batch_callable_returning_the_wrong_size(load_model):
     model = prepare_model(load_model("llama"), "bf16")
-    with pytest.raises(ValueError, match=r"make_batch\(1\) returned tensors of shapes \[\(4, 16\), \(4, 16\)\].*exactly 1"):
-        find_batch_size(model, lambda n: make_batch("llama", batch_size=4), torch.optim.AdamW(model.parameters()),
-                        budget="1GiB", cache=False)
+    with pytest.raises(
+        ValueError, match=r"make_batch\(1\) returned tensors of shapes \[\(4, 16\), \(4, 16\)\].*exactly 1"
+    ):
+        find_batch_size(
+            model,
+            lambda n: make_batch("llama", batch_size=4),
+            torch.optim.AdamW(model.parameters()),
+            budget="1GiB",
+            cache=False,
+        )
     with pytest.raises(ValueError, match="needs the optimizer"):
         find_batch_size(model, batches(), None, budget="1GiB", cache=False)
-

@@ -23,8 +23,9 @@ def llama(load_model):
 
 
 def find(model, opt, cache_dir, **kwargs):
-    return find_batch_size(model, kwargs.pop("make", batches()), opt, budget=kwargs.pop("budget", BUDGET),
-                           cache_dir=cache_dir, **kwargs)
+    return find_batch_size(
+        model, kwargs.pop("make", batches()), opt, budget=kwargs.pop("budget", BUDGET), cache_dir=cache_dir, **kwargs
+    )
 
 
 def test_hit_costs_one_step_and_a_stale_entry_is_searched_again(llama, tmp_path):
@@ -37,9 +38,11 @@ def test_hit_costs_one_step_and_a_stale_entry_is_searched_again(llama, tmp_path)
     assert longer.cache == "miss" and longer.batch_size < first.batch_size and longer.cache_file != first.cache_file
     path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
     data = json.loads(path.read_text())
+
     # As if found when the device held more (or less) besides: each entry consistent with its own steps.
     def found_at(n):
         return {**data, "batch_size": n, "steps": [{"batch_size": n, "peak_bytes": data["peak_bytes"], "fits": True}]}
+
     # A smaller entry fits, but it is not the maximum any more: searched again, not accepted.
     path.write_text(json.dumps(found_at(first.batch_size // 2)))
     smaller = find(model, opt, tmp_path)
@@ -79,20 +82,23 @@ def test_key_sees_real_parameter_dtypes_and_trainability(load_model):
 STEPS = '"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": true}]'
 
 
-@pytest.mark.parametrize("content", [
-    '{"batch_size": 12, "peak_by',  # truncated
-    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # an older entry: no steps
-    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": []}',
-    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": [{"batch_size": 12}]}',
-    '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": '
-    '[{"batch_size": 12, "peak_bytes": null, "fits": true}]}',
-    '{"peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # missing batch_size
-    '{"batch_size": 0, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
-    '{"batch_size": -3, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
-    '{"batch_size": true, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
-    '[12]',
-    '\udcff',
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"batch_size": 12, "peak_by',  # truncated
+        '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # an older entry: no steps
+        '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": []}',
+        '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": [{"batch_size": 12}]}',
+        '{"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false, "steps": '
+        '[{"batch_size": 12, "peak_bytes": null, "fits": true}]}',
+        '{"peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',  # missing batch_size
+        '{"batch_size": 0, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+        '{"batch_size": -3, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+        '{"batch_size": true, "peak_bytes": 100, "bytes_per_sample": 1, "capped": false}',
+        "[12]",
+        "\udcff",
+    ],
+)
 def test_invalid_entries_are_discarded_with_a_warning(tmp_path, content):
     path = tmp_path / "entry.json"
     path.write_text(content, errors="surrogateescape")
@@ -101,18 +107,41 @@ def test_invalid_entries_are_discarded_with_a_warning(tmp_path, content):
     assert not path.exists()
 
 
-@pytest.mark.parametrize("edit, why", [
-    ({"batch_size": 60000}, "batch_size=60000 with peak_bytes=100 is not what its recorded steps found"),
-    ({"peak_bytes": 5000}, "peak_bytes=5000 is above the budget of 1000 bytes"),
-    ({"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": False}]}, "none of its recorded steps fitted"),
-    ({"steps": [{"batch_size": 4, "peak_bytes": None, "fits": False}, {"batch_size": 12, "peak_bytes": 100, "fits": True}]},
-     "batch size 4 did not fit, yet the larger batch_size=12 did"),
-    ({"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": True}, {"batch_size": 2, "peak_bytes": 2000, "fits": True}]},
-     "a recorded step at batch size 2 fitted with a peak above the budget"),
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        ({"batch_size": 60000}, "batch_size=60000 with peak_bytes=100 is not what its recorded steps found"),
+        ({"peak_bytes": 5000}, "peak_bytes=5000 is above the budget of 1000 bytes"),
+        ({"steps": [{"batch_size": 12, "peak_bytes": 100, "fits": False}]}, "none of its recorded steps fitted"),
+        (
+            {
+                "steps": [
+                    {"batch_size": 4, "peak_bytes": None, "fits": False},
+                    {"batch_size": 12, "peak_bytes": 100, "fits": True},
+                ]
+            },
+            "batch size 4 did not fit, yet the larger batch_size=12 did",
+        ),
+        (
+            {
+                "steps": [
+                    {"batch_size": 12, "peak_bytes": 100, "fits": True},
+                    {"batch_size": 2, "peak_bytes": 2000, "fits": True},
+                ]
+            },
+            "a recorded step at batch size 2 fitted with a peak above the budget",
+        ),
+    ],
+)
 def test_an_entry_inconsistent_with_its_own_steps_or_the_budget_is_discarded(tmp_path, edit, why):
     path = tmp_path / "entry.json"
-    good = {"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": False, **json.loads("{" + STEPS + "}")}
+    good = {
+        "batch_size": 12,
+        "peak_bytes": 100,
+        "bytes_per_sample": 1,
+        "capped": False,
+        **json.loads("{" + STEPS + "}"),
+    }
     path.write_text(json.dumps(good))
     assert read_entry(path, budget=1000).batch_size == 12  # as written: consistent
     path.write_text(json.dumps({**good, **edit}))
@@ -130,9 +159,11 @@ def test_an_edited_entry_never_asks_make_batch_for_its_size(llama, tmp_path):
     path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
     path.write_text(json.dumps({**json.loads(path.read_text()), "batch_size": 60000}))
     asked = []
+
     def make(n):
         asked.append(n)
         return batches()(n)
+
     with pytest.warns(UserWarning, match=f"discarding the batch-size cache entry {path}: batch_size=60000"):
         again = find(model, opt, tmp_path, make=make)
     assert max(asked) < 60000 and again.cache == "miss" and again.batch_size == first.batch_size
@@ -152,8 +183,16 @@ def test_a_damaged_entry_is_searched_again_and_replaced(llama, tmp_path):
 
 def test_concurrent_writers_never_crash_or_mix(tmp_path):
     path = tmp_path / "batch_size" / "job.json"
-    entries = [CacheEntry(batch_size=n, peak_bytes=1000 * n, bytes_per_sample=10, capped=False,
-                          steps=(CachedStep(batch_size=n, peak_bytes=1000 * n, fits=True),)) for n in range(1, 9)]
+    entries = [
+        CacheEntry(
+            batch_size=n,
+            peak_bytes=1000 * n,
+            bytes_per_sample=10,
+            capped=False,
+            steps=(CachedStep(batch_size=n, peak_bytes=1000 * n, fits=True),),
+        )
+        for n in range(1, 9)
+    ]
     errors, seen = [], []
 
     def writer(entry):

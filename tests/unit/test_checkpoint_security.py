@@ -50,8 +50,16 @@ def _model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, vocab_size=64)).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=64,
+        )
+    ).train()
 
 
 def _step(model, opt):
@@ -200,7 +208,7 @@ def test_a_pickle_cannot_set_attributes_on_a_class(trained, tmp_path):
     from torch.distributed.checkpoint.metadata import Metadata
 
     model, opt, _ = trained
-    raw = (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x08\x00\x00\x00hijackedK\x01s\x86b.")
+    raw = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\nN}X\x08\x00\x00\x00hijackedK\x01s\x86b."
     forged = _forge(tmp_path, "forged", raw=raw)
     _refused(model, opt, forged, "sets the state of type")
     assert not hasattr(Metadata, "hijacked")

@@ -17,8 +17,21 @@ def test_estimate_table_and_exit_codes(pretrained_dirs, capsys):
 
 def test_estimate_json_and_plot(pretrained_dirs, capsys, tmp_path):
     png = tmp_path / "breakdown.png"
-    code = main(["estimate", str(pretrained_dirs["gpt2"]), "--policy", "bf16,bf16+ckpt", "--batch-size", "2", "--seq-len", "16",
-                 "--json", "--plot", str(png)])
+    code = main(
+        [
+            "estimate",
+            str(pretrained_dirs["gpt2"]),
+            "--policy",
+            "bf16,bf16+ckpt",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--json",
+            "--plot",
+            str(png),
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and [e["policy"] for e in data["estimates"]] == ["bf16", "bf16+ckpt"]
     assert png.stat().st_size > 1000
@@ -42,12 +55,27 @@ def test_plan_for_another_device(pretrained_dirs, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["rows"] and all(row["policy"].startswith("bf16") for row in data["rows"]), data["rows"]
     reference = plan_policy(d, budget="4GiB", seq_len=16, device="cuda").as_dict()
-    assert [r["policy"] for r in data["rows"]] == [r["policy"] for r in reference["rows"]] and data["policy"] == reference["policy"]
+    assert [r["policy"] for r in data["rows"]] == [r["policy"] for r in reference["rows"]] and data[
+        "policy"
+    ] == reference["policy"]
 
 
 def test_find_batch_size_command(pretrained_dirs, capsys):
-    code = main(["find-batch-size", str(pretrained_dirs["llama"]), "--policy", "bf16", "--seq-len", "16", "--budget", "24MiB",
-                 "--global-batch-size", "32", "--json"])
+    code = main(
+        [
+            "find-batch-size",
+            str(pretrained_dirs["llama"]),
+            "--policy",
+            "bf16",
+            "--seq-len",
+            "16",
+            "--budget",
+            "24MiB",
+            "--global-batch-size",
+            "32",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["batch_size"] >= 1 and data["steps_run"] <= 4 and data["global_batch_size"] == 32
 
@@ -58,7 +86,10 @@ def test_find_batch_size_command(pretrained_dirs, capsys):
         (["plan", "{d}", "--budget", "lots", "--seq-len", "16"], "--budget='lots' is not a size"),
         (["estimate", "{d}", "--batch-size", "-3", "--seq-len", "16"], "--batch-size='-3' must be a positive integer"),
         (["plan", "{d}", "--budget", "1GiB", "--seq-len", "16", "--batch-size", "many"], "--batch-size='many'"),
-        (["estimate", "no-such-org/no-such-model", "--batch-size", "1", "--seq-len", "16"], "not in the local Hugging Face cache"),
+        (
+            ["estimate", "no-such-org/no-such-model", "--batch-size", "1", "--seq-len", "16"],
+            "not in the local Hugging Face cache",
+        ),
         (["estimate", "{d}", "--policy", "bf16+warp", "--batch-size", "1", "--seq-len", "16"], "unknown token 'warp'"),
     ],
 )
@@ -80,10 +111,18 @@ def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
     import sys
 
     script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli"
-    done = subprocess.run([*script.split(), "estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "16", "--budget", "-1GiB"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*script.split(), "estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "16", "--budget", "-1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done
-    assert "--budget='-1GiB' must be positive" in done.stderr and "expected one argument" not in done.stderr, done.stderr
+    assert "--budget='-1GiB' must be positive" in done.stderr and "expected one argument" not in done.stderr, (
+        done.stderr
+    )
+
+
 def _peaks(d, policies, **kw):
     from hf_memstack import estimate_memory
 
@@ -97,7 +136,18 @@ def test_several_policies_each_get_their_verdict(pretrained_dirs, capsys):
     peaks = _peaks(d, ["fp32", "fp32+ckpt"], batch_size=8, seq_len=64)
     assert peaks["fp32+ckpt"] < peaks["fp32"]
     budget = (peaks["fp32+ckpt"] + peaks["fp32"]) // 2
-    argv = ["estimate", d, "--policy", "fp32,fp32+ckpt", "--batch-size", "8", "--seq-len", "64", "--budget", str(budget)]
+    argv = [
+        "estimate",
+        d,
+        "--policy",
+        "fp32,fp32+ckpt",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--budget",
+        str(budget),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "fp32: does not fit in" in out and "fp32+ckpt: fits in" in out and "1 of 2 policies fit" in out
@@ -105,7 +155,18 @@ def test_several_policies_each_get_their_verdict(pretrained_dirs, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is True and data["fitting_policies"] == ["fp32+ckpt"]
     assert [e["fits"] for e in data["estimates"]] == [False, True]
-    below = ["estimate", d, "--policy", "fp32,fp32+ckpt", "--batch-size", "8", "--seq-len", "64", "--budget", str(peaks["fp32+ckpt"] - 1)]
+    below = [
+        "estimate",
+        d,
+        "--policy",
+        "fp32,fp32+ckpt",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "64",
+        "--budget",
+        str(peaks["fp32+ckpt"] - 1),
+    ]
     assert main(below) == 1
     assert "none does, exit 1" in capsys.readouterr().out
 
@@ -115,10 +176,12 @@ def test_plot_without_matplotlib_fails_before_estimating(pretrained_dirs, tmp_pa
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['matplotlib'] = None\n"  # what an environment without matplotlib sees
-            "from hf_memstack.cli import main\n"
-            f"sys.exit(main(['estimate', {str(pretrained_dirs['llama'])!r}, '--batch-size', '2', '--seq-len', '16', "
-            f"'--budget', '1GiB', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"  # what an environment without matplotlib sees
+        "from hf_memstack.cli import main\n"
+        f"sys.exit(main(['estimate', {str(pretrained_dirs['llama'])!r}, '--batch-size', '2', '--seq-len', '16', "
+        f"'--budget', '1GiB', '--plot', {str(tmp_path / 'x.png')!r}]))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "--plot needs matplotlib" in done.stderr and "pip install 'hf_memstack[plot]'" in done.stderr
@@ -149,28 +212,87 @@ def test_an_alias_whose_package_is_missing_says_what_to_install(monkeypatch, cap
     monkeypatch.setitem(models.MODEL_ALIASES, "tinyzoo", ("no_such_package_xyz", "model", "no-such-package-xyz"))
     assert main(["estimate", "tinyzoo", "--batch-size", "1", "--seq-len", "8"]) == 2
     assert "pip install no-such-package-xyz" in capsys.readouterr().err
+
+
 def test_estimate_and_find_batch_size_with_4bit_base_weights(pretrained_dirs, capsys):
     pytest.importorskip("torchao")
     d = str(pretrained_dirs["llama"])
-    assert main(["estimate", d, "--policy", "bf16+ckpt,bf16+ckpt+quant:nf4", "--batch-size", "2", "--seq-len", "16",
-                 "--lora-r", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                d,
+                "--policy",
+                "bf16+ckpt,bf16+ckpt+quant:nf4",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--lora-r",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     lora, qlora = data["estimates"]
     assert qlora["policy"] == "bf16+ckpt+quant:nf4" and qlora["parameters"] < 0.5 * lora["parameters"]
-    assert qlora["trainable_parameters"] == lora["trainable_parameters"] and any("4-bit base weights: 14 linear" in n for n in qlora["notes"])
-    assert main(["find-batch-size", d, "--policy", "bf16+ckpt+quant:nf4", "--lora-r", "4", "--seq-len", "16", "--budget", "24MiB",
-                 "--no-cache", "--json"]) == 0
+    assert qlora["trainable_parameters"] == lora["trainable_parameters"] and any(
+        "4-bit base weights: 14 linear" in n for n in qlora["notes"]
+    )
+    assert (
+        main(
+            [
+                "find-batch-size",
+                d,
+                "--policy",
+                "bf16+ckpt+quant:nf4",
+                "--lora-r",
+                "4",
+                "--seq-len",
+                "16",
+                "--budget",
+                "24MiB",
+                "--no-cache",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["batch_size"] >= 1
 
 
 def test_full_trace_gives_the_extrapolated_bytes(tmp_path, capsys):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=256).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ).save_pretrained(tmp_path)
     runs = {}
     for flag in ([], ["--full-trace"]):
-        assert main(["estimate", str(tmp_path), "--policy", "bf16+ckpt", "--batch-size", "2", "--seq-len", "32", "--json", *flag]) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    str(tmp_path),
+                    "--policy",
+                    "bf16+ckpt",
+                    "--batch-size",
+                    "2",
+                    "--seq-len",
+                    "32",
+                    "--json",
+                    *flag,
+                ]
+            )
+            == 0
+        )
         runs[bool(flag)] = json.loads(capsys.readouterr().out)["estimates"][0]
     notes = {k: [n for n in v.pop("notes") if "extrapolated" in n] for k, v in runs.items()}
     runs[True].pop("fits", None), runs[False].pop("fits", None)
@@ -184,10 +306,27 @@ def test_estimate_eval_mode_counts_the_kept_logits_against_the_budget(pretrained
 
     d = str(pretrained_dirs["llama"])
     lib = estimate_memory(d, "bf16", batch_size=2, seq_len=16, mode="eval", eval_samples=500)
-    argv = ["estimate", d, "--policy", "bf16", "--batch-size", "2", "--seq-len", "16", "--mode", "eval", "--eval-samples", "500"]
+    argv = [
+        "estimate",
+        d,
+        "--policy",
+        "bf16",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--mode",
+        "eval",
+        "--eval-samples",
+        "500",
+    ]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["estimates"][0]
-    assert (data["mode"], data["peak_bytes"], data["eval_logits_bytes"]) == ("eval", lib.peak_bytes, lib.eval_logits_bytes)
+    assert (data["mode"], data["peak_bytes"], data["eval_logits_bytes"]) == (
+        "eval",
+        lib.peak_bytes,
+        lib.eval_logits_bytes,
+    )
     assert lib.eval_logits_bytes > lib.peak_bytes  # 500 samples of logits outweigh the tiny model
     assert main([*argv, "--budget", str(lib.peak_bytes + lib.eval_logits_bytes - 1)]) == 1
     out = capsys.readouterr().out

@@ -26,11 +26,18 @@ def test_estimate_within_ten_percent_of_the_meter(load_model, pretrained_dirs, a
     assert all(abs(e) <= 0.10 for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("arch, policy", [
-    ("llama", "bf16+loss:chunked"), ("gpt2", "bf16+ckpt+loss:chunked"), ("llama", "bf16+ckpt:selective"),
-    ("gpt2", "bf16+ckpt:selective:alternate"), ("llama", "bf16+ckpt+optim:in_backward"), ("llama", "bf16+ckpt+optim:8bit"),
-    ("llama", "bf16+ckpt:selective+loss:chunked+optim:8bit+optim:in_backward"),
-])
+@pytest.mark.parametrize(
+    "arch, policy",
+    [
+        ("llama", "bf16+loss:chunked"),
+        ("gpt2", "bf16+ckpt+loss:chunked"),
+        ("llama", "bf16+ckpt:selective"),
+        ("gpt2", "bf16+ckpt:selective:alternate"),
+        ("llama", "bf16+ckpt+optim:in_backward"),
+        ("llama", "bf16+ckpt+optim:8bit"),
+        ("llama", "bf16+ckpt:selective+loss:chunked+optim:8bit+optim:in_backward"),
+    ],
+)
 def test_new_rungs_estimated_within_ten_percent_of_the_meter(load_model, pretrained_dirs, arch, policy):
     est = estimate_memory(pretrained_dirs[arch], policy, batch_size=4, seq_len=16)
     model = prepare_model(load_model(arch), policy)
@@ -120,7 +127,9 @@ def test_planner_leaves_out_stepping_in_the_backward_when_the_loop_cannot(pretra
     and no optim:in_backward rung is considered; what fits is an 8-bit or a sharded rung, or nothing."""
     one = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked", batch_size=1, seq_len=16)
     budget = int(one.peak_bytes * 0.97 / 0.9)
-    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu", step_in_backward=False)
+    plan = plan_policy(
+        pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu", step_in_backward=False
+    )
     allowed = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu")
     assert any("in_backward" in r.policy for r in allowed.rows)
     assert not any("in_backward" in r.policy for r in plan.rows), [r.policy for r in plan.rows]
@@ -131,7 +140,9 @@ def test_planner_shards_when_model_states_exceed_the_budget(pretrained_dirs):
     one = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt", batch_size=1, seq_len=16)
     states = one.parameters + one.gradients + one.optimizer
     budget = int(states * 0.25)  # below even 8-bit moments stepped in the backward (~6 of 16 bytes a parameter)
-    plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, world_size=8, margin=0.0, device="cpu")
+    plan = plan_policy(
+        pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, world_size=8, margin=0.0, device="cpu"
+    )
     assert plan.fits and plan.policy.fsdp.mode == "full_shard", plan.table()
 
 
@@ -158,7 +169,10 @@ def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_di
     tokens = int(shorter.split(": ")[1].split(" ")[0])
     assert 0 < tokens < 64, notes
     # Independent check: the estimator itself at that length, and at the next multiple of 8 above it.
-    assert estimate_memory(pretrained_dirs["llama"], closest, batch_size=1, seq_len=tokens, task="causal-lm").peak_bytes <= usable
+    assert (
+        estimate_memory(pretrained_dirs["llama"], closest, batch_size=1, seq_len=tokens, task="causal-lm").peak_bytes
+        <= usable
+    )
 
 
 @pytest.mark.parametrize("budget", ["64MiB", "6MiB", "1GiB"])
@@ -170,8 +184,13 @@ def test_planner_max_batch_fits_and_is_the_largest(pretrained_dirs, budget):
     assert plan.fits and plan.batch_size >= 2, plan.table()
     policy = plan.policy.to_string()
     # The chosen size's own estimate fits the budget (with the margin), and one more sample does not.
-    assert estimate_memory(pretrained_dirs["llama"], policy, batch_size=plan.batch_size, seq_len=32).peak_bytes <= usable
-    assert estimate_memory(pretrained_dirs["llama"], policy, batch_size=plan.batch_size + 1, seq_len=32).peak_bytes > usable
+    assert (
+        estimate_memory(pretrained_dirs["llama"], policy, batch_size=plan.batch_size, seq_len=32).peak_bytes <= usable
+    )
+    assert (
+        estimate_memory(pretrained_dirs["llama"], policy, batch_size=plan.batch_size + 1, seq_len=32).peak_bytes
+        > usable
+    )
 
 
 @pytest.mark.slow
@@ -197,8 +216,15 @@ def test_planner_max_batch_where_the_optimizer_step_holds_the_small_batches_peak
     assert estimate_memory(d, policy, batch_size=plan.batch_size + 1, seq_len=8).peak_bytes > budget * 0.9
 
 
-@pytest.mark.parametrize("head, task", [("BertModel", "classification"), ("BertForMaskedLM", "classification"),
-                                        ("BertLMHeadModel", "causal-lm"), ("LlamaModel", "causal-lm")])
+@pytest.mark.parametrize(
+    "head, task",
+    [
+        ("BertModel", "classification"),
+        ("BertForMaskedLM", "classification"),
+        ("BertLMHeadModel", "causal-lm"),
+        ("LlamaModel", "causal-lm"),
+    ],
+)
 def test_a_base_or_masked_lm_encoder_is_estimated_as_a_classifier(tmp_path, head, task):
     """A BertModel checkpoint (the recipe's MiniLM) is an encoder, not a causal LM: estimated with a
     classification head (as the recipe fine-tunes it), said in the notes; a BERT saved as a decoder
@@ -215,7 +241,9 @@ def test_a_base_or_masked_lm_encoder_is_estimated_as_a_classifier(tmp_path, head
     inferred = estimate_memory(tmp_path, "fp32", batch_size=2, seq_len=16)
     explicit = estimate_memory(tmp_path, "fp32", batch_size=2, seq_len=16, task=task)
     assert (inferred.parameters, inferred.peak_bytes) == (explicit.parameters, explicit.peak_bytes)
-    assert any("task: classification" in n for n in inferred.notes) == (task == "classification" and head != "BertLMHeadModel")
+    assert any("task: classification" in n for n in inferred.notes) == (
+        task == "classification" and head != "BertLMHeadModel"
+    )
 
 
 @pytest.mark.parametrize(
@@ -233,7 +261,9 @@ def test_estimate_bad_input(pretrained_dirs, kwargs, fragment):
 
 
 def test_unknown_model_offline_is_a_clear_error():
-    with pytest.raises(ValueError, match="not a local directory with a config.json and not in the local Hugging Face cache"):
+    with pytest.raises(
+        ValueError, match="not a local directory with a config.json and not in the local Hugging Face cache"
+    ):
         estimate_memory("no-such-org/no-such-model", "bf16", batch_size=1, seq_len=16)
 
 
@@ -251,7 +281,11 @@ def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arc
     from tiny import configs
 
     config = configs()[arch]
-    cls = {"llama": transformers.LlamaForCausalLM, "gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertLMHeadModel}[arch]
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "gpt2": transformers.GPT2LMHeadModel,
+        "bert": transformers.BertLMHeadModel,
+    }[arch]
     torch.manual_seed(0)
     try:
         prepare_model(cls(config).train(), "fp32+loss:chunked")
@@ -263,7 +297,9 @@ def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arc
         estimate = estimate_memory(config, "fp32+loss:chunked", batch_size=2, seq_len=16, task="causal-lm")
         assert estimate.peak_bytes > 0 and not estimate.notes  # accepted, and checked (no "not compared" note)
     else:
-        with pytest.raises(ValueError, match="on BertLMHeadModel the chunked loss .* differs from the model's own") as e:
+        with pytest.raises(
+            ValueError, match="on BertLMHeadModel the chunked loss .* differs from the model's own"
+        ) as e:
             estimate_memory(config, "fp32+loss:chunked", batch_size=2, seq_len=16, task="causal-lm")
         assert "Drop loss:chunked" in str(e.value) and "Drop loss:chunked" in refused
 
@@ -275,7 +311,9 @@ def test_the_planner_offers_no_chunked_loss_rung_prepare_model_would_refuse():
     job = {"batch_size": 4, "seq_len": 32, "task": "causal-lm"}
     plain = estimate_memory(_bert_lm_config(), precision, **job)
     ckpt = estimate_memory(_bert_lm_config(), f"{precision}+ckpt", **job)
-    budget = int((plain.peak_bytes + ckpt.peak_bytes) / 2 / 0.9)  # the first rung does not fit; a checkpointing one does
+    budget = int(
+        (plain.peak_bytes + ckpt.peak_bytes) / 2 / 0.9
+    )  # the first rung does not fit; a checkpointing one does
     plan = plan_policy(_bert_lm_config(), budget=budget, device="cpu", **job)
     assert len(plan.rows) >= 2 and plan.fits, plan.table()
     assert not any("loss:chunked" in r.policy for r in plan.rows), [r.policy for r in plan.rows]
@@ -301,7 +339,9 @@ def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_bu
     one = est("fp32+ckpt", 1)
     activations = one.peak_bytes - (one.parameters + one.gradients + one.optimizer)
     assert activations > 0, one
-    below, above = _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 0.9), _suggestions(est, "fp32+ckpt", 1, 64, 1,
-                                                                                                 usable=activations * 2)
+    below, above = (
+        _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 0.9),
+        _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 2),
+    )
     assert "exceed the budget: more ranks do not shard them" in below[0] and "devices" not in below[0], below
     assert "more ranks: FSDP over about" in above[0], above

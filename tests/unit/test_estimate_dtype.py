@@ -57,7 +57,10 @@ def _estimate(model, policy, batch, **kwargs):
 
 
 def _same_states(est, real):
-    assert (est.parameters, est.gradients, est.optimizer) == (real.parameters, real.gradients, real.optimizer), (est, real)
+    assert (est.parameters, est.gradients, est.optimizer) == (real.parameters, real.gradients, real.optimizer), (
+        est,
+        real,
+    )
     assert abs(est.peak_bytes / real.peak_bytes - 1) <= 0.10, (est, real)
 
 
@@ -77,7 +80,9 @@ def test_a_saved_checkpoint_is_estimated_in_the_dtype_from_pretrained_gives(save
         assert est.as_dict()["weights_dtype"] == name and f"{name} weights" in est.summary()
 
 
-@pytest.mark.parametrize("name, policy", [("bf16", "bf16+ckpt"), ("fp16", "bf16+ckpt"), ("bf16", "fp32"), ("fp32", "bf16+ckpt")])
+@pytest.mark.parametrize(
+    "name, policy", [("bf16", "bf16+ckpt"), ("fp16", "bf16+ckpt"), ("bf16", "fp32"), ("fp32", "bf16+ckpt")]
+)
 def test_a_lora_base_counts_at_its_dtype_and_the_adapters_as_peft_makes_them(saved, name, policy):
     est = _estimate(saved[name], policy, 4, trainable="lora")
     real_model = _load(saved[name], "lora")
@@ -97,7 +102,9 @@ def test_the_bf16_case_of_issue_20_is_no_longer_counted_twice(saved):
     assert abs(est.peak_bytes / real.peak_bytes - 1) <= 0.10, (est, real)
 
 
-@pytest.mark.parametrize("given, asked", [("fp32", "bf16"), ("bf16", torch.float32), ("bf16", "fp16"), ("fp32", "bfloat16")])
+@pytest.mark.parametrize(
+    "given, asked", [("fp32", "bf16"), ("bf16", torch.float32), ("bf16", "fp16"), ("fp32", "bfloat16")]
+)
 def test_dtype_overrides_what_the_checkpoint_says(saved, given, asked):
     est = _estimate(saved[given], "bf16+ckpt", 1, dtype=asked)
     want = asked if isinstance(asked, torch.dtype) else {"bfloat16": torch.bfloat16, **DTYPES}[asked]
@@ -107,10 +114,15 @@ def test_dtype_overrides_what_the_checkpoint_says(saved, given, asked):
     assert _estimate(saved[given], "bf16+ckpt", 1, dtype="auto").weights_dtype == given
 
 
-@pytest.mark.parametrize("bad, error, fragment", [
-    ("int8", ValueError, "dtype='int8' is not one of 'auto'"), ("bf17", ValueError, "dtype='bf17'"),
-    (torch.int8, ValueError, "dtype=torch.int8 is not a weights dtype"), (16, TypeError, "dtype=16 (int) must be a string or a torch.dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, error, fragment",
+    [
+        ("int8", ValueError, "dtype='int8' is not one of 'auto'"),
+        ("bf17", ValueError, "dtype='bf17'"),
+        (torch.int8, ValueError, "dtype=torch.int8 is not a weights dtype"),
+        (16, TypeError, "dtype=16 (int) must be a string or a torch.dtype"),
+    ],
+)
 def test_a_bad_dtype_is_refused_naming_it_and_the_allowed_ones(saved, bad, error, fragment):
     with pytest.raises(error, match="'auto'.*'fp32', 'bf16', 'fp16'") as info:
         estimate_memory(saved["bf16"], "bf16", batch_size=1, seq_len=16, dtype=bad)
@@ -149,29 +161,74 @@ def test_a_model_object_counts_at_its_own_dtypes_and_is_left_untouched(saved, tr
     from tiny import assert_untouched, snapshot
 
     model = _load(saved["bf16"], trainable)
-    before, config_dtype = snapshot(model), model.config.dtype if trainable == "all" else model.get_base_model().config.dtype
+    before, config_dtype = (
+        snapshot(model),
+        model.config.dtype if trainable == "all" else model.get_base_model().config.dtype,
+    )
     est = _estimate(model, "bf16+ckpt", 1)
     assert_untouched(model, before)
-    assert (model.config.dtype if trainable == "all" else model.get_base_model().config.dtype) == config_dtype == torch.bfloat16
+    assert (
+        (model.config.dtype if trainable == "all" else model.get_base_model().config.dtype)
+        == config_dtype
+        == torch.bfloat16
+    )
     assert (est.weights_dtype, est.weights_dtype_source) == ("bf16", "the model's parameters")
     _same_states(est, _measure(_load(saved["bf16"], trainable), "bf16+ckpt", 1))
 
 
 def test_the_cli_says_the_dtype_and_takes_dtype(saved, capsys):
     def estimate(policy, *dtype):
-        assert main(["estimate", str(saved["bf16"]), "--policy", policy, "--batch-size", "1", "--seq-len", "16", "--json", *dtype]) == 0
+        assert (
+            main(
+                [
+                    "estimate",
+                    str(saved["bf16"]),
+                    "--policy",
+                    policy,
+                    "--batch-size",
+                    "1",
+                    "--seq-len",
+                    "16",
+                    "--json",
+                    *dtype,
+                ]
+            )
+            == 0
+        )
         return json.loads(capsys.readouterr().out)["estimates"][0]
 
     # Without autocast the weights train as loaded; under mixed precision both loads train fp32 master weights.
     auto, fp32 = estimate("fp32"), estimate("fp32", "--dtype", "fp32")
     assert (auto["weights_dtype"], fp32["weights_dtype"]) == ("bf16", "fp32")
     assert fp32["parameters"] == 2 * auto["parameters"] - _buffers(saved["bf16"])
-    assert estimate("bf16+ckpt")["parameters"] == estimate("bf16+ckpt", "--dtype", "fp32")["parameters"] == fp32["parameters"]
+    assert (
+        estimate("bf16+ckpt")["parameters"]
+        == estimate("bf16+ckpt", "--dtype", "fp32")["parameters"]
+        == fp32["parameters"]
+    )
     assert main(["estimate", str(saved["bf16"]), "--policy", "bf16+ckpt", "--batch-size", "1", "--seq-len", "16"]) == 0
     table = capsys.readouterr().out
     # The load dtype, and what the trainable weights train in when the policy casts them (fp32 master weights).
-    assert "| policy | weights |" in table and "| bf16+ckpt | bf16 (trains fp32) |" in table and "weights counted in bf16" in table
-    assert main(["estimate", str(saved["bf16"]), "--policy", "fp32,bf16+weights:bf16", "--batch-size", "1", "--seq-len", "16"]) == 0
+    assert (
+        "| policy | weights |" in table
+        and "| bf16+ckpt | bf16 (trains fp32) |" in table
+        and "weights counted in bf16" in table
+    )
+    assert (
+        main(
+            [
+                "estimate",
+                str(saved["bf16"]),
+                "--policy",
+                "fp32,bf16+weights:bf16",
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "| fp32 | bf16 |" in table and "| bf16+weights:bf16 | bf16 |" in table and "trains" not in table
     assert main(["plan", str(saved["bf16"]), "--budget", "1GiB", "--seq-len", "16", "--json", "--dtype", "fp16"]) == 0
@@ -199,17 +256,32 @@ def test_the_planner_counts_the_checkpoint_dtype(saved):
 def _moe_configs():
     from transformers import MixtralConfig, Qwen2MoeConfig
 
-    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "max_position_embeddings": 64, "num_experts_per_tok": 2}
-    return {"mixtral": MixtralConfig(num_local_experts=4, **common),
-            "qwen2-moe": Qwen2MoeConfig(num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, **common)}
+    common = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "max_position_embeddings": 64,
+        "num_experts_per_tok": 2,
+    }
+    return {
+        "mixtral": MixtralConfig(num_local_experts=4, **common),
+        "qwen2-moe": Qwen2MoeConfig(
+            num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, **common
+        ),
+    }
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
 def test_a_mixture_of_experts_model_is_refused_with_what_to_do(arch):
     config = _moe_configs()[arch]
     for policy in ("fp32", "bf16+ckpt"):
-        with pytest.raises(ValueError, match=r"cannot trace (Mixtral|Qwen2Moe)ForCausalLM .*mixture-of-experts.*measure_step.*find_batch_size"):
+        with pytest.raises(
+            ValueError,
+            match=r"cannot trace (Mixtral|Qwen2Moe)ForCausalLM .*mixture-of-experts.*measure_step.*find_batch_size",
+        ):
             estimate_memory(config, policy, batch_size=1, seq_len=16)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         plan_policy(config, budget="1GiB", seq_len=16)
@@ -233,4 +305,6 @@ def test_a_sharded_checkpoint_without_a_config_dtype_reads_what_from_pretrained_
     reference = LlamaForCausalLM.from_pretrained(tmp_path).dtype
     est = _estimate(tmp_path, "bf16+ckpt", 1)
     assert DTYPES[est.weights_dtype] == reference == (torch.float16 if index_dtype else torch.bfloat16)
-    assert est.weights_dtype_source.startswith("the dtype in model.safetensors.index.json" if index_dtype else "the weights in model-00001-of-")
+    assert est.weights_dtype_source.startswith(
+        "the dtype in model.safetensors.index.json" if index_dtype else "the weights in model-00001-of-"
+    )

@@ -57,16 +57,24 @@ def test_no_warning_without_checkpointing(load_model):
 
 
 @pytest.mark.slow
-def test_the_readme_trainer_snippet_on_an_eval_mode_model_does_not_warn(load_model, word_tokenizer, tmp_path, monkeypatch):
+def test_the_readme_trainer_snippet_on_an_eval_mode_model_does_not_warn(
+    load_model, word_tokenizer, tmp_path, monkeypatch
+):
     import datasets
     from transformers import DataCollatorForLanguageModeling
 
     snippet = re.search(r"<!-- snippet: trainer -->\n```python\n(.*?)```", README.read_text(), re.S).group(1)
     monkeypatch.chdir(tmp_path)
     texts = [" ".join(["the cat sat on a mat"] * (1 + i % 3)) for i in range(32)]
-    train = datasets.Dataset.from_dict({"text": texts}).map(lambda r: word_tokenizer(r["text"]), remove_columns=["text"])
-    scope = {"__name__": "__readme__", "model": load_model("llama").eval(), "train": train,
-             "collator": DataCollatorForLanguageModeling(word_tokenizer, mlm=False)}
+    train = datasets.Dataset.from_dict({"text": texts}).map(
+        lambda r: word_tokenizer(r["text"]), remove_columns=["text"]
+    )
+    scope = {
+        "__name__": "__readme__",
+        "model": load_model("llama").eval(),
+        "train": train,
+        "collator": DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exec(compile(snippet, "README.md:trainer", "exec"), scope)

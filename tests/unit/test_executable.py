@@ -36,13 +36,16 @@ def training(calls, seq):
         for _ in range(2):  # the second step holds the optimizer state through its backward: the steady state
             train_step(model, batches(seq=seq)(batch_size), optimizer)
         return batch_size
+
     return train
 
 
 def test_predicts_then_runs_once(job):
     model, opt, budget = job
     calls = []
-    train = find_executable_batch_size(training(calls, 32), starting_batch_size=1024, make_batch=batches(seq=32), cache=False)
+    train = find_executable_batch_size(
+        training(calls, 32), starting_batch_size=1024, make_batch=batches(seq=32), cache=False
+    )
     with simulated_memory_limit(budget, count=[model, opt]) as mem:
         used = train(model, opt)
     assert 0.95 * 30 <= used <= 30 and calls == [used] and mem.out_of_memory_errors == 0
@@ -53,7 +56,9 @@ def test_falls_back_to_accelerate_retries_when_the_function_needs_more(job):
     model, opt, budget = job
     calls = []
     # The function trains on sequences of 64 while make_batch builds 32: the prediction is too large.
-    train = find_executable_batch_size(training(calls, 64), starting_batch_size=1024, make_batch=batches(seq=32), cache=False)
+    train = find_executable_batch_size(
+        training(calls, 64), starting_batch_size=1024, make_batch=batches(seq=32), cache=False
+    )
     with simulated_memory_limit(budget, count=[model, opt]) as mem:
         used = train(model, opt)
     predicted = train.batch_size_result.batch_size
@@ -67,7 +72,10 @@ def test_without_make_batch_it_is_accelerates_decorator(job):
     model, opt, budget = job
     ours, theirs = [], []
     ours_train = find_executable_batch_size(training(ours, 32), starting_batch_size=48)
-    with simulated_memory_limit(budget, count=[model, opt]), pytest.warns(UserWarning, match="no make_batch .*retrying from 48"):
+    with (
+        simulated_memory_limit(budget, count=[model, opt]),
+        pytest.warns(UserWarning, match="no make_batch .*retrying from 48"),
+    ):
         ours_train(model, opt)
     with simulated_memory_limit(budget, count=[model, opt]):
         accelerate_find(training(theirs, 32), starting_batch_size=48)(model, opt)
@@ -89,8 +97,13 @@ def test_errors_as_accelerate_raises_them():
     with pytest.raises(TypeError, match="Batch size was passed into `always_oom`"):
         always_oom(8, model)
 
-    @find_executable_batch_size(starting_batch_size=4, make_batch=lambda n: make_batch("plain", batch_size=n),
-                                budget="1GiB", mode="eval", cache=False)
+    @find_executable_batch_size(
+        starting_batch_size=4,
+        make_batch=lambda n: make_batch("plain", batch_size=n),
+        budget="1GiB",
+        mode="eval",
+        cache=False,
+    )
     def broken(batch_size, model):
         calls.append(batch_size)
         raise ValueError("not a memory problem")
@@ -115,13 +128,13 @@ def test_closure_style_gets_the_prediction_with_model_and_optimizer_passed(job):
             train_step(model, batches(seq=32)(batch_size), opt)
         return batch_size
 
-    predicted = find_executable_batch_size(train, starting_batch_size=1024, make_batch=batches(seq=32), model=model,
-                                           optimizer=opt, cache=False)
+    predicted = find_executable_batch_size(
+        train, starting_batch_size=1024, make_batch=batches(seq=32), model=model, optimizer=opt, cache=False
+    )
     with simulated_memory_limit(budget, count=[model, opt]) as mem:
         used = predicted()
     assert 0.95 * 30 <= used <= 30 and calls == [used] and mem.out_of_memory_errors == 0
     assert predicted.batch_size_result.batch_size == used
-
 
 
 def test_closure_style_without_model_warns_naming_what_to_pass():
@@ -133,9 +146,14 @@ def test_closure_style_without_model_warns_naming_what_to_pass():
         calls.append(batch_size)
         return model, opt
 
-    unpredicted = find_executable_batch_size(train, starting_batch_size=4, make_batch=lambda n: make_batch("plain", batch_size=n))
-    with pytest.warns(UserWarning, match=r"no model, optimizer .*train closes over model and opt: pass model=model, optimizer=opt "
-                                         r"to the decorator: no prediction, retrying from 4"):
+    unpredicted = find_executable_batch_size(
+        train, starting_batch_size=4, make_batch=lambda n: make_batch("plain", batch_size=n)
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"no model, optimizer .*train closes over model and opt: pass model=model, optimizer=opt "
+        r"to the decorator: no prediction, retrying from 4",
+    ):
         unpredicted()
     assert calls == [4] and unpredicted.batch_size_result is None
 
@@ -144,6 +162,7 @@ def _always_out_of_memory(calls):
     def run(batch_size):
         calls.append(batch_size)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
     return run
 
 
@@ -156,23 +175,49 @@ def _reducer(sizes):
             return next(it)
         except StopIteration:
             raise AssertionError("reduce_batch_size_fn called again: the retries did not stop") from None
+
     return reduce
 
 
-@pytest.mark.parametrize("sizes, error, match", [
-    ([-3], ValueError, r"reduce_batch_size_fn returned a negative size, and batch size 8 ran out of memory: each call must return a smaller"),
-    ([6, 6], ValueError, r"reduce_batch_size_fn returned 6 after returning 6 on its previous call, and batch size 6 ran out "
-                         r"of memory: each call must return a smaller"),
-    ([6, 9], ValueError, r"reduce_batch_size_fn returned 9 after returning 6 on its previous call, and batch size 6 ran out"),
-    # New-user trial: a hook above the start said "returned 32 after 32", not the size that failed (16).
-    ([32, 32], ValueError, r"returned 32 after returning 32 on its previous call, and batch size 8 ran out of memory"),
-    ([4.5], TypeError, r"reduce_batch_size_fn returned 4.5 \(float\); it must return the next batch size as an int"),
-    ([6, 3, 0], RuntimeError, r"No executable batch size found, reached zero"),  # Accelerate's end
-    ([np.int64(6), np.int64(3), 0], RuntimeError, r"reached zero"),  # numpy's integers are integers
-])
+@pytest.mark.parametrize(
+    "sizes, error, match",
+    [
+        (
+            [-3],
+            ValueError,
+            r"reduce_batch_size_fn returned a negative size, and batch size 8 ran out of memory: each call must return a smaller",
+        ),
+        (
+            [6, 6],
+            ValueError,
+            r"reduce_batch_size_fn returned 6 after returning 6 on its previous call, and batch size 6 ran out "
+            r"of memory: each call must return a smaller",
+        ),
+        (
+            [6, 9],
+            ValueError,
+            r"reduce_batch_size_fn returned 9 after returning 6 on its previous call, and batch size 6 ran out",
+        ),
+        # New-user trial: a hook above the start said "returned 32 after 32", not the size that failed (16).
+        (
+            [32, 32],
+            ValueError,
+            r"returned 32 after returning 32 on its previous call, and batch size 8 ran out of memory",
+        ),
+        (
+            [4.5],
+            TypeError,
+            r"reduce_batch_size_fn returned 4.5 \(float\); it must return the next batch size as an int",
+        ),
+        ([6, 3, 0], RuntimeError, r"No executable batch size found, reached zero"),  # Accelerate's end
+        ([np.int64(6), np.int64(3), 0], RuntimeError, r"reached zero"),  # numpy's integers are integers
+    ],
+)
 def test_a_reduce_hook_that_would_loop_forever_is_refused(sizes, error, match):
     calls = []
-    run = find_executable_batch_size(_always_out_of_memory(calls), starting_batch_size=8, reduce_batch_size_fn=_reducer(sizes))
+    run = find_executable_batch_size(
+        _always_out_of_memory(calls), starting_batch_size=8, reduce_batch_size_fn=_reducer(sizes)
+    )
     with pytest.warns(UserWarning, match="no make_batch"), pytest.raises(error, match=match):
         run()
     assert calls[0] == 8 and all(b < a for a, b in itertools.pairwise(calls))
@@ -187,8 +232,14 @@ def test_a_reduce_hook_counting_down_from_the_start_skips_sizes_above_the_predic
         hook["size"] //= 2
         return hook["size"]
 
-    @find_executable_batch_size(starting_batch_size=1024, reduce_batch_size_fn=reduce, mode="eval", budget="4MiB",
-                                make_batch=lambda n: make_batch("plain", batch_size=n), cache=False)
+    @find_executable_batch_size(
+        starting_batch_size=1024,
+        reduce_batch_size_fn=reduce,
+        mode="eval",
+        budget="4MiB",
+        make_batch=lambda n: make_batch("plain", batch_size=n),
+        cache=False,
+    )
     def evaluate(batch_size, model):
         calls.append(batch_size)
         if batch_size > 20:  # the function needs more than make_batch builds (longer batches)
@@ -201,16 +252,22 @@ def test_a_reduce_hook_counting_down_from_the_start_skips_sizes_above_the_predic
     assert calls[1:] == [s for s in (256, 128, 64, 32, 16) if s < predicted] and used == 16
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"mode": "Train"}, ValueError, r"mode='Train' is not one of 'train', 'eval'"),
-    ({"mode": "eval", "model": "llama"}, TypeError, r"model=str must be a torch.nn.Module"),
-    ({"optimizer": object()}, TypeError, r"optimizer=object must be a torch.optim.Optimizer"),
-    ({"starting_batch_size": -4}, ValueError, r"starting_batch_size=-4 must be a positive integer"),
-    ({"reduce_batch_size_fn": 8}, TypeError, r"reduce_batch_size_fn=8 must be callable"),
-    # New-user trial: a hook taking the batch size failed with a bare TypeError at the first OOM only.
-    ({"reduce_batch_size_fn": lambda bs: bs // 2}, TypeError,
-     r"reduce_batch_size_fn\(bs\) cannot be called with no arguments .*Accelerate's find_executable_batch_size calls it with none"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"mode": "Train"}, ValueError, r"mode='Train' is not one of 'train', 'eval'"),
+        ({"mode": "eval", "model": "llama"}, TypeError, r"model=str must be a torch.nn.Module"),
+        ({"optimizer": object()}, TypeError, r"optimizer=object must be a torch.optim.Optimizer"),
+        ({"starting_batch_size": -4}, ValueError, r"starting_batch_size=-4 must be a positive integer"),
+        ({"reduce_batch_size_fn": 8}, TypeError, r"reduce_batch_size_fn=8 must be callable"),
+        # New-user trial: a hook taking the batch size failed with a bare TypeError at the first OOM only.
+        (
+            {"reduce_batch_size_fn": lambda bs: bs // 2},
+            TypeError,
+            r"reduce_batch_size_fn\(bs\) cannot be called with no arguments .*Accelerate's find_executable_batch_size calls it with none",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused_when_decorating(kwargs, error, match):
     with pytest.raises(error, match=match):
         find_executable_batch_size(**kwargs)  # the decorator-with-arguments form: refused before any function

@@ -28,8 +28,11 @@ def test_accelerate_wraps_exactly_our_blocks(load_model, arch):
 
 @pytest.mark.parametrize(
     "policy, param_dtype, reshard, offload",
-    [("bf16+fsdp", torch.bfloat16, True, False), ("fp32+fsdp:shard_grad_op", None, False, False),
-     ("bf16+ckpt+fsdp:offload", torch.bfloat16, True, True)],
+    [
+        ("bf16+fsdp", torch.bfloat16, True, False),
+        ("fp32+fsdp:shard_grad_op", None, False, False),
+        ("bf16+ckpt+fsdp:offload", torch.bfloat16, True, True),
+    ],
 )
 def test_plugin_fields_follow_the_policy(load_model, policy, param_dtype, reshard, offload):
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -48,8 +51,9 @@ def test_plugin_fields_follow_the_policy(load_model, policy, param_dtype, reshar
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
 
 
-@pytest.mark.parametrize("policy, fragment", [("bf16+ckpt", "policy.fsdp.mode='none'"),
-                                              ("bf16+fsdp:hybrid_shard", "launch with torchrun")])
+@pytest.mark.parametrize(
+    "policy, fragment", [("bf16+ckpt", "policy.fsdp.mode='none'"), ("bf16+fsdp:hybrid_shard", "launch with torchrun")]
+)
 def test_plugin_refuses_what_it_cannot_build(load_model, policy, fragment):
     from hf_memstack import accelerate_fsdp_plugin
 

@@ -20,15 +20,33 @@ from hf_memstack import MemoryPolicy, measure_step, prepare_model, verify
 def _causal_lm(arch: str, vocab: int = VOCAB) -> torch.nn.Module:
     import transformers
 
-    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": vocab, "max_position_embeddings": 64}
+    common = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "max_position_embeddings": 64,
+    }
     configs = {
         "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)),
-        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, vocab_size=vocab, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                vocab_size=vocab,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
         "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False)),
-        "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            **common, head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=None)),
+        "gemma2": lambda: transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(**common, head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=None)
+        ),
     }
     torch.manual_seed(0)
     return configs[arch]().train()
@@ -84,8 +102,9 @@ def test_gradient_accumulation_over_micro_batches_matches(load_model):
         m.zero_grad(set_to_none=True)
         for b in micro:
             m(**b, num_items_in_batch=torch.tensor(total)).loss.backward()
-    _assert_grads_close({n: p.grad for n, p in model.named_parameters()},
-                        {n: p.grad for n, p in reference.named_parameters()}, rel=1e-5)
+    _assert_grads_close(
+        {n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}, rel=1e-5
+    )
 
 
 def test_shift_labels_are_used_as_given(load_model):
@@ -124,7 +143,8 @@ class _HeadShapes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and any(
-                torch.is_tensor(a) and self.shape[0] in a.shape and a.dim() == 2 for a in args):
+            torch.is_tensor(a) and self.shape[0] in a.shape and a.dim() == 2 for a in args
+        ):
             self.matmul_dtypes.add(out.dtype)
         if torch.is_tensor(out) and tuple(out.shape) == self.shape and not func.overloadpacket.__name__.endswith("_"):
             self.weight_copies.append((func.__name__, out.dtype))  # made, not updated in place
@@ -153,7 +173,9 @@ def test_without_labels_or_gradients_the_models_own_forward_runs(load_model):
     with torch.no_grad():
         assert torch.equal(model(input_ids=batch["input_ids"]).logits, reference(input_ids=batch["input_ids"]).logits)
         evaluated = model(**batch)  # evaluation with labels: logits for metrics, and the loss
-        assert evaluated.logits is not None and float(evaluated.loss) == pytest.approx(float(reference(**batch).loss), rel=1e-6)
+        assert evaluated.logits is not None and float(evaluated.loss) == pytest.approx(
+            float(reference(**batch).loss), rel=1e-6
+        )
     assert model(input_ids=batch["input_ids"]).logits.requires_grad  # generation-style calls, with gradients on too
 
 
@@ -177,8 +199,18 @@ def test_verify_compares_the_losses_without_dropout_noise():
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)).train()
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.5,
+            embd_pdrop=0.5,
+            attn_pdrop=0.5,
+        )
+    ).train()
     model = prepare_model(model, _chunked())
     check = verify(model, make_batch("gpt2")).check("loss")
     ours, theirs = (float(x) for x in check.detail.split(" on the first")[0].replace(",", "").split()[2::4])
@@ -198,7 +230,9 @@ def test_forward_signature_pickle_and_deepcopy_are_kept(load_model):
         while hasattr(forward, "__wrapped__"):
             chain.append(type(forward).__name__)
             forward = forward.__wrapped__
-        assert chain[:3] == ["AutocastForward", "PackedBatchGuard", "ChunkedLossForward"], chain  # then the bound forward
+        assert chain[:3] == ["AutocastForward", "PackedBatchGuard", "ChunkedLossForward"], (
+            chain
+        )  # then the bound forward
         assert copied(**batch).logits is None
         assert float(copied(**batch).loss.detach()) == pytest.approx(loss, rel=1e-6)
 
@@ -221,8 +255,9 @@ def _peft_model(arch: str, how: str) -> torch.nn.Module:
 
     targets = {"attention": ["q_proj", "v_proj"], "lora-head": ["q_proj", "lm_head"]}
     saved = ["lm_head"] if how == "saved-head" else None
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets.get(how, ["q_proj"]), modules_to_save=saved,
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets.get(how, ["q_proj"]), modules_to_save=saved, init_lora_weights=False
+    )
     torch.manual_seed(3)
     return get_peft_model(_causal_lm(arch), config)
 
@@ -273,12 +308,22 @@ def _doubled_llama() -> torch.nn.Module:
     return DoubledLlamaForCausalLM(_causal_lm("llama").config).train()
 
 
-@pytest.mark.parametrize("build, fragments", [
-    (lambda load: load("bert"), ("policy.loss.mode='chunked'", "BertForSequenceClassification", "not a causal language model",
-                                 "drop loss:chunked")),
-    (lambda load: PlainStack(), ("policy.loss.mode='chunked'", "PlainStack", "drop loss:chunked")),
-    (lambda load: _doubled_llama(), ("differs from the model's own", "Drop loss:chunked")),
-])
+@pytest.mark.parametrize(
+    "build, fragments",
+    [
+        (
+            lambda load: load("bert"),
+            (
+                "policy.loss.mode='chunked'",
+                "BertForSequenceClassification",
+                "not a causal language model",
+                "drop loss:chunked",
+            ),
+        ),
+        (lambda load: PlainStack(), ("policy.loss.mode='chunked'", "PlainStack", "drop loss:chunked")),
+        (lambda load: _doubled_llama(), ("differs from the model's own", "Drop loss:chunked")),
+    ],
+)
 def test_bad_input_is_refused_with_the_model_untouched(load_model, build, fragments):
     model = build(load_model)
     before = snapshot(model)
@@ -288,9 +333,15 @@ def test_bad_input_is_refused_with_the_model_untouched(load_model, build, fragme
     assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("field, position, value", [
-    ("input_ids", (0, 3), VOCAB), ("input_ids", (1, 0), -1), ("labels", (0, 5), VOCAB + 7), ("labels", (1, 2), -1),
-])
+@pytest.mark.parametrize(
+    "field, position, value",
+    [
+        ("input_ids", (0, 3), VOCAB),
+        ("input_ids", (1, 0), -1),
+        ("labels", (0, 5), VOCAB + 7),
+        ("labels", (1, 2), -1),
+    ],
+)
 def test_ids_outside_the_vocabulary_are_named(load_model, field, position, value):
     """Before the forward, one check over input_ids and labels names the field, the id and the
     vocabulary (the embedding's and the loss's own index errors name neither); -100 stays allowed."""
@@ -331,8 +382,10 @@ def test_compiled_chunks_equal_the_models_own(arch):
     """loss:chunked:compiled (issue 22): the per-chunk softmax, loss and gradient under torch.compile
     give the model's own loss and gradients (soft-capping too), over chunks of two lengths (dynamic)."""
     reference = _causal_lm(arch)
-    model = prepare_model(copy.deepcopy(reference), MemoryPolicy(precision="fp32", loss={"mode": "chunked", "chunk_tokens": 7,
-                                                                                           "compiled": True}))
+    model = prepare_model(
+        copy.deepcopy(reference),
+        MemoryPolicy(precision="fp32", loss={"mode": "chunked", "chunk_tokens": 7, "compiled": True}),
+    )
     assert model.memstack.loss.compiled and "compiled chunks" in model.memstack.loss.describe()
     batch = _masked_batch()  # 3 x 16 tokens: chunks of 7, 7, ..., then a shorter one
     want_loss, want = _step(reference, batch)
@@ -351,8 +404,10 @@ def test_compiled_chunks_are_estimated_and_metered_like_eager_ones(load_model, p
     eager = estimate_memory(d, "fp32+loss:chunked", batch_size=2, seq_len=16)
     assert compiled.peak_bytes == eager.peak_bytes and compiled.policy == "fp32+loss:chunked:compiled"
     batch = make_batch("llama")
-    peaks = [measure_step(prepare_model(load_model("llama"), spec), batch, None, timed=False).peak_bytes
-             for spec in ("fp32+loss:chunked:compiled", "fp32+loss:chunked")]
+    peaks = [
+        measure_step(prepare_model(load_model("llama"), spec), batch, None, timed=False).peak_bytes
+        for spec in ("fp32+loss:chunked:compiled", "fp32+loss:chunked")
+    ]
     assert peaks[0] == peaks[1]
 
 
@@ -360,7 +415,9 @@ def test_compiled_token_round_trips_and_needs_the_chunked_mode():
     p = MemoryPolicy.from_string("bf16+loss:chunked:compiled")
     assert (p.loss.mode, p.loss.compiled) == ("chunked", True) and p.to_string() == "bf16+loss:chunked:compiled"
     assert MemoryPolicy.from_dict(p.to_dict()) == p
-    with pytest.raises(ValueError, match=r"policy.loss.compiled=True only applies to mode='chunked'.*loss:chunked:compiled"):
+    with pytest.raises(
+        ValueError, match=r"policy.loss.compiled=True only applies to mode='chunked'.*loss:chunked:compiled"
+    ):
         MemoryPolicy(loss={"mode": "default", "compiled": True})
     with pytest.raises(ValueError, match=r"'loss:compiled' is not one of 'loss:chunked', 'loss:chunked:compiled'"):
         MemoryPolicy.from_string("bf16+loss:compiled")

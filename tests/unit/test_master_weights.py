@@ -23,8 +23,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU
 def bf16_dir(tmp_path_factory):
     """A tiny Llama saved in bf16, as real checkpoints are, with tied embeddings."""
     path = tmp_path_factory.mktemp("bf16") / "llama"
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return path
@@ -90,8 +99,11 @@ def test_mixed_precision_casts_a_bf16_checkpoint_to_fp32_master_weights(bf16_dir
 def test_lora_adapters_train_fp32_and_the_frozen_base_stays_bf16(bf16_dir):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(bf16_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
-                           autocast_adapter_dtype=False)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(bf16_dir),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        autocast_adapter_dtype=False,
+    )
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.bfloat16}  # PEFT left them bf16 here
     prepare_model(model, "bf16")
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
@@ -142,7 +154,9 @@ def test_stochastic_rounding_keeps_an_update_below_bf16_resolution_in_expectatio
 def test_stochastic_rounding_matches_torchaos_in_distribution():
     torchao_sr = pytest.importorskip("torchao.optim.quant_utils")._fp32_to_bf16_sr
     # Values spread over many binades, each 2^12 times: the mean of the rounded copies is the value.
-    x = (torch.randn(64, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.arange(-3, 5).repeat(8)).repeat(4096, 1)
+    x = (torch.randn(64, generator=torch.Generator().manual_seed(0)) * 10.0 ** torch.arange(-3, 5).repeat(8)).repeat(
+        4096, 1
+    )
     ours = stochastic_round_to_bf16(x, generator=torch.Generator().manual_seed(1)).float()
     theirs = torchao_sr(x).float()
     # The two bf16 neighbours of each value, from its bits: truncated toward zero, and one bf16 step away from zero.
@@ -210,7 +224,9 @@ def test_a_policy_other_than_the_models_is_refused(bf16_dir):
 
 def test_trainer_check_refuses_plain_adamw_under_pure_bf16_and_warns_on_16_bit_weights(bf16_dir):
     pure = prepare_model(AutoModelForCausalLM.from_pretrained(bf16_dir), "bf16+weights:bf16")
-    plain = torch.optim.AdamW([p for p in pure.parameters() if p.requires_grad], lr=1e-3)  # what Trainer builds by default
+    plain = torch.optim.AdamW(
+        [p for p in pure.parameters() if p.requires_grad], lr=1e-3
+    )  # what Trainer builds by default
     with pytest.raises(ValueError, match=r"trains pure bf16.*Trainer's optimizer is AdamW.*make_optimizer"):
         check_optimizer(pure, plain)
     with warnings.catch_warnings():
@@ -230,8 +246,12 @@ def test_the_estimate_counts_the_master_weights_as_the_meter_does(bf16_dir, poli
     with torch.compiler.set_stance("force_eager"):  # torchao's 8-bit step compiles per shape: eager, as traced
         real = measure_step(model, _batch(), make_optimizer(model, lr=1e-4), timed=False)
     est = estimate_memory(bf16_dir, policy, batch_size=2, seq_len=16)
-    assert (est.parameters, est.gradients, est.optimizer, est.peak_bytes) == (real.parameters, real.gradients, real.optimizer,
-                                                                             real.peak_bytes)
+    assert (est.parameters, est.gradients, est.optimizer, est.peak_bytes) == (
+        real.parameters,
+        real.gradients,
+        real.optimizer,
+        real.peak_bytes,
+    )
     width = 2 if "weights:bf16" in policy else 4
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert est.parameters == width * est.trainable_parameters + buffers  # every parameter trains, in the master dtype
@@ -241,7 +261,9 @@ def test_a_plain_optimizer_stepping_pure_bf16_weights_warns_once(bf16_dir):
     model = prepare_model(AutoModelForCausalLM.from_pretrained(bf16_dir).train(), "bf16+weights:bf16")
     plain = torch.optim.AdamW(model.parameters(), lr=1e-5)  # a hand-written loop's optimizer
     model(**_batch()).loss.backward()
-    with pytest.warns(UserWarning, match=r"AdamW steps \d+ parameter\(s\) that prepare_model keeps in pure bf16.*make_optimizer"):
+    with pytest.warns(
+        UserWarning, match=r"AdamW steps \d+ parameter\(s\) that prepare_model keeps in pure bf16.*make_optimizer"
+    ):
         plain.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -19,14 +19,31 @@ from hf_memstack import MemoryPolicy, prepare_model, verify
 def _configs() -> dict:
     import transformers
 
-    common = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": VOCAB, "max_position_embeddings": 64, "router_aux_loss_coef": 0.3}
+    common = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+        "router_aux_loss_coef": 0.3,
+    }
     return {
-        "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig(
-            **common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
-        "qwen2_moe": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
-            **common, intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-            num_experts_per_tok=2)),
+        "mixtral": (
+            transformers.MixtralForCausalLM,
+            transformers.MixtralConfig(**common, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
+        ),
+        "qwen2_moe": (
+            transformers.Qwen2MoeForCausalLM,
+            transformers.Qwen2MoeConfig(
+                **common,
+                intermediate_size=64,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+            ),
+        ),
     }
 
 
@@ -44,6 +61,7 @@ def load_moe(moe_dirs):
     def load(arch: str, **config_overrides) -> torch.nn.Module:
         cls, _ = _configs()[arch]
         return cls.from_pretrained(moe_dirs[arch], dtype=torch.float32, **config_overrides).train()
+
     return load
 
 
@@ -61,7 +79,9 @@ def _batch(batch_size: int = 3, seq: int = 12) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _run(model: torch.nn.Module, batch: dict, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def _run(
+    model: torch.nn.Module, batch: dict, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     out = model(**batch, **kwargs)
     out.loss.backward()
@@ -187,9 +207,17 @@ def test_the_prepare_time_check_leaves_no_hooks_behind(load_moe):
 def _doge() -> torch.nn.Module:
     import transformers
 
-    config = transformers.DogeConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, vocab_size=VOCAB, num_experts=16, num_experts_per_tok=2,
-                                     max_position_embeddings=64)
+    config = transformers.DogeConfig(
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        num_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.DogeForCausalLM(config).train()
 
@@ -211,10 +239,13 @@ def _doubled_router_loss(load_moe) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("build, fragments", [
-    (lambda load: _doge(), ("DogeForCausalLM", "load_balancing_loss_func", "num_keys", "drop loss:chunked")),
-    (_doubled_router_loss, ("chunked aux_loss", "differs from the model's own", "Drop loss:chunked")),
-])
+@pytest.mark.parametrize(
+    "build, fragments",
+    [
+        (lambda load: _doge(), ("DogeForCausalLM", "load_balancing_loss_func", "num_keys", "drop loss:chunked")),
+        (_doubled_router_loss, ("chunked aux_loss", "differs from the model's own", "Drop loss:chunked")),
+    ],
+)
 def test_a_router_loss_it_cannot_reproduce_is_refused_with_the_model_untouched(load_moe, build, fragments):
     model = build(load_moe)
     before = snapshot(model)

@@ -107,6 +107,7 @@ def test_eight_bit_moments_train_and_are_counted_exactly():
         if p.numel() >= 4096 and p.numel() % 256 == 0:  # uint8 codes, an fp32 scale per 256, a 256-entry map
             return 2 * (p.numel() + p.numel() // 256 * 4 + 256 * 4) + 4
         return 2 * p.numel() * 4 + 4  # small tensors keep fp32 moments; + the step counter
+
     assert optimizer_state_bytes(optimizer) == sum(expected(p) for p in model.parameters())
     state = optimizer.state[model.layers[0][1].weight]["exp_avg"]
     assert tensor_bytes(state) < state.numel() * state.element_size()  # its inner uint8 codes, not its shown dtype
@@ -126,10 +127,16 @@ def test_both_rungs_together_cut_the_model_states(load_model):
     assert states["fp32+optim:8bit+optim:in_backward"] <= 0.45 * states["fp32"], states
 
 
-@pytest.mark.parametrize("kwargs, fragments", [
-    ({"gradient_accumulation_steps": 4}, ("gradient_accumulation_steps=4", "cannot be summed", "step='after_backward'")),
-    ({"max_grad_norm": 1.0}, ("max_grad_norm=1.0", "global norm", "max_grad_norm=None")),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragments",
+    [
+        (
+            {"gradient_accumulation_steps": 4},
+            ("gradient_accumulation_steps=4", "cannot be summed", "step='after_backward'"),
+        ),
+        ({"max_grad_norm": 1.0}, ("max_grad_norm=1.0", "global norm", "max_grad_norm=None")),
+    ],
+)
 def test_in_backward_refuses_what_it_cannot_do_before_building_anything(load_model, kwargs, fragments):
     model = prepare_model(load_model("llama"), "bf16+optim:in_backward")
     with pytest.raises(ValueError) as e:
@@ -160,7 +167,9 @@ def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load
     optim._torchao_adamw.cache_clear()
     try:
         model = load_model("llama")
-        with pytest.raises(RuntimeError, match=r"optimizer.state='8bit' needs torchao.*pip install 'hf_memstack\[optim\]'"):
+        with pytest.raises(
+            RuntimeError, match=r"optimizer.state='8bit' needs torchao.*pip install 'hf_memstack\[optim\]'"
+        ):
             prepare_model(model, "bf16+optim:8bit")
         assert getattr(model, "memstack", None) is None
         with pytest.raises(RuntimeError, match="torchao"):
@@ -185,8 +194,9 @@ def test_the_finder_measures_and_restores_an_optimizer_stepping_in_the_backward(
     model = prepare_model(load_model("llama"), "bf16+optim:in_backward")
     optimizer = make_optimizer(model, lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    result = find_batch_size(model, lambda n: make_batch("llama", batch_size=n), optimizer, budget="64MiB", cache=False,
-                             max_batch_size=16)
+    result = find_batch_size(
+        model, lambda n: make_batch("llama", batch_size=n), optimizer, budget="64MiB", cache=False, max_batch_size=16
+    )
     assert result.batch_size >= 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert _run(model, optimizer, 1)
@@ -226,11 +236,14 @@ def test_an_optimizer_built_before_prepare_model_is_refused(load_model):
     assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"lr": "1e-3"}, "lr='1e-3' must be a finite number >= 0"),
-    ({"lr": 1e-3, "eps": -1.0}, "eps=-1.0 must be a finite number >= 0"),
-    ({"lr": 1e-3, "betas": (0.9, 1.5)}, "betas=(0.9, 1.5) must be two numbers in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"lr": "1e-3"}, "lr='1e-3' must be a finite number >= 0"),
+        ({"lr": 1e-3, "eps": -1.0}, "eps=-1.0 must be a finite number >= 0"),
+        ({"lr": 1e-3, "betas": (0.9, 1.5)}, "betas=(0.9, 1.5) must be two numbers in [0, 1)"),
+    ],
+)
 def test_bad_hyperparameters_are_named_before_torch_sees_them(load_model, kwargs, fragment):
     model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
     with pytest.raises(ValueError, match="make_optimizer: ") as e:
@@ -249,15 +262,21 @@ def test_param_groups_from_generators_step_what_torch_adamw_steps(spec):
     a check first, leaving an optimizer over nothing whose step changed nothing)."""
     reference = PlainStack().train()
     ours = prepare_model(copy.deepcopy(reference), spec)
+
     def groups(model):
-        return [{"params": model.layers.parameters(), "weight_decay": 0.0},
-                {"params": (p for n, p in model.named_parameters() if not n.startswith("layers.")), "lr": 5e-3}]
+        return [
+            {"params": model.layers.parameters(), "weight_decay": 0.0},
+            {"params": (p for n, p in model.named_parameters() if not n.startswith("layers.")), "lr": 5e-3},
+        ]
+
     torch_adamw = torch.optim.AdamW(groups(reference), lr=1e-2, weight_decay=0.1)
     optimizer = make_optimizer(ours, lr=1e-2, weight_decay=0.1, param_groups=groups(ours))
     before = [p.detach().clone() for p in ours.parameters()]
     assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
     assert all(_changed(before, ours))  # every parameter stepped ...
-    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters()))  # ... exactly as torch's AdamW
+    assert all(
+        torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters())
+    )  # ... exactly as torch's AdamW
 
 
 def test_a_tensor_learning_rate_is_accepted_as_torch_accepts_it():
@@ -269,26 +288,47 @@ def test_a_tensor_learning_rate_is_accepted_as_torch_accepts_it():
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), ours.parameters()))
 
 
-@pytest.mark.parametrize("kwargs, error, fragments", [
-    ({"lr": float("inf")}, ValueError, ("lr=inf must be a finite number >= 0", "lr=1e-4")),
-    ({"lr": float("nan")}, ValueError, ("lr=nan must be a finite number",)),
-    ({"lr": -1e-3}, ValueError, ("lr=-0.001 must be a finite number >= 0",)),
-    ({"lr": torch.tensor([1e-3, 1e-4])}, ValueError, ("one-value float tensor",)),
-    ({"lr": 1e-3, "weight_decay": float("inf")}, ValueError, ("weight_decay=inf",)),
-    ({"lr": 1e-3, "gradient_accumulation_steps": 0}, ValueError, ("gradient_accumulation_steps=0 must be a positive integer",)),
-    ({"lr": 1e-3, "gradient_accumulation_steps": 2.0}, ValueError, ("gradient_accumulation_steps=2.0",)),
-    ({"lr": 1e-3, "max_grad_norm": -1.0}, ValueError, ("max_grad_norm=-1.0 must be None or a number >= 0",)),
-    ({"lr": 1e-3, "param_groups": "all"}, TypeError, ("param_groups='all' (str) must be a list of dicts", "leave it out")),
-    ({"lr": 1e-3, "param_groups": {"params": []}}, TypeError, ("(dict) must be a list of dicts",)),
-    ({"lr": 1e-3, "param_groups": [{"lr": 1e-3}]}, TypeError, ("param_groups[0]={'lr': 0.001} (dict) must be a dict with a 'params'",)),
-    ({"lr": 1e-3, "param_groups": [{"params": 3}]}, TypeError, ("param_groups[0]['params'] has type int",)),
-    ({"lr": 1e-3, "param_groups": [{"params": [], "lr": float("nan")}]}, ValueError, ("param_groups[0].lr=nan",)),
-    ({"lr": 1e-3, "param_groups": []}, ValueError, ("no trainable parameter (requires_grad) in param_groups",)),
-    ({"lr": 1e-3, "param_groups": [{"params": PlainStack().parameters()}]}, ValueError,
-     ("param_groups[0] holds 22 tensor(s) that are not parameters of PlainStack", "the model never changes")),
-    ({"lr": 1e-3, "param_groups": [{"params": [], "weight_decy": 0.0}]}, ValueError,
-     ("param_groups[0] has 'weight_decy', which AdamW does not read", "did you mean 'weight_decay'?")),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, fragments",
+    [
+        ({"lr": float("inf")}, ValueError, ("lr=inf must be a finite number >= 0", "lr=1e-4")),
+        ({"lr": float("nan")}, ValueError, ("lr=nan must be a finite number",)),
+        ({"lr": -1e-3}, ValueError, ("lr=-0.001 must be a finite number >= 0",)),
+        ({"lr": torch.tensor([1e-3, 1e-4])}, ValueError, ("one-value float tensor",)),
+        ({"lr": 1e-3, "weight_decay": float("inf")}, ValueError, ("weight_decay=inf",)),
+        (
+            {"lr": 1e-3, "gradient_accumulation_steps": 0},
+            ValueError,
+            ("gradient_accumulation_steps=0 must be a positive integer",),
+        ),
+        ({"lr": 1e-3, "gradient_accumulation_steps": 2.0}, ValueError, ("gradient_accumulation_steps=2.0",)),
+        ({"lr": 1e-3, "max_grad_norm": -1.0}, ValueError, ("max_grad_norm=-1.0 must be None or a number >= 0",)),
+        (
+            {"lr": 1e-3, "param_groups": "all"},
+            TypeError,
+            ("param_groups='all' (str) must be a list of dicts", "leave it out"),
+        ),
+        ({"lr": 1e-3, "param_groups": {"params": []}}, TypeError, ("(dict) must be a list of dicts",)),
+        (
+            {"lr": 1e-3, "param_groups": [{"lr": 1e-3}]},
+            TypeError,
+            ("param_groups[0]={'lr': 0.001} (dict) must be a dict with a 'params'",),
+        ),
+        ({"lr": 1e-3, "param_groups": [{"params": 3}]}, TypeError, ("param_groups[0]['params'] has type int",)),
+        ({"lr": 1e-3, "param_groups": [{"params": [], "lr": float("nan")}]}, ValueError, ("param_groups[0].lr=nan",)),
+        ({"lr": 1e-3, "param_groups": []}, ValueError, ("no trainable parameter (requires_grad) in param_groups",)),
+        (
+            {"lr": 1e-3, "param_groups": [{"params": PlainStack().parameters()}]},
+            ValueError,
+            ("param_groups[0] holds 22 tensor(s) that are not parameters of PlainStack", "the model never changes"),
+        ),
+        (
+            {"lr": 1e-3, "param_groups": [{"params": [], "weight_decy": 0.0}]},
+            ValueError,
+            ("param_groups[0] has 'weight_decy', which AdamW does not read", "did you mean 'weight_decay'?"),
+        ),
+    ],
+)
 def test_odd_optimizer_arguments_are_clear_errors(kwargs, error, fragments):
     model = prepare_model(PlainStack().train(), "fp32+optim:in_backward")
     with pytest.raises(error) as e:
@@ -321,7 +361,9 @@ def test_loading_another_models_state_is_refused_and_changes_nothing(with_shapes
     optimizer = make_optimizer(model, lr=1e-2)
     _run(model, optimizer, 1, arch="plain")
     before = copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(ValueError, match=r"head\.weight has shape \(1, 32\) but the state dict's parameter 20 has shape \(2, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"head\.weight has shape \(1, 32\) but the state dict's parameter 20 has shape \(2, 32\)"
+    ):
         optimizer.load_state_dict(state)
     after = optimizer.state_dict()
     assert after["param_groups"] == before["param_groups"]
@@ -344,7 +386,9 @@ def test_numpy_scalars_and_integer_betas_are_taken_as_torch_adamw_takes_floats()
     reference = PlainStack().train()
     ours = prepare_model(copy.deepcopy(reference), "fp32")
     torch_adamw = torch.optim.AdamW(reference.parameters(), lr=0.25, betas=(0.0, 0.99))  # 0.25: exact in float32
-    optimizer = make_optimizer(ours, lr=np.float32(0.25), betas=(0, np.float64(0.99)), gradient_accumulation_steps=np.int64(2))
+    optimizer = make_optimizer(
+        ours, lr=np.float32(0.25), betas=(0, np.float64(0.99)), gradient_accumulation_steps=np.int64(2)
+    )
     assert _run(reference, torch_adamw, arch="plain") == _run(ours, optimizer, arch="plain")
 
 

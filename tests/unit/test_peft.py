@@ -123,7 +123,9 @@ def test_meter_counts_frozen_weights_without_gradients_or_optimizer_state(load_m
     opt = torch.optim.AdamW(trainable, lr=1e-3)
     m = measure_step(model, make_batch("llama", batch_size=4, seq=32), opt, timed=False)
     trainable_bytes = sum(p.numel() * 4 for p in trainable)
-    total_bytes = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    total_bytes = sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
     assert m.parameters == total_bytes
     assert m.gradients <= trainable_bytes and m.optimizer <= 2 * trainable_bytes + 64 * len(trainable)
     assert m.optimizer >= 2 * trainable_bytes  # two fp32 moments for the adapters only

@@ -42,20 +42,28 @@ def test_ladder_presets_parse_and_climb():
 
 
 def test_kwargs_accept_mode_strings_and_dicts():
-    p = MemoryPolicy(precision="bf16", checkpointing="full", compile={"mode": "regional", "backend": "aot_eager"}, fsdp=FSDPConfig())
+    p = MemoryPolicy(
+        precision="bf16", checkpointing="full", compile={"mode": "regional", "backend": "aot_eager"}, fsdp=FSDPConfig()
+    )
     assert isinstance(p.checkpointing, CheckpointingConfig) and p.checkpointing.mode == "full"
     assert isinstance(p.compile, CompileConfig) and p.compile.backend == "aot_eager"
 
 
-@pytest.mark.parametrize("spec", ["fp32", "bf16+ckpt:4", "fp16+compile:regional+ckpt:offload", "bf16+ckpt+fsdp:hybrid_shard", "bf16+fsdp:offload"])
+@pytest.mark.parametrize(
+    "spec",
+    ["fp32", "bf16+ckpt:4", "fp16+compile:regional+ckpt:offload", "bf16+ckpt+fsdp:hybrid_shard", "bf16+fsdp:offload"],
+)
 def test_string_round_trip(spec):
     p = MemoryPolicy.from_string(spec)
     assert MemoryPolicy.from_string(p.to_string()) == p
 
 
 def test_dict_and_yaml_round_trip(tmp_path):
-    p = MemoryPolicy(precision="bf16", checkpointing=CheckpointingConfig(mode="every_n", every_n=3, block_classes=("LlamaDecoderLayer",)),
-                     compile=CompileConfig(mode="regional", inductor_mode="max-autotune-no-cudagraphs"))
+    p = MemoryPolicy(
+        precision="bf16",
+        checkpointing=CheckpointingConfig(mode="every_n", every_n=3, block_classes=("LlamaDecoderLayer",)),
+        compile=CompileConfig(mode="regional", inductor_mode="max-autotune-no-cudagraphs"),
+    )
     assert MemoryPolicy.from_dict(p.to_dict()) == p
     path = tmp_path / "policy.yaml"
     p.to_yaml(path)
@@ -79,18 +87,31 @@ def test_conflicting_tokens_are_reported():
 
 def test_all_problems_reported_at_once():
     with pytest.raises(PolicyError) as e:
-        MemoryPolicy(precision="fp8", checkpointing={"mode": "sometimes"}, compile={"mode": "turbo", "backend": "aot_eager", "inductor_mode": "max-autotune"}, fsdp={"mode": "zero3"})
+        MemoryPolicy(
+            precision="fp8",
+            checkpointing={"mode": "sometimes"},
+            compile={"mode": "turbo", "backend": "aot_eager", "inductor_mode": "max-autotune"},
+            fsdp={"mode": "zero3"},
+        )
     problems = e.value.problems
     assert len(problems) == 5
     joined = "\n".join(problems)
-    for field, value in [("policy.precision", "'fp8'"), ("policy.checkpointing.mode", "'sometimes'"), ("policy.compile.mode", "'turbo'"),
-                         ("policy.compile.inductor_mode", "'max-autotune'"), ("policy.fsdp.mode", "'zero3'")]:
+    for field, value in [
+        ("policy.precision", "'fp8'"),
+        ("policy.checkpointing.mode", "'sometimes'"),
+        ("policy.compile.mode", "'turbo'"),
+        ("policy.compile.inductor_mode", "'max-autotune'"),
+        ("policy.fsdp.mode", "'zero3'"),
+    ]:
         assert f"{field}={value}" in joined
     assert "'fp32', 'bf16', 'fp16', 'auto'" in joined  # the allowed values are listed
 
 
 def test_unknown_fields():
-    with pytest.raises(PolicyError, match=r"policy.speed is not a policy field; allowed fields: precision, checkpointing, compile, fsdp"):
+    with pytest.raises(
+        PolicyError,
+        match=r"policy.speed is not a policy field; allowed fields: precision, checkpointing, compile, fsdp",
+    ):
         MemoryPolicy.from_dict({"precision": "bf16", "speed": "max"})
     with pytest.raises(PolicyError, match=r"policy.checkpointing.layers is not a field of CheckpointingConfig"):
         MemoryPolicy(checkpointing={"mode": "full", "layers": 2})
@@ -99,11 +120,23 @@ def test_unknown_fields():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"checkpointing": CheckpointingConfig(mode="every_n", every_n=1)}, "policy.checkpointing.every_n=1 must be an integer >= 2"),
+        (
+            {"checkpointing": CheckpointingConfig(mode="every_n", every_n=1)},
+            "policy.checkpointing.every_n=1 must be an integer >= 2",
+        ),
         ({"fsdp": FSDPConfig(cpu_offload=True)}, "but policy.fsdp.mode='none'"),
-        ({"fsdp": "full_shard", "checkpointing": "offload"}, "checkpointing.mode='offload' with policy.fsdp.mode='full_shard'"),
-        ({"checkpointing": CheckpointingConfig(mode="full", block_classes=())}, "policy.checkpointing.block_classes=()"),
-        ({"compile": CompileConfig(mode="full", fullgraph="yes")}, "policy.compile.fullgraph='yes' must be True or False"),
+        (
+            {"fsdp": "full_shard", "checkpointing": "offload"},
+            "checkpointing.mode='offload' with policy.fsdp.mode='full_shard'",
+        ),
+        (
+            {"checkpointing": CheckpointingConfig(mode="full", block_classes=())},
+            "policy.checkpointing.block_classes=()",
+        ),
+        (
+            {"compile": CompileConfig(mode="full", fullgraph="yes")},
+            "policy.compile.fullgraph='yes' must be True or False",
+        ),
     ],
 )
 def test_conflicting_or_bad_fields(kwargs, fragment):
@@ -123,12 +156,15 @@ def test_validate_catches_mutation_after_construction():
             use()
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("precision", "nonsense", "policy.precision='nonsense' is not one of"),
-    ("checkpointing", 3, "policy.checkpointing=3 has type int"),
-    ("checkpointing", "offload", "checkpointing.mode='offload' with policy.fsdp.mode='full_shard'"),
-    ("optimizer", "in_backward", "optimizer.step='in_backward' with policy.precision='fp16'"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("precision", "nonsense", "policy.precision='nonsense' is not one of"),
+        ("checkpointing", 3, "policy.checkpointing=3 has type int"),
+        ("checkpointing", "offload", "checkpointing.mode='offload' with policy.fsdp.mode='full_shard'"),
+        ("optimizer", "in_backward", "optimizer.step='in_backward' with policy.precision='fp16'"),
+    ],
+)
 def test_setting_a_field_of_a_built_policy_validates_it_and_keeps_the_old_value(field, value, fragment):
     """policy.precision = "nonsense" after construction used to be kept, and printed by to_string."""
     p = MemoryPolicy.from_string("fp16+ckpt+fsdp")

@@ -155,7 +155,12 @@ def test_old_transformers_api_only_gradient_checkpointing_enable(load_model, mon
         calls.append(gradient_checkpointing_kwargs)
         PreTrainedModel._activation_checkpointing_enable(self, gradient_checkpointing_kwargs)
 
-    monkeypatch.setattr(cls, "activation_checkpointing_enable", property(lambda self: (_ for _ in ()).throw(AttributeError)), raising=False)
+    monkeypatch.setattr(
+        cls,
+        "activation_checkpointing_enable",
+        property(lambda self: (_ for _ in ()).throw(AttributeError)),
+        raising=False,
+    )
     monkeypatch.setattr(cls, "gradient_checkpointing_enable", old_gradient_checkpointing_enable, raising=False)
     prepare_model(model, "ckpt")
     assert calls == [{"use_reentrant": False}]
@@ -254,10 +259,22 @@ def test_prepare_twice_is_refused_and_keeps_first_policy(load_model):
     [
         ("bf16+warp", PolicyError, "unknown token 'warp'"),
         ({"precision": "bf16", "speed": 2}, PolicyError, "policy.speed is not a policy field"),
-        (MemoryPolicy(compile={"mode": "full", "backend": "no_such_backend"}), RuntimeError, "policy.compile.backend='no_such_backend' is not a torch.compile backend"),
-        (MemoryPolicy(compile={"mode": "regional", "backend": "tvm"}), RuntimeError, "policy.compile.backend='tvm' needs"),
+        (
+            MemoryPolicy(compile={"mode": "full", "backend": "no_such_backend"}),
+            RuntimeError,
+            "policy.compile.backend='no_such_backend' is not a torch.compile backend",
+        ),
+        (
+            MemoryPolicy(compile={"mode": "regional", "backend": "tvm"}),
+            RuntimeError,
+            "policy.compile.backend='tvm' needs",
+        ),
         ("bf16+ckpt+fsdp", RuntimeError, "needs a torch.distributed process group.*torchrun --nproc_per_node 2"),
-        (MemoryPolicy(checkpointing={"mode": "full", "block_classes": ["NoSuchLayer"]}), ValueError, "block_classes=\\['NoSuchLayer'\\] names no module.*LlamaDecoderLayer"),
+        (
+            MemoryPolicy(checkpointing={"mode": "full", "block_classes": ["NoSuchLayer"]}),
+            ValueError,
+            "block_classes=\\['NoSuchLayer'\\] names no module.*LlamaDecoderLayer",
+        ),
     ],
 )
 def test_bad_input_leaves_model_untouched(load_model, policy, error, fragment):
@@ -302,6 +319,10 @@ def test_not_a_module():
 
 def test_low_precision_weights_without_autocast_warn(load_model):
     model = load_model("llama").to(torch.bfloat16)
-    with pytest.warns(UserWarning, match=r"trainable parameter\(s\) of LlamaForCausalLM are torch.bfloat16: they train in 16 bits"):
+    with pytest.warns(
+        UserWarning, match=r"trainable parameter\(s\) of LlamaForCausalLM are torch.bfloat16: they train in 16 bits"
+    ):
         prepare_model(model, "fp32")
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # left as loaded: no autocast to mix them with fp32
+    assert {p.dtype for p in model.parameters()} == {
+        torch.bfloat16
+    }  # left as loaded: no autocast to mix them with fp32

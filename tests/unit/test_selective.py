@@ -105,20 +105,32 @@ def test_trainer_style_re_enabling_keeps_the_policy_and_another_request_is_refus
 
     model = prepare_model(load_model("llama"), "bf16+ckpt:selective")
     want = verify(model, make_batch("llama")).recompute_flops
-    with pytest.warns(UserWarning, match="already checkpoints .*selective\\(save_all\\).*the policy's checkpointing is kept"):
+    with pytest.warns(
+        UserWarning, match="already checkpoints .*selective\\(save_all\\).*the policy's checkpointing is kept"
+    ):
         model.gradient_checkpointing_enable()  # what TrainingArguments(gradient_checkpointing=True) calls (TRL's default)
-    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": selective_context_fn("save_all")})  # the same
+    model.activation_checkpointing_enable(
+        {"use_reentrant": False, "context_fn": selective_context_fn("save_all")}
+    )  # the same
     with pytest.raises(RuntimeError, match="selective\\(save_alternate\\).*would replace"):
-        model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": selective_context_fn("save_alternate")})
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False, "context_fn": selective_context_fn("save_alternate")}
+        )
     with pytest.raises(RuntimeError, match="every_n_layers=2.*would replace"):
         model.activation_checkpointing_enable(every_n_layers=2)
     assert verify(model, make_batch("llama")).recompute_flops == want  # nothing changed
 
 
-@pytest.mark.parametrize("arch, copies", [
-    ("gpt2", (copy.deepcopy,)),  # (Transformers' checkpointing leaves an unpicklable hook on its models)
-    ("plain", (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)))),  # the checkpoint wrapper's context_fn pickles
-])
+@pytest.mark.parametrize(
+    "arch, copies",
+    [
+        ("gpt2", (copy.deepcopy,)),  # (Transformers' checkpointing leaves an unpicklable hook on its models)
+        (
+            "plain",
+            (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))),
+        ),  # the checkpoint wrapper's context_fn pickles
+    ],
+)
 def test_copies_keep_selective_checkpointing(load_model, arch, copies):
     model = prepare_model(load_model(arch), "fp32+ckpt:selective:alternate")
     batch = make_batch(arch)
@@ -152,11 +164,17 @@ def test_warns_and_verify_fails_when_no_op_in_the_save_list_ran():
     assert not check.ok and "use checkpointing mode 'full'" in check.detail, str(report)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"mode": "selective", "use_reentrant": True}, "use_reentrant=True with mode='selective'"),
-    ({"mode": "full", "selective_matmuls": "save_alternate"}, "only applies to mode='selective'"),
-    ({"mode": "selective", "selective_matmuls": "half"}, "selective_matmuls='half' is not one of 'save_all', 'save_alternate'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"mode": "selective", "use_reentrant": True}, "use_reentrant=True with mode='selective'"),
+        ({"mode": "full", "selective_matmuls": "save_alternate"}, "only applies to mode='selective'"),
+        (
+            {"mode": "selective", "selective_matmuls": "half"},
+            "selective_matmuls='half' is not one of 'save_all', 'save_alternate'",
+        ),
+    ],
+)
 def test_bad_selective_settings(kwargs, fragment):
     with pytest.raises(PolicyError, match=fragment):
         MemoryPolicy(checkpointing=kwargs)

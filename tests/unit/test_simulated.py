@@ -36,7 +36,10 @@ def test_raises_exactly_when_live_bytes_would_pass_the_budget():
 
 def test_counts_what_exists_at_entry():
     weights = torch.zeros(100)  # 400 bytes
-    with pytest.raises(torch.OutOfMemoryError, match="counted at entry take 400 B"), simulated_memory_limit(399, count=[weights]):
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="counted at entry take 400 B"),
+        simulated_memory_limit(399, count=[weights]),
+    ):
         pass
     with simulated_memory_limit(500, count=[weights]) as mem:
         assert mem.live_bytes == 400
@@ -143,8 +146,10 @@ def test_bad_arguments(kwargs, error, fragment):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
 def test_a_device_that_is_not_here_is_refused():
     """device='cuda' without a GPU used to count nothing and limit nothing, silently."""
-    with pytest.raises(RuntimeError, match=r"device='cuda'\): no cuda device is available here.*use device='cpu'"), \
-            simulated_memory_limit(16, device="cuda"):
+    with (
+        pytest.raises(RuntimeError, match=r"device='cuda'\): no cuda device is available here.*use device='cpu'"),
+        simulated_memory_limit(16, device="cuda"),
+    ):
         pass
     assert _get_current_dispatch_mode_stack() == []
 
@@ -154,15 +159,23 @@ def test_counting_a_model_that_lives_elsewhere_is_refused():
 
     with torch.device("meta"):
         model = PlainStack()
-    with pytest.raises(ValueError, match=r"the 22 tensors of count= live on 'meta', none on 'cpu'.*move the tensors to 'cpu'"), \
-            simulated_memory_limit(16, count=[model]):
+    with (
+        pytest.raises(
+            ValueError, match=r"the 22 tensors of count= live on 'meta', none on 'cpu'.*move the tensors to 'cpu'"
+        ),
+        simulated_memory_limit(16, count=[model]),
+    ):
         pass
     assert _get_current_dispatch_mode_stack() == []
 
 
 def test_a_limit_that_saw_nothing_on_its_device_says_so():
-    with pytest.warns(UserWarning, match=r"device='cpu'\) counted nothing: no tensor lived on 'cpu' while operators ran on 'meta'"), \
-            simulated_memory_limit(16, count=()) as mem:
+    with (
+        pytest.warns(
+            UserWarning, match=r"device='cpu'\) counted nothing: no tensor lived on 'cpu' while operators ran on 'meta'"
+        ),
+        simulated_memory_limit(16, count=()) as mem,
+    ):
         torch.ones(1000, device="meta") * 2  # 4 KB that a 16-byte device would have refused, were they counted
     assert mem.peak_bytes == 0
 
@@ -172,10 +185,16 @@ def test_count_takes_a_single_model_optimizer_or_tensor(load_model):
     model = load_model("llama")
     opt = torch.optim.AdamW(model.parameters())
     train_step(model, make_batch("llama"), opt)
-    weights = sum(p.nbytes for p in model.parameters()) + sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    weights = sum(p.nbytes for p in model.parameters()) + sum(
+        p.grad.nbytes for p in model.parameters() if p.grad is not None
+    )
     weights += sum(b.nbytes for b in model.buffers())
     state = sum(v.nbytes for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    for count, expected in ((model, weights), (opt, state), (next(model.parameters()), next(model.parameters()).nbytes),
-                            ([model, opt], weights + state)):
+    for count, expected in (
+        (model, weights),
+        (opt, state),
+        (next(model.parameters()), next(model.parameters()).nbytes),
+        ([model, opt], weights + state),
+    ):
         with simulated_memory_limit("1GiB", count=count) as mem:
             assert mem.live_bytes == expected, type(count).__name__

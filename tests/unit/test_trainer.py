@@ -14,7 +14,12 @@ import torch
 from tiny import make_batch
 
 from hf_memstack import MemoryPolicy, prepare_model, record_of, verify
-from hf_memstack.integrations.trainer import MemstackCallback, add_memstack_callback, check_training_arguments, training_arguments
+from hf_memstack.integrations.trainer import (
+    MemstackCallback,
+    add_memstack_callback,
+    check_training_arguments,
+    training_arguments,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2", "bf16+compile:regional+ckpt", "bf16+compile+ckpt"]
@@ -86,7 +91,9 @@ def _lm_dataset(tokenizer):
 def _topics(tokenizer, n=96):
     import datasets
 
-    ds = datasets.load_dataset("json", data_files=str(ROOT / "recipes" / "data" / "topics.jsonl"))["train"].select(range(n))
+    ds = datasets.load_dataset("json", data_files=str(ROOT / "recipes" / "data" / "topics.jsonl"))["train"].select(
+        range(n)
+    )
     return ds.map(lambda r: tokenizer(r["text"], truncation=True, max_length=32), batched=True, remove_columns=["text"])
 
 
@@ -102,9 +109,19 @@ def _train(model, args, dataset, collator, callbacks=None):
 def _args(tmp_path, **overrides):
     from transformers import TrainingArguments
 
-    fields = {"output_dir": str(tmp_path / "out"), "max_steps": 8, "logging_steps": 1, "learning_rate": 3e-3,
-              "per_device_train_batch_size": 8, "save_strategy": "no", "report_to": [], "use_cpu": True,
-              "seed": 0, "disable_tqdm": True, **overrides}
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 8,
+        "logging_steps": 1,
+        "learning_rate": 3e-3,
+        "per_device_train_batch_size": 8,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        **overrides,
+    }
     return TrainingArguments(**fields)
 
 
@@ -131,8 +148,12 @@ def test_trainer_trains_the_real_minilm_with_padding_collator(minilm_dir, tmp_pa
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
     model = AutoModelForSequenceClassification.from_pretrained(minilm_dir, num_labels=4, dtype=torch.float32)
     model = prepare_model(model.train(), spec)
-    _, losses = _train(model, _args(tmp_path, learning_rate=2e-4, per_device_train_batch_size=16, max_steps=12),
-                       _topics(tokenizer), DataCollatorWithPadding(tokenizer))
+    _, losses = _train(
+        model,
+        _args(tmp_path, learning_rate=2e-4, per_device_train_batch_size=16, max_steps=12),
+        _topics(tokenizer),
+        DataCollatorWithPadding(tokenizer),
+    )
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), losses
 
 
@@ -142,25 +163,38 @@ def test_trainer_trains_the_real_minilm_with_padding_collator(minilm_dir, tmp_pa
 @pytest.mark.parametrize(
     "spec, overrides, fragment",
     [
-        ("bf16+ckpt:2", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 3}},
-         "TrainingArguments\\(activation_checkpointing=True\\) asks for.*every_n_layers=3.*policy 'bf16\\+ckpt:2'.*"
-         "set TrainingArguments\\(activation_checkpointing=False\\)"),
-        ("bf16+ckpt", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
-         "use_reentrant': True.*activation_checkpointing=False"),
+        (
+            "bf16+ckpt:2",
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"every_n_layers": 3}},
+            "TrainingArguments\\(activation_checkpointing=True\\) asks for.*every_n_layers=3.*policy 'bf16\\+ckpt:2'.*"
+            "set TrainingArguments\\(activation_checkpointing=False\\)",
+        ),
+        (
+            "bf16+ckpt",
+            {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+            "use_reentrant': True.*activation_checkpointing=False",
+        ),
         ("bf16", {"gradient_checkpointing": True}, "no checkpointing"),
         ("fp32", {"bf16": True}, "bf16=True autocasts a model whose policy is fp32"),
         ("bf16", {"fp16": True}, "fp16=True contradicts the policy's precision 'bf16'"),
         ("bf16+compile:regional", {"torch_compile": True}, "compile the model a second time"),
     ],
 )
-def test_contradicting_training_arguments_are_refused_at_construction(load_model, word_tokenizer, tmp_path, spec, overrides, fragment):
+def test_contradicting_training_arguments_are_refused_at_construction(
+    load_model, word_tokenizer, tmp_path, spec, overrides, fragment
+):
     from transformers import DataCollatorForLanguageModeling, Trainer
 
     model = prepare_model(load_model("llama"), _policy(spec))
     flags_before = [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
     with pytest.raises(ValueError, match=fragment):
-        Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=_lm_dataset(word_tokenizer),
-                data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+        Trainer(
+            model=model,
+            args=_args(tmp_path, **overrides),
+            train_dataset=_lm_dataset(word_tokenizer),
+            data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+            callbacks=[MemstackCallback()],
+        )
     assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags_before
 
 
@@ -169,16 +203,24 @@ def test_without_the_callback_trainer_cannot_silently_replace_checkpointing(load
 
     model = prepare_model(load_model("llama"), "bf16+ckpt:2")
     args = _args(tmp_path, gradient_checkpointing=True, gradient_checkpointing_kwargs={"every_n_layers": 3})
-    trainer = Trainer(model=model, args=args, train_dataset=_lm_dataset(word_tokenizer),
-                      data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
-    with pytest.raises(RuntimeError, match="would replace the checkpointing of this model's hf_memstack policy 'bf16\\+ckpt:2'"):
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_lm_dataset(word_tokenizer),
+        data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+    )
+    with pytest.raises(
+        RuntimeError, match="would replace the checkpointing of this model's hf_memstack policy 'bf16\\+ckpt:2'"
+    ):
         trainer.train()
     assert trainer.state.global_step == 0
     assert verify(model, make_batch("llama")).recomputed_blocks == [0]  # still every 2nd block
 
 
 @pytest.mark.parametrize("callbacks", [False, True], ids=["alone", "with-callback"])
-def test_default_checkpointing_flag_over_the_policy_keeps_it_and_warns_once(load_model, word_tokenizer, tmp_path, callbacks):
+def test_default_checkpointing_flag_over_the_policy_keeps_it_and_warns_once(
+    load_model, word_tokenizer, tmp_path, callbacks
+):
     """gradient_checkpointing=True without kwargs over a policy that checkpoints its own way
     (every 2nd block): the policy's is kept, one warning says so, the same block recomputes."""
     from transformers import DataCollatorForLanguageModeling
@@ -187,8 +229,13 @@ def test_default_checkpointing_flag_over_the_policy_keeps_it_and_warns_once(load
     assert check_training_arguments(model, _args(tmp_path, gradient_checkpointing=True, bf16=True)) == []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, losses = _train(model, _args(tmp_path, gradient_checkpointing=True, max_steps=2), _lm_dataset(word_tokenizer),
-                           DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()] if callbacks else None)
+        _, losses = _train(
+            model,
+            _args(tmp_path, gradient_checkpointing=True, max_steps=2),
+            _lm_dataset(word_tokenizer),
+            DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+            callbacks=[MemstackCallback()] if callbacks else None,
+        )
     assert len(losses) == 2
     assert len([w for w in caught if "the policy's checkpointing is kept" in str(w.message)]) == 1
     report = verify(model, make_batch("llama"))
@@ -214,8 +261,14 @@ def test_trainer_with_the_chunked_loss_and_an_optimizer_stepping_in_the_backward
     from transformers import Trainer
 
     optimizer = make_optimizer(model, lr=args.learning_rate, weight_decay=0.0)
-    trainer = Trainer(model=model, args=args, train_dataset=_lm_dataset(word_tokenizer), data_collator=collator,
-                      optimizers=(optimizer, None), callbacks=[MemstackCallback()])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=_lm_dataset(word_tokenizer),
+        data_collator=collator,
+        optimizers=(optimizer, None),
+        callbacks=[MemstackCallback()],
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses == pytest.approx(expected, rel=1e-4), (losses, expected)
@@ -223,17 +276,29 @@ def test_trainer_with_the_chunked_loss_and_an_optimizer_stepping_in_the_backward
 
 @pytest.mark.parametrize(
     "overrides, fragment",
-    [({}, "max_grad_norm=1.0.*set max_grad_norm=0"),
-     ({"max_grad_norm": 0.0, "gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2.*cannot be accumulated")],
+    [
+        ({}, "max_grad_norm=1.0.*set max_grad_norm=0"),
+        (
+            {"max_grad_norm": 0.0, "gradient_accumulation_steps": 2},
+            "gradient_accumulation_steps=2.*cannot be accumulated",
+        ),
+    ],
     ids=["clipping", "accumulation"],
 )
-def test_in_backward_refuses_trainer_settings_it_cannot_honour(load_model, word_tokenizer, tmp_path, overrides, fragment):
+def test_in_backward_refuses_trainer_settings_it_cannot_honour(
+    load_model, word_tokenizer, tmp_path, overrides, fragment
+):
     from transformers import DataCollatorForLanguageModeling, Trainer
 
     model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
     with pytest.raises(ValueError, match=fragment):
-        Trainer(model=model, args=_args(tmp_path, **overrides), train_dataset=_lm_dataset(word_tokenizer),
-                data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+        Trainer(
+            model=model,
+            args=_args(tmp_path, **overrides),
+            train_dataset=_lm_dataset(word_tokenizer),
+            data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+            callbacks=[MemstackCallback()],
+        )
 
 
 def test_trainer_own_optimizer_is_refused_for_an_optimizer_rung(load_model, word_tokenizer, tmp_path):
@@ -243,8 +308,13 @@ def test_trainer_own_optimizer_is_refused_for_an_optimizer_rung(load_model, word
 
     model = prepare_model(load_model("llama"), "fp32+optim:in_backward")
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = Trainer(model=model, args=_args(tmp_path, max_grad_norm=0.0), train_dataset=_lm_dataset(word_tokenizer),
-                      data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[MemstackCallback()])
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path, max_grad_norm=0.0),
+        train_dataset=_lm_dataset(word_tokenizer),
+        data_collator=DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+        callbacks=[MemstackCallback()],
+    )
     with pytest.raises(ValueError, match="optimizers=\\(hf_memstack.make_optimizer"):
         trainer.train()
     assert trainer.state.global_step == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -263,20 +333,36 @@ def test_training_arguments_from_the_finder(load_model, word_tokenizer, tmp_path
 
     model = prepare_model(load_model("llama"), "bf16+ckpt")
     collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
-    args = training_arguments(model, output_dir=str(tmp_path / "out"), train_dataset=_lm_dataset(word_tokenizer),
-                              data_collator=collator, budget="24MiB", global_batch_size=64, report_to=[], use_cpu=True)
+    args = training_arguments(
+        model,
+        output_dir=str(tmp_path / "out"),
+        train_dataset=_lm_dataset(word_tokenizer),
+        data_collator=collator,
+        budget="24MiB",
+        global_batch_size=64,
+        report_to=[],
+        use_cpu=True,
+    )
     bs = args.per_device_train_batch_size
     assert bs != 8 and args.gradient_accumulation_steps == -(-64 // bs)  # found, not Trainer's default; ceil
     # Precision as the policy's (Trainer's autocast around the model's own: the same dtype twice).
     assert (args.bf16, args.fp16, args.torch_compile, args.gradient_checkpointing) == (True, False, False, False)
     with pytest.raises(ValueError, match="fp32 autocasts|contradicts the policy"):
-        training_arguments(model, output_dir=str(tmp_path / "o2"), per_device_train_batch_size=4, fp16=True, report_to=[])
+        training_arguments(
+            model, output_dir=str(tmp_path / "o2"), per_device_train_batch_size=4, fp16=True, report_to=[]
+        )
     with pytest.raises(ValueError, match="budget= needs train_dataset"):
         training_arguments(model, output_dir=str(tmp_path / "o3"), budget="24MiB")
     # The deprecated field name most scripts still pass is checked like the current one.
     with pytest.raises(ValueError, match="use_reentrant': True"):
-        training_arguments(model, output_dir=str(tmp_path / "o4"), per_device_train_batch_size=4, report_to=[],
-                           gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+        training_arguments(
+            model,
+            output_dir=str(tmp_path / "o4"),
+            per_device_train_batch_size=4,
+            report_to=[],
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": True},
+        )
 
 
 def test_finder_and_callback_measure_a_model_loaded_in_eval_mode_as_it_trains(load_model, word_tokenizer, tmp_path):
@@ -284,8 +370,13 @@ def test_finder_and_callback_measure_a_model_loaded_in_eval_mode_as_it_trains(lo
 
     model = prepare_model(load_model("llama").eval(), "bf16+ckpt")  # what from_pretrained hands back
     callback = MemstackCallback(raise_on_failure=True)
-    trainer, _ = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
-                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback])
+    trainer, _ = _train(
+        model,
+        _args(tmp_path, max_steps=2),
+        _lm_dataset(word_tokenizer),
+        DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+        callbacks=[callback],
+    )
     assert callback.first_step.verify.ok and callback.first_step.verify.recomputed_blocks == [0, 1]
     assert any("memory/peak_mib" in entry for entry in trainer.state.log_history)  # in trainer_state.json too
 
@@ -294,8 +385,12 @@ def test_verify_sees_trainer_autocast_added_to_an_fp32_policy(load_model, word_t
     from transformers import DataCollatorForLanguageModeling
 
     model = prepare_model(load_model("llama"), "fp32")
-    trainer, _ = _train(model, _args(tmp_path, max_steps=1, bf16=True), _lm_dataset(word_tokenizer),
-                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    trainer, _ = _train(
+        model,
+        _args(tmp_path, max_steps=1, bf16=True),
+        _lm_dataset(word_tokenizer),
+        DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+    )
     report = verify(trainer.model, make_batch("llama"))
     assert not report.check("policy").ok and "policy is fp32" in report.check("policy").detail
 
@@ -312,8 +407,13 @@ def test_callback_verifies_and_logs_memory(load_model, word_tokenizer, tmp_path)
     model = prepare_model(load_model("llama"), "bf16+ckpt")
     callback, recorder = MemstackCallback(), Recorder()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer, losses = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
-                             DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback, recorder])
+    trainer, losses = _train(
+        model,
+        _args(tmp_path, max_steps=2),
+        _lm_dataset(word_tokenizer),
+        DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+        callbacks=[callback, recorder],
+    )
     assert callback.first_step.verify.ok, str(callback.first_step.verify)
     assert callback.first_step.memory.peak_bytes > 0
     logged = [entry for entry in recorder.logs if "loss" in entry]
@@ -323,7 +423,12 @@ def test_callback_verifies_and_logs_memory(load_model, word_tokenizer, tmp_path)
     with torch.no_grad():
         for p, b in zip(model.parameters(), before):
             p.copy_(b)
-    _, again = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer), DataCollatorForLanguageModeling(word_tokenizer, mlm=False))
+    _, again = _train(
+        model,
+        _args(tmp_path, max_steps=2),
+        _lm_dataset(word_tokenizer),
+        DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+    )
     assert again == losses
     third = add_memstack_callback(trainer)
     assert trainer.callback_handler.callbacks[0] is third
@@ -344,11 +449,18 @@ def test_reporting_callbacks_placed_before_the_callback_see_its_figures(load_mod
 
     model = prepare_model(load_model("llama"), "bf16")
     reporter, callback = Reporter(), MemstackCallback()
-    trainer, _ = _train(model, _args(tmp_path, max_steps=2), _lm_dataset(word_tokenizer),
-                        DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[reporter, callback])
+    trainer, _ = _train(
+        model,
+        _args(tmp_path, max_steps=2),
+        _lm_dataset(word_tokenizer),
+        DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+        callbacks=[reporter, callback],
+    )
     assert trainer.callback_handler.callbacks[0] is callback
     logged = [entry for entry in reporter.logs if "loss" in entry]
-    assert len(logged) == 2 and all(entry["memory/peak_mib"] > 0 and entry["memstack/verify_ok"] == 1.0 for entry in logged)
+    assert len(logged) == 2 and all(
+        entry["memory/peak_mib"] > 0 and entry["memstack/verify_ok"] == 1.0 for entry in logged
+    )
     assert add_memstack_callback(trainer) is callback and trainer.callback_handler.callbacks.count(callback) == 1
 
 
@@ -361,7 +473,9 @@ def test_verify_and_the_meter_share_one_extra_forward(load_model, word_tokenizer
 
     model = prepare_model(load_model("llama"), "bf16+ckpt")
     calls = []
-    model.model.register_forward_pre_hook(lambda m, a: calls.append(1) if m.training and torch.is_grad_enabled() else None)
+    model.model.register_forward_pre_hook(
+        lambda m, a: calls.append(1) if m.training and torch.is_grad_enabled() else None
+    )
 
     class CountAtFirstStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -376,14 +490,23 @@ def test_verify_and_the_meter_share_one_extra_forward(load_model, word_tokenizer
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        _train(model, _args(tmp_path, max_steps=2, gradient_accumulation_steps=2), _lm_dataset(word_tokenizer),
-               DataCollatorForLanguageModeling(word_tokenizer, mlm=False), callbacks=[callback, count])
+        _train(
+            model,
+            _args(tmp_path, max_steps=2, gradient_accumulation_steps=2),
+            _lm_dataset(word_tokenizer),
+            DataCollatorForLanguageModeling(word_tokenizer, mlm=False),
+            callbacks=[callback, count],
+        )
     finally:
         logger.removeHandler(handler)
     assert count.calls == 1 + 2  # the callback's pass, then the first step's two micro-batches
-    assert callback.first_step.verify.ok and callback.first_step.memory.peak_bytes > 0 and callback.first_step.seconds > 0
+    assert (
+        callback.first_step.verify.ok and callback.first_step.memory.peak_bytes > 0 and callback.first_step.seconds > 0
+    )
     messages = [r.getMessage() for r in records]
-    assert any("verify and the memory meter on the first batch: one extra forward + backward" in m for m in messages), messages
+    assert any("verify and the memory meter on the first batch: one extra forward + backward" in m for m in messages), (
+        messages
+    )
     assert any("the first training step took" in m for m in messages), messages
 
 
@@ -392,7 +515,10 @@ def test_fp16_through_trainer_on_cpu_is_refused(load_model, tmp_path):
     hf_memstack's fp16 autocast with unscaled gradients. Refused, naming what to do."""
     from transformers import Trainer, TrainingArguments
 
-    plain = Trainer(model=load_model("llama"), args=TrainingArguments(output_dir=str(tmp_path / "p"), fp16=True, use_cpu=True, report_to=[]))
+    plain = Trainer(
+        model=load_model("llama"),
+        args=TrainingArguments(output_dir=str(tmp_path / "p"), fp16=True, use_cpu=True, report_to=[]),
+    )
     assert plain.accelerator.scaler is None  # what Accelerate does on the CPU: the reason for the refusal
     model = prepare_model(load_model("llama"), "fp16")
     with pytest.raises(ValueError, match="fp16 on the CPU, where Accelerate.*creates no loss scaler.*bf16 or fp32"):
@@ -409,24 +535,54 @@ def test_global_batch_size_and_an_explicit_accumulation_must_agree(load_model, w
     model = prepare_model(load_model("llama"), "fp32")
     collator = DataCollatorForLanguageModeling(word_tokenizer, mlm=False)
     common = {"output_dir": str(tmp_path / "out"), "report_to": [], "use_cpu": True, "max_steps": 2}
-    with pytest.raises(ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=4: .*= 32 samples.*pass one"):
-        training_arguments(model, train_dataset=_lm_dataset(word_tokenizer), data_collator=collator, budget="200MiB",
-                           global_batch_size=8, gradient_accumulation_steps=4, **common)
-    with pytest.raises(ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=3: .*does not divide"):
-        training_arguments(model, global_batch_size=8, gradient_accumulation_steps=3, per_device_train_batch_size=2, **common)
-    agreed = training_arguments(model, global_batch_size=8, gradient_accumulation_steps=4, per_device_train_batch_size=2, **common)
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=4: .*= 32 samples.*pass one"
+    ):
+        training_arguments(
+            model,
+            train_dataset=_lm_dataset(word_tokenizer),
+            data_collator=collator,
+            budget="200MiB",
+            global_batch_size=8,
+            gradient_accumulation_steps=4,
+            **common,
+        )
+    with pytest.raises(
+        ValueError, match=r"global_batch_size=8 contradicts gradient_accumulation_steps=3: .*does not divide"
+    ):
+        training_arguments(
+            model, global_batch_size=8, gradient_accumulation_steps=3, per_device_train_batch_size=2, **common
+        )
+    agreed = training_arguments(
+        model, global_batch_size=8, gradient_accumulation_steps=4, per_device_train_batch_size=2, **common
+    )
     assert (agreed.per_device_train_batch_size, agreed.gradient_accumulation_steps) == (2, 4)
+
+
 def test_trainer_trains_a_qlora_model_through_the_helper_and_the_callback(load_model, word_tokenizer, tmp_path):
     pytest.importorskip("torchao")
     from peft import LoraConfig, get_peft_model
     from transformers import DataCollatorForLanguageModeling, Trainer
 
-    model = get_peft_model(prepare_model(load_model("llama"), "bf16+ckpt+quant:nf4"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(
+        prepare_model(load_model("llama"), "bf16+ckpt+quant:nf4"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
     frozen = model.base_model.model.model.layers[0].mlp.down_proj.weight.quantized_data.clone()
     collator, dataset = DataCollatorForLanguageModeling(word_tokenizer, mlm=False), _lm_dataset(word_tokenizer)
-    args = training_arguments(model, output_dir=str(tmp_path / "out"), train_dataset=dataset, data_collator=collator, budget="24MiB",
-                              max_steps=6, logging_steps=1, learning_rate=3e-3, save_strategy="no", report_to=[], seed=0,
-                              disable_tqdm=True)
+    args = training_arguments(
+        model,
+        output_dir=str(tmp_path / "out"),
+        train_dataset=dataset,
+        data_collator=collator,
+        budget="24MiB",
+        max_steps=6,
+        logging_steps=1,
+        learning_rate=3e-3,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
     assert args.bf16 and args.per_device_train_batch_size >= 1
     callback = MemstackCallback(raise_on_failure=True)
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[callback])

@@ -29,12 +29,29 @@ def _trainer(load_model, tmp_path, callback=None, **overrides):
     from transformers import Trainer, TrainingArguments
 
     trainer_kwargs = {k: overrides.pop(k) for k in ("preprocess_logits_for_metrics",) if k in overrides}
-    fields = {"output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
-              "eval_strategy": "steps", "eval_steps": 100, "save_strategy": "no", "report_to": [], "use_cpu": True,
-              "disable_tqdm": True, **overrides}
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 1,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 100,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        **overrides,
+    }
     model = prepare_model(load_model("llama"), "fp32")
-    return Trainer(model=model, args=TrainingArguments(**fields), train_dataset=_dataset(8), eval_dataset=_dataset(),
-                   compute_metrics=lambda p: {}, callbacks=[callback] if callback else None, **trainer_kwargs)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(**fields),
+        train_dataset=_dataset(8),
+        eval_dataset=_dataset(),
+        compute_metrics=lambda p: {},
+        callbacks=[callback] if callback else None,
+        **trainer_kwargs,
+    )
 
 
 def _train_and_hear(trainer) -> list[str]:
@@ -51,17 +68,26 @@ def _predicted_bytes(trainer) -> int:
 def test_the_warning_fires_for_a_budget_below_the_kept_logits_naming_them(load_model, tmp_path):
     reference = _trainer(load_model, tmp_path)
     real = _predicted_bytes(reference)
-    assert real == SAMPLES * SEQ * VOCAB * 4  # fp32 logits, every sample, every position (a sanity check of the reference)
+    assert (
+        real == SAMPLES * SEQ * VOCAB * 4
+    )  # fp32 logits, every sample, every position (a sanity check of the reference)
     # The device holds the model too (as the CLI's eval budget counts the forward's peak with the logits).
     model = sum(p.nbytes for p in reference.model.parameters()) + sum(b.nbytes for b in reference.model.buffers())
     budget = real + model
-    heard = _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget - 1)))
+    heard = _train_and_hear(
+        _trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget - 1))
+    )
     assert len(heard) == 1
-    assert f"keep {format_bytes(real)} of model outputs" in heard[0] and f"budget of {format_bytes(budget - 1)}" in heard[0]
+    assert (
+        f"keep {format_bytes(real)} of model outputs" in heard[0]
+        and f"budget of {format_bytes(budget - 1)}" in heard[0]
+    )
     assert f"model's {format_bytes(model)} of parameters" in heard[0]
     assert "prediction_loss_only=True" in heard[0] and "eval_accumulation_steps" in heard[0] and "argmax" in heard[0]
     # At the budget exactly, they fit: silent.
-    assert not _train_and_hear(_trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget)))
+    assert not _train_and_hear(
+        _trainer(load_model, tmp_path, MemstackCallback(verify=False, measure=False, eval_budget=budget))
+    )
 
 
 @pytest.mark.parametrize("overrides", [{"prediction_loss_only": True}, {"eval_strategy": "no"}])
@@ -93,7 +119,9 @@ def test_a_bad_eval_budget_is_refused_at_construction_naming_it(budget, error):
         MemstackCallback(eval_budget=budget)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA an eval log's memory/peak_mib is the allocator's peak of the evaluation")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on CUDA an eval log's memory/peak_mib is the allocator's peak of the evaluation"
+)
 def test_on_the_cpu_eval_logs_do_not_repeat_the_training_steps_memory_figure(load_model, tmp_path):
     """On the CPU, memory/peak_mib is the meter's first training batch plus the optimizer state: it
     belongs in training logs, not in the metrics evaluate() logs."""

@@ -22,21 +22,39 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 def _dataset():
     import datasets
 
-    return datasets.Dataset.from_list([{"text": " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(4 + i % 5))} for i in range(32)])
+    return datasets.Dataset.from_list(
+        [{"text": " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(4 + i % 5))} for i in range(32)]
+    )
 
 
 def _config(tmp_path, **overrides):
     # TRL's defaults (bf16=True, gradient_checkpointing=True) unless overridden; use_cpu because
     # Transformers accepts bf16 without a GPU only when told it trains on the CPU.
-    fields = {"output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1,
-              "learning_rate": 1e-2, "report_to": [], "save_strategy": "no", "disable_tqdm": True, "use_cpu": True, "seed": 0,
-              **overrides}
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "report_to": [],
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": 0,
+        **overrides,
+    }
     return trl.SFTConfig(**fields)
 
 
 def _trainer(model, tokenizer, config, callbacks=None, peft_config=None):
-    return trl.SFTTrainer(model=model, args=config, train_dataset=_dataset(), processing_class=tokenizer,
-                          callbacks=callbacks, peft_config=peft_config)
+    return trl.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=_dataset(),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=peft_config,
+    )
 
 
 def _losses(trainer):
@@ -71,10 +89,16 @@ def test_a_bf16_policy_trains_in_bf16_under_sft_trainer_with_bf16_false(load_mod
     nothing autocasts it but the callback: every forward matmul of the training steps runs in bf16,
     and the losses are those of TRL's own bf16 path (bf16=True: Accelerate's autocast around TRL's
     forward), not those of fp32 training."""
+
     def run(spec, callbacks, **overrides):
         model = prepare_model(load_model("llama"), spec)
-        trainer = _trainer(model, word_tokenizer, _config(tmp_path, gradient_checkpointing=False, **overrides),
-                           callbacks=callbacks, peft_config=_lora() if peft else None)
+        trainer = _trainer(
+            model,
+            word_tokenizer,
+            _config(tmp_path, gradient_checkpointing=False, **overrides),
+            callbacks=callbacks,
+            peft_config=_lora() if peft else None,
+        )
         seen = _ForwardMatmuls()
         with seen:
             trainer.train()
@@ -95,7 +119,9 @@ def test_without_the_callback_a_bypassed_autocast_is_refused_before_any_step(loa
     model = prepare_model(load_model("llama"), "bf16")
     before = [p.detach().clone() for p in model.parameters()]
     trainer = _trainer(model, word_tokenizer, _config(tmp_path, bf16=False, gradient_checkpointing=False))
-    with pytest.raises(RuntimeError, match=r"outside hf_memstack's bf16 autocast.*TRL's fused LM head.*MemstackCallback.*bf16=True"):
+    with pytest.raises(
+        RuntimeError, match=r"outside hf_memstack's bf16 autocast.*TRL's fused LM head.*MemstackCallback.*bf16=True"
+    ):
         trainer.train()
     assert trainer.state.global_step == 0 and all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
@@ -103,7 +129,9 @@ def test_without_the_callback_a_bypassed_autocast_is_refused_before_any_step(loa
 # ----------------------------------------------------------------------------- TRL's default checkpointing
 
 
-@pytest.mark.parametrize("spec, recomputed", [("bf16+ckpt:2", [0]), ("bf16+ckpt:selective", [0, 1]), ("bf16+ckpt:offload", [0, 1])])
+@pytest.mark.parametrize(
+    "spec, recomputed", [("bf16+ckpt:2", [0]), ("bf16+ckpt:selective", [0, 1]), ("bf16+ckpt:offload", [0, 1])]
+)
 def test_default_sft_config_keeps_the_policy_checkpointing(load_model, word_tokenizer, tmp_path, spec, recomputed):
     """SFTConfig's gradient_checkpointing=True (its default) over a policy that checkpoints its own
     way: accepted, one warning, and Trainer's activation_checkpointing_enable changes nothing - the
@@ -129,8 +157,11 @@ def test_default_sft_config_keeps_the_policy_checkpointing(load_model, word_toke
 def test_default_sft_config_over_a_policy_without_checkpointing_names_sft_config(load_model, word_tokenizer, tmp_path):
     model = prepare_model(load_model("llama"), "bf16")
     forward, flags = model.__dict__["forward"], [getattr(m, "gradient_checkpointing", None) for m in model.modules()]
-    with pytest.raises(ValueError, match=r"SFTConfig\(gradient_checkpointing=True\) asks for checkpointing.*policy 'bf16' "
-                                         r"\(no checkpointing\).*set SFTConfig\(gradient_checkpointing=False\).*'bf16\+ckpt'"):
+    with pytest.raises(
+        ValueError,
+        match=r"SFTConfig\(gradient_checkpointing=True\) asks for checkpointing.*policy 'bf16' "
+        r"\(no checkpointing\).*set SFTConfig\(gradient_checkpointing=False\).*'bf16\+ckpt'",
+    ):
         _trainer(model, word_tokenizer, _config(tmp_path), callbacks=[MemstackCallback()])
     assert model.__dict__["forward"] is forward  # refused before TRL patched anything
     assert [getattr(m, "gradient_checkpointing", None) for m in model.modules()] == flags
@@ -139,7 +170,9 @@ def test_default_sft_config_over_a_policy_without_checkpointing_names_sft_config
 # ----------------------------------------------------------------------------- loss:chunked under TRL
 
 
-def test_chunked_loss_under_trl_is_reported_and_the_forward_that_trains_is_measured(load_model, word_tokenizer, tmp_path):
+def test_chunked_loss_under_trl_is_reported_and_the_forward_that_trains_is_measured(
+    load_model, word_tokenizer, tmp_path
+):
     """TRL's fused head computes the loss instead of hf_memstack's chunked one: a warning says so,
     the losses are TRL's (the same as without loss:chunked), and the callback's memory figure is
     the meter's on TRL's forward (fused_lm_head=True), not on hf_memstack's chunked loss."""
@@ -167,8 +200,12 @@ def test_packed_sft_trainer_runs_with_the_callback_and_verify_checks_the_rows(lo
     labels (TypeError at train start); it now compares the model's logits and reports the packing line."""
     callback = MemstackCallback()
     model = prepare_model(load_model("llama"), "fp32+ckpt")
-    trainer = _trainer(model, word_tokenizer, _config(tmp_path, bf16=False, gradient_checkpointing=False, packing=True,
-                                                      padding_free=True, max_length=32), callbacks=[callback])
+    trainer = _trainer(
+        model,
+        word_tokenizer,
+        _config(tmp_path, bf16=False, gradient_checkpointing=False, packing=True, padding_free=True, max_length=32),
+        callbacks=[callback],
+    )
     trainer.train()
     checks = {c.name: c for c in callback.first_step.verify.checks}
     assert "packing" in checks and checks["packing"].ok, callback.first_step.verify

@@ -11,7 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from hf_memstack import prepare_model, verify
-from hf_memstack.data import PackedCollator, check_packed_batch, compare_packed_to_separate, is_packed, pack_dataset, segment_lengths
+from hf_memstack.data import (
+    PackedCollator,
+    check_packed_batch,
+    compare_packed_to_separate,
+    is_packed,
+    pack_dataset,
+    segment_lengths,
+)
 
 VOCAB = 96
 LENGTHS = [7, 12, 5, 9, 3, 11]
@@ -21,14 +28,32 @@ def _model(arch: str, attn: str = "sdpa") -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": VOCAB, "attn_implementation": attn}
+    small = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "attn_implementation": attn,
+    }
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**small)).train()
     if arch == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**small)).train()
-    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn)).train()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation=attn,
+        )
+    ).train()
 
 
 def _samples(lengths: list[int], prompt: int = 0) -> list[dict[str, list[int]]]:
@@ -60,13 +85,16 @@ def test_packed_rows_give_every_sample_its_own_logits_and_gradients(arch, attn):
 
     packed_logits = prepared(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     order = [s for row in rows for s in _split(row)]
-    spans = [(r, sum(row["seq_lengths"][:i]), n) for r, row in enumerate(rows) for i, n in enumerate(row["seq_lengths"])]
+    spans = [
+        (r, sum(row["seq_lengths"][:i]), n) for r, row in enumerate(rows) for i, n in enumerate(row["seq_lengths"])
+    ]
     # The positions say the same: each row's samples, then its padding segment.
-    assert [lengths[:len(row["seq_lengths"])] for lengths, row in zip(segment_lengths(batch["position_ids"]), rows)] == \
-        [row["seq_lengths"] for row in rows]
+    assert [
+        lengths[: len(row["seq_lengths"])] for lengths, row in zip(segment_lengths(batch["position_ids"]), rows)
+    ] == [row["seq_lengths"] for row in rows]
     for sample, (r, start, n) in zip(order, spans):
         alone = reference(input_ids=torch.tensor([sample])).logits[0]
-        torch.testing.assert_close(packed_logits[r, start:start + n], alone, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(packed_logits[r, start : start + n], alone, atol=2e-5, rtol=1e-5)
 
     prepared(**batch).loss.backward()
     total, count = zip(*(_alone_loss_sum(reference, s) for s in samples))
@@ -79,7 +107,7 @@ def test_packed_rows_give_every_sample_its_own_logits_and_gradients(arch, attn):
 def _split(row: dict[str, list[int]]) -> list[list[int]]:
     out, start = [], 0
     for n in row["seq_lengths"]:
-        out.append(row["input_ids"][start:start + n])
+        out.append(row["input_ids"][start : start + n])
         start += n
     return out
 
@@ -102,10 +130,13 @@ def packed_model_and_batch():
     return model, PackedCollator()(pack_dataset(_samples(LENGTHS), 16))
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"attention_mask": "ones"}, "attention_mask: a packed batch .* 2-D attention_mask"),
-    ({"use_cache": True}, "use_cache: a packed batch with use_cache=True in the call"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"attention_mask": "ones"}, "attention_mask: a packed batch .* 2-D attention_mask"),
+        ({"use_cache": True}, "use_cache: a packed batch with use_cache=True in the call"),
+    ],
+)
 def test_the_forward_refuses_a_packed_batch_that_would_attend_across_samples(packed_model_and_batch, extra, match):
     model, batch = packed_model_and_batch
     if extra.get("attention_mask") == "ones":
@@ -180,7 +211,9 @@ def test_an_attention_implementation_that_ignores_the_boundaries_is_refused():
         model(**batch)
     with pytest.raises(ValueError, match="attend to each other"):
         check_packed_batch(plain, batch)
-    with pytest.raises(ValueError, match="attend to each other"):  # without a probe (FSDP): by the implementation's name
+    with pytest.raises(
+        ValueError, match="attend to each other"
+    ):  # without a probe (FSDP): by the implementation's name
         check_packed_batch(plain, batch, probe=False)
 
 
@@ -201,5 +234,9 @@ def test_verify_compares_a_packed_batch_with_its_samples_alone(policy):
     assert report.ok, str(report)
     check = report.check("packing")
     assert "6 samples of" in check.detail
-    assert "packing" not in [c.name for c in verify(model, {"input_ids": torch.tensor([[3, 4, 5, 6]]),
-                                                              "labels": torch.tensor([[3, 4, 5, 6]])}).checks]
+    assert "packing" not in [
+        c.name
+        for c in verify(
+            model, {"input_ids": torch.tensor([[3, 4, 5, 6]]), "labels": torch.tensor([[3, 4, 5, 6]])}
+        ).checks
+    ]

@@ -22,7 +22,9 @@ def test_rows_restart_positions_mask_each_samples_first_label_and_pad_with_a_seg
 def test_flatten_is_transformers_data_collator_with_flattening():
     samples = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [1, 2, 3, 4]}]
     ours = PackedCollator(flatten=True)(pack_dataset(samples, 5))
-    theirs = DataCollatorWithFlattening(return_position_ids=True)([samples[2], samples[0], samples[1]], return_tensors="pt")
+    theirs = DataCollatorWithFlattening(return_position_ids=True)(
+        [samples[2], samples[0], samples[1]], return_tensors="pt"
+    )
     assert {k: v.tolist() for k, v in ours.items()} == {k: theirs[k].tolist() for k in ours}
 
 
@@ -34,12 +36,15 @@ def test_pad_to_gives_one_width_and_refuses_a_longer_row():
         PackedCollator(pad_to=2)(rows)
 
 
-@pytest.mark.parametrize("feature, match", [
-    ({"text": "hello"}, "feature 0 has no 'input_ids'"),
-    ({"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}, "padding inside it"),
-    ({"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}, r"seq_lengths \[2, 2\] \(sum 4\)"),
-    ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "3 input_ids, 2 labels"),
-])
+@pytest.mark.parametrize(
+    "feature, match",
+    [
+        ({"text": "hello"}, "feature 0 has no 'input_ids'"),
+        ({"input_ids": [1, 2, 0], "attention_mask": [1, 1, 0]}, "padding inside it"),
+        ({"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}, r"seq_lengths \[2, 2\] \(sum 4\)"),
+        ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "3 input_ids, 2 labels"),
+    ],
+)
 def test_bad_features_are_refused_with_the_fix(feature, match):
     with pytest.raises(ValueError, match=match):
         PackedCollator()([feature])

@@ -73,11 +73,14 @@ def test_too_long_samples_are_refused_unless_truncation_or_splitting_is_asked_fo
     assert sorted(_placed(split)[1]) == [(0, 10), (10, 12)] and split.tokens == 19
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"tokens_per_row": 0}, "tokens_per_row=0 must be a positive integer"),
-    ({"tokens_per_row": 8, "overflow": "drop"}, "overflow='drop' is not one of"),
-    ({"tokens_per_row": 8, "lengths": [3, -1]}, r"lengths\[1\]=-1 must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"tokens_per_row": 0}, "tokens_per_row=0 must be a positive integer"),
+        ({"tokens_per_row": 8, "overflow": "drop"}, "overflow='drop' is not one of"),
+        ({"tokens_per_row": 8, "lengths": [3, -1]}, r"lengths\[1\]=-1 must be a non-negative integer"),
+    ],
+)
 def test_bad_arguments_name_the_argument(bad, match):
     kwargs = {"lengths": [3, 4], **bad}
     with pytest.raises(ValueError, match=match):
@@ -85,13 +88,21 @@ def test_bad_arguments_name_the_argument(bad, match):
 
 
 def test_pack_dataset_concatenates_tokens_and_labels_and_drops_the_mask():
-    samples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "attention_mask": [1, 1, 1], "text": "a"},
-               {"input_ids": [8, 9], "labels": [8, 9], "attention_mask": [1, 1], "text": "b"},
-               {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4], "attention_mask": [1, 1, 1, 1], "text": "c"}]
+    samples = [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "attention_mask": [1, 1, 1], "text": "a"},
+        {"input_ids": [8, 9], "labels": [8, 9], "attention_mask": [1, 1], "text": "b"},
+        {"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4], "attention_mask": [1, 1, 1, 1], "text": "c"},
+    ]
     rows = pack_dataset(samples, 6)
-    assert rows == [{"input_ids": [1, 2, 3, 4, 8, 9], "labels": [-100, -100, 3, 4, 8, 9], "seq_lengths": [4, 2],
-                     "position_ids": [0, 1, 2, 3, 0, 1]},
-                    {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "seq_lengths": [3], "position_ids": [0, 1, 2]}]
+    assert rows == [
+        {
+            "input_ids": [1, 2, 3, 4, 8, 9],
+            "labels": [-100, -100, 3, 4, 8, 9],
+            "seq_lengths": [4, 2],
+            "position_ids": [0, 1, 2, 3, 0, 1],
+        },
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "seq_lengths": [3], "position_ids": [0, 1, 2]},
+    ]
 
 
 def test_pack_dataset_keeps_a_datasets_dataset_a_dataset():

@@ -36,8 +36,16 @@ def test_trainer_batches_keep_each_rows_samples_apart(load_model, packed_rows, t
 
     model = prepare_model(load_model("llama"), "fp32")
     collator = PackedCollator(pad_token_id=0)
-    args = training_arguments(model, output_dir=str(tmp_path), train_dataset=packed_rows, data_collator=collator,
-                              per_device_train_batch_size=2, max_steps=1, report_to=[], seed=0)
+    args = training_arguments(
+        model,
+        output_dir=str(tmp_path),
+        train_dataset=packed_rows,
+        data_collator=collator,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        seed=0,
+    )
     assert args.remove_unused_columns is False
     callback = MemstackCallback()
     trainer = Trainer(model=model, args=args, train_dataset=packed_rows, data_collator=collator, callbacks=[callback])
@@ -63,7 +71,9 @@ def test_a_plain_trainer_keeps_the_boundaries_trainer_would_drop(load_model, pac
     from hf_memstack.data import PackedCollator
 
     model = prepare_model(load_model("llama"), "fp32")
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], use_cpu=True
+    )
     assert args.remove_unused_columns
     trainer = Trainer(model=model, args=args, train_dataset=packed_rows, data_collator=PackedCollator(pad_token_id=0))
     batch = next(iter(trainer.get_train_dataloader()))
@@ -83,12 +93,25 @@ def test_settings_that_would_merge_a_rows_samples_are_refused(load_model, packed
     # Rows built by hand with seq_lengths alone: Trainer's column removal would leave no boundary.
     bare = packed_rows.remove_columns("position_ids")
     with pytest.raises(ValueError, match=r"remove_unused_columns=True.*seq_lengths.*leave remove_unused_columns unset"):
-        training_arguments(model, output_dir=str(tmp_path), train_dataset=bare, data_collator=PackedCollator(),
-                           per_device_train_batch_size=2, remove_unused_columns=True, report_to=[])
+        training_arguments(
+            model,
+            output_dir=str(tmp_path),
+            train_dataset=bare,
+            data_collator=PackedCollator(),
+            per_device_train_batch_size=2,
+            remove_unused_columns=True,
+            report_to=[],
+        )
     # Transformers' flattening collator reads input_ids and labels only: each packed row would be one sample.
     with pytest.raises(ValueError, match=r"data_collator=DataCollatorWithFlattening.*PackedCollator"):
-        training_arguments(model, output_dir=str(tmp_path), train_dataset=packed_rows, data_collator=DataCollatorWithFlattening(),
-                           per_device_train_batch_size=2, report_to=[])
+        training_arguments(
+            model,
+            output_dir=str(tmp_path),
+            train_dataset=packed_rows,
+            data_collator=DataCollatorWithFlattening(),
+            per_device_train_batch_size=2,
+            report_to=[],
+        )
 
 
 def test_the_finder_never_picks_more_rows_than_the_dataset_has(load_model, packed_rows, tmp_path):
@@ -97,6 +120,12 @@ def test_the_finder_never_picks_more_rows_than_the_dataset_has(load_model, packe
     from hf_memstack.integrations.trainer import training_arguments
 
     model = prepare_model(load_model("llama"), "fp32")
-    args = training_arguments(model, output_dir=str(tmp_path), train_dataset=packed_rows, data_collator=PackedCollator(),
-                              budget="256MiB", report_to=[])
+    args = training_arguments(
+        model,
+        output_dir=str(tmp_path),
+        train_dataset=packed_rows,
+        data_collator=PackedCollator(),
+        budget="256MiB",
+        report_to=[],
+    )
     assert 1 <= args.per_device_train_batch_size <= len(packed_rows)

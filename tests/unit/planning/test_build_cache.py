@@ -16,8 +16,15 @@ from hf_memstack.precision import resolve_precision
 
 
 def _config(**overrides) -> LlamaConfig:
-    fields = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 256, "max_position_embeddings": 512} | overrides
+    fields = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 512,
+    } | overrides
     return LlamaConfig(**fields)
 
 
@@ -53,7 +60,11 @@ def test_a_cached_build_is_never_reused_for_another_config_dtype_trainable_or_se
     lora = {"r": 4}
     jobs = [
         (_config(), "bf16+ckpt", {"trainable": lora, "dtype": "bf16", "seq_len": 32}),
-        (_config(), "bf16+ckpt:2", {"trainable": lora, "dtype": "bf16", "seq_len": 32}),  # another depth plan (period 2)
+        (
+            _config(),
+            "bf16+ckpt:2",
+            {"trainable": lora, "dtype": "bf16", "seq_len": 32},
+        ),  # another depth plan (period 2)
         (_config(intermediate_size=192), "bf16+ckpt", {"trainable": lora, "dtype": "bf16", "seq_len": 32}),
         (_config(num_hidden_layers=10), "bf16+ckpt", {"trainable": lora, "dtype": "bf16", "seq_len": 32}),
         (_config(), "bf16+ckpt", {"trainable": lora, "dtype": "fp32", "seq_len": 32}),

@@ -17,16 +17,40 @@ from hf_memstack.planning.depth import extrapolate_line
 
 def _config(arch: str, layers: int, **extra):
     if arch == "llama":
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=256, **extra)
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            **extra,
+        )
     if arch == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=512, bos_token_id=0, eos_token_id=0)
+        return GPT2Config(
+            n_embd=64, n_layer=layers, n_head=4, vocab_size=256, n_positions=512, bos_token_id=0, eos_token_id=0
+        )
     if arch == "qwen2":
-        return Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=256, **extra)
+        return Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            **extra,
+        )
     # sliding-window and global attention blocks alternate: the stack repeats every 2 blocks
-    return Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=16)
+    return Gemma2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        sliding_window=16,
+    )
 
 
 def _fields(estimate) -> dict:
@@ -45,12 +69,20 @@ def _both(config, policy: str, **job):
     return fast, full
 
 
-@pytest.mark.parametrize(("arch", "layers", "policy", "trainable"), [
-    ("llama", 7, "bf16+ckpt", "all"), ("llama", 8, "fp32", "all"), ("llama", 16, "bf16+ckpt", "lora"),
-    ("gpt2", 8, "bf16+ckpt", "lora"), ("gpt2", 16, "fp32", "all"),
-    ("qwen2", 8, "fp32", "lora"), ("qwen2", 16, "bf16+ckpt", "all"),
-    ("gemma2", 8, "bf16+ckpt", "all"), ("gemma2", 16, "fp32", "lora"),
-])
+@pytest.mark.parametrize(
+    ("arch", "layers", "policy", "trainable"),
+    [
+        ("llama", 7, "bf16+ckpt", "all"),
+        ("llama", 8, "fp32", "all"),
+        ("llama", 16, "bf16+ckpt", "lora"),
+        ("gpt2", 8, "bf16+ckpt", "lora"),
+        ("gpt2", 16, "fp32", "all"),
+        ("qwen2", 8, "fp32", "lora"),
+        ("qwen2", 16, "bf16+ckpt", "all"),
+        ("gemma2", 8, "bf16+ckpt", "all"),
+        ("gemma2", 16, "fp32", "lora"),
+    ],
+)
 def test_an_extrapolated_estimate_equals_the_full_trace_in_every_field(arch, layers, policy, trainable):
     fast, full = _both(_config(arch, layers), policy, batch_size=2, seq_len=64, trainable=trainable)
     note = _extrapolated(fast)
@@ -66,9 +98,18 @@ def test_a_shallow_model_is_traced_in_full(layers):
     assert _extrapolated(fast) is None and _fields(fast) == _fields(full)
 
 
-@pytest.mark.parametrize("policy", ["bf16+ckpt+loss:chunked", "bf16+optim:8bit+optim:in_backward", "bf16+ckpt:selective",
-                                    "bf16+ckpt:2", "bf16+ckpt+fsdp", "bf16+ckpt:offload",
-                                    "bf16+loss:chunked+ckpt+mlp:tiled"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "bf16+ckpt+loss:chunked",
+        "bf16+optim:8bit+optim:in_backward",
+        "bf16+ckpt:selective",
+        "bf16+ckpt:2",
+        "bf16+ckpt+fsdp",
+        "bf16+ckpt:offload",
+        "bf16+loss:chunked+ckpt+mlp:tiled",
+    ],
+)
 def test_every_rung_extrapolates_exactly(policy):
     world = 2 if "fsdp" in policy else 1
     fast, full = _both(_config("llama", 12), policy, batch_size=2, seq_len=64, world_size=world)
@@ -80,8 +121,14 @@ def test_the_peak_moving_to_another_phase_with_depth_is_extrapolated_phase_by_ph
     # fp32 full fine-tuning, tokens ~ hidden size: the optimizer step's temporaries peak a 3-block
     # model, the activations of 24 blocks outgrow them. One line through the step's peaks would be wrong.
     def config(layers: int):
-        return LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=layers, num_attention_heads=4,
-                           num_key_value_heads=2, vocab_size=32000)
+        return LlamaConfig(
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=32000,
+        )
 
     job = {"batch_size": 2, "seq_len": 128}
     assert estimate_memory(config(3), "fp32", **job).peak_phase == "optimizer"
@@ -101,8 +148,16 @@ def test_a_peft_config_that_picks_blocks_is_traced_in_full():
     trainable = {"r": 4, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0, 1, 2]}
     fast, full = _both(_config("llama", 10), "bf16+ckpt", batch_size=2, seq_len=64, trainable=trainable)
     assert _extrapolated(fast) is None and _fields(fast) == _fields(full)
-    assert fast.trainable_parameters < estimate_memory(_config("llama", 10), "bf16+ckpt", batch_size=2, seq_len=64,
-                                                       trainable={"r": 4, "target_modules": ["q_proj", "v_proj"]}).trainable_parameters
+    assert (
+        fast.trainable_parameters
+        < estimate_memory(
+            _config("llama", 10),
+            "bf16+ckpt",
+            batch_size=2,
+            seq_len=64,
+            trainable={"r": 4, "target_modules": ["q_proj", "v_proj"]},
+        ).trainable_parameters
+    )
 
 
 def test_the_line_through_two_depths():

@@ -19,8 +19,16 @@ SEQ, BATCH = 32, 2
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("fields")
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=256, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     out = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         torch.manual_seed(0)
@@ -40,13 +48,25 @@ def _measured(path, policy: str, trainable: str):
     model = prepare_model(model, policy)
     ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.compiler.set_stance("force_eager"):  # torchao's step (weights:bf16) compiles per shape: eager, as traced
-        return measure_step(model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False)
+        return measure_step(
+            model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False
+        )
 
 
-@pytest.mark.filterwarnings("ignore:.*trainable.*:UserWarning")  # prepare_model on bf16 weights trained in place says so
+@pytest.mark.filterwarnings(
+    "ignore:.*trainable.*:UserWarning"
+)  # prepare_model on bf16 weights trained in place says so
 @pytest.mark.parametrize("weights", ["bf16", "fp32"])
-@pytest.mark.parametrize(("policy", "trainable"), [("bf16", "all"), ("bf16+ckpt", "all"), ("bf16+ckpt", "lora"),
-                                                   ("bf16+ckpt+weights:bf16", "all"), ("bf16+weights:bf16", "lora")])
+@pytest.mark.parametrize(
+    ("policy", "trainable"),
+    [
+        ("bf16", "all"),
+        ("bf16+ckpt", "all"),
+        ("bf16+ckpt", "lora"),
+        ("bf16+ckpt+weights:bf16", "all"),
+        ("bf16+weights:bf16", "lora"),
+    ],
+)
 def test_every_field_of_the_estimate_is_the_meters(saved, weights, policy, trainable):
     real = _measured(saved[weights], policy, trainable)
     est = estimate_memory(saved[weights], policy, batch_size=BATCH, seq_len=SEQ, trainable=trainable)
@@ -57,4 +77,3 @@ def test_every_field_of_the_estimate_is_the_meters(saved, weights, policy, train
     assert est.forward_backward_peak == real.forward_backward_peak
     rest = real.peak_bytes - real.parameters - real.gradients - real.optimizer
     assert est.activations == min(real.saved_activations, rest) and est.temporaries == rest - est.activations
-

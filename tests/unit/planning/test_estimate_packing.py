@@ -15,8 +15,16 @@ SEQ = 384
 
 
 def _config(attn: str = "sdpa") -> LlamaConfig:
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       vocab_size=64, max_position_embeddings=512, attn_implementation=attn)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=512,
+        attn_implementation=attn,
+    )
 
 
 def _measured(config: LlamaConfig, batch: dict[str, torch.Tensor], policy: str) -> int:
@@ -27,8 +35,10 @@ def _measured(config: LlamaConfig, batch: dict[str, torch.Tensor], policy: str) 
 
 def _rows(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(3, 60, (SEQ,), generator=g).tolist(), "seq_lengths": [SEQ // 3, SEQ - SEQ // 3]}
-            for _ in range(n)]
+    rows = [
+        {"input_ids": torch.randint(3, 60, (SEQ,), generator=g).tolist(), "seq_lengths": [SEQ // 3, SEQ - SEQ // 3]}
+        for _ in range(n)
+    ]
     return PackedCollator()(rows)
 
 

@@ -11,8 +11,15 @@ from hf_memstack.precision import resolve_precision
 
 
 def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():
-    config = LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=256, max_position_embeddings=2048)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=2048,
+    )
     job = {"batch_size": 2, "seq_len": 512}
     precision = resolve_precision("auto", "cpu").name
     full = estimate_memory(config, f"{precision}+loss:chunked+ckpt", **job).peak_bytes
@@ -29,15 +36,27 @@ def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():
 
 
 def test_the_plain_rung_is_bounded_by_the_chunked_one_only_where_that_is_over_the_budget():
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=4096, dtype="bfloat16")
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        dtype="bfloat16",
+    )
     job = {"batch_size": 2, "seq_len": 128}
     chunked = estimate_memory(config, "bf16+loss:chunked", **job).peak_bytes
     plain = estimate_memory(config, "bf16", **job).peak_bytes
     # Over budget: the plain rung reads the chunked one's peak, a lower bound of its own (traced here).
     plan = plan_policy(config, budget=int(chunked * 0.95), device="cuda", **job)
     first = plan.rows[0]
-    assert (first.policy, first.traced, first.bound_by, first.peak_bytes) == ("bf16", False, "bf16+loss:chunked", chunked)
+    assert (first.policy, first.traced, first.bound_by, first.peak_bytes) == (
+        "bf16",
+        False,
+        "bf16+loss:chunked",
+        chunked,
+    )
     assert plain >= first.peak_bytes and not first.fits and "(as bf16+loss:chunked)" in plan.table()
     # Under budget: the plain rung is traced, as before.
     plan = plan_policy(config, budget=int(plain / 0.9 * 1.01), device="cuda", **job)
@@ -46,8 +65,15 @@ def test_the_plain_rung_is_bounded_by_the_chunked_one_only_where_that_is_over_th
 
 def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
     # Big enough that BF16AdamW's chunk buffers (5 x 4 MiB at most) are small beside the model states.
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=8192, dtype="bfloat16")
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        dtype="bfloat16",
+    )
     job = {"batch_size": 1, "seq_len": 16}
     master = estimate_memory(config, "bf16+loss:chunked+ckpt", **job)
     pure = estimate_memory(config, "bf16+loss:chunked+ckpt+weights:bf16", **job)
@@ -67,8 +93,15 @@ def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
 
 
 def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced():
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                         vocab_size=4096, dtype="bfloat16")
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        dtype="bfloat16",
+    )
     job = {"batch_size": 2, "seq_len": 256, "trainable": "lora"}
     full = estimate_memory(config, "bf16+loss:chunked+ckpt", **job).peak_bytes
     budget = int(full / 0.9 * 1.01)  # every block checkpointed just fits

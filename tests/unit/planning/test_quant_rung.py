@@ -18,7 +18,9 @@ LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"]}
 
 def test_the_planner_picks_4bit_base_weights_for_lora_when_checkpointing_is_not_enough(pretrained_dirs):
     ckpt = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked", batch_size=1, seq_len=16, trainable=LORA)
-    quant = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+loss:chunked+quant:nf4", batch_size=1, seq_len=16, trainable=LORA)
+    quant = estimate_memory(
+        pretrained_dirs["llama"], "bf16+ckpt+loss:chunked+quant:nf4", batch_size=1, seq_len=16, trainable=LORA
+    )
     assert quant.peak_bytes < ckpt.peak_bytes
     budget = int((ckpt.peak_bytes + quant.peak_bytes) / 2 / 0.9)
     plan = plan_policy(pretrained_dirs["llama"], budget=budget, seq_len=16, batch_size=1, device="cpu", trainable=LORA)
@@ -35,7 +37,9 @@ def test_the_rung_comes_after_full_checkpointing_and_later_rungs_keep_it():
     first = next(i for i, n in enumerate(names) if "quant:nf4" in n)
     assert names[first] == "bf16+loss:chunked+ckpt+quant:nf4" and names[first - 1] == "bf16+loss:chunked+ckpt", names
     assert all("quant:nf4" in n for n in names[first:]), names
-    assert any("optim:" in n for n in names[first + 1:]) and names[-1].endswith("+fsdp:offload")  # before optimizer and FSDP rungs
+    assert any("optim:" in n for n in names[first + 1 :]) and names[-1].endswith(
+        "+fsdp:offload"
+    )  # before optimizer and FSDP rungs
     assert not any("quant" in r.policy for r in memory_rungs("bf16", num_blocks=4, world_size=2, causal_lm=True))
 
 
@@ -45,8 +49,11 @@ def test_the_finder_names_4bit_weights_when_a_lora_models_weights_do_not_fit(loa
     model = prepare_model(get_peft_model(load_model("llama"), LoraConfig(**LORA)), "bf16+ckpt")
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    with pytest.raises(BudgetTooSmallError, match=r"parameters alone.*Next rung of the ladder: 'bf16\+ckpt\+quant:nf4' "
-                                                  r"\(the frozen linear weights in 4 bits\)"):
+    with pytest.raises(
+        BudgetTooSmallError,
+        match=r"parameters alone.*Next rung of the ladder: 'bf16\+ckpt\+quant:nf4' "
+        r"\(the frozen linear weights in 4 bits\)",
+    ):
         find_batch_size(model, batches(), optimizer, budget=params // 2, cache=False)
 
 
@@ -61,19 +68,32 @@ def test_rungs_that_only_save_activations_are_not_traced_once_the_weights_alone_
     from transformers import LlamaConfig
 
     # Weights that dominate: 4-bit weights fit where no activation rung over the 32-bit base can.
-    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=128).save_pretrained(tmp_path)
+    LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    ).save_pretrained(tmp_path)
     first = estimate_memory(tmp_path, "bf16", batch_size=1, seq_len=16, trainable=LORA)
     quant = estimate_memory(tmp_path, "bf16+ckpt+loss:chunked+quant:nf4", batch_size=1, seq_len=16, trainable=LORA)
     floor = first.parameters + first.optimizer
     assert quant.peak_bytes < floor
-    plan = plan_policy(tmp_path, budget=int((quant.peak_bytes + floor) / 2 / 0.9), seq_len=16, batch_size=1, device="cpu", trainable=LORA)
+    plan = plan_policy(
+        tmp_path,
+        budget=int((quant.peak_bytes + floor) / 2 / 0.9),
+        seq_len=16,
+        batch_size=1,
+        device="cpu",
+        trainable=LORA,
+    )
     rows = plan.rows
     assert plan.fits and plan.policy.quant.mode == "nf4" and rows[-1].traced, plan.table()
     # The first rung is traced, or bounded by the chunked rung after it, traced; the floor screens the rest.
     first_traced = 0 if rows[0].traced else 1
     assert rows[0].traced or (rows[0].bound_by == rows[1].policy and rows[1].traced), plan.table()
-    assert all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[first_traced + 1:-1]), plan.table()
+    assert all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[first_traced + 1 : -1]), plan.table()
     assert ">= " in plan.table() and "(weights + optimizer state)" in plan.table()
     skipped = estimate_memory(tmp_path, rows[-2].policy, batch_size=1, seq_len=16, trainable=LORA)
     assert skipped.peak_bytes >= floor  # the floor is a floor

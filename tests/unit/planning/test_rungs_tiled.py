@@ -18,7 +18,7 @@ def test_the_rung_sits_after_full_checkpointing_and_the_rungs_after_it_keep_the_
     at = names.index("bf16+loss:chunked+ckpt+mlp:tiled")
     assert names[:at] == plain[:at] and names[at - 1] == "bf16+loss:chunked+ckpt"
     assert all(MemoryPolicy.from_string(n).mlp.mode == "tiled" for n in names[at:])
-    assert [n.replace("+mlp:tiled", "") for n in names[at + 1:]] == plain[at:]
+    assert [n.replace("+mlp:tiled", "") for n in names[at + 1 :]] == plain[at:]
     speeds = {r.policy: r.relative_speed for r in tiled}
     assert speeds[names[at]] == speeds[names[at - 1]] * MEASURED_SPEED["mlp_tiled"]
 
@@ -28,8 +28,15 @@ def test_the_planner_offers_tiles_for_long_sequences_only():
     from hf_memstack.precision import resolve_precision
 
     precision = resolve_precision("auto", "cpu").name  # what the planner starts from on this CPU
-    config = LlamaConfig(hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=4096)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=4096,
+    )
     short = plan_policy(config, budget="1GiB", seq_len=64, device="cpu")
     assert short.fits and not any("mlp:tiled" in r.policy for r in short.rows)
     # Full checkpointing alone holds the whole recomputed MLP of a block: 2,048 tokens x 512 x 4 bytes per tensor.

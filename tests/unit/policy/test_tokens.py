@@ -20,7 +20,7 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 def _readme_tokens() -> set[str]:
     text = README.read_text()
     start = text.index("String tokens, joined with `+` in any order:")
-    paragraph = text[start:text.index("`auto` precision picks", start)]
+    paragraph = text[start : text.index("`auto` precision picks", start)]
     return set(re.findall(r"`([a-z0-9_:N]+)`", paragraph)) - {"+"}
 
 
@@ -90,6 +90,10 @@ def test_the_master_weights_tokens_are_the_fields_values():
 
 
 def test_options_without_a_token_are_left_out_of_the_string():
-    policy = MemoryPolicy(precision="bf16", fsdp={"mode": "shard_grad_op", "cpu_offload": True},
-                          compile={"mode": "none", "backend": "aot_eager"}, loss={"mode": "chunked", "chunk_tokens": 256})
+    policy = MemoryPolicy(
+        precision="bf16",
+        fsdp={"mode": "shard_grad_op", "cpu_offload": True},
+        compile={"mode": "none", "backend": "aot_eager"},
+        loss={"mode": "chunked", "chunk_tokens": 256},
+    )
     assert policy.to_string() == "bf16+fsdp:shard_grad_op+loss:chunked"

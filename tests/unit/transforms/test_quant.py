@@ -31,10 +31,26 @@ pytest.importorskip("torchao")
 pytest.importorskip("peft")
 
 # The NF4 levels of the QLoRA paper (appendix E), the format's definition.
-NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                           0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                           0.7229568362236023, 1.0])
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -130,15 +146,25 @@ def test_lora_gradients_equal_plain_layers_holding_the_dequantized_weights(load_
 
 
 @pytest.mark.parametrize("order", ["peft-first", "prepare-first"])
-@pytest.mark.parametrize("policy", ["bf16+ckpt+quant:nf4", "bf16+ckpt:selective+quant:nf4",
-                                    MemoryPolicy(precision="bf16", checkpointing={"mode": "full", "use_reentrant": True},
-                                                 quant="nf4")], ids=["ckpt", "selective", "reentrant"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "bf16+ckpt+quant:nf4",
+        "bf16+ckpt:selective+quant:nf4",
+        MemoryPolicy(precision="bf16", checkpointing={"mode": "full", "use_reentrant": True}, quant="nf4"),
+    ],
+    ids=["ckpt", "selective", "reentrant"],
+)
 def test_qlora_trains_in_either_order_with_checkpointing_and_verify_reports_the_widths(load_model, order, policy):
     model = _qlora(load_model, policy, order)
     report = verify(model, make_batch("llama"))
     assert report.ok, str(report)
     quant = report.check("quant").detail
-    assert "4-bit: 14 tensor(s)" in quant and "32-bit:" in quant and "adapters on the 4-bit layers: 12/12 got gradients" in quant, quant
+    assert (
+        "4-bit: 14 tensor(s)" in quant
+        and "32-bit:" in quant
+        and "adapters on the 4-bit layers: 12/12 got gradients" in quant
+    ), quant
     assert report.recomputed_blocks == [0, 1]
     frozen = {n: m.weight.quantized_data.clone() for n, m in _block_linears(model).items()}
     adapters = _adapters(model)
@@ -148,13 +174,17 @@ def test_qlora_trains_in_either_order_with_checkpointing_and_verify_reports_the_
     losses = [train_step(model, batch, opt) for _ in range(4)]
     assert losses[-1] < losses[0], losses
     assert all(not torch.equal(before[n], p) for n, p in adapters.items()), "every adapter trains"
-    assert all(torch.equal(frozen[n], m.weight.quantized_data) for n, m in _block_linears(model).items()), "the 4-bit base stays"
+    assert all(torch.equal(frozen[n], m.weight.quantized_data) for n, m in _block_linears(model).items()), (
+        "the 4-bit base stays"
+    )
     assert {p.dtype for p in adapters.values()} == {torch.float32}
 
 
 def test_regional_compile_traces_the_4bit_layers(load_model):
     policy = MemoryPolicy.from_string("bf16+ckpt+compile:regional+quant:nf4")
-    policy.compile.backend = "aot_eager"  # the graph is what is tested; one real inductor compile lives in test_compile.py
+    policy.compile.backend = (
+        "aot_eager"  # the graph is what is tested; one real inductor compile lives in test_compile.py
+    )
     compiled, eager = _qlora(load_model, policy), _qlora(load_model, "bf16+ckpt+quant:nf4")
     report = verify(compiled, make_batch("llama"))
     assert report.ok and "graph breaks" not in report.check("compile").detail, str(report)
@@ -173,7 +203,11 @@ def test_bf16_loaded_base_stays_16_bit_and_upcast_is_what_it_says(pretrained_dir
         warnings.simplefilter("always")
         plain = get_peft_model(prepare_model(load(), "bf16+ckpt+quant:nf4"), _lora())
     assert not [w for w in caught if "trainable parameter" in str(w.message)]  # QLoRA's usual bf16 load: no fp32 advice
-    widths = {n: p.dtype for n, p in plain.named_parameters() if ("lora_" not in n and p.dim() == 1) or "embed" in n or "lm_head" in n}
+    widths = {
+        n: p.dtype
+        for n, p in plain.named_parameters()
+        if ("lora_" not in n and p.dim() == 1) or "embed" in n or "lm_head" in n
+    }
     assert set(widths.values()) == {torch.bfloat16}, widths  # no upcast: norms, embeddings and head stay as loaded
     upcast = get_peft_model(prepare_model(load(), "bf16+ckpt+quant:nf4:upcast"), _lora())
     assert record_of(upcast).quant.upcast == len(widths)
@@ -213,8 +247,11 @@ def _nf4_layer_bytes(numel: int, size: int = 2) -> int:
 
 def test_meter_and_estimator_count_the_four_bit_bytes_exactly(load_model, pretrained_dirs):
     model = _qlora(load_model)
-    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "layers." not in n or "lora_" in n
-                or "layernorm" in n)
+    dense = sum(
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if "layers." not in n or "lora_" in n or "layernorm" in n
+    )
     quantized = sum(_nf4_layer_bytes(m.in_features * m.out_features) for m in _block_linears(model).values())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -239,7 +276,9 @@ def test_the_estimator_counts_the_upcast(pretrained_dirs):
     model = prepare_model(get_peft_model(model, _lora()), "bf16+ckpt+quant:nf4:upcast")
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     measured = measure_step(model, make_batch("llama", batch_size=4, seq=32), opt, timed=False)
-    est = estimate_memory(pretrained_dirs["llama"], "bf16+ckpt+quant:nf4:upcast", batch_size=4, seq_len=32, trainable=_lora())
+    est = estimate_memory(
+        pretrained_dirs["llama"], "bf16+ckpt+quant:nf4:upcast", batch_size=4, seq_len=32, trainable=_lora()
+    )
     assert est.parameters == measured.parameters
     assert abs(est.peak_bytes / measured.peak_bytes - 1) <= 0.10, (est.peak_bytes, measured.peak_bytes)
 
@@ -251,9 +290,15 @@ def _bnb_model(pretrained_dirs):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=torch.bfloat16)
-    return AutoModelForCausalLM.from_pretrained(pretrained_dirs["llama"], quantization_config=config, dtype=torch.bfloat16).train()
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    return AutoModelForCausalLM.from_pretrained(
+        pretrained_dirs["llama"], quantization_config=config, dtype=torch.bfloat16
+    ).train()
 
 
 def test_a_model_loaded_4bit_with_bitsandbytes_is_accepted_measured_and_trains(pretrained_dirs):
@@ -340,7 +385,9 @@ def test_merge_and_dequantize_a_bitsandbytes_base(pretrained_dirs):
         merged = merge_adapters(model, dtype=torch.float32)
         assert all(type(m) is nn.Linear for n, m in merged.named_modules() if n.endswith(LINEARS))
         out = merged(**batch).logits
-    torch.testing.assert_close(out, qlora, rtol=2e-2, atol=2e-2)  # bitsandbytes computed in bf16; the merged model in fp32
+    torch.testing.assert_close(
+        out, qlora, rtol=2e-2, atol=2e-2
+    )  # bitsandbytes computed in bf16; the merged model in fp32
     plain = dequantize(_bnb_model(pretrained_dirs), dtype=torch.bfloat16)
     assert not any(p.dtype == torch.uint8 for p in plain.parameters())
 
@@ -355,18 +402,48 @@ def _frozen_embeddings(c):
 
 
 REFUSALS = [
-    ("trainable-weights", _frozen_embeddings, "bf16+quant:nf4", ValueError,
-     ("would quantize weights that train", "model.layers.0.self_attn.q_proj", "peft.get_peft_model")),
-    ("conv1d", lambda c: c("gpt2"), "bf16+quant:nf4", ValueError,
-     ("not nn.Linear", "transformer.h.0.attn.c_attn (Conv1D)", "BitsAndBytesConfig(load_in_4bit=True)")),
-    ("embedding", lambda c: c("llama"), MemoryPolicy(quant={"mode": "nf4", "targets": ["embed_tokens"]}), ValueError,
-     ("not nn.Linear", "model.embed_tokens (Embedding)", "policy.quant.targets")),
-    ("no-match", lambda c: c("llama"), MemoryPolicy(quant={"mode": "nf4", "targets": ["qkv"]}), ValueError,
-     ("'qkv' matches no module", "q_proj")),
-    ("block-size", lambda c: c("llama"), MemoryPolicy(quant={"mode": "nf4", "block_size": 4096}), ValueError,
-     ("block_size=4096", "not a multiple of the block size", "policy.quant.targets")),
-    ("no-blocks", lambda c: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)), "quant:nf4", ValueError,
-     ("no blocks", "policy.quant.targets")),
+    (
+        "trainable-weights",
+        _frozen_embeddings,
+        "bf16+quant:nf4",
+        ValueError,
+        ("would quantize weights that train", "model.layers.0.self_attn.q_proj", "peft.get_peft_model"),
+    ),
+    (
+        "conv1d",
+        lambda c: c("gpt2"),
+        "bf16+quant:nf4",
+        ValueError,
+        ("not nn.Linear", "transformer.h.0.attn.c_attn (Conv1D)", "BitsAndBytesConfig(load_in_4bit=True)"),
+    ),
+    (
+        "embedding",
+        lambda c: c("llama"),
+        MemoryPolicy(quant={"mode": "nf4", "targets": ["embed_tokens"]}),
+        ValueError,
+        ("not nn.Linear", "model.embed_tokens (Embedding)", "policy.quant.targets"),
+    ),
+    (
+        "no-match",
+        lambda c: c("llama"),
+        MemoryPolicy(quant={"mode": "nf4", "targets": ["qkv"]}),
+        ValueError,
+        ("'qkv' matches no module", "q_proj"),
+    ),
+    (
+        "block-size",
+        lambda c: c("llama"),
+        MemoryPolicy(quant={"mode": "nf4", "block_size": 4096}),
+        ValueError,
+        ("block_size=4096", "not a multiple of the block size", "policy.quant.targets"),
+    ),
+    (
+        "no-blocks",
+        lambda c: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)),
+        "quant:nf4",
+        ValueError,
+        ("no blocks", "policy.quant.targets"),
+    ),
 ]
 
 
@@ -387,7 +464,10 @@ def test_trainable_4bit_weights_are_refused_naming_the_fix(load_model):
     model = load_model("llama")
     layer = model.model.layers[0].self_attn.q_proj
     layer.weight = nn.Parameter(to_nf4(layer.weight.detach().to(torch.bfloat16), 64, 64), requires_grad=True)
-    with pytest.raises(ValueError, match=r"4-bit weights require grad \(model.layers.0.self_attn.q_proj\).*requires_grad_\(False\).*get_peft_model"):
+    with pytest.raises(
+        ValueError,
+        match=r"4-bit weights require grad \(model.layers.0.self_attn.q_proj\).*requires_grad_\(False\).*get_peft_model",
+    ):
         prepare_model(model, "bf16+ckpt")
     assert getattr(model, "memstack", None) is None and isinstance(layer.weight, NF4Tensor)
     assert not model.model.layers[0].gradient_checkpointing
@@ -399,10 +479,20 @@ def test_sharding_checks_the_shapes_and_refuses_bitsandbytes(load_model, pretrai
     from hf_memstack.transforms.quant import check_quant
 
     model = load_model("llama")
-    plan = check_quant(model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=2, fsdp=True)
-    assert len(plan.targets) == 14 and {t.scaler_block_size for t in plan.targets} == {16, 32, 64}  # per shard: 16-64 blocks
-    with pytest.raises(ValueError, match=r"FSDP over 3 ranks: 'model.layers.0.self_attn.q_proj' \(\(64, 64\)\) does not split into 3"):
-        check_quant(model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=3, fsdp=True)
+    plan = check_quant(
+        model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=2, fsdp=True
+    )
+    assert len(plan.targets) == 14 and {t.scaler_block_size for t in plan.targets} == {
+        16,
+        32,
+        64,
+    }  # per shard: 16-64 blocks
+    with pytest.raises(
+        ValueError, match=r"FSDP over 3 ranks: 'model.layers.0.self_attn.q_proj' \(\(64, 64\)\) does not split into 3"
+    ):
+        check_quant(
+            model, QuantConfig(mode="nf4"), dtype=torch.bfloat16, blocks=find_blocks(model), shards=3, fsdp=True
+        )
     bnb = _bnb_model(pretrained_dirs)
     with pytest.raises(ValueError, match="bitsandbytes 4-bit weights and the policy shards with FSDP2.*add quant:nf4"):
         check_quant(bnb, QuantConfig(), dtype=torch.bfloat16, blocks=find_blocks(bnb), fsdp=True)
@@ -412,11 +502,15 @@ def test_policy_tokens_and_validation():
     policy = MemoryPolicy.from_string("bf16+ckpt+quant:nf4")
     assert policy.quant.mode == "nf4" and not policy.quant.upcast and policy.to_string() == "bf16+ckpt+quant:nf4"
     assert MemoryPolicy.from_string("quant:nf4:upcast+bf16").to_string() == "bf16+quant:nf4:upcast"
-    assert MemoryPolicy.from_dict(MemoryPolicy(quant={"mode": "nf4", "targets": ["q_proj"]}).to_dict()).quant.targets == ("q_proj",)
+    assert MemoryPolicy.from_dict(
+        MemoryPolicy(quant={"mode": "nf4", "targets": ["q_proj"]}).to_dict()
+    ).quant.targets == ("q_proj",)
     with pytest.raises(PolicyError) as info:
         MemoryPolicy(quant={"mode": "nf8", "block_size": 48, "targets": []})
     text = str(info.value)
-    assert "policy.quant.mode='nf8' is not one of 'none', 'nf4'" in text and "block_size=48 must be a power of two" in text
+    assert (
+        "policy.quant.mode='nf8' is not one of 'none', 'nf4'" in text and "block_size=48 must be a power of two" in text
+    )
     assert "policy.quant.targets=() must be a non-empty list" in text
     with pytest.raises(PolicyError, match="'quant:int4' is not one of 'quant:nf4', 'quant:nf4:upcast'"):
         MemoryPolicy.from_string("bf16+quant:int4")
@@ -424,16 +518,22 @@ def test_policy_tokens_and_validation():
         MemoryPolicy(quant={"upcast": True})
 
 
-def test_without_torchao_quant_is_a_clear_error_and_the_library_imports_without_torchao_or_bitsandbytes(load_model, monkeypatch):
-    code = ("import sys; sys.modules.update({'torchao': None, 'bitsandbytes': None}); import hf_memstack; "
-            "from hf_memstack import MemoryPolicy; print(MemoryPolicy.from_string('bf16+quant:nf4').to_string())")
+def test_without_torchao_quant_is_a_clear_error_and_the_library_imports_without_torchao_or_bitsandbytes(
+    load_model, monkeypatch
+):
+    code = (
+        "import sys; sys.modules.update({'torchao': None, 'bitsandbytes': None}); import hf_memstack; "
+        "from hf_memstack import MemoryPolicy; print(MemoryPolicy.from_string('bf16+quant:nf4').to_string())"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "bf16+quant:nf4", done.stderr
     for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed: importing it fails
     model = load_model("llama")
     before = snapshot(model)
-    with pytest.raises(RuntimeError, match=r"policy.quant.mode='nf4' needs torchao.*pip install 'hf_memstack\[quant\]'"):
+    with pytest.raises(
+        RuntimeError, match=r"policy.quant.mode='nf4' needs torchao.*pip install 'hf_memstack\[quant\]'"
+    ):
         prepare_model(model, "bf16+quant:nf4")
     assert_untouched(model, before)
 

@@ -36,8 +36,16 @@ def _assert_same(a: tuple[float, dict], b: tuple[float, dict]) -> None:
         torch.testing.assert_close(b[1][name], a[1][name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("arch, policy", [("llama", "fp32"), ("llama", "fp32+ckpt"), ("llama", "fp32+ckpt:2"),
-                                          ("llama", "fp32+ckpt:selective:alternate"), ("gpt2", "fp32+ckpt:selective")])
+@pytest.mark.parametrize(
+    "arch, policy",
+    [
+        ("llama", "fp32"),
+        ("llama", "fp32+ckpt"),
+        ("llama", "fp32+ckpt:2"),
+        ("llama", "fp32+ckpt:selective:alternate"),
+        ("gpt2", "fp32+ckpt:selective"),
+    ],
+)
 def test_tiled_mlps_give_the_untiled_gradients(load_model, arch, policy):
     batch = make_batch(arch, batch_size=2, seq=20)
     untiled = _loss_and_grads(prepare_model(load_model(arch), policy), batch)
@@ -64,7 +72,9 @@ def test_a_plain_module_stack_with_the_mlp_named(load_model):
 def test_lora_on_the_mlp_projections(load_model, order):
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"])
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj", "q_proj"]
+    )
     batch = make_batch("llama", batch_size=2, seq=20)
     torch.manual_seed(3)
     base = get_peft_model(load_model("llama"), lora)
@@ -98,8 +108,15 @@ def test_the_step_holds_less_and_the_estimator_counts_it():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # A wide MLP and a long sequence: the MLP's intermediates dominate the recompute of a block.
-    config = LlamaConfig(hidden_size=32, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=512)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=512,
+    )
     batch = {"input_ids": torch.arange(384).remainder(61).unsqueeze(0) + 3}
     batch["labels"] = batch["input_ids"]
     peaks, estimates = {}, {}
@@ -141,8 +158,18 @@ def test_refusals_leave_the_model_untouched(load_model):
         prepare_model(stack, _tiled("fp32", module_name="ff"))
     assert_untouched(stack, before)
 
-    moe = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=2, vocab_size=64, num_local_experts=4, num_experts_per_tok=2))
+    moe = MixtralForCausalLM(
+        MixtralConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
     before = snapshot(moe)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         prepare_model(moe, "fp32+mlp:tiled")
