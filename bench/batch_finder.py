@@ -40,8 +40,8 @@ from hf_memstack import (
     prepare_model,
     simulated_memory_limit,
 )
-from hf_memstack.precision import cpu_has_native_bf16, resolve_precision
-from hf_memstack.step import train_step
+from hf_memstack.measure.step import train_step
+from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision
 
 FINDERS = ("ours", "accelerate", "trainer", "brute")
 

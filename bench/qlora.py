@@ -31,7 +31,7 @@ import torch
 from _common import machine, median, reference_batch, reference_model
 
 from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model, record_of
-from hf_memstack.precision import cpu_has_native_bf16
+from hf_memstack.transforms.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

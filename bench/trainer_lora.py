@@ -28,8 +28,8 @@ def run(policy: str, lora_r: int, steps: int, batch: int) -> dict:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer
 
     from hf_memstack import prepare_model
-    from hf_memstack.accounting import optimizer_state_bytes
     from hf_memstack.integrations.trainer import MemstackCallback, training_arguments
+    from hf_memstack.measure.accounting import optimizer_state_bytes
 
     path = _resolve("minilm")
     tok = AutoTokenizer.from_pretrained(path)
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer_lora.json"))
     args = ap.parse_args()
-    from hf_memstack.precision import cpu_has_native_bf16
+    from hf_memstack.transforms.precision import cpu_has_native_bf16
 
     print(f"machine: {machine()}; native bf16: {cpu_has_native_bf16()}")
     rows = [run(policy, r, args.steps, args.batch) for policy in args.policies.split(",") for r in (0, args.lora_r)]

@@ -7,15 +7,21 @@ applied in the order the field recommends, verified and measured.
 """
 
 from ._version import __version__
-from .accounting import ModelStateBytes, model_state_bytes, tensor_bytes
 from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size, find_executable_batch_size
-from .blocks import Blocks, find_blocks
+from .distributed.fsdp import (
+    accelerate_fsdp_plugin,
+    from_pretrained_for_fsdp,
+    load_sharded_checkpoint,
+    save_pretrained_full,
+    save_sharded_checkpoint,
+)
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
-from .fsdp import accelerate_fsdp_plugin, from_pretrained_for_fsdp, save_pretrained_full
-from .loss import LossHeadResult, chunked_lm_loss
-from .memory import StepMemory, measure_step
+from .measure.accounting import ModelStateBytes, model_state_bytes, tensor_bytes
+from .measure.memory import StepMemory, measure_step
+from .measure.simulated import SimulatedMemory, simulated_memory_limit
+from .measure.step import forward_loss, train_step
+from .measure.verify import VerifyReport, verify
 from .merge import dequantize, merge_adapters
-from .optim import OptimizerInBackward, make_optimizer
 from .planning.estimate import MemoryEstimate, estimate_memory
 from .planning.planner import Plan, plan_policy
 from .planning.rungs import LADDER
@@ -31,11 +37,11 @@ from .policy import (
 )
 from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
-from .simulated import SimulatedMemory, simulated_memory_limit
 from .sizes import format_bytes, parse_bytes
-from .step import forward_loss, train_step
+from .transforms.blocks import Blocks, find_blocks
+from .transforms.loss_head import LossHeadResult, chunked_lm_loss
+from .transforms.optim import OptimizerInBackward, make_optimizer
 from .transforms.quant import QuantResult
-from .verify import VerifyReport, verify
 
 __all__ = [
     "LADDER",
@@ -76,6 +82,7 @@ __all__ = [
     "format_bytes",
     "forward_loss",
     "from_pretrained_for_fsdp",
+    "load_sharded_checkpoint",
     "make_optimizer",
     "merge_adapters",
     "measure_step",
@@ -85,6 +92,7 @@ __all__ = [
     "prepare_model",
     "record_of",
     "save_pretrained_full",
+    "save_sharded_checkpoint",
     "simulated_memory_limit",
     "tensor_bytes",
     "train_step",

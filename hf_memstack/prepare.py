@@ -14,16 +14,8 @@ import torch
 from torch import nn
 
 from ._device import device_of, shard_device
-from .blocks import Blocks, find_blocks
-from .checkpointing import (
-    apply_checkpointing,
-    check_checkpointing,
-    install_checkpointing_guard,
-    uses_transformers_checkpointing,
-)
-from .compile import apply_compile, check_backend
 from .data.guard import install_packing_guard
-from .fsdp import (
+from .distributed.fsdp import (
     FSDPResult,
     agree_before_sharding,
     apply_fsdp,
@@ -31,12 +23,20 @@ from .fsdp import (
     check_hybrid_shard,
     require_process_group,
 )
-from .loss import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
-from .optim import check_optimizer_policy
 from .policy import MemoryPolicy
-from .precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .record import MemstackRecord, record_of, unwrap_model
+from .transforms.blocks import Blocks, find_blocks
+from .transforms.checkpointing import (
+    apply_checkpointing,
+    check_checkpointing,
+    install_checkpointing_guard,
+    uses_transformers_checkpointing,
+)
+from .transforms.compile import apply_compile, check_backend
+from .transforms.loss_head import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
 from .transforms.master_weights import MasterWeightsPlan, apply_master_weights, check_master_weights, mark_pure_bf16
+from .transforms.optim import check_optimizer_policy
+from .transforms.precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .transforms.quant import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
@@ -310,7 +310,7 @@ def _check_not_prepared(model: nn.Module) -> None:
 def _check_not_set_by_hand(model: nn.Module) -> None:
     """Checkpointing, compile or an optimizer stepping in the backward, applied before the policy,
     would stack with the policy's, or be misreported."""
-    from .optim import optimizer_in_backward_of
+    from .transforms.optim import optimizer_in_backward_of
 
     if optimizer_in_backward_of(model) is not None:
         raise ValueError(

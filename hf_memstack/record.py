@@ -10,14 +10,14 @@ from typing import Literal
 import torch
 
 from ._unwrap import RecordBase, record_of, unwrap_model
-from .blocks import Blocks
-from .checkpointing import CheckpointingResult
-from .compile import CompileStats
-from .fsdp import FSDPResult
-from .loss import LossHeadResult
+from .distributed.fsdp import FSDPResult
 from .policy import MemoryPolicy
-from .precision import ResolvedPrecision
+from .transforms.blocks import Blocks
+from .transforms.checkpointing import CheckpointingResult
+from .transforms.compile import CompileStats
+from .transforms.loss_head import LossHeadResult
 from .transforms.master_weights import MasterWeightsResult
+from .transforms.precision import ResolvedPrecision
 from .transforms.quant import QuantResult
 from .transforms.tiled_mlp import TiledMLPResult
 

@@ -137,7 +137,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     """
     from accelerate.utils import set_seed
 
-    from hf_memstack.precision import resolve_precision
+    from hf_memstack.transforms.precision import resolve_precision
 
     check_config(cfg)
     plan = plan_output(cfg)
@@ -230,7 +230,7 @@ def _accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp_plu
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
-    from hf_memstack.precision import ACCELERATE_NAMES
+    from hf_memstack.transforms.precision import ACCELERATE_NAMES
 
     # Accelerate drops an InitProcessGroupKwargs value equal to its class default (600 s): a
     # millisecond more keeps the timeout that was asked for.

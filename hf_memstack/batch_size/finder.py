@@ -24,14 +24,14 @@ import torch
 from torch import nn
 
 from .._device import device_of, preserved_rng
-from .._ranks import on_every_rank
-from ..accounting import model_state_bytes
 from ..data.boundaries import is_packed
+from ..distributed._ranks import on_every_rank
 from ..errors import BudgetTooSmallError
+from ..measure.accounting import model_state_bytes
+from ..measure.simulated import current_limit, untracked
+from ..measure.step import LossFn
 from ..record import MemstackRecord, record_of
-from ..simulated import current_limit, untracked
 from ..sizes import format_bytes, parse_bytes
-from ..step import LossFn
 from .cache import (
     agree_entry,
     cache_key,

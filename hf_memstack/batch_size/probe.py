@@ -1,7 +1,7 @@
 """One real, measured step of the batch-size finder.
 
 A probe builds the batch, runs forward, backward and the optimizer step (the shared step of
-``step.py``) under a :class:`~hf_memstack.simulated.LiveBytes` tracker that records the live
+``step.py``) under a :class:`~hf_memstack.measure.simulated.LiveBytes` tracker that records the live
 tensor bytes after every operator, and agrees with the other ranks whether it fitted. A real
 out-of-memory error (a GPU's, a CPU allocator's or :func:`~hf_memstack.simulated_memory_limit`'s)
 is an outcome, not a failure; any other error ends every rank with it. The ranks agree after
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from .._device import device_of
-from .._ranks import reraise, share_error
-from ..simulated import LiveBytes, current_limit, untracked
-from ..step import LossFn, backward, forward_loss, optimizer_step
+from ..distributed._ranks import reraise, share_error
+from ..measure.simulated import LiveBytes, current_limit, untracked
+from ..measure.step import LossFn, backward, forward_loss, optimizer_step
 from .ranks import agree, agree_no_error
 
 __all__ = ["Measured", "ProbeKind", "StepRunner", "batch_signature", "check_batch_size", "seq_len_of"]

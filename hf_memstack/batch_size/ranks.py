@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .._ranks import RankFailure, same_arguments_on_every_rank, share_error, world_size
+from ..distributed._ranks import RankFailure, same_arguments_on_every_rank, share_error, world_size
 from ..errors import BudgetTooSmallError, DistributedMismatchError
 
 __all__ = ["agree", "agree_arguments", "agree_no_error", "is_local_leader", "world_size"]

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accounting import tensor_bytes
-from ..simulated import untracked
+from ..measure.accounting import tensor_bytes
+from ..measure.simulated import untracked
 
 __all__ = ["StepState", "step_state_restored"]
 

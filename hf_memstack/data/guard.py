@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._wrappers import _ForwardWrapper
 from ..record import unwrap_model
+from ..transforms._wrappers import _ForwardWrapper
 from .boundaries import (
     _check_no_2d_mask,
     _check_no_cache,

@@ -34,18 +34,18 @@ from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 
 from .._device import device_of, module_mode, preserved_rng, synchronize
-from .._wrappers import fused_lm_head_installed
-from ..accounting import optimizer_state_bytes
-from ..bf16_adamw import rounds_stochastically
-from ..checkpointing import CheckpointingGuard
 from ..data import PackedCollator
 from ..data.guard import settle_packing_guard
-from ..memory import StepMemory, measure_step
-from ..optim import OptimizerInBackward, optimizer_in_backward_of
-from ..precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
+from ..measure.accounting import optimizer_state_bytes
+from ..measure.memory import StepMemory, measure_step
+from ..measure.verify import VerifyReport, verify
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..sizes import parse_bytes
-from ..verify import VerifyReport, verify
+from ..transforms._wrappers import fused_lm_head_installed
+from ..transforms.bf16_adamw import rounds_stochastically
+from ..transforms.checkpointing import CheckpointingGuard
+from ..transforms.optim import OptimizerInBackward, optimizer_in_backward_of
+from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ._columns import _longest_first, _signature_columns, _trainer_columns
 from .trainer_eval import check_eval_logits
 
@@ -501,7 +501,7 @@ class FirstStepReport:
     """What the callback saw before the first optimizer step."""
 
     verify: VerifyReport | None
-    """``hf_memstack.verify`` on the first batch (None when verification is off or no batch could be built)."""
+    """``hf_memstack.measure.verify`` on the first batch (None when verification is off or no batch could be built)."""
     memory: StepMemory | None
     """The meter on the same forward + backward (None when measuring is off)."""
     seconds: float | None = None
@@ -515,8 +515,8 @@ class MemstackCallback(TrainerCallback):
       callbacks (TensorBoard, W&B, trackio) log its figures; refuses arguments that contradict
       the policy (:func:`check_training_arguments`) and warns about those that repeat it;
     * before the first step: puts the policy's autocast back around a forward that replaced the
-      prepared one (TRL's fused LM head: :func:`hf_memstack.precision.restore_autocast`), then
-      runs :func:`hf_memstack.verify` on the first training batch through the forward that
+      prepared one (TRL's fused LM head: :func:`hf_memstack.transforms.precision.restore_autocast`), then
+      runs :func:`hf_memstack.measure.verify` on the first training batch through the forward that
       trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
       forward + backward: one extra pass, its time in the log (weights, gradients and RNG are
       left as they were); with ``raise_on_failure`` a failed check stops training;
@@ -622,9 +622,9 @@ class MemstackCallback(TrainerCallback):
         if memory is not None:
             logger.info("hf_memstack memory meter, first batch (forward + backward): %s", memory.summary())
         if report is not None:
-            (logger.info if report.ok else logger.warning)("hf_memstack.verify on the first batch:\n%s", report)
+            (logger.info if report.ok else logger.warning)("hf_memstack.measure.verify on the first batch:\n%s", report)
             if self.raise_on_failure and not report.ok:
-                raise RuntimeError(f"hf_memstack.verify found problems on the first batch:\n{report}")
+                raise RuntimeError(f"hf_memstack.measure.verify found problems on the first batch:\n{report}")
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_started = time.perf_counter()
@@ -744,7 +744,7 @@ def _verify_and_measure(
         return verify(model, batch), None
     if not run_verify:
         return None, _measure_forward_backward(model, batch)
-    from ..memory import _frozen_aware_tracker
+    from ..measure.memory import _frozen_aware_tracker
 
     settle_packing_guard(model, batch)  # the packed-batch guard's one-time probe runs outside the tracked step
 
@@ -773,7 +773,7 @@ def _verify_and_measure(
 
 
 def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepMemory:
-    from ..memory import _category
+    from ..measure.memory import _category
 
     cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
     total, method = cat["total"], "memtracker"

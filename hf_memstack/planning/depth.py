@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from ..memory import PhasePeaks
+from ..measure.memory import PhasePeaks
 
 __all__ = [
     "DepthPlan",
@@ -157,7 +157,7 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
-    from ..blocks import find_blocks
+    from ..transforms.blocks import find_blocks
 
     try:
         return find_blocks(model).modules

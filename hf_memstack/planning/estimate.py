@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..accounting import tensor_bytes
 from ..data.boundaries import packing_as_traced
-from ..memory import PhasePeaks, StepMemory, step_memory_of
+from ..measure.accounting import tensor_bytes
+from ..measure.memory import PhasePeaks, StepMemory, step_memory_of
 from ..policy import MemoryPolicy
 from ..sizes import format_bytes
 from . import build_cache
@@ -326,8 +326,8 @@ def _trace(config: Any, job: _Job) -> _Traced:
     """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..optim import make_optimizer
     from ..prepare import prepare_model
+    from ..transforms.optim import make_optimizer
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
@@ -355,7 +355,7 @@ def _trace(config: Any, job: _Job) -> _Traced:
 def _trace_eval(net: nn.Module, config: Any, job: _Job, mode: Any) -> _Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
-    from ..memory import trace_eval_forward
+    from ..measure.memory import trace_eval_forward
     from ..prepare import prepare_model
     from .eval_logits import kept_outputs
 

@@ -67,7 +67,7 @@ def chunked_loss_problem(config: Any, task: str, *, trust_remote_code: bool = Fa
     The estimator's model has no values (fake tensors), so ``prepare_model`` cannot run the part of
     its check that compares the chunked loss with the model's own on a few tokens (BERT's LM head
     transforms the hidden states before the output layer, which the chunked loss skips). This runs
-    that same check (:func:`hf_memstack.loss.check_loss_head`) on the same architecture with one
+    that same check (:func:`hf_memstack.transforms.loss_head.check_loss_head`) on the same architecture with one
     block and random weights - when that is small enough; otherwise the estimate says it was not checked.
     """
     return chunked_loss_verdict(config, task, trust_remote_code)[0]
@@ -84,8 +84,8 @@ def chunked_loss_verdict(config: Any, task: str, trust_remote_code: bool) -> tup
 
 
 def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
-    from ..loss import check_loss_head
     from ..policy import LossConfig
+    from ..transforms.loss_head import check_loss_head
 
     small = copy.deepcopy(config)
     text = text_config(small)

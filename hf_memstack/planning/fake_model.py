@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory import PhasePeaks, trace_training_step
+from ..measure.memory import PhasePeaks, trace_training_step
 from ..sizes import format_bytes
 from . import build_cache
 from .model_config import build_model
@@ -115,7 +115,7 @@ def quant_counts(net: nn.Module) -> dict[str, int]:
 
 
 def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
-    from ..blocks import find_blocks
+    from ..transforms.blocks import find_blocks
 
     try:
         return find_blocks(net).modules

@@ -160,7 +160,7 @@ def plan_policy(
     """
     import torch
 
-    from ..precision import resolve_precision
+    from ..transforms.precision import resolve_precision
 
     budget_bytes = parse_bytes(budget, field="budget")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:

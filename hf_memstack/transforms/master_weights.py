@@ -11,7 +11,7 @@ back bf16, and AdamW over bf16 weights rounds away every update smaller than hal
   (``autocast_adapter_dtype``); the frozen base is never cast.
 * ``bf16`` (pure bf16, as torchtune trains on purpose): the trainable parameters are kept (or cast)
   in bf16, half the bytes of weights, gradients and AdamW's moments, and
-  :func:`hf_memstack.make_optimizer` builds :class:`hf_memstack.bf16_adamw.BF16AdamW` (AdamW with
+  :func:`hf_memstack.make_optimizer` builds :class:`hf_memstack.transforms.bf16_adamw.BF16AdamW` (AdamW with
   stochastic rounding): each update is computed in fp32 and rounded up or down at random, in
   proportion, so that it survives in expectation.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..bf16_adamw import warn_on_plain_steps_over_pure_bf16
 from ..policy import MemoryPolicy
+from .bf16_adamw import warn_on_plain_steps_over_pure_bf16
 
 __all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights", "mark_pure_bf16"]
 

@@ -27,9 +27,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..accounting import tensor_bytes
-from ..blocks import Blocks
+from ..measure.accounting import tensor_bytes
 from ..policy import QuantConfig
+from .blocks import Blocks
 from .quant_targets import BNB_LOAD, find_targets, refuse_trainable_targets, scaler_block_size
 
 __all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..blocks import Blocks
 from ..policy import QuantConfig
 from ._peft import adapter_module_ids, base_layer_of, logical_name
+from .blocks import Blocks
 
 __all__ = ["BNB_LOAD", "find_targets", "refuse_trainable_targets", "scaler_block_size"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..accounting import tensor_bytes
+from ..measure.accounting import tensor_bytes
 from ._peft import adapters_on, is_tuner_layer, logical_name
 from .quant import QuantResult, is_4bit
 

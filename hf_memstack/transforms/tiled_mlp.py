@@ -26,9 +26,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._wrappers import _ForwardWrapper
-from ..blocks import Blocks
 from ..policy import MLPConfig
+from ._wrappers import _ForwardWrapper
+from .blocks import Blocks
 
 __all__ = [
     "TiledMLPForward",

@@ -132,8 +132,8 @@ FSDP_VOCAB = 2048
 
 def _fsdp(rank, world):
     from hf_memstack import find_batch_size, prepare_model
-    from hf_memstack.simulated import simulated_memory_limit
-    from hf_memstack.step import train_step
+    from hf_memstack.measure.simulated import simulated_memory_limit
+    from hf_memstack.measure.step import train_step
 
     model = prepare_model(_model(FSDP_VOCAB), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters())
@@ -161,7 +161,7 @@ def _fsdp(rank, world):
 
 def test_fsdp_counts_local_shards_and_restores_them():
     from hf_memstack import prepare_model
-    from hf_memstack.accounting import model_state_bytes
+    from hf_memstack.measure.accounting import model_state_bytes
 
     (bs0, probes0, peak0, direct0, restored0, clean0), (bs1, probes1, peak1, direct1, restored1, clean1) = run_ranks(
         _fsdp, world=2

@@ -69,7 +69,7 @@ def _checkpoints(rank, sharded, directory):
     command, with a correct manifest), rank 0 the real one."""
     import torch.distributed as dist
 
-    from hf_memstack.fsdp import _write_manifest, load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_memstack.distributed.fsdp import _write_manifest, load_sharded_checkpoint, save_sharded_checkpoint
 
     model, opt = sharded()
     model(**_make(2)).loss.backward()
@@ -143,7 +143,7 @@ def _scenarios(rank, world, directory):
         "different_mode": find(mode=["train", "eval"][rank]),
         "different_global_batch": find(global_batch_size=[64, 8][rank]),
     }
-    from hf_memstack._ranks import share_error
+    from hf_memstack.distributed._ranks import share_error
 
     # Two ranks at different steps, carrying different numbers of values (was: gloo aborted the process).
     out["different_steps"] = _timed(lambda: share_error(["step a", "step b"][rank], None, values=[(1, 2), ()][rank]))

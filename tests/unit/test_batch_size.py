@@ -15,7 +15,7 @@ from hf_memstack import (
     simulated_memory_limit,
     tensor_bytes,
 )
-from hf_memstack.step import train_step
+from hf_memstack.measure.step import train_step
 
 
 def sim_peak(model, opt, make, n):

@@ -70,7 +70,7 @@ def test_checkpointing_shrinks_the_estimated_activations(pretrained_dirs):
 
 
 def test_planner_generous_budget_picks_plain_mixed_precision(pretrained_dirs):
-    from hf_memstack.precision import resolve_precision
+    from hf_memstack.transforms.precision import resolve_precision
 
     plan = plan_policy(pretrained_dirs["llama"], budget="8GiB", seq_len=32, batch_size=4, device="cpu")
     # The device's own mixed precision: bf16 on a CPU with native bf16, fp32 on one without.
@@ -198,7 +198,7 @@ def test_planner_max_batch_where_the_optimizer_step_holds_the_small_batches_peak
     """The recipe's MiniLM case (issue 18: 'max batch 9' where batch 64 fitted), on the tiny BERT:
     at batches 1 and 2 the optimizer step holds the peak, so the forward+backward peak is what grows
     with the batch - it must be reported as such, and the planner's answer be the largest batch that fits."""
-    from hf_memstack.precision import resolve_precision
+    from hf_memstack.transforms.precision import resolve_precision
 
     d = pretrained_dirs["bert"]
     policy = resolve_precision("auto", "cpu").name  # the planner's first rung on this CPU
@@ -305,7 +305,7 @@ def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arc
 
 
 def test_the_planner_offers_no_chunked_loss_rung_prepare_model_would_refuse():
-    from hf_memstack.precision import resolve_precision
+    from hf_memstack.transforms.precision import resolve_precision
 
     precision = resolve_precision("auto", "cpu").name
     job = {"batch_size": 4, "seq_len": 32, "task": "causal-lm"}

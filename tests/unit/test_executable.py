@@ -13,7 +13,7 @@ from hf_memstack import (
     prepare_model,
     simulated_memory_limit,
 )
-from hf_memstack.step import train_step
+from hf_memstack.measure.step import train_step
 
 
 @pytest.fixture

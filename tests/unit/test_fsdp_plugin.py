@@ -11,8 +11,8 @@ def test_accelerate_wraps_exactly_our_blocks(load_model, arch):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
     from hf_memstack import accelerate_fsdp_plugin, find_blocks
-    from hf_memstack.checkpointing import apply_checkpointing
     from hf_memstack.policy import MemoryPolicy
+    from hf_memstack.transforms.checkpointing import apply_checkpointing
 
     policy = MemoryPolicy.from_string("bf16+ckpt+fsdp")
     model = load_model(arch)

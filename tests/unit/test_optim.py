@@ -26,7 +26,7 @@ from hf_memstack import (
     train_step,
     verify,
 )
-from hf_memstack.accounting import optimizer_state_bytes, tensor_bytes
+from hf_memstack.measure.accounting import optimizer_state_bytes, tensor_bytes
 
 
 def _wide_stack(width: int = 64, depth: int = 2) -> nn.Module:
@@ -160,7 +160,7 @@ def test_policy_refuses_fp16_with_in_backward():
 
 
 def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load_model, monkeypatch):
-    from hf_memstack import optim
+    from hf_memstack.transforms import optim
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it fails
     monkeypatch.setitem(sys.modules, "torchao.optim", None)

@@ -9,8 +9,8 @@ from tiny import make_batch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from hf_memstack import measure_step, prepare_model, simulated_memory_limit
-from hf_memstack.simulated import current_limit, untracked
-from hf_memstack.step import backward, forward_loss, train_step
+from hf_memstack.measure.simulated import current_limit, untracked
+from hf_memstack.measure.step import backward, forward_loss, train_step
 
 
 def test_raises_exactly_when_live_bytes_would_pass_the_budget():

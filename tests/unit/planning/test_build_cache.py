@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 import hf_memstack.planning.build_cache as build_cache
 import hf_memstack.planning.estimate as estimate_module
 from hf_memstack import estimate_memory, plan_policy
-from hf_memstack.precision import resolve_precision
+from hf_memstack.transforms.precision import resolve_precision
 
 
 def _config(**overrides) -> LlamaConfig:

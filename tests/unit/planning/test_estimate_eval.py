@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from hf_memstack import estimate_memory, prepare_model
-from hf_memstack.memory import measure_eval_forward
+from hf_memstack.measure.memory import measure_eval_forward
 
 SEQ, BATCH, SAMPLES = 32, 2, 10
 LLAMA = {

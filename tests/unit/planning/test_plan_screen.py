@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers import LlamaConfig
 
 from hf_memstack import estimate_memory, plan_policy
-from hf_memstack.precision import resolve_precision
+from hf_memstack.transforms.precision import resolve_precision
 
 
 def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():

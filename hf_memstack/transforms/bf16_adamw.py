@@ -119,7 +119,9 @@ class BF16AdamW(torch.optim.Optimizer):
 def rounds_stochastically(optimizer: Any) -> bool:
     """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
     optimizer stepping in the backward."""
-    inner = getattr(optimizer, "optimizers", None)  # hf_memstack.optim.OptimizerInBackward: one optimizer per parameter
+    inner = getattr(
+        optimizer, "optimizers", None
+    )  # hf_memstack.transforms.optim.OptimizerInBackward: one optimizer per parameter
     if isinstance(inner, dict):
         optimizer = next(iter(inner.values()), None)
     return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))

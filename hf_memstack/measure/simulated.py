@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
-from .sizes import format_bytes, parse_bytes
+from ..sizes import format_bytes, parse_bytes
 
 __all__ = ["SimulatedMemory", "current_limit", "simulated_memory_limit", "untracked"]
 

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..policy import FSDPConfig
+from ..transforms.blocks import Blocks
+from ..transforms.precision import ResolvedPrecision
 from ._ranks import on_every_rank
 from ._safe_dcp import UntrustedCheckpointError
-from .blocks import Blocks
-from .policy import FSDPConfig
-from .precision import ResolvedPrecision
 
 __all__ = [
     "FSDPResult",
@@ -104,7 +104,7 @@ def agree_before_sharding(
         on every other rank (naming the failed rank and its error), and on every rank when the
         policies or models differ, or rank 0 is on the meta device.
     """
-    from .errors import DistributedMismatchError
+    from ..errors import DistributedMismatchError
 
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
     mine = _RankReport(
@@ -152,7 +152,7 @@ def agree_before_sharding(
 def _agree_on_nodes(everyone: list[_RankReport]) -> None:
     """Hybrid sharding splits the world into nodes of LOCAL_WORLD_SIZE ranks: ranks that see different
     sizes build different meshes and wait in each other's collectives until the group times out."""
-    from .errors import DistributedMismatchError
+    from ..errors import DistributedMismatchError
 
     if (everyone[0].policy or {}).get("fsdp", {}).get("mode") != "hybrid_shard":
         return
@@ -284,9 +284,9 @@ def accelerate_fsdp_plugin(policy: Any, model: nn.Module) -> Any:
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    from .blocks import find_blocks
-    from .policy import MemoryPolicy
-    from .precision import resolve_precision
+    from ..policy import MemoryPolicy
+    from ..transforms.blocks import find_blocks
+    from ..transforms.precision import resolve_precision
 
     policy = MemoryPolicy.coerce(policy)
     cfg = policy.fsdp
@@ -387,7 +387,7 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
 def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) -> tuple[nn.Module | None, torch.dtype]:
     """Rank 0 loads; every rank learns the dtype it loaded in ("auto" may pick the checkpoint's),
     or that it failed - then every rank raises, instead of waiting for weights that never come."""
-    from .errors import DistributedMismatchError
+    from ..errors import DistributedMismatchError
 
     model, error = None, None
     if dist.get_rank() == 0:
@@ -473,7 +473,7 @@ def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -
     one process. Call it on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from .files import weights_follow_umask
+    from ..files import weights_follow_umask
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -605,7 +605,7 @@ def _check_manifest(directory: Path) -> None:
 
     path = directory / MANIFEST
     fix = (
-        "a directory written by hf_memstack.fsdp.save_sharded_checkpoint has it; a checkpoint written some other way "
+        "a directory written by hf_memstack.distributed.fsdp.save_sharded_checkpoint has it; a checkpoint written some other way "
         "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)"
     )
     if not path.is_file():

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._device import device_of
+from .._device import device_of
 from ._wrappers import AutocastForward, forward_wrapper, fused_lm_head_installed
 
 __all__ = [
@@ -159,7 +159,7 @@ def restore_autocast(model: nn.Module) -> bool:
         True when the autocast was put back; False when nothing was to do (the autocast is
         still in place, or the policy's precision is not applied by hf_memstack).
     """
-    from ._unwrap import record_of, unwrap_model
+    from .._unwrap import record_of, unwrap_model
 
     record = record_of(model)
     if record is None or record.autocast_by != "hf_memstack":
@@ -208,7 +208,7 @@ class AutocastBypassGuard:
             "was called directly. Fix: pass callbacks=[hf_memstack.integrations.trainer.MemstackCallback()] to the trainer "
             "(it puts the autocast back around TRL's forward), or set "
             f"{record.precision.name}=True in the SFTConfig/TrainingArguments (Accelerate's autocast then wraps TRL's forward), "
-            "or call hf_memstack.precision.restore_autocast(model) after building the trainer; when calling the backbone "
+            "or call hf_memstack.transforms.precision.restore_autocast(model) after building the trainer; when calling the backbone "
             f"yourself, run it under torch.autocast({device_type!r}, dtype=torch.{str(self.dtype).removeprefix('torch.')})"
         )
 

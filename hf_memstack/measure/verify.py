@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._device import device_of, module_mode, preserved_rng
-from ._ranks import on_every_rank, reraise, runs_collectives, share_error
-from ._wrappers import forward_wrapper
-from .record import MemstackRecord, record_of, unwrap_model
+from .._device import device_of, module_mode, preserved_rng
+from ..distributed._ranks import on_every_rank, reraise, runs_collectives, share_error
+from ..record import MemstackRecord, record_of, unwrap_model
+from ..transforms._wrappers import forward_wrapper
+from ..transforms.quant_verify import verify_quant
 from .step import LossFn, forward_loss
-from .transforms.quant_verify import verify_quant
 
 __all__ = ["Check", "VerifyReport", "verify"]
 
@@ -127,7 +127,7 @@ def verify(
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
-    from .optim import optimizer_in_backward_of
+    from ..transforms.optim import optimizer_in_backward_of
 
     shared = runs_collectives(model)
     record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
@@ -146,7 +146,7 @@ def verify(
         for p, g in zip(params, saved_grads):
             p.grad = g
     if error is None and raise_on_failure and not report.ok:
-        error = RuntimeError(f"hf_memstack.verify found problems:\n{report}")
+        error = RuntimeError(f"hf_memstack.measure.verify found problems:\n{report}")
     if shared:
         share_error("verify", error)  # the other ranks raise too, instead of training on without this one
     elif error is not None:
@@ -328,7 +328,7 @@ def _watch(
 def _selective_warnings() -> Iterator[list[warnings.WarningMessage]]:
     """Collect selective checkpointing's "nothing saved" warnings (each recompute would give one);
     every other warning is passed on as it came."""
-    from .checkpointing import SelectiveCheckpointingWarning
+    from ..transforms.checkpointing import SelectiveCheckpointingWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -458,7 +458,7 @@ def _check_checkpointing(report: VerifyReport, record: MemstackRecord, model: nn
         ok = False
         detail += (
             ": selective checkpointing recomputed all of the blocks' matmuls, as full checkpointing does - no op in "
-            "its save list (hf_memstack.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'"
+            "its save list (hf_memstack.transforms.checkpointing.SAVED_OPS) ran; use checkpointing mode 'full'"
         )
     if not got and not all(m.training for m in model.modules()):
         # A PEFT wrapper made around a model from from_pretrained is in training mode, its model not.
@@ -484,7 +484,7 @@ def _check_loss_head(
 ) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
-    from .loss import ChunkedLossForward
+    from ..transforms.loss_head import ChunkedLossForward
 
     one = _first_sample(batch)
     chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)
@@ -544,7 +544,7 @@ def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shar
     """A packed batch's rows against each of their first samples run alone (None: not a packed
     batch, or a model whose forward is a collective: each rank's rows hold other samples, so the
     per-sample forwards would not pair up across ranks; compare on one process)."""
-    from .data.boundaries import compare_packed_to_separate, is_packed
+    from ..data.boundaries import compare_packed_to_separate, is_packed
 
     if shared or not isinstance(batch, dict) or not is_packed(batch.get("position_ids"), batch.get("attention_mask")):
         return None

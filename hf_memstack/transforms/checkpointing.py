@@ -14,11 +14,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._device import device_of
+from .._device import device_of
+from ..policy import CheckpointingConfig
 from ._wrappers import CheckpointedForward
 from .blocks import Blocks
-from .policy import CheckpointingConfig
-from .transforms.tiled_mlp import inside_tiled_mlp
+from .tiled_mlp import inside_tiled_mlp
 
 __all__ = [
     "SAVED_OPS",
@@ -195,7 +195,7 @@ def _warn_if_nothing_saved(counts: dict[str, int]) -> None:
     if counts["ops"] and not counts["saved"]:
         warnings.warn(
             "policy.checkpointing.mode='selective': no op in the save list (matmuls, attention: "
-            "hf_memstack.checkpointing.SAVED_OPS) ran in a checkpointed block, so every op is recomputed, as with full "
+            "hf_memstack.transforms.checkpointing.SAVED_OPS) ran in a checkpointed block, so every op is recomputed, as with full "
             "checkpointing; the model uses kernels the list does not know. Use checkpointing mode 'full', or report the "
             "kernel to add it",
             SelectiveCheckpointingWarning,

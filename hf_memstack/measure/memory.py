@@ -19,11 +19,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._device import device_of, synchronize
-from ._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
+from .._device import device_of, synchronize
+from ..data.guard import settle_packing_guard
+from ..distributed._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
+from ..sizes import format_bytes
 from .accounting import bnb_state_tensors, model_state_bytes, tensor_bytes
-from .data.guard import settle_packing_guard
-from .sizes import format_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
 
 __all__ = ["StepMemory", "measure_eval_forward", "measure_step"]

@@ -43,10 +43,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import checkpoint
 
-from ._device import module_mode, preserved_rng
-from ._ranks import on_every_rank, runs_collectives
+from .._device import module_mode, preserved_rng
+from ..distributed._ranks import on_every_rank, runs_collectives
+from ..policy import LossConfig
 from ._wrappers import _ForwardWrapper
-from .policy import LossConfig
 
 __all__ = ["ChunkedLossForward", "LossHeadResult", "apply_loss_head", "check_loss_head", "chunked_lm_loss"]
 
@@ -119,7 +119,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     """
     if cfg.mode == "default":
         return None
-    from ._unwrap import unwrap_model
+    from .._unwrap import unwrap_model
 
     target = unwrap_model(model)
     _check_causal_lm(target)
@@ -153,7 +153,7 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether ``loss:chunked`` applies to ``model`` (a causal LM with an output head and a backbone)."""
-    from ._unwrap import unwrap_model
+    from .._unwrap import unwrap_model
 
     try:
         _check_causal_lm(unwrap_model(model))

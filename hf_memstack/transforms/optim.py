@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..policy import MemoryPolicy, OptimizerConfig
 from .bf16_adamw import BF16AdamW
-from .policy import MemoryPolicy, OptimizerConfig
 
 __all__ = [
     "OptimizerInBackward",
@@ -307,7 +307,7 @@ def make_optimizer(
         ValueError: settings the optimizer cannot honour; no trainable parameter.
         RuntimeError: 8-bit moments without torchao.
     """
-    from .record import record_of, unwrap_model
+    from ..record import record_of, unwrap_model
 
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -664,7 +664,7 @@ def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> Non
 
 def optimizer_in_backward_of(model: nn.Module) -> OptimizerInBackward | None:
     """The :class:`OptimizerInBackward` that :func:`make_optimizer` attached to ``model``'s parameters, if alive."""
-    from .record import unwrap_model
+    from ..record import unwrap_model
 
     ref = unwrap_model(model).__dict__.get("_memstack_optimizer_in_backward")
     optimizer = ref() if ref is not None else None

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import DistributedMismatchError
+from ..errors import DistributedMismatchError
 
 __all__ = [
     "RankFailure",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ._device import device_of
+from .._device import device_of
 
 __all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper", "fused_lm_head_installed"]
 

@@ -1,5 +1,5 @@
 """apply_compile: torch.compile the whole model or each repeated block (regional), counting the
-graphs compiled and the calls into them so that :func:`hf_memstack.verify` can tell a compile
+graphs compiled and the calls into them so that :func:`hf_memstack.measure.verify` can tell a compile
 that really runs from one that silently runs eager."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..policy import CompileConfig
 from .blocks import Blocks
-from .policy import CompileConfig
 
 __all__ = ["CompileStats", "apply_compile", "check_backend"]
 
