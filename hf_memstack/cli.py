@@ -32,9 +32,13 @@ import sys
 import traceback
 from typing import Any
 
+from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
-from .sizes import format_bytes, parse_bytes
+from .sizes import parse_bytes
+
+# The estimator, planner, finder and prepare_model (torch, transformers) are imported inside the
+# functions that use them, each marked "--help stays fast": parsing the command line needs none of them.
 
 FITS, DOES_NOT_FIT, USAGE, INTERNAL = 0, 1, 2, 3
 
@@ -44,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="hf-memstack", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="{estimate,plan,find-batch-size}")
+    _add_estimate(sub)
+    _add_plan(sub)
+    _add_find_batch_size(sub)
+    return p
+
+
+def _add_estimate(sub: Any) -> None:
     e = sub.add_parser(
         "estimate",
         help="peak memory of one training step, by category",
@@ -82,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
     )
     _dtype_option(e)
+
+
+def _add_plan(sub: Any) -> None:
     pl = sub.add_parser(
         "plan",
         help="the cheapest policy that fits a budget",
@@ -105,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
         help="where it will train, which picks the precision (bf16/fp16 on cuda; default: this machine)",
     )
     _dtype_option(pl)
+
+
+def _add_find_batch_size(sub: Any) -> None:
     f = sub.add_parser(
         "find-batch-size",
         help="measure the largest batch that fits (real steps)",
@@ -121,7 +138,6 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--no-cache", action="store_true", help="neither read nor write the finder's cache (~/.cache/hf_memstack)"
     )
-    return p
 
 
 def _common(sp: argparse.ArgumentParser) -> None:
@@ -149,7 +165,7 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 
 def _dtype_option(sp: argparse.ArgumentParser) -> None:
-    from .planning.weights_dtype import DTYPE_CHOICES
+    from .planning.weights_dtype import DTYPE_CHOICES  # here, not at the top: --help stays fast
 
     sp.add_argument(
         "--dtype",
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         if getattr(args, "plot", None):
-            _require_matplotlib()  # before the estimate: not a table first and the failure after it
+            require_matplotlib()  # before the estimate: not a table first and the failure after it
         args.model = resolve_model_alias(args.model)
         return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
     except BudgetTooSmallError as e:
@@ -203,7 +219,7 @@ def _trainable(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .planning.estimate import estimate_memory
+    from .planning.estimate import estimate_memory  # here, not at the top: --help stays fast
 
     estimates = [
         estimate_memory(
@@ -223,57 +239,11 @@ def _estimate(args: argparse.Namespace) -> int:
     ]
     # Evaluation holds the forward's peak and, on the device, the logits Trainer keeps so far.
     verdicts = [args.budget is None or _needed(e) <= args.budget for e in estimates]
-    # Several policies are alternatives: the run can use any that fits.
-    fits = any(verdicts)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)],
-                    "budget": args.budget,
-                    "fits": fits,
-                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok],
-                },
-                indent=2,
-            )
-        )
-    else:
-        budget = args.budget is not None
-        kept = args.mode == "eval"
-        print(
-            "| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
-            + (" kept logits |" if kept else "")
-            + (" fits |" if budget else "")
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budget else ""))
-        for e, ok in zip(estimates, verdicts):
-            # The load dtype, and the trainable weights' own when the policy changes it (fp32 master weights).
-            weights = e.weights_dtype + (
-                f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else ""
-            )
-            print(
-                f"| {e.policy} | {weights} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
-                f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
-                f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
-                + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "")
-                + (f" {'yes' if ok else 'no'} |" if budget else "")
-            )
-        for note in dict.fromkeys(n for e in estimates for n in e.notes):
-            print(f"note: {note}")
-        if budget:
-            for e, ok in zip(estimates, verdicts):
-                what = f"peak {format_bytes(e.peak_bytes)}" + (
-                    f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else ""
-                )
-                print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(args.budget)} ({what})")
-            if len(estimates) > 1:
-                print(
-                    f"{sum(verdicts)} of {len(estimates)} policies fit"
-                    + (": exit 0" if fits else ": none does, exit 1")
-                )
+    print_estimates(estimates, verdicts, budget=args.budget, mode=args.mode, as_json=args.json)
     if args.plot:
-        _plot([(e.policy, e) for e in estimates], args.plot, args.budget)
-    return FITS if fits else DOES_NOT_FIT
+        plot_breakdown([(e.policy, e) for e in estimates], args.plot, args.budget)
+    # Several policies are alternatives: the run can use any that fits.
+    return FITS if any(verdicts) else DOES_NOT_FIT
 
 
 def _needed(e: Any) -> int:
@@ -283,6 +253,7 @@ def _needed(e: Any) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    # here, not at the top: --help stays fast
     from .planning.estimate import estimate_memory
     from .planning.planner import plan_policy
 
@@ -302,7 +273,7 @@ def _plan(args: argparse.Namespace) -> int:
     _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
-        _plot(
+        plot_breakdown(
             [
                 (
                     r.policy,
@@ -326,6 +297,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _find(args: argparse.Namespace) -> int:
+    # here, not at the top: --help stays fast
     import torch
 
     from .batch_size import find_batch_size
@@ -360,7 +332,7 @@ def _find(args: argparse.Namespace) -> int:
 
 def _print_task_note(args: argparse.Namespace) -> None:
     """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
-    from .planning.estimate import load_config, task_note
+    from .planning.estimate import load_config, task_note  # here, not at the top: --help stays fast
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:
@@ -415,39 +387,6 @@ def _margin(value: str) -> float:
     if not 0 <= margin < 1:
         raise argparse.ArgumentTypeError(f"--margin={value!r} must be a number in [0, 1), e.g. 0.1")
     return margin
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401 - only whether it imports
-    except ImportError:
-        raise ValueError(
-            "--plot needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --plot); "
-            "nothing was estimated"
-        ) from None
-
-
-def _plot(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cats = ["parameters", "gradients", "optimizer", "activations", "temporaries"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(items)), 4))
-    bottoms = [0.0] * len(items)
-    for cat in cats:
-        values = [getattr(e, cat) / 2**30 for _, e in items]
-        ax.bar([name for name, _ in items], values, bottom=bottoms, label=cat)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-    if budget:
-        ax.axhline(budget / 2**30, color="black", linestyle="--", label="budget")
-    ax.set_ylabel("GiB per device")
-    ax.set_title("estimated peak of one training step")
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

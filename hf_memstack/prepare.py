@@ -14,6 +14,13 @@ import torch
 from torch import nn
 
 from ._device import device_of, shard_device
+from ._model_checks import (
+    base_before_adapters,
+    check_not_prepared,
+    check_not_set_by_hand,
+    check_weights,
+    warn_on_training_setup,
+)
 from .data.guard import install_packing_guard
 from .distributed.fsdp import (
     FSDPResult,
@@ -34,7 +41,13 @@ from .transforms.checkpointing import (
 )
 from .transforms.compile import apply_compile, check_backend
 from .transforms.loss_head import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
-from .transforms.master_weights import MasterWeightsPlan, apply_master_weights, check_master_weights, mark_pure_bf16
+from .transforms.master_weights import (
+    MasterWeightsPlan,
+    MasterWeightsResult,
+    apply_master_weights,
+    check_master_weights,
+    mark_pure_bf16,
+)
 from .transforms.optim import check_optimizer_policy
 from .transforms.precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .transforms.quant import QuantPlan, apply_quant, check_quant
@@ -158,9 +171,9 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
 
 def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
     """Every check that can fail, before the model is touched."""
-    _check_not_prepared(model)
-    _check_weights(model, policy)
-    _check_not_set_by_hand(model)
+    check_not_prepared(model)
+    check_weights(model, policy)
+    check_not_set_by_hand(model)
     sharded_by_accelerate = check_accelerate_fsdp(policy, accelerator)
     if policy.fsdp.mode != "none":
         check_hybrid_shard(policy.fsdp)
@@ -188,13 +201,13 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
         shards=_shards(policy),
         fsdp=policy.fsdp.mode != "none",
     )
-    _warn_on_training_setup(model, policy, blocks, quant)
+    warn_on_training_setup(model, policy, blocks, quant)
     master = check_master_weights(
         model,
         policy,
         mixed=precision.mixed,
         precision_name=precision.name,
-        before_adapters=_base_before_adapters(model, quant),
+        before_adapters=base_before_adapters(model, quant),
     )
     # An Accelerator applies autocast in accelerator.prepare, except to a model sharded here,
     # which does not go through accelerator.prepare.
@@ -219,9 +232,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     policy = plan.policy
     # Training never reads the KV cache: building it costs memory and, under compile, a recompile
     # of the first block. Transformers only turns it off in checkpointed layers.
-    kv_cache_disabled = bool(getattr(getattr(model, "config", None), "use_cache", False))
-    if kv_cache_disabled:
-        model.config.use_cache = False
+    kv_cache_disabled = _disable_kv_cache(model)
     # 0. 4-bit base weights before anything wraps the layers: checkpointing's recompute, the loss
     #    head, compile and FSDP2 (which shards NF4 weights with their own all-gather) all see them.
     assert plan.quant is not None
@@ -255,20 +266,53 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     compile_stats = apply_compile(model, policy.compile, blocks=plan.blocks)
     # 5. sharding last: FSDP2 shards each (checkpointed, compiled) block, then the root; or
     #    accelerator.prepare does, with the plugin built from this policy (accelerate_fsdp_plugin).
-    fsdp: FSDPResult | None = None
+    fsdp = _shard(model, plan, master)
+    return _record(
+        model,
+        plan,
+        start,
+        kv_cache_disabled=kv_cache_disabled,
+        quant=quant,
+        master_weights=master,
+        checkpointing=checkpointing,
+        mlp=mlp,
+        loss=loss,
+        packing_guard=packing_guard,
+        compile=compile_stats,
+        fsdp=fsdp,
+    )
+
+
+def _disable_kv_cache(model: nn.Module) -> bool:
+    """Turn the model's ``config.use_cache`` off; whether it was on."""
+    on = bool(getattr(getattr(model, "config", None), "use_cache", False))
+    if on:
+        model.config.use_cache = False
+    return on
+
+
+def _shard(model: nn.Module, plan: _Plan, master: MasterWeightsResult) -> FSDPResult | None:
+    """Step 5's sharding: FSDP2 here, or said to be accelerator.prepare's; None without FSDP."""
+    policy = plan.policy
     if plan.sharded_by_accelerate:
-        fsdp = FSDPResult(mode=policy.fsdp.mode, by="accelerator.prepare", weights_from="accelerate")
-    elif policy.fsdp.mode != "none":
-        assert plan.blocks is not None
-        fsdp = apply_fsdp(
-            model,
-            policy.fsdp,
-            blocks=plan.blocks,
-            precision=plan.precision,
-            broadcast_from_rank0=plan.broadcast_from_rank0,
-        )
-        if master.mode == "bf16":  # the sharded parameters are new objects: tag them for the step check
-            mark_pure_bf16(p for p in model.parameters() if p.requires_grad)
+        return FSDPResult(mode=policy.fsdp.mode, by="accelerator.prepare", weights_from="accelerate")
+    if policy.fsdp.mode == "none":
+        return None
+    assert plan.blocks is not None
+    fsdp = apply_fsdp(
+        model,
+        policy.fsdp,
+        blocks=plan.blocks,
+        precision=plan.precision,
+        broadcast_from_rank0=plan.broadcast_from_rank0,
+    )
+    if master.mode == "bf16":  # the sharded parameters are new objects: tag them for the step check
+        mark_pure_bf16(p for p in model.parameters() if p.requires_grad)
+    return fsdp
+
+
+def _record(model: nn.Module, plan: _Plan, start: float, **applied: Any) -> MemstackRecord:
+    """What was applied, with the loss scaler fp16 needs and who autocasts; ``applied``: each step's result."""
     # fp16 needs a loss scaler. On FSDP2's sharded gradients (DTensors) torch.amp.GradScaler's
     # inf check is reduced over the mesh, so every rank skips the same steps (tested on 2 ranks).
     grad_scaler = (
@@ -278,74 +322,15 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
     )
     autocast_by = "hf_memstack" if plan.autocast_here else ("accelerator.prepare" if plan.precision.mixed else "none")
     return MemstackRecord(
-        policy=policy,
+        policy=plan.policy,
         precision=plan.precision,
         autocast_by=autocast_by,
         grad_scaler=grad_scaler,
         blocks=plan.blocks,
-        checkpointing=checkpointing,
-        compile=compile_stats,
-        fsdp=fsdp,
         prepare_seconds=time.perf_counter() - start,
-        kv_cache_disabled=kv_cache_disabled,
-        loss=loss,
-        mlp=mlp,
-        packing_guard=packing_guard,
         chunkable_loss=supports_chunked_loss(model),
-        quant=quant,
-        master_weights=master,
+        **applied,
     )
-
-
-def _check_not_prepared(model: nn.Module) -> None:
-    previous = record_of(model)
-    if previous is not None:
-        raise RuntimeError(
-            f"this {type(model).__name__} (or the model it wraps) was already prepared with policy "
-            f"{previous.policy.to_string()!r}; prepare_model applies a policy once, before any DDP/PEFT/compile wrapper "
-            "sees it. Load a fresh model (from_pretrained) to apply another policy"
-        )
-
-
-def _check_not_set_by_hand(model: nn.Module) -> None:
-    """Checkpointing, compile or an optimizer stepping in the backward, applied before the policy,
-    would stack with the policy's, or be misreported."""
-    from .transforms.optim import optimizer_in_backward_of
-
-    if optimizer_in_backward_of(model) is not None:
-        raise ValueError(
-            f"{type(model).__name__} already has an optimizer stepping in the backward (make_optimizer was called before "
-            "prepare_model): build the optimizer after prepare_model, so that it follows the policy's optim: tokens"
-        )
-    checkpointed = [
-        n or type(model).__name__
-        for n, m in model.named_modules()
-        if getattr(m, "gradient_checkpointing", False) is True
-    ]
-    if checkpointed:
-        raise ValueError(
-            f"{type(model).__name__} already has activation checkpointing on ({len(checkpointed)} module(s), e.g. "
-            f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
-            "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
-        )
-    compiled = [
-        n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
-    ]
-    if compiled:
-        raise ValueError(
-            f"{type(model).__name__} is already compiled in place (module.compile() on {compiled[:3]}): compile is set by the "
-            "policy, after checkpointing. Load a fresh model and put it in the policy, e.g. 'bf16+compile:regional'"
-        )
-
-
-def _check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
-    # Integer and 4-bit weights are checked with the rest of quantization (check_quant).
-    if policy.fsdp.mode == "none" and any(p.is_meta for p in model.parameters()):
-        raise ValueError(
-            f"{type(model).__name__} has parameters on the meta device (no weights) and the policy does not shard: load the "
-            "weights (from_pretrained) before prepare_model; only an fsdp policy fills meta ranks, from rank 0 "
-            "(hf_memstack.from_pretrained_for_fsdp)"
-        )
 
 
 def _shards(policy: MemoryPolicy) -> int:
@@ -353,35 +338,6 @@ def _shards(policy: MemoryPolicy) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if policy.fsdp.mode != "none" and dist.is_available() and dist.is_initialized() else 1
-
-
-def _base_before_adapters(model: nn.Module, quant: QuantPlan) -> bool:
-    """A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it): QLoRA's usual load."""
-    return bool(quant.targets) and all(p.requires_grad for p in model.parameters())
-
-
-def _warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, blocks: Blocks | None, quant: QuantPlan) -> None:
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
-        warnings.warn(
-            f"no parameter of {type(model).__name__} requires grad: nothing will train (a PEFT model with every adapter "
-            "frozen?). Unfreeze what should train (requires_grad_(True), or the PEFT config) before training",
-            stacklevel=4,
-        )
-    if _base_before_adapters(model, quant):
-        warnings.warn(
-            f"policy.quant.mode='nf4' freezes the {len(quant.targets)} linear weights it makes 4-bit (4-bit weights cannot train): "
-            "add LoRA adapters next (peft.get_peft_model(model, LoraConfig(...)), QLoRA's order), else only the other "
-            "parameters (embeddings, norms, head) train; for a full fine-tune drop quant:nf4",
-            stacklevel=4,
-        )
-    ck = policy.checkpointing
-    if ck.mode == "every_n" and blocks is not None and ck.every_n >= len(blocks):
-        warnings.warn(
-            f"policy.checkpointing.every_n={ck.every_n} with {len(blocks)} blocks: only block 0 is checkpointed; use a smaller "
-            "every_n (or 'ckpt' for every block)",
-            stacklevel=4,
-        )
 
 
 class _TrainingInEvalModeCheck:

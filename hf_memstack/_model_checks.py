@@ -1,0 +1,103 @@
+"""The pre-flight checks prepare_model runs on the model itself, before any change: not prepared
+already, no checkpointing, compile or optimizer set by hand, weights to apply the policy to; and the
+warnings for a training setup that would train little or nothing. The policy's own checks live with
+each transformation (``check_*`` next to ``apply_*``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from .policy import MemoryPolicy
+from .record import record_of
+from .transforms.blocks import Blocks
+from .transforms.optim import optimizer_in_backward_of
+from .transforms.quant import QuantPlan
+
+__all__ = [
+    "base_before_adapters",
+    "check_not_prepared",
+    "check_not_set_by_hand",
+    "check_weights",
+    "warn_on_training_setup",
+]
+
+
+def check_not_prepared(model: nn.Module) -> None:
+    previous = record_of(model)
+    if previous is not None:
+        raise RuntimeError(
+            f"this {type(model).__name__} (or the model it wraps) was already prepared with policy "
+            f"{previous.policy.to_string()!r}; prepare_model applies a policy once, before any DDP/PEFT/compile wrapper "
+            "sees it. Load a fresh model (from_pretrained) to apply another policy"
+        )
+
+
+def check_not_set_by_hand(model: nn.Module) -> None:
+    """Checkpointing, compile or an optimizer stepping in the backward, applied before the policy,
+    would stack with the policy's, or be misreported."""
+    if optimizer_in_backward_of(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} already has an optimizer stepping in the backward (make_optimizer was called before "
+            "prepare_model): build the optimizer after prepare_model, so that it follows the policy's optim: tokens"
+        )
+    checkpointed = [
+        n or type(model).__name__
+        for n, m in model.named_modules()
+        if getattr(m, "gradient_checkpointing", False) is True
+    ]
+    if checkpointed:
+        raise ValueError(
+            f"{type(model).__name__} already has activation checkpointing on ({len(checkpointed)} module(s), e.g. "
+            f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
+            "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
+        )
+    compiled = [
+        n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
+    ]
+    if compiled:
+        raise ValueError(
+            f"{type(model).__name__} is already compiled in place (module.compile() on {compiled[:3]}): compile is set by the "
+            "policy, after checkpointing. Load a fresh model and put it in the policy, e.g. 'bf16+compile:regional'"
+        )
+
+
+def check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
+    # Integer and 4-bit weights are checked with the rest of quantization (check_quant).
+    if policy.fsdp.mode == "none" and any(p.is_meta for p in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has parameters on the meta device (no weights) and the policy does not shard: load the "
+            "weights (from_pretrained) before prepare_model; only an fsdp policy fills meta ranks, from rank 0 "
+            "(hf_memstack.from_pretrained_for_fsdp)"
+        )
+
+
+def base_before_adapters(model: nn.Module, quant: QuantPlan) -> bool:
+    """A 16-bit base quantized before its adapters (get_peft_model comes next and freezes it): QLoRA's usual load."""
+    return bool(quant.targets) and all(p.requires_grad for p in model.parameters())
+
+
+def warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, blocks: Blocks | None, quant: QuantPlan) -> None:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        warnings.warn(
+            f"no parameter of {type(model).__name__} requires grad: nothing will train (a PEFT model with every adapter "
+            "frozen?). Unfreeze what should train (requires_grad_(True), or the PEFT config) before training",
+            stacklevel=4,
+        )
+    if base_before_adapters(model, quant):
+        warnings.warn(
+            f"policy.quant.mode='nf4' freezes the {len(quant.targets)} linear weights it makes 4-bit (4-bit weights cannot train): "
+            "add LoRA adapters next (peft.get_peft_model(model, LoraConfig(...)), QLoRA's order), else only the other "
+            "parameters (embeddings, norms, head) train; for a full fine-tune drop quant:nf4",
+            stacklevel=4,
+        )
+    ck = policy.checkpointing
+    if ck.mode == "every_n" and blocks is not None and ck.every_n >= len(blocks):
+        warnings.warn(
+            f"policy.checkpointing.every_n={ck.every_n} with {len(blocks)} blocks: only block 0 is checkpointed; use a smaller "
+            "every_n (or 'ckpt' for every block)",
+            stacklevel=4,
+        )

@@ -1,0 +1,108 @@
+"""What hf-memstack prints and draws: the estimate's table, JSON and verdicts, and the --plot picture.
+
+Kept apart from cli.py, which parses the command line and runs the estimator, planner or finder:
+the layout of the results changes without touching how they are computed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .sizes import format_bytes
+
+__all__ = ["plot_breakdown", "print_estimates", "require_matplotlib"]
+
+
+def print_estimates(
+    estimates: list[Any], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool
+) -> None:
+    """Print one row per policy's estimate, with its verdict when there is a budget (JSON for scripts)."""
+    fits = any(verdicts)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)],
+                    "budget": budget,
+                    "fits": fits,
+                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok],
+                },
+                indent=2,
+            )
+        )
+        return
+    _print_table(estimates, verdicts, budgeted=budget is not None, kept=mode == "eval")
+    for note in dict.fromkeys(n for e in estimates for n in e.notes):
+        print(f"note: {note}")
+    if budget is not None:
+        _print_verdicts(estimates, verdicts, budget)
+
+
+def _print_table(estimates: list[Any], verdicts: list[bool], *, budgeted: bool, kept: bool) -> None:
+    print(
+        "| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
+        + (" kept logits |" if kept else "")
+        + (" fits |" if budgeted else "")
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budgeted else ""))
+    for e, ok in zip(estimates, verdicts):
+        # The load dtype, and the trainable weights' own when the policy changes it (fp32 master weights).
+        weights = e.weights_dtype + (
+            f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else ""
+        )
+        print(
+            f"| {e.policy} | {weights} | {e.trainable_parameters:,} of {e.total_parameters:,} | {format_bytes(e.parameters)} | "
+            f"{format_bytes(e.gradients)} | {format_bytes(e.optimizer)} | {format_bytes(e.activations)} | "
+            f"{format_bytes(e.temporaries)} | {format_bytes(e.peak_bytes)} | {e.peak_phase} |"
+            + (f" {format_bytes(e.eval_logits_bytes)} |" if kept else "")
+            + (f" {'yes' if ok else 'no'} |" if budgeted else "")
+        )
+
+
+def _print_verdicts(estimates: list[Any], verdicts: list[bool], budget: int) -> None:
+    for e, ok in zip(estimates, verdicts):
+        what = f"peak {format_bytes(e.peak_bytes)}" + (
+            f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else ""
+        )
+        print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(budget)} ({what})")
+    if len(estimates) > 1:
+        print(
+            f"{sum(verdicts)} of {len(estimates)} policies fit"
+            + (": exit 0" if any(verdicts) else ": none does, exit 1")
+        )
+
+
+def require_matplotlib() -> None:
+    """Fail before any work when --plot cannot draw: not a table first and the failure after it."""
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --plot); "
+            "nothing was estimated"
+        ) from None
+
+
+def plot_breakdown(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:
+    """Write a stacked bar per (name, estimate) of its bytes by category, and the budget's line, to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = ["parameters", "gradients", "optimizer", "activations", "temporaries"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(items)), 4))
+    bottoms = [0.0] * len(items)
+    for cat in cats:
+        values = [getattr(e, cat) / 2**30 for _, e in items]
+        ax.bar([name for name, _ in items], values, bottom=bottoms, label=cat)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    if budget:
+        ax.axhline(budget / 2**30, color="black", linestyle="--", label="budget")
+    ax.set_ylabel("GiB per device")
+    ax.set_title("estimated peak of one training step")
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
