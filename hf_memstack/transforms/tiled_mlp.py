@@ -156,17 +156,24 @@ class TiledMLPForward(_ForwardWrapper):
         return {"tile_tokens": self.tile_tokens}
 
 
-_state = threading.local()
+class _TileState(threading.local):
+    # A class default, not getattr(..., "depth", 0): dynamo raises on getattr's default for a
+    # thread-local's missing attribute and runs the whole compiled block eagerly (a fresh process's
+    # first tiled block under compile:regional ran with no compiled graph at all).
+    depth = 0
+
+
+_state = _TileState()
 
 
 def inside_tiled_mlp() -> bool:
     """True while a tiled MLP runs its tiles (selective checkpointing then keeps none of their ops)."""
-    return getattr(_state, "depth", 0) > 0
+    return _state.depth > 0
 
 
 @contextlib.contextmanager
 def _tiled() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _state.depth += 1
     try:
         yield
     finally:
