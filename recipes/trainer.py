@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,13 +77,7 @@ class ScriptArguments:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        HfArgumentParser,
-        Trainer,
-    )
+    from transformers import AutoTokenizer, HfArgumentParser, Trainer
 
     from hf_memstack import describe, prepare_model
     from hf_memstack.files import weights_follow_umask
@@ -92,38 +87,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_path = _resolve(script.model)
     data = _read(script.dataset)
     task = _task(script, data.column_names)
-    split = data.train_test_split(test_size=0.1, seed=script.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     labels = sorted(set(data[script.label_field])) if task == "classification" else []
-    encode = (
-        _classification_encoder(script, tokenizer, labels)
-        if task == "classification"
-        else _lm_encoder(script, tokenizer)
-    )
-    train, val = (split[s].map(encode, batched=True, remove_columns=data.column_names) for s in ("train", "test"))
-    if script.prompt_field:
-        _check_responses(train, script)
-    if task == "classification":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_path, num_labels=len(labels), dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if script.lora_r:
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        targets = ["query", "key", "value", "dense"] if task == "classification" else "all-linear"
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
-                r=script.lora_r,
-                lora_alpha=script.lora_alpha,
-                target_modules=targets,
-            ),
-        )
+    train, val = _encoded(script, data, task, tokenizer, labels)
+    model = _load_model(script, model_path, task, labels)
     model = prepare_model(model.train(), script.policy)  # (1)
     print(describe(model))
     train, val, collator = _batches(script, task, tokenizer, train, val)
@@ -165,6 +134,47 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tokenizer.save_pretrained(script.output_dir)
     print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
     return metrics
+
+
+def _encoded(script: ScriptArguments, data: Any, task: str, tokenizer: Any, labels: list[Any]) -> tuple[Any, Any]:
+    """The training and validation splits (90/10), tokenized for the task."""
+    split = data.train_test_split(test_size=0.1, seed=script.seed)
+    encode = (
+        _classification_encoder(script, tokenizer, labels)
+        if task == "classification"
+        else _lm_encoder(script, tokenizer)
+    )
+    train, val = (split[s].map(encode, batched=True, remove_columns=data.column_names) for s in ("train", "test"))
+    if script.prompt_field:
+        _check_responses(train, script)
+    return train, val
+
+
+def _load_model(script: ScriptArguments, model_path: str, task: str, labels: list[Any]) -> Any:
+    """The model in fp32 (a classifier head for the labels, or a causal LM), with LoRA adapters under --lora_r."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if task == "classification":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, num_labels=len(labels), dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if script.lora_r:
+        from peft import LoraConfig, TaskType, get_peft_model
+
+        targets = ["query", "key", "value", "dense"] if task == "classification" else "all-linear"
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
+                r=script.lora_r,
+                lora_alpha=script.lora_alpha,
+                target_modules=targets,
+            ),
+        )
+    return model
 
 
 def _optimizer(model, args):

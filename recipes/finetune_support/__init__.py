@@ -7,8 +7,13 @@ library never does.
     faults.py      the test-only fault hook (HF_MEMSTACK_RECIPE_TEST_HOOK), in one marked place
     config.py      FinetuneConfig (every flag) and its reader: defaults <- --config file <- flags
     checks.py      check_config: every problem a config can have, before anything is loaded
-    data.py        read, check, tokenize, pack and collate the rows
+    rows.py        read and check one data file, whatever its format
+    data.py        the splits and the task from the rows; tokenize, pack and collate them
     model.py       the tokenizer, the model, the policy and the sharding route
-    run_dir.py     the output directory: manifest, atomic writes, checkpoint listing, the output plan
+    accelerator.py the run's Accelerator and the settings the recipe relies on
+    batching.py    the micro-batch and the accumulation steps (flag, finder, or a resumed run's)
+    run_dir.py     the output directory: manifest, atomic writes, the output plan
+    checkpoint_dirs.py  the step-N checkpoint folders: which count, their removal, the state they hold
     checkpoint.py  save / load a resumable checkpoint (Accelerate's state + the run's), commit the output
+    report.py      the closing line's loss summary and the memory picture
 """

@@ -13,22 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from .common import RecipeError, agree
-from .faults import test_hook
-from .run_dir import (
+from .checkpoint_dirs import (
     CHECKPOINT_MANIFEST,
-    MANIFEST,
     STEP_DIR,
     STEP_TMP,
-    OutputPlan,
-    RunDir,
-    fsync_dir,
     inspect_checkpoint,
     list_checkpoints,
-    manifest_entries,
     remove_checkpoint,
-    write_atomic,
 )
+from .common import RecipeError, agree
+from .faults import test_hook
+from .run_dir import MANIFEST, OutputPlan, RunDir, fsync_dir, manifest_entries, write_atomic
 
 if TYPE_CHECKING:
     from finetune import Job  # the script's (for annotations only: it imports this module)

@@ -1,153 +1,19 @@
-"""The data: read and check the rows (local files or the hub), tokenize, pack and collate them."""
+"""The data: the splits and the task from the rows (local files, read by rows.py, or the hub),
+tokenized, packed and collated."""
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import FORMATS, RecipeError, looks_local
+from .common import RecipeError, looks_local
 from .config import FinetuneConfig
-
-
-@dataclass
-class Rows:
-    """One data file read and checked: its rows (only the fields the task uses), where each row is, its digest."""
-
-    rows: list[dict[str, Any]]
-    where: list[str]  # "line 7" / "item 3": for messages
-    source: str
-    sha256: str
-
-
-def _utf8(raw: bytes, source: str) -> str:
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise RecipeError(
-            f"{source}, line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); "
-            "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
-
-
-def read_rows(path: Path) -> Rows:
-    """Rows of a local file with their positions, and the file's sha256. JSON lines, a JSON array,
-    CSV (header row), parquet, or text (one row per non-empty line, field 'text').
-
-    Raises:
-        RecipeError: not UTF-8, not valid JSON/CSV, a row that is not an object, an empty file;
-            the message names the file and the line.
-    """
-    source = str(path)
-    raw = path.read_bytes()
-    digest = hashlib.sha256(raw).hexdigest()
-    kind = FORMATS[path.suffix]
-    rows: list[Any] = []
-    where: list[str] = []
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(io.BytesIO(raw)).to_pylist()
-        except Exception as e:  # noqa: BLE001 - pyarrow raises its own ArrowInvalid family for broken files
-            raise RecipeError(
-                f"{source}: not a readable parquet file ({type(e).__name__}: {str(e)[:160]}); rewrite it"
-            ) from None
-        where = [f"row {i + 1}" for i in range(len(rows))]
-    elif kind == "text":
-        for n, line in enumerate(_utf8(raw, source).splitlines(), 1):
-            if line.strip():
-                rows.append({"text": line})
-                where.append(f"line {n}")
-    elif kind == "csv":
-        import csv
-
-        reader = csv.DictReader(io.StringIO(_utf8(raw, source), newline=""))
-        try:
-            for row in reader:
-                if None in row:
-                    raise RecipeError(
-                        f"{source}, line {reader.line_num}: more values than the header's "
-                        f"{len(reader.fieldnames or [])} columns; quote values that contain commas"
-                    )
-                rows.append(row)
-                where.append(f"line {reader.line_num}")
-        except csv.Error as e:
-            raise RecipeError(f"{source}, line {reader.line_num}: not valid CSV ({e}); fix the line") from None
-    else:
-        text = _utf8(raw, source)
-        if text.lstrip().startswith("["):
-            try:
-                rows = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise RecipeError(
-                    f"{source}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); fix the file"
-                ) from None
-            where = [f"item {i + 1}" for i in range(len(rows))]
-        else:
-            for n, line in enumerate(text.split("\n"), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise RecipeError(
-                        f"{source}, line {n}: not valid JSON ({e.msg} at column {e.colno}); "
-                        'each line must be one JSON object such as {"text": "...", "label": 0}'
-                    ) from None
-                where.append(f"line {n}")
-    for row, at in zip(rows, where):
-        if not isinstance(row, dict):
-            raise RecipeError(
-                f"{source}, {at}: a JSON {type(row).__name__} where a row object belongs; "
-                'each row must be an object such as {"text": "..."}'
-            )
-    if not rows:
-        raise RecipeError(f"{source}: has no rows; give a file with at least 2 rows (one is carved off for validation)")
-    return Rows(rows=rows, where=where, source=source, sha256=digest)
-
-
-def _check_rows(data: Rows, fields: list[str], *, label_field: str | None, first_label: dict[str, Any]) -> list[str]:
-    """Every row has every field as non-empty text, and the label as an int or a string, one type
-    for all (``first_label`` carries the first label's type and place across files)."""
-    problems = []
-    for row, at in zip(data.rows, data.where):
-        for name in fields:
-            value = row.get(name)
-            if name == label_field:
-                if value is None or isinstance(value, float) or not isinstance(value, (int, str)):
-                    problems.append(
-                        f"{data.source}, {at}: field {name!r} is {'missing' if name not in row else repr(value)}; "
-                        "every row needs a label, an integer or a string"
-                    )
-                    continue
-                kind = type(value)
-                if not first_label:
-                    first_label.update(kind=kind, at=f"{data.source}, {at}")
-                elif kind is not first_label["kind"]:
-                    problems.append(
-                        f"{data.source}, {at}: field {name!r} is {value!r} ({kind.__name__}) but the label at "
-                        f"{first_label['at']} is a {first_label['kind'].__name__}; use one type for every label "
-                        "(all integers or all strings)"
-                    )
-            elif not isinstance(value, str) or not value.strip():
-                problems.append(
-                    f"{data.source}, {at}: field {name!r} is {'missing' if name not in row else repr(value)}; "
-                    f"every row needs non-empty text in {name!r} (the row's fields: {sorted(row)})"
-                )
-        if len(problems) >= 5:
-            problems.append("(stopped after 5 problems)")
-            break
-    return problems
+from .rows import Rows, check_rows, read_rows
 
 
 def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
@@ -164,49 +30,18 @@ def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     train = read_rows(Path(cfg.dataset))
     val = read_rows(Path(cfg.validation_file)) if cfg.validation_file else None
     if val is None:
-        # The same rule as datasets' train_test_split: ceil for the validation part, floor for the training part.
-        n = len(train.rows)
-        n_val, n_train = math.ceil(cfg.validation_split * n), math.floor((1 - cfg.validation_split) * n)
-        if n_train < 1 or n_val < 1 or n_train + n_val > n:
-            raise RecipeError(
-                f"{cfg.dataset}: has {n} row(s); carving off validation_split={cfg.validation_split} for "
-                "validation leaves no training row; add rows, lower --validation-split or pass --validation-file"
-            )
+        _check_split(cfg, len(train.rows))
     task = cfg.task
     if task == "auto":
         has_label = any(cfg.label_field in r for r in train.rows)
         task = "classification" if has_label and cfg.prompt_field is None else "causal-lm"
-    if task == "classification":
-        needed = [cfg.text_field, cfg.label_field]
-    elif cfg.prompt_field:
-        needed = [cfg.prompt_field, cfg.response_field]
-    else:
-        needed = [cfg.text_field]
+    needed = _needed_fields(cfg, task)
     parts = [train] + ([val] if val else [])
     if task == "classification":
         for part in parts:
-            if part.source.endswith(
-                ".csv"
-            ):  # CSV has no types: integer-looking labels are integers, as datasets reads them
-                if all(
-                    isinstance(r.get(cfg.label_field), str) and re.fullmatch(r"-?\d+", r[cfg.label_field])
-                    for r in part.rows
-                ):
-                    for r in part.rows:
-                        r[cfg.label_field] = int(r[cfg.label_field])
-    problems: list[str] = []
-    first_label: dict[str, Any] = {}
-    for part in parts:
-        problems += _check_rows(
-            part, needed, label_field=cfg.label_field if task == "classification" else None, first_label=first_label
-        )
-    if task == "classification" and not problems:
-        labels = {r[cfg.label_field] for r in train.rows}
-        if len(labels) < 2:
-            problems.append(
-                f"{cfg.dataset}: field {cfg.label_field!r} has one value ({next(iter(labels))!r}) in every row; "
-                "classification needs at least 2 classes"
-            )
+            if part.source.endswith(".csv"):
+                _integer_csv_labels(part, cfg.label_field)
+    problems = _problems(cfg, task, parts, needed)
     if problems:
         raise RecipeError("the data cannot be used (nothing was written):\n  - " + "\n  - ".join(problems))
     train_ds = datasets.Dataset.from_list([{k: r[k] for k in needed} for r in train.rows])
@@ -217,6 +52,51 @@ def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
         train_ds, val_ds = split["train"], split["test"]
     digest = hashlib.sha256((train.sha256 + (val.sha256 if val else "")).encode()).hexdigest()
     return train_ds, val_ds, task, digest
+
+
+def _check_split(cfg: FinetuneConfig, n: int) -> None:
+    """Carving off --validation-split leaves a row on each side."""
+    # The same rule as datasets' train_test_split: ceil for the validation part, floor for the training part.
+    n_val, n_train = math.ceil(cfg.validation_split * n), math.floor((1 - cfg.validation_split) * n)
+    if n_train < 1 or n_val < 1 or n_train + n_val > n:
+        raise RecipeError(
+            f"{cfg.dataset}: has {n} row(s); carving off validation_split={cfg.validation_split} for "
+            "validation leaves no training row; add rows, lower --validation-split or pass --validation-file"
+        )
+
+
+def _needed_fields(cfg: FinetuneConfig, task: str) -> list[str]:
+    """The fields the task reads from every row."""
+    if task == "classification":
+        return [cfg.text_field, cfg.label_field]
+    if cfg.prompt_field:
+        return [cfg.prompt_field, cfg.response_field]
+    return [cfg.text_field]
+
+
+def _integer_csv_labels(part: Rows, label_field: str) -> None:
+    """CSV has no types: integer-looking labels are integers, as datasets reads them."""
+    if all(isinstance(r.get(label_field), str) and re.fullmatch(r"-?\d+", r[label_field]) for r in part.rows):
+        for r in part.rows:
+            r[label_field] = int(r[label_field])
+
+
+def _problems(cfg: FinetuneConfig, task: str, parts: list[Rows], needed: list[str]) -> list[str]:
+    """The first problems of the rows' fields, across files; a classifier also needs 2 classes."""
+    problems: list[str] = []
+    first_label: dict[str, Any] = {}
+    for part in parts:
+        problems += check_rows(
+            part, needed, label_field=cfg.label_field if task == "classification" else None, first_label=first_label
+        )
+    if task == "classification" and not problems:
+        labels = {r[cfg.label_field] for r in parts[0].rows}
+        if len(labels) < 2:
+            problems.append(
+                f"{cfg.dataset}: field {cfg.label_field!r} has one value ({next(iter(labels))!r}) in every row; "
+                "classification needs at least 2 classes"
+            )
+    return problems
 
 
 def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
@@ -238,11 +118,7 @@ def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     task = cfg.task
     if task == "auto":
         task = "classification" if cfg.label_field in train.column_names and cfg.prompt_field is None else "causal-lm"
-    needed = (
-        [cfg.text_field, cfg.label_field]
-        if task == "classification"
-        else ([cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field])
-    )
+    needed = _needed_fields(cfg, task)
     missing = [f for f in needed if f not in train.column_names]
     if missing:
         raise RecipeError(
@@ -278,6 +154,21 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
         raise RecipeError(
             f"seq_len={cfg.seq_len}: a causal LM needs at least 2 tokens per sample (one to predict); use --seq-len 2 or more"
         )
+    enc = _lm_encoder(cfg, tokenizer)
+    cols = train.column_names
+    train_ds, val_ds = (
+        train.map(enc, batched=True, remove_columns=cols),
+        val.map(enc, batched=True, remove_columns=cols),
+    )
+    _check_learnable(train_ds, val_ds, cfg)
+    if cfg.packing == "on":
+        train_ds, val_ds = pack_rows(train_ds, cfg), pack_rows(val_ds, cfg)
+    return train_ds, val_ds, 0
+
+
+def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
+    """The batched ``map`` function of a causal LM's rows: a prompt and its response (the loss on
+    the response only), --packing wrapped's blocks of --seq-len tokens, or one text a row."""
     eos = tokenizer.eos_token or ""
     if cfg.prompt_field:
 
@@ -316,15 +207,7 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
             out["labels"] = [list(x) for x in out["input_ids"]]
             return out
 
-    cols = train.column_names
-    train_ds, val_ds = (
-        train.map(enc, batched=True, remove_columns=cols),
-        val.map(enc, batched=True, remove_columns=cols),
-    )
-    _check_learnable(train_ds, val_ds, cfg)
-    if cfg.packing == "on":
-        train_ds, val_ds = pack_rows(train_ds, cfg), pack_rows(val_ds, cfg)
-    return train_ds, val_ds, 0
+    return enc
 
 
 def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:

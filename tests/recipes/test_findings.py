@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import yaml
-from finetune_support.run_dir import list_checkpoints
+from finetune_support.checkpoint_dirs import list_checkpoints
 from recipe_utils import (
     assert_same_weights,
     fails,

@@ -13,7 +13,7 @@ import threading
 import time
 
 import pytest
-from finetune_support.run_dir import list_checkpoints
+from finetune_support.checkpoint_dirs import list_checkpoints
 from recipe_utils import RECIPE, ROOT, assert_same_weights, lm_args, read_report, run
 
 pytestmark = pytest.mark.slow

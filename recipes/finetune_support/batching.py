@@ -1,0 +1,86 @@
+"""The micro-batch and the accumulation steps: the flag's, the batch-size finder's (--batch-size
+auto, on the training loader's own batches), or, resuming an auto run, what the finder found then."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .common import RecipeError
+from .config import FinetuneConfig
+from .run_dir import OutputPlan
+
+
+def choose_batch_size(
+    cfg: FinetuneConfig,
+    plan: OutputPlan,
+    resolved: dict[str, Any] | None,
+    accelerator: Any,
+    model: Any,
+    optimizer: Any,
+    train_ds: Any,
+    batch_collate: Any,
+) -> tuple[int, int]:
+    """The micro-batch and the accumulation steps: the flag's, the finder's (--batch-size auto), or,
+    resuming an auto run on as many processes, what the finder found when it started."""
+    from hf_memstack import find_batch_size
+
+    world, log = accelerator.num_processes, accelerator.print
+    if (
+        resolved
+        and cfg.batch_size == "auto"
+        and plan.reference
+        and plan.reference.get("batch_size") == "auto"
+        and plan.reference.get("world_size") == world
+    ):
+        batch_size = resolved["batch_size"]  # what the finder found when the run started
+        grad_accum = grad_accum_steps(cfg.global_batch_size, batch_size, world)
+    elif cfg.batch_size == "auto":
+        make_batch = finder_batches(train_ds, batch_collate, accelerator.device)
+        try:
+            # No larger than one process's share of the training rows: a bigger batch never runs whole
+            # (under compile, which drops the last partial batch, it would not run at all).
+            found = find_batch_size(
+                model,
+                make_batch,
+                optimizer,
+                budget=cfg.memory_budget,
+                global_batch_size=cfg.global_batch_size,
+                max_batch_size=max(1, len(train_ds) // world),
+            )
+        except ValueError as e:
+            raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory_budget!r}: {e}") from None
+        log(found.summary())
+        batch_size = found.batch_size
+        grad_accum = found.grad_accum if cfg.global_batch_size else 1
+    else:
+        batch_size = int(cfg.batch_size)
+        grad_accum = grad_accum_steps(cfg.global_batch_size, batch_size, world)
+    if cfg.global_batch_size and grad_accum * batch_size * world != cfg.global_batch_size:
+        log(
+            f"note: global batch {cfg.global_batch_size} is not a multiple of {batch_size} x {world} process(es); "
+            f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
+        )
+    return batch_size, grad_accum
+
+
+def finder_batches(train_ds: Any, batch_collate: Any, device: Any) -> Any:
+    """``make_batch(n)`` for the batch-size finder: the ``n`` longest training rows through the
+    training loader's own collate, so the finder sizes the widest batch training will run, at the
+    length and with the padding it runs (under compile every batch is padded to --seq-len)."""
+    lengths = [len(ids) for ids in train_ds["input_ids"]]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        rows = [train_ds[order[i % len(order)]] for i in range(n)]
+        return {k: v.to(device) for k, v in batch_collate(rows).items()}
+
+    return make_batch
+
+
+def grad_accum_steps(global_batch: int | None, batch_size: int, world: int) -> int:
+    """Accumulation steps for a global batch, rounded up like the batch-size finder's result
+    (never a smaller global batch than asked for)."""
+    return max(1, math.ceil(global_batch / (batch_size * world))) if global_batch else 1

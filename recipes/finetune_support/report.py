@@ -1,0 +1,51 @@
+"""What the final report adds for people: the closing line's loss summary and the memory picture
+(memory.png, --memory-plot)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
+    """The first and last logged losses; with one log line (a run shorter than --log-every), that one."""
+    if not history:
+        return ""
+    if len(history) == 1:
+        return (
+            f"loss {history[0]['loss']:.4f} (one log line, the mean over steps 1-{history[0]['step']}; a lower --log-every "
+            f"than {log_every} shows the trend); "
+        )
+    return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
+
+
+def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
+    """A picture of where the memory went: the first step's breakdown, and peak memory over the run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--memory-plot needs matplotlib: pip install 'hf_memstack[plot]'", file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    if first_step is not None:
+        bottom = 0.0
+        for cat in ["parameters", "gradients", "optimizer", "activations", "temporaries"]:
+            value = getattr(first_step, cat) / 2**20
+            a.bar(["first step (meter)"], [value], bottom=bottom, label=cat)
+            bottom += value
+        a.set_ylabel("MiB at the step's peak")
+        a.legend(fontsize=8)
+    else:
+        a.text(0.5, 0.5, "the meter runs on CPU, eager, unsharded runs", ha="center")
+    measured = [h for h in history if "peak_memory_mib" in h]
+    b.plot([h["step"] for h in measured], [h["peak_memory_mib"] for h in measured], marker="o")
+    b.set_xlabel("optimizer step")
+    b.set_ylabel("peak memory MiB")
+    fig.suptitle(f"{report['model']} [{report['policy']}] batch {report['batch_size']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
