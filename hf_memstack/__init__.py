@@ -8,13 +8,9 @@ applied in the order the field recommends, verified and measured.
 
 from ._version import __version__
 from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size, find_executable_batch_size
-from .distributed.fsdp import (
-    accelerate_fsdp_plugin,
-    from_pretrained_for_fsdp,
-    load_sharded_checkpoint,
-    save_pretrained_full,
-    save_sharded_checkpoint,
-)
+from .distributed.accelerate import accelerate_fsdp_plugin
+from .distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+from .distributed.weights import from_pretrained_for_fsdp, save_pretrained_full
 from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
 from .measure.accounting import ModelStateBytes, model_state_bytes, tensor_bytes
 from .measure.memory import StepMemory, measure_step

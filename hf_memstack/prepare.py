@@ -22,14 +22,8 @@ from ._model_checks import (
     warn_on_training_setup,
 )
 from .data.guard import install_packing_guard
-from .distributed.fsdp import (
-    FSDPResult,
-    agree_before_sharding,
-    apply_fsdp,
-    check_accelerate_fsdp,
-    check_hybrid_shard,
-    require_process_group,
-)
+from .distributed.accelerate import check_accelerate_fsdp
+from .distributed.preflight import agree_before_sharding, check_hybrid_shard, require_process_group
 from .policy import MemoryPolicy
 from .record import MemstackRecord, record_of, unwrap_model
 from .transforms.blocks import Blocks, find_blocks
@@ -40,6 +34,7 @@ from .transforms.checkpointing import (
     uses_transformers_checkpointing,
 )
 from .transforms.compile import apply_compile, check_backend
+from .transforms.fsdp import FSDPResult, apply_fsdp
 from .transforms.loss_head import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
 from .transforms.master_weights import (
     MasterWeightsPlan,

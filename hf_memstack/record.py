@@ -10,11 +10,11 @@ from typing import Literal
 import torch
 
 from ._unwrap import RecordBase, record_of, unwrap_model
-from .distributed.fsdp import FSDPResult
 from .policy import MemoryPolicy
 from .transforms.blocks import Blocks
 from .transforms.checkpointing import CheckpointingResult
 from .transforms.compile import CompileStats
+from .transforms.fsdp import FSDPResult
 from .transforms.loss_head import LossHeadResult
 from .transforms.master_weights import MasterWeightsResult
 from .transforms.precision import ResolvedPrecision

@@ -96,7 +96,7 @@ def save_checkpoint(job: Job) -> Path:
     with weights_follow_umask(tmp) if acc.is_main_process else contextlib.nullcontext():
         acc.save_state(str(tmp))
         if job.route == "fully_shard":
-            from hf_memstack.distributed.fsdp import save_sharded_checkpoint
+            from hf_memstack.distributed.checkpoint import save_sharded_checkpoint
 
             save_sharded_checkpoint(job.model, job.optimizer, str(tmp / "sharded"))
         acc.wait_for_everyone()
@@ -143,13 +143,17 @@ def load_checkpoint(job: Job, path: Path) -> None:
     Nothing in the folder is unpickled as is: a checkpoint given to --resume-from may come from
     anyone. Accelerate's torch.loads are weights-only, but under FSDP its load_state reads DCP
     folders (a pickled .metadata, items loaded without weights_only), so every DCP folder is
-    checked first (hf_memstack.distributed.fsdp.check_checkpoint_folder), and the fully_shard route's own load
+    checked first (hf_memstack.distributed.checkpoint.check_checkpoint_folder), and the fully_shard route's own load
     reads them safely (load_sharded_checkpoint without trusted=True).
 
     Raises:
         RecipeError: a file that does not load, or holds more than plain data, naming the checkpoint.
     """
-    from hf_memstack.distributed.fsdp import UntrustedCheckpointError, check_checkpoint_folder, load_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import (
+        UntrustedCheckpointError,
+        check_checkpoint_folder,
+        load_sharded_checkpoint,
+    )
 
     refused = None
     try:

@@ -120,7 +120,7 @@ def test_checkpointing_and_compile_inside_fsdp():
 
 def _save(rank, world, directory):
     from hf_memstack import prepare_model
-    from hf_memstack.distributed.fsdp import save_pretrained_full
+    from hf_memstack.distributed.weights import save_pretrained_full
 
     model = prepare_model(_model(), "fp32+fsdp")
     _train(model, rank, world, 2)
@@ -141,7 +141,7 @@ def test_save_on_two_ranks_loads_in_one_process(tmp_path):
 
 def _resume(rank, world, directory, phase):
     from hf_memstack import prepare_model
-    from hf_memstack.distributed.fsdp import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     model = prepare_model(_model(), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -344,7 +344,7 @@ def _preflight_failures(rank, world, directory):
     from transformers import AutoModelForCausalLM
 
     from hf_memstack import MemoryPolicy, from_pretrained_for_fsdp, prepare_model
-    from hf_memstack.distributed.fsdp import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     def outcome(fn):
         try:

@@ -69,7 +69,7 @@ def _checkpoints(rank, sharded, directory):
     command, with a correct manifest), rank 0 the real one."""
     import torch.distributed as dist
 
-    from hf_memstack.distributed.fsdp import _write_manifest, load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import _write_manifest, load_sharded_checkpoint, save_sharded_checkpoint
 
     model, opt = sharded()
     model(**_make(2)).loss.backward()

@@ -216,7 +216,7 @@ def test_a_forged_sharded_checkpoint_runs_no_code(tiny_lm, tmp_path):
     """The fully_shard route (fsdp on CPU, two processes): sharded/.metadata replaced by a pickle
     that runs a command, with both manifests (hf_memstack_checkpoint.json, checkpoint.json) made
     to match, as a forger would."""
-    from hf_memstack.distributed.fsdp import _write_manifest
+    from hf_memstack.distributed.checkpoint import _write_manifest
 
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     common = ["--max-steps", "4", "--save-every", "2", "--policy", "fp32+fsdp", "--batch-size", "4"]

@@ -73,7 +73,7 @@ def _save(model, opt, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hf_memstack.distributed.fsdp import _write_manifest
+    from hf_memstack.distributed.checkpoint import _write_manifest
 
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
@@ -108,7 +108,7 @@ def _metadata(directory: Path):
 
 def _forge(tmp_path: Path, name: str, *, metadata: object | None = None, raw: bytes | None = None) -> Path:
     """A copy of the real folder with another .metadata, and a correct manifest for it."""
-    from hf_memstack.distributed.fsdp import _write_manifest
+    from hf_memstack.distributed.checkpoint import _write_manifest
 
     forged = tmp_path / name
     shutil.copytree(tmp_path / "real", forged)
@@ -119,7 +119,7 @@ def _forge(tmp_path: Path, name: str, *, metadata: object | None = None, raw: by
 
 def _refused(model, opt, folder: Path, *fragments: str) -> str:
     """load_sharded_checkpoint refuses ``folder`` (a ValueError saying why and how to trust it) and loads nothing."""
-    from hf_memstack.distributed.fsdp import load_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import load_sharded_checkpoint
 
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError) as e:
@@ -132,7 +132,7 @@ def _refused(model, opt, folder: Path, *fragments: str) -> str:
 
 
 def test_a_real_checkpoint_loads_without_trusting_it(trained, tmp_path):
-    from hf_memstack.distributed.fsdp import load_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import load_sharded_checkpoint
 
     model, opt, saved = trained
     assert not all(torch.equal(a, p) for a, p in zip(saved, model.parameters()))
@@ -157,7 +157,7 @@ def test_a_forged_non_tensor_item_runs_no_code(trained, tmp_path):
     # torch.distributed.checkpoint's DefaultLoadPlanner loads such items with weights_only=False.
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-    from hf_memstack.distributed.fsdp import _write_manifest
+    from hf_memstack.distributed.checkpoint import _write_manifest
 
     model, opt, _ = trained
     marker = tmp_path / MARKER
@@ -188,7 +188,7 @@ def test_data_files_outside_the_folder_are_not_read(trained, tmp_path):
 
 def test_a_symlinked_metadata_is_refused(trained, tmp_path):
     # The manifest describes the file the link points to (its size and hash), as a forger's would.
-    from hf_memstack.distributed.fsdp import _write_manifest
+    from hf_memstack.distributed.checkpoint import _write_manifest
 
     model, opt, _ = trained
     forged = tmp_path / "forged"
@@ -197,7 +197,7 @@ def test_a_symlinked_metadata_is_refused(trained, tmp_path):
     (forged / ".metadata").symlink_to(tmp_path / "elsewhere.metadata")
     _write_manifest(forged)
     _refused(model, opt, forged, ".metadata is a symlink")
-    from hf_memstack.distributed.fsdp import UntrustedCheckpointError, check_checkpoint_folder
+    from hf_memstack.distributed.checkpoint import UntrustedCheckpointError, check_checkpoint_folder
 
     with pytest.raises(UntrustedCheckpointError, match="missing or a symlink"):
         check_checkpoint_folder(forged)
@@ -215,7 +215,7 @@ def test_a_pickle_cannot_set_attributes_on_a_class(trained, tmp_path):
 
 
 def test_check_checkpoint_folder_passes_a_real_folder_and_refuses_a_forged_one(trained, tmp_path):
-    from hf_memstack.distributed.fsdp import UntrustedCheckpointError, check_checkpoint_folder
+    from hf_memstack.distributed.checkpoint import UntrustedCheckpointError, check_checkpoint_folder
 
     check_checkpoint_folder(tmp_path / "real")
     marker = tmp_path / MARKER
@@ -225,7 +225,7 @@ def test_check_checkpoint_folder_passes_a_real_folder_and_refuses_a_forged_one(t
 
 
 def test_trusted_still_loads_a_folder_without_a_manifest(trained, tmp_path):
-    from hf_memstack.distributed.fsdp import load_sharded_checkpoint
+    from hf_memstack.distributed.checkpoint import load_sharded_checkpoint
 
     model, opt, saved = trained
     (tmp_path / "real" / "hf_memstack_checkpoint.json").unlink()
