@@ -310,7 +310,7 @@ def _check_not_prepared(model: nn.Module) -> None:
 def _check_not_set_by_hand(model: nn.Module) -> None:
     """Checkpointing, compile or an optimizer stepping in the backward, applied before the policy,
     would stack with the policy's, or be misreported."""
-    from .transforms.optim import optimizer_in_backward_of
+    from .transforms.optim_in_backward import optimizer_in_backward_of
 
     if optimizer_in_backward_of(model) is not None:
         raise ValueError(
