@@ -117,7 +117,7 @@ def hand_prepare(model: torch.nn.Module, rung: str) -> torch.nn.Module:
 
 def _hand_chunked_forward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
     """The chunked loss called directly (the function hf_memstack's wrapper calls), without the wrapper."""
-    from hf_memstack.transforms.loss_head import auto_chunk_tokens, chunked_lm_loss
+    from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss
 
     hidden = model.model(input_ids=input_ids).last_hidden_state
     head = model.lm_head
@@ -424,7 +424,7 @@ def head_comparison(args: argparse.Namespace) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     from hf_memstack.measure.memory import _frozen_aware_tracker  # the meter's tracker, for a bare function
-    from hf_memstack.transforms.loss_head import auto_chunk_tokens, chunked_lm_loss
+    from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss
 
     n, h, v = args.head_tokens, 1024, 128256
     torch.manual_seed(0)

@@ -35,8 +35,10 @@ from .prepare import describe, prepare_model
 from .record import MemstackRecord, record_of, unwrap_model
 from .sizes import format_bytes, parse_bytes
 from .transforms.blocks import Blocks, find_blocks
-from .transforms.loss_head import LossHeadResult, chunked_lm_loss
-from .transforms.optim import OptimizerInBackward, make_optimizer
+from .transforms.chunked_loss import chunked_lm_loss
+from .transforms.loss_result import LossHeadResult
+from .transforms.optim import make_optimizer
+from .transforms.optim_in_backward import OptimizerInBackward
 from .transforms.quant import QuantResult
 
 __all__ = [

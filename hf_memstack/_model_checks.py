@@ -13,7 +13,7 @@ from torch import nn
 from .policy import MemoryPolicy
 from .record import record_of
 from .transforms.blocks import Blocks
-from .transforms.optim import optimizer_in_backward_of
+from .transforms.optim_in_backward import optimizer_in_backward_of
 from .transforms.quant import QuantPlan
 
 __all__ = [

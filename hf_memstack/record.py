@@ -15,7 +15,7 @@ from .transforms.blocks import Blocks
 from .transforms.checkpointing import CheckpointingResult
 from .transforms.compile import CompileStats
 from .transforms.fsdp import FSDPResult
-from .transforms.loss_head import LossHeadResult
+from .transforms.loss_result import LossHeadResult
 from .transforms.master_weights import MasterWeightsResult
 from .transforms.precision import ResolvedPrecision
 from .transforms.quant import QuantResult

@@ -44,7 +44,7 @@ from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
 from ..transforms.bf16_adamw import rounds_stochastically
 from ..transforms.checkpointing import CheckpointingGuard
-from ..transforms.optim import OptimizerInBackward, optimizer_in_backward_of
+from ..transforms.optim_in_backward import OptimizerInBackward, optimizer_in_backward_of
 from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ._columns import _longest_first, _signature_columns, _trainer_columns
 from .trainer_eval import check_eval_logits

@@ -127,7 +127,7 @@ def verify(
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
-    from ..transforms.optim import optimizer_in_backward_of
+    from ..transforms.optim_in_backward import optimizer_in_backward_of
 
     shared = runs_collectives(model)
     record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
@@ -484,7 +484,7 @@ def _check_loss_head(
 ) -> Check:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small)."""
-    from ..transforms.loss_head import ChunkedLossForward
+    from ..transforms.loss_forward import ChunkedLossForward
 
     one = _first_sample(batch)
     chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)

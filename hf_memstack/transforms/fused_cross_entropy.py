@@ -1,0 +1,211 @@
+"""The fused path of the chunked loss (a plain ``nn.Linear`` head): each chunk's logits, softmax,
+loss and gradients computed in the forward, eagerly or with the work between the matmuls compiled,
+so no logits are saved and nothing is recomputed in the backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Sum of the cross-entropy of ``hidden @ weight.T + bias`` over the rows whose target is not
+    ``ignore_index``, chunk by chunk, with the gradients of ``hidden``, ``weight`` and ``bias``
+    computed in the forward: no logits are saved and nothing is recomputed. What is saved is the
+    input's gradient and the head's (in the compute dtype, like the weight copy autocast saves)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        multiplier: float,
+        softcap: float | None,
+        dtype: torch.dtype,
+        ignore_index: int,
+        compiled: bool = False,
+    ) -> torch.Tensor:
+        wants_h, wants_w = hidden.requires_grad, weight.requires_grad
+        wants_b = bias is not None and bias.requires_grad
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # once per step: a per-chunk upcast of the weight is the trl#6863 trap
+            b = bias.to(dtype) if bias is not None else None
+            h = hidden.to(dtype)
+            grad_h = torch.empty_like(h) if wants_h else None
+            # The head's gradient accumulates in the compute dtype, chunk after chunk, inside the
+            # matmul (addmm_: fp32 within a chunk, one rounding per chunk); an fp32 accumulator was
+            # measured no more accurate next to bf16's own rounding and up to 1.7x slower on CPU.
+            grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            # Eager under a dispatch mode (the meter's MemTracker, the estimator's fake tensors: Dynamo
+            # cannot compile there, and the peak is the same) and inside a compiled model (its graph has it).
+            eager = is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
+            step = _compiled_chunk_step if compiled and not eager else _chunk_step
+            for start in range(0, h.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                total += step(
+                    h[rows],
+                    w,
+                    b,
+                    targets[rows],
+                    multiplier,
+                    softcap,
+                    ignore_index,
+                    grad_h,
+                    grad_w,
+                    grad_b,
+                    rows,
+                    wants_h or wants_w or wants_b,
+                )
+        # Saved: the input's and the head's gradients, in the compute dtype - the head's takes the
+        # bytes of the weight copy that the unchunked path saves for its backward.
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Any, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        scale = grad_total.float()
+        out_h = grad_h.to(h_dtype).mul_(scale) if grad_h is not None else None
+        out_w = grad_w.to(w_dtype).mul_(scale) if grad_w is not None else None
+        out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
+        return out_h, out_w, out_b, None, None, None, None, None, None, None
+
+
+def _chunk_step(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    rows: slice,
+    wants_grad: bool,
+) -> torch.Tensor:
+    """One chunk: its summed loss; its gradients written into ``grad_h[rows]`` and added to ``grad_w``/``grad_b``."""
+    z, squash = _chunk_logits(h, w, b, multiplier, softcap)
+    valid = (y != ignore_index).to(z.dtype).unsqueeze(1)
+    safe = torch.where(y != ignore_index, y, 0).unsqueeze(1)
+    # log-sum-exp by hand, so that one exp pass gives both the loss and the softmax (the gradient).
+    top = z.amax(dim=-1, keepdim=True)
+    picked = z.gather(1, safe)
+    z.sub_(top).exp_()
+    norm = z.sum(dim=-1, keepdim=True)
+    loss = ((norm.log() + top - picked) * valid).sum()
+    if not wants_grad:
+        return loss
+    # d loss / d logits = softmax - one_hot(target) on counted rows (0 elsewhere), then back through
+    # the soft-cap and the multiplier to the head's raw output.
+    g = z.mul_(valid / norm)
+    g.scatter_add_(1, safe, -valid)
+    if squash is not None:
+        g.mul_(1 - squash * squash)
+    if multiplier != 1.0:
+        g.mul_(multiplier)
+    g_low = g.to(w.dtype)
+    if grad_h is not None:
+        grad_h[rows] = g_low @ w
+    if grad_w is not None:
+        grad_w.addmm_(g_low.t(), h)
+    if grad_b is not None:
+        grad_b += g.sum(0)
+    return loss
+
+
+def _compiled_chunk_step(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    rows: slice,
+    wants_grad: bool,
+) -> torch.Tensor:
+    """:func:`_chunk_step` with the work between the matmuls compiled (one fused function)."""
+    raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    loss, g_low, g_bias = _compiled_softmax_xent()(
+        raw, y, multiplier, softcap, ignore_index, wants_grad, grad_b is not None
+    )
+    if g_low is not None:
+        if grad_h is not None:
+            grad_h[rows] = g_low @ w
+        if grad_w is not None:
+            grad_w.addmm_(g_low.t(), h)
+        if grad_b is not None:
+            grad_b += g_bias
+    return loss
+
+
+def _softmax_xent(
+    raw: torch.Tensor,
+    y: torch.Tensor,
+    multiplier: float,
+    softcap: float | None,
+    ignore_index: int,
+    wants_grad: bool,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One chunk's summed loss and the loss's gradient on the raw logits (in their dtype; its fp32
+    column sums for a bias), written out of place: Inductor fuses it into a few passes over the chunk."""
+    z = raw.float()
+    if multiplier != 1.0:
+        z = z * multiplier
+    squash = torch.tanh(z / softcap) if softcap is not None else None
+    if squash is not None:
+        z = squash * softcap
+    valid = (y != ignore_index).unsqueeze(1)
+    safe = torch.where(valid.squeeze(1), y, 0).unsqueeze(1)
+    top = z.amax(dim=-1, keepdim=True)
+    e = (z - top).exp()
+    norm = e.sum(dim=-1, keepdim=True)
+    loss = ((norm.log() + top - z.gather(1, safe)) * valid).sum()
+    if not wants_grad:
+        return loss, None, None
+    one_hot = torch.zeros_like(z).scatter_(1, safe, 1.0)
+    g = (e / norm - one_hot) * valid
+    if squash is not None:
+        g = g * (1 - squash * squash)
+    if multiplier != 1.0:
+        g = g * multiplier
+    return loss, g.to(raw.dtype), g.sum(0) if bias_grad else None
+
+
+_COMPILED: list[Any] = []
+
+
+def _compiled_softmax_xent() -> Any:
+    # Compiled once per process, for every chunk shape (dynamic): the last, shorter chunk reuses it.
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_softmax_xent, dynamic=True))
+    return _COMPILED[0]
+
+
+def _chunk_logits(
+    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, multiplier: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's fp32 logits after the head's transform, and ``tanh`` of the soft-cap (None without one)."""
+    raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()  # the matmul in the compute dtype
+    z = raw.float()
+    if multiplier != 1.0:
+        z.mul_(multiplier)
+    if softcap is None:
+        return z, None
+    squash = torch.tanh(z / softcap)
+    return squash * softcap, squash
