@@ -1,6 +1,6 @@
 """What Trainer feeds the model, read the way Trainer reads it: the columns it keeps (the forward's
 arguments and the label names) and the dataset's samples, longest first - shared by the batch-size
-finder and the evaluation check of :mod:`hf_memstack.integrations.trainer`."""
+finder (:mod:`.trainer_args`) and the evaluation check (:mod:`.trainer_eval`)."""
 
 from __future__ import annotations
 
