@@ -423,7 +423,7 @@ def head_comparison(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    from hf_memstack.measure.memory import _frozen_aware_tracker  # the meter's tracker, for a bare function
+    from hf_memstack.measure.tracker import _frozen_aware_tracker  # the meter's tracker, for a bare function
     from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss
 
     n, h, v = args.head_tokens, 1024, 128256

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, timed  # noqa: E402
 
 from hf_memstack import MemoryPolicy, estimate_memory, make_optimizer, measure_step, prepare_model  # noqa: E402
-from hf_memstack.measure.memory import _frozen_aware_tracker  # noqa: E402
+from hf_memstack.measure.tracker import _frozen_aware_tracker  # noqa: E402
 from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision  # noqa: E402
 from hf_memstack.transforms.tiled_mlp import TiledMLPForward, auto_tile_tokens  # noqa: E402
 

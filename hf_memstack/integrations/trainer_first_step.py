@@ -51,7 +51,7 @@ def _verify_and_measure(
         return verify(model, batch), None
     if not run_verify:
         return None, _measure_forward_backward(model, batch)
-    from ..measure.memory import _frozen_aware_tracker
+    from ..measure.tracker import _frozen_aware_tracker
 
     settle_packing_guard(model, batch)  # the packed-batch guard's one-time probe runs outside the tracked step
 
@@ -80,7 +80,7 @@ def _verify_and_measure(
 
 
 def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepMemory:
-    from ..measure.memory import _category
+    from ..measure.tracker import _category
 
     cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
     total, method = cat["total"], "memtracker"

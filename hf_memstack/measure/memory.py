@@ -23,12 +23,14 @@ from .._device import device_of, synchronize
 from ..data.guard import settle_packing_guard
 from ..distributed._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
 from ..sizes import format_bytes
-from .accounting import bnb_state_tensors, model_state_bytes, tensor_bytes
+from .accounting import model_state_bytes, tensor_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
+from .tracker import PhasePeaks, trace_phases
 
 __all__ = ["StepMemory", "measure_eval_forward", "measure_step"]
 
 PeakPhase = Literal["forward+backward", "optimizer"]
+StepFn = Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,7 +110,6 @@ def measure_step(
     in the forward (a batch without labels) or in ``step_fn`` is then raised on every rank, naming
     that rank and its message, instead of leaving the others waiting in the backward's collectives.
     """
-    phases: list[Callable[[], Any]] | None = None
     shared = runs_collectives(model)
     if shared:
         # A rank given no optimizer (or no warm-up) would run fewer collectives than its peers.
@@ -125,29 +126,59 @@ def measure_step(
             "(checkpointing and dropout are off); call model.train() first (from_pretrained returns models in eval mode)",
             stacklevel=2,
         )
+    phases: list[Callable[[], Any]] | None = None
     if step_fn is None:
-
-        def forward() -> torch.Tensor:
-            # Agreed before the backward, whose collectives a rank that failed here would never reach.
-            return on_every_rank(
-                "measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared
-            )
-
-        def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
-            backward(forward(), grad_scaler=grad_scaler)
-            optimizer_step(o, grad_scaler=grad_scaler)
-
-        phases = _step_phases(forward, optimizer, grad_scaler)
+        step_fn, phases = _train_step(model, batch, optimizer, loss_fn, grad_scaler, shared=shared)
     elif shared:
-        users_step = step_fn
-
-        def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
-            return on_every_rank("measure_step: step_fn", lambda: users_step(m, b, o))
-
+        step_fn = _on_every_rank(step_fn)
     if warmup is None:
         warmup = optimizer is not None and not optimizer.state
     if warmup:
         step_fn(model, batch, optimizer)
+    return _measured(model, batch, optimizer, step_fn, phases, timed=timed)
+
+
+def _train_step(
+    model: nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: LossFn | None,
+    grad_scaler: torch.amp.GradScaler | None,
+    *,
+    shared: bool,
+) -> tuple[StepFn, list[Callable[[], Any]]]:
+    """The default step (forward, backward, optimizer step) whole, and split in its phases."""
+
+    def forward() -> torch.Tensor:
+        # Agreed before the backward, whose collectives a rank that failed here would never reach.
+        return on_every_rank("measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+
+    def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+        backward(forward(), grad_scaler=grad_scaler)
+        optimizer_step(o, grad_scaler=grad_scaler)
+
+    return step_fn, _step_phases(forward, optimizer, grad_scaler)
+
+
+def _on_every_rank(users_step: StepFn) -> StepFn:
+    """The user's step_fn, its error raised on every rank."""
+
+    def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+        return on_every_rank("measure_step: step_fn", lambda: users_step(m, b, o))
+
+    return step_fn
+
+
+def _measured(
+    model: nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    step_fn: StepFn,
+    phases: list[Callable[[], Any]] | None,
+    *,
+    timed: bool,
+) -> StepMemory:
+    """Time one untracked step, then track one (from a collected heap and, on CUDA, a reset allocator peak)."""
     device = device_of(model)
     seconds = _time_step(model, batch, optimizer, step_fn, device) if timed else None
     gc.collect()
@@ -196,21 +227,6 @@ def _time_step(
     return time.perf_counter() - start
 
 
-@dataclass(frozen=True, slots=True)
-class PhasePeaks:
-    """What the tracker saw in one step, phase by phase: each phase's peak by MemTracker category
-    (``total``, ``param``, ``buffer``, ``grad``, ``opt``, ``act``, ``temp``, ``oth``), and the
-    activations alive when the first phase (the forward) ended. The estimator extrapolates these
-    across depths: each phase's peak is a line in the number of identical blocks, the step's peak
-    (their maximum) is not."""
-
-    peaks: tuple[dict[str, int], ...]
-    forward_activations: int
-
-
-_CATEGORIES = ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")
-
-
 def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
     """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step. The
     activations alive after the first phase (the forward) are the saved activations; the peak by
@@ -225,31 +241,6 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
         backward_peak = max(memory.forward_backward_peak, torch.cuda.max_memory_allocated(device))
         memory = dataclasses.replace(memory, forward_backward_peak=backward_peak)
     return memory
-
-
-def trace_phases(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]
-) -> PhasePeaks | None:
-    """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
-    reset to the current bytes as each phase starts, so each phase's own peak is read."""
-    tracker = _frozen_aware_tracker()
-    if tracker is None:
-        return None
-    tracker.track_external(*(x for x in (model, optimizer) if x is not None))
-    peaks: list[dict[str, int]] = []
-    forward_activations = 0
-    with tracker, warnings.catch_warnings():
-        # MemTracker's module tracker warns for modules freed before their backward hook runs.
-        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        for i, phase in enumerate(phases):
-            if i:
-                tracker.restart_peak()
-            phase()
-            if i == 0 and len(phases) > 1:
-                forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
-            peak = tracker.get_tracker_snapshot("peak")
-            peaks.append({name: _category(peak, name) for name in _CATEGORIES})
-    return PhasePeaks(peaks=tuple(peaks), forward_activations=forward_activations)
 
 
 @torch.no_grad()
@@ -350,74 +341,6 @@ def measure_eval_forward(model: nn.Module, batch: Any) -> StepMemory:
         synchronize(device)
         peak, method = max(peak, torch.cuda.max_memory_allocated(device)), method + "+cuda-allocator"
     return dataclasses.replace(memory, peak_bytes=peak, forward_backward_peak=peak, device=str(device), method=method)
-
-
-def _frozen_aware_tracker() -> Any:
-    """PyTorch's MemTracker, taught that frozen parameters get no gradient.
-
-    MemTracker hooks every parameter it sees to count its gradient, and PyTorch refuses a hook on
-    a tensor that does not require grad (every LoRA model, frozen embeddings). This subclass hooks
-    only the trainable ones; frozen parameters still count as parameters, a bitsandbytes 4-bit
-    weight with its quantization state (tensors no module holds as a parameter or buffer). ``None`` when this
-    PyTorch has no MemTracker (it is a private API).
-    """
-    try:
-        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
-    except ImportError:
-        return None
-
-    class FrozenAwareMemTracker(MemTracker):
-        def _track_module_params_and_buffers(
-            self, module: nn.Module, install_grad_hooks: bool = True
-        ) -> tuple[int, int]:
-            def grad_hook(grad: torch.Tensor) -> None:
-                self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-            param_memory = buffer_memory = 0
-            for param in module.parameters():
-                param_memory += sum(
-                    w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
-                )
-                for state in bnb_state_tensors(param):  # a bitsandbytes 4-bit weight's scales, beside it
-                    param_memory += sum(
-                        w.mem_consumed for w in self._update_and_maybe_create_winfos(state, _MemRefType.PARAM)
-                    )
-                if param.grad is not None:
-                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
-                if install_grad_hooks and param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(grad_hook),
-                        # None when an optimizer stepping in the backward already used and freed it.
-                        param.register_post_accumulate_grad_hook(
-                            lambda p: grad_hook(p.grad) if p.grad is not None else None
-                        ),
-                    )
-            for buffer in module.buffers():
-                buffer_memory += sum(
-                    w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
-                )
-            return param_memory, buffer_memory
-
-        def restart_peak(self) -> None:
-            """Read the next phase's own peak: from the bytes alive now."""
-            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
-            self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # MemTracker walks every tracked module on every op to keep per-module peaks, which
-            # nothing here reads: O(modules) per op made a 7B estimate take minutes (its time grew
-            # with the square of the depth). Only the global peak is kept, as MemTracker keeps it.
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-
-    return FrozenAwareMemTracker()
-
-
-def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
-    """Bytes of one category (``act``, ``total``, ...) summed over devices."""
-    return sum(int(v) for dev in snapshot.values() for k, v in dev.items() if str(k).lower().rsplit(".", 1)[-1] == name)
 
 
 def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:

@@ -15,7 +15,7 @@ from torch import nn
 from ..policy import CompileConfig
 from .blocks import Blocks
 
-__all__ = ["CompileStats", "apply_compile", "check_backend"]
+__all__ = ["CompileStats", "apply_compile", "check_backend", "compile_policy_problems", "verify_compile"]
 
 # Backends that torch lists but that need another package at compile time.
 _BACKEND_PACKAGES = {"tvm": "tvm", "openxla": "torch_xla", "openxla_eval": "torch_xla", "ts": None, "aot_ts": None}
@@ -104,3 +104,50 @@ def apply_compile(model: nn.Module, cfg: CompileConfig, *, blocks: Blocks | None
             block.compile(**kwargs)
             stats.regions.append(name)
     return stats
+
+
+def compile_policy_problems(
+    model: nn.Module, inner: nn.Module, stats: CompileStats, config: CompileConfig
+) -> list[str]:
+    """verify's ``policy`` part for compile: nothing compiled the model again after prepare_model."""
+    compiled_outside = type(model).__name__ == "OptimizedModule" or (
+        config.mode != "full" and getattr(inner, "_compiled_call_impl", None) is not None
+    )
+    if compiled_outside and not stats.regions:
+        return [
+            "the model was compiled after prepare_model (e.g. TrainingArguments(torch_compile=True)) but the "
+            "policy has no compile: put compile in the policy instead, so it is placed after checkpointing"
+        ]
+    if compiled_outside:
+        return [
+            f"the model was compiled again after prepare_model (e.g. TrainingArguments(torch_compile=True)) on top of "
+            f"the policy's {config.mode} compile: set torch_compile=False"
+        ]
+    return []
+
+
+def verify_compile(stats: CompileStats, run_step: Callable[[], Any]) -> tuple[bool, str, int]:
+    """verify's ``compile`` check: ``run_step`` (a compiled forward + backward) called into the
+    compiled graphs, at least once per region; also the graph breaks it hit. Returns (ok, detail, calls)."""
+    before = stats.graph_calls
+    breaks_before = dict(_graph_breaks())
+    run_step()
+    calls = stats.graph_calls - before
+    breaks = {k: v - breaks_before.get(k, 0) for k, v in _graph_breaks().items() if v > breaks_before.get(k, 0)}
+    n = len(stats.regions)
+    # Each region's forward is at least one compiled call; fewer means a region ran eager.
+    ok = calls >= n
+    detail = f"{calls} calls into compiled graphs for {n} compiled region(s) ({stats.graphs_compiled} graph(s) compiled so far)"
+    if not ok:
+        detail += ": some compiled code did not run, part of the model ran eager"
+    if breaks:
+        detail += "; graph breaks: " + "; ".join(
+            f"{r.splitlines()[0][:160]} (x{c})" for r, c in list(breaks.items())[:3]
+        )
+    return ok, detail, calls
+
+
+def _graph_breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])

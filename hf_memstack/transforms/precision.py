@@ -28,6 +28,8 @@ __all__ = [
     "cpu_has_native_bf16",
     "resolve_precision",
     "restore_autocast",
+    "precision_policy_problems",
+    "verify_precision",
 ]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -241,3 +243,45 @@ def trl_replaces_chunked_loss(policy: str) -> str:
         "does not run in training: TRL's head takes its place, and it never builds the full logits either. "
         "MemstackCallback's memory/peak_mib measures TRL's head; prepare the model without loss:chunked to silence this"
     )
+
+
+def precision_policy_problems(inner: nn.Module, precision: ResolvedPrecision, autocast_by: str) -> list[str]:
+    """verify's ``policy`` part for precision: no autocast was added on top of an fp32 policy."""
+    # Accelerate's prepare sets _original_forward when it wraps the forward in its own autocast.
+    if (
+        "_original_forward" in inner.__dict__
+        and autocast_by != "accelerator.prepare"
+        and precision.name != "fp16"
+        and not precision.mixed
+    ):
+        return [
+            "accelerator.prepare (e.g. Trainer with bf16=True/fp16=True) added autocast to a model whose policy "
+            "is fp32: it trains in mixed precision while model.memstack says fp32"
+        ]
+    return []
+
+
+def verify_precision(
+    precision: ResolvedPrecision, autocast_by: str, linear_dtypes: set[torch.dtype], loss_dtype: torch.dtype | None
+) -> tuple[bool, str]:
+    """verify's ``precision`` check: under mixed precision, Linear layers computed in the autocast
+    dtype and the loss came back in fp32 (under fp32, every Linear in fp32)."""
+    p = precision
+    dtypes = linear_dtypes
+    if not dtypes:
+        return True, f"{p.name}: the model has no nn.Linear to observe"
+    if not p.mixed:
+        return dtypes == {torch.float32}, f"fp32: Linear outputs in {sorted(map(str, dtypes))}"
+    ok = p.dtype in dtypes and loss_dtype == torch.float32
+    if autocast_by == "accelerator.prepare" and p.dtype not in dtypes:
+        return (
+            ok,
+            f"Linear outputs {sorted(map(str, dtypes))}: autocast comes from accelerator.prepare(model); verify after it",
+        )
+    detail = f"Linear outputs in {sorted(map(str, dtypes))}, loss in {loss_dtype}"
+    if p.dtype not in dtypes:
+        detail += (
+            f": no Linear computed in {p.name}; model.forward was probably replaced after prepare_model, dropping "
+            "hf_memstack's autocast (with Trainer/TRL set bf16/fp16 in TrainingArguments to match the policy)"
+        )
+    return ok, detail

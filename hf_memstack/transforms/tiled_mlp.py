@@ -37,6 +37,8 @@ __all__ = [
     "auto_tile_tokens",
     "check_tiled_mlp",
     "inside_tiled_mlp",
+    "tiled_mlps",
+    "verify_tiled_mlp",
 ]
 
 # Where the MLP of a block sits in Transformers' decoder layers (Llama, Mistral, Qwen2/3, Gemma,
@@ -231,3 +233,38 @@ def _has_values(module: nn.Module) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not any(p.is_meta or isinstance(p, FakeTensor) for p in module.parameters())
+
+
+def tiled_mlps(blocks: Blocks | None, result: TiledMLPResult) -> dict[int, nn.Module]:
+    """The tiled MLPs by block index (empty when the MLPs are not tiled)."""
+    if result.mode != "tiled" or blocks is None:
+        return {}
+    return {i: blocks.modules[i].get_submodule(result.module_name) for i in result.tiled}
+
+
+def verify_tiled_mlp(
+    result: TiledMLPResult, tiles: dict[int, list[int]], backward_error: str | None
+) -> tuple[bool, str]:
+    """verify's ``mlp`` check: each tiled MLP ran more than one tile in the forward and re-ran every
+    tile in the backward; ``tiles`` holds, per block, the calls of its MLP's first submodule in each."""
+    if backward_error is not None:
+        return False, f"not observed: {backward_error}"
+    counts = [tiles.get(i, [0, 0]) for i in result.tiled]
+    forward, backward = min(c[0] for c in counts), min(c[1] for c in counts)
+    detail = (
+        f"{len(counts)} tiled MLP(s), tiles of {result.tile_tokens} tokens: at least {forward} tile(s) each in the "
+        f"forward, {backward} recomputed in the backward"
+    )
+    if forward <= 1:
+        return (
+            True,
+            detail + f": this batch fits one tile per row set (<= {result.tile_tokens} tokens), so "
+            "the MLPs ran whole; longer batches run in tiles",
+        )
+    ok = backward >= forward
+    if ok:
+        return ok, detail
+    return ok, detail + (
+        ": some tiles were not recomputed in the backward - the tiles' "
+        "intermediates were kept; prepare the model without mlp:tiled and report it"
+    )

@@ -1,0 +1,55 @@
+"""loss_head_verify: verify's ``loss`` check - the chunked loss head computes the model's own loss.
+
+The chunked head replaces the model's loss arithmetic (chunks of the vocabulary projection, each
+recomputed in the backward); a head that computed a different loss would train silently wrong, so
+verify compares the two on one sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._device import module_mode
+from .._unwrap import unwrap_model
+from ..distributed._ranks import on_every_rank
+from ..measure.step import LossFn, forward_loss
+from ._wrappers import forward_wrapper
+from .loss_forward import ChunkedLossForward
+
+__all__ = ["verify_loss_head"]
+
+
+def verify_loss_head(
+    model: nn.Module, batch: Any, loss_fn: LossFn | None, *, mixed: bool, shared: bool
+) -> tuple[bool, str]:
+    """The chunked loss against the model's own, on the first sample (the model's own forward
+    materialises its logits: one sample keeps that small); ``mixed``: the policy's precision is bf16/fp16."""
+    one = _first_sample(batch)
+    chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)
+    # In eval mode: the check compares the head's arithmetic, so no dropout draws different masks
+    # in the two forwards (nor per chunk, for a LoRA head with dropout).
+    with torch.no_grad(), module_mode(model, training=False):
+        # without gradients, the model's own forward runs
+        theirs = on_every_rank("verify: the model's own loss", lambda: forward_loss(model, one, loss_fn), shared=shared)
+        with chunked.without_gradients() if chunked is not None else contextlib.nullcontext():
+            ours = on_every_rank("verify: the chunked loss", lambda: forward_loss(model, one, loss_fn), shared=shared)
+    a, b = float(ours.detach()), float(theirs)
+    # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
+    tolerance = 2e-2 if mixed else 1e-4
+    ok = abs(a - b) <= tolerance * max(1.0, abs(b))
+    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"
+    if not ok:
+        detail += ": they differ; prepare the model without loss:chunked"
+    return ok, detail
+
+
+def _first_sample(batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return {k: v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for v in batch)
+    return batch[:1] if torch.is_tensor(batch) else batch
