@@ -21,6 +21,8 @@ from transformers import TrainingArguments
 
 from .._device import device_of
 from ..data import PackedCollator
+from ..record import record_of
+from ..transforms.bf16_adamw import BF16AdamW
 from ._columns import _longest_first, _signature_columns, _trainer_columns
 from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments
 
@@ -231,7 +233,7 @@ def _find_batch_size(
         batch = collator(rows)
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    optimizer = _probe_optimizer(model)
     # Under a launcher, before Trainer creates the process group, the finder sees one process:
     # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
@@ -239,3 +241,16 @@ def _find_batch_size(
     return find_batch_size(
         model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap
     )
+
+
+def _probe_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the probes step: the one that will train, as far as it can be built without
+    touching the model. Under weights:bf16 that is BF16AdamW (what make_optimizer builds and the
+    callback requires): its step differs from AdamW's, and AdamW over pure-bf16 weights would print
+    the library's own "without stochastic rounding" warning at a user who did everything right."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    record = record_of(model)
+    pure = record is not None and record.policy.master_weights == "bf16"
+    if pure and params and all(p.dtype == torch.bfloat16 for p in params):
+        return BF16AdamW(params, lr=1e-5)
+    return torch.optim.AdamW(params, lr=1e-5)

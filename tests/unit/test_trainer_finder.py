@@ -53,3 +53,44 @@ def test_training_arguments_probes_the_batches_trainer_runs(
     assert (
         printed.count(f"per_device_train_batch_size={args.per_device_train_batch_size} from the batch-size finder") == 1
     ), printed
+
+
+@pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
+def test_the_finder_probes_pure_bf16_with_the_optimizer_that_trains(tmp_path, monkeypatch):
+    """A trial: under weights:bf16 the finder probed with torch.optim.AdamW, so the library warned
+    about its own probe ("without stochastic rounding") and measured another optimizer's step."""
+    import warnings
+
+    import datasets
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
+
+    import hf_memstack.batch_size as finder
+    from hf_memstack import prepare_model
+    from hf_memstack.integrations.trainer import training_arguments
+    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
+    model = prepare_model(LlamaForCausalLM(config).to(torch.bfloat16).train(), "bf16+weights:bf16")
+    rows = [list(range(3 + i % 5, 19 + i % 5)) for i in range(16)]
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    optimizers = []
+    real = finder.find_batch_size
+    monkeypatch.setattr(
+        finder, "find_batch_size", lambda m, mb, opt, **kw: optimizers.append(opt) or real(m, mb, opt, **kw)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        training_arguments(
+            model,
+            output_dir=str(tmp_path),
+            train_dataset=ds,
+            data_collator=default_data_collator,
+            budget="256MiB",
+            report_to=[],
+        )
+    assert [type(o) for o in optimizers] == [BF16AdamW]
+    rounding = [str(w.message) for w in caught if "without stochastic rounding" in str(w.message)]
+    assert not rounding, rounding
