@@ -3,114 +3,21 @@ peak fits the budget with a margin - with the table of every rung considered."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..policy import MemoryPolicy
-from ..sizes import format_bytes, parse_bytes
-from .estimate import MemoryEstimate, chunked_loss_problem, estimate_memory, infer_task, load_config
+from ..sizes import parse_bytes
+from .estimate_checks import chunked_loss_problem
+from .memory_estimate import MemoryEstimate
+from .model_config import infer_task, load_config
+from .plan import Plan, PlanRow
+from .plan_advice import optimizer_notes, suggestions
+from .plan_estimates import Estimates, max_batch
 from .rungs import memory_rungs
 from .weights_dtype import parse_dtype, resolve_weights_dtype
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
-
-
-@dataclass(frozen=True, slots=True)
-class PlanRow:
-    """One rung the planner considered."""
-
-    policy: str
-    """The rung's policy string."""
-    peak_bytes: int
-    """Its estimated peak at the plan's batch size (batch 1 for ``batch_size="max"``)."""
-    fits: bool
-    """Under the budget minus the margin."""
-    relative_speed: float
-    """Step speed relative to eager fp32 (from the ladder benchmark)."""
-    max_batch_size: int | None = None
-    """With ``batch_size="max"``: the largest batch whose estimate fits."""
-    traced: bool = True
-    """False: not traced, because a rung before it with the same weights and optimizer state
-    already held more than the budget in those alone (``peak_bytes`` is then that floor)."""
-    interpolated: bool = False
-    """A ``ckpt:N`` rung not traced: ``peak_bytes`` is read between the same policy without
-    checkpointing and with every block checkpointed, by the share of blocks each holds, and lies
-    far enough above the budget (see ``_SCREEN``) that the rung cannot fit."""
-    bound_by: str = ""
-    """Not traced: a later rung (``bound_by``) is the same policy saving strictly more (the chunked
-    loss added, or selective checkpointing's alternate variant) and was over the budget:
-    ``peak_bytes`` is that rung's peak, a lower bound of this one's."""
-
-
-@dataclass(slots=True)
-class Plan:
-    """The cheapest policy that fits (None when nothing does), and every rung considered."""
-
-    policy: MemoryPolicy | None
-    batch_size: int
-    budget: int
-    rows: list[PlanRow] = field(default_factory=list)
-    estimate: MemoryEstimate | None = None
-    shortfall_bytes: int = 0
-    suggestions: list[str] = field(default_factory=list)
-    weights_dtype: str = "fp32"
-    """The dtype every rung counted the weights at (see :attr:`MemoryEstimate.weights_dtype`)."""
-    weights_dtype_source: str = ""
-
-    @property
-    def fits(self) -> bool:
-        return self.policy is not None
-
-    def table(self) -> str:
-        lines = [
-            "| policy | estimated peak | fits | relative speed |"
-            + (" max batch |" if any(r.max_batch_size for r in self.rows) else ""),
-            "|---|---|---|---|" + ("---|" if any(r.max_batch_size for r in self.rows) else ""),
-        ]
-        for r in self.rows:
-            peak = (
-                format_bytes(r.peak_bytes)
-                if r.traced
-                else f"~{format_bytes(r.peak_bytes)} (interpolated)"
-                if r.interpolated
-                else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})"
-                if r.bound_by
-                else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)"
-            )
-            line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"
-            if any(x.max_batch_size for x in self.rows):
-                line += f" {r.max_batch_size or 0} |"
-            lines.append(line)
-        lines.append(
-            f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
-        )
-        if self.fits:
-            lines.append(
-                f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})"
-            )
-            lines += [f"  - {s}" for s in self.suggestions]
-        else:
-            lines.append(
-                f"nothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best"
-            )
-            lines += [f"  - {s}" for s in self.suggestions]
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "policy": self.policy.to_string() if self.policy else None,
-            "batch_size": self.batch_size,
-            "budget": self.budget,
-            "fits": self.fits,
-            "rows": [dataclasses.asdict(r) for r in self.rows],
-            "shortfall_bytes": self.shortfall_bytes,
-            "suggestions": self.suggestions,
-            "weights_dtype": self.weights_dtype,
-            "weights_dtype_source": self.weights_dtype_source,
-            "estimate": self.estimate.as_dict() if self.estimate else None,
-        }
 
 
 def plan_policy(
@@ -158,15 +65,7 @@ def plan_policy(
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
         sequences, a smaller batch with gradient accumulation).
     """
-    import torch
-
-    from ..transforms.precision import resolve_precision
-
-    budget_bytes = parse_bytes(budget, field="budget")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1 (10% of the budget kept free)")
-    if batch_size != "max" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
+    budget_bytes = _check_plan_args(budget, margin, batch_size)
     usable = budget_bytes * (1 - margin)
     parse_dtype(dtype)  # a bad dtype= is refused before any work
     config = load_config(model)
@@ -174,14 +73,8 @@ def plan_policy(
     # Resolved once from what was given (the estimates below get its config, which no longer says
     # where its weights are): every rung counts the same weights.
     weights = resolve_weights_dtype(model, config, dtype)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
-    precision = (
-        "bf16"
-        if device.startswith("cuda") and not torch.cuda.is_available()
-        else resolve_precision("auto", device).name
-    )
-    est = _Estimates(
+    precision = _planned_precision(device)
+    est = Estimates(
         config,
         seq_len=seq_len,
         world_size=world_size,
@@ -197,11 +90,54 @@ def plan_policy(
         weights_dtype=weights.name,
         weights_dtype_source=weights.source,
     )
-    shortfalls = []
+    rungs = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward)
+    shortfalls = _walk_rungs(plan, est, rungs, batch_size, usable)
+    if plan.fits:
+        return plan
+    plan.shortfall_bytes = max(0, min(shortfalls))
+    closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
+    plan.suggestions = suggestions(est, closest, batch_size, seq_len, world_size, usable)
+    return plan
+
+
+def _check_plan_args(budget: int | str, margin: float, batch_size: Any) -> int:
+    """The budget in bytes, once ``margin`` and ``batch_size`` are known to be usable."""
+    budget_bytes = parse_bytes(budget, field="budget")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"margin={margin!r} must be a number in [0, 1), e.g. 0.1 (10% of the budget kept free)")
+    if batch_size != "max" and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0):
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer or 'max'")
+    return budget_bytes
+
+
+def _planned_precision(device: str | None) -> str:
+    """The mixed precision the run would get on ``device`` (default: this machine)."""
+    import torch
+
+    from ..transforms.precision import resolve_precision
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "bf16"
+    return resolve_precision("auto", device).name
+
+
+def _ladder(
+    config: Any,
+    task: str,
+    precision: str,
+    seq_len: int,
+    batch_size: int | str,
+    world_size: int,
+    trainable: Any,
+    step_in_backward: bool,
+) -> list[Any]:
+    """The memory rungs this model and job can take, cheapest first."""
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
-    rungs = memory_rungs(
+    return memory_rungs(
         precision,
         num_blocks=_num_blocks(config),
         world_size=world_size,
@@ -212,6 +148,12 @@ def plan_policy(
         tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
         pure_bf16=_trains_all(trainable),
     )
+
+
+def _walk_rungs(plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | str, usable: float) -> list[int]:
+    """Add a row to ``plan`` for each rung until one fits (then ``plan`` holds it, its batch, its
+    estimate and the notes on running it); each row's bytes over ``usable``."""
+    shortfalls = []
     floors: dict[str, int] = {}
     for i, rung in enumerate(rungs):
         bound = (
@@ -230,17 +172,14 @@ def plan_policy(
             plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
             plan.suggestions = [
                 f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
-                *_optimizer_notes(plan.policy),
+                *optimizer_notes(plan.policy),
             ]
-            return plan
-    plan.shortfall_bytes = max(0, min(shortfalls))
-    closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
-    plan.suggestions = _suggestions(est, closest, batch_size, seq_len, world_size, usable)
-    return plan
+            break
+    return shortfalls
 
 
 def _try_rung(
-    est: _Estimates, rung: Any, batch_size: int | str, usable: float, floors: dict[str, int]
+    est: Estimates, rung: Any, batch_size: int | str, usable: float, floors: dict[str, int]
 ) -> tuple[PlanRow, int, MemoryEstimate | None]:
     """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
     weights and optimizer state already held more than ``usable`` in those alone: what only saves
@@ -264,7 +203,7 @@ def _try_rung(
                 None,
             )
     if batch_size == "max":
-        fitted, e = _max_batch(est, rung.policy, usable)
+        fitted, e = max_batch(est, rung.policy, usable)
     else:
         e = est(rung.policy, int(batch_size))
         fitted = int(batch_size) if e.peak_bytes <= usable else 0
@@ -278,7 +217,7 @@ def _try_rung(
 
 
 def _bounded_by_next(
-    est: _Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float
+    est: Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float
 ) -> PlanRow | None:
     """A rung not traced when a later rung is the same policy saving strictly more, and that one is
     over the budget: its peak is then a lower bound of this one's. Two such pairs are on the ladder:
@@ -316,7 +255,7 @@ def _bounded_by_next(
 _SCREEN = 1.15
 
 
-def _every_n_between(est: _Estimates, policy: str, batch_size: int) -> int | None:
+def _every_n_between(est: Estimates, policy: str, batch_size: int) -> int | None:
     """A ``ckpt:N`` rung's peak read between the same policy without checkpointing (traced as an
     earlier rung: else None) and with every block checkpointed, by the share of blocks that keep
     their activations (Transformers checkpoints blocks 0, N, 2N...)."""
@@ -345,109 +284,8 @@ def _states_key(policy: str) -> str:
     return repr((p.quant, p.optimizer.state, p.fsdp, p.master_weights))
 
 
-class _Estimates:
-    """Estimates for one model and job, each policy and batch size traced once."""
-
-    def __init__(self, config: Any, **job: Any) -> None:
-        self.config, self.job = config, job
-        self.cache: dict[tuple[str, int], MemoryEstimate] = {}
-
-    def __call__(self, policy: str, batch_size: int) -> MemoryEstimate:
-        key = self._key(policy, batch_size)
-        if key not in self.cache:
-            self.cache[key] = estimate_memory(
-                self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job
-            )
-        return self.cache[key]
-
-    def has(self, policy: str, batch_size: int) -> bool:
-        return self._key(policy, batch_size) in self.cache
-
-    @staticmethod
-    def _key(policy: str, batch_size: int) -> tuple[str, int]:
-        # Compile is estimated as eager: rungs that differ only by compile share one trace; the
-        # policy's own spelling, so bf16+loss:chunked+ckpt and bf16+ckpt+loss:chunked do too.
-        return MemoryPolicy.coerce(policy.replace("+compile", "")).to_string(), batch_size
-
-
-_MAX_TRACES = 16  # per rung: a linear peak needs 4 (batch 1, 2, the answer, the answer + 1)
-
-
-def _max_batch(est: _Estimates, policy: str, usable: float) -> tuple[int, MemoryEstimate]:
-    """The largest batch whose estimated peak fits ``usable`` - that batch fits and the next one
-    does not - and its estimate (0 and batch 1's when none fits).
-
-    The forward+backward peak grows about linearly with the batch, the optimizer step's does
-    not (the finder's model): a line through the *total* peaks would mostly measure the fixed
-    optimizer cost, so the next size is read off the forward+backward peaks; bisection takes over
-    where the line misses. Stops when the answer's neighbour was estimated and does not fit.
-    """
-    points = {1: est(policy, 1)}
-    if points[1].peak_bytes > usable:
-        return 0, points[1]
-    good, bad = 1, None
-    for _ in range(_MAX_TRACES):
-        if bad == good + 1:
-            break
-        size = _next_size(points, good, bad, usable)
-        points[size] = est(policy, size)
-        if points[size].peak_bytes <= usable:
-            good = size
-        else:
-            bad = size
-    return good, points[good]
-
-
-def _next_size(points: dict[int, MemoryEstimate], good: int, bad: int | None, usable: float) -> int:
-    """The next batch to estimate, strictly between ``good`` (fits) and ``bad`` (does not; None: none
-    seen yet): where the line through the forward+backward peaks of the two nearest sizes reaches
-    ``usable``; the midpoint when that line points outside the bracket."""
-    if len(points) == 1:
-        return 2
-    lo = max(b for b in points if b < good) if bad is None else good
-    hi = good if bad is None else bad
-    slope = (points[hi].forward_backward_peak - points[lo].forward_backward_peak) / (hi - lo)
-    if bad is None:
-        if slope <= 0:  # nothing grows with the batch here: look further out
-            return good * 2
-        reach = good + int((usable - points[good].forward_backward_peak) // slope)
-        return min(max(reach, good + 1), good * 64)
-    reach = good + int((usable - points[good].forward_backward_peak) // slope) if slope > 0 else good
-    return reach if good < reach < bad else (good + bad) // 2
-
-
 def _trains_all(trainable: Any) -> bool:
     return isinstance(trainable, str) and trainable == "all"
-
-
-def _optimizer_notes(policy: MemoryPolicy) -> list[str]:
-    notes = []
-    if policy.quant.mode == "nf4":
-        notes.append(
-            "quant:nf4 keeps the blocks' frozen linear weights in 4 bits (torchao's NF4, about 4.1 bits each): the "
-            "adapters train on the rounded weights; save the adapters, and merge them into a 16-bit model with "
-            "hf_memstack.merge_adapters"
-        )
-    if policy.optimizer != MemoryPolicy().optimizer or policy.master_weights == "bf16":
-        notes.append(
-            "build the optimizer with hf_memstack.make_optimizer(model, lr=...): it follows the policy's optimizer rung"
-        )
-    if policy.optimizer.step == "in_backward":
-        notes.append(
-            "optim:in_backward updates each parameter inside the backward: no gradient accumulation and no "
-            "global-norm clipping (make_optimizer refuses them)"
-        )
-    if policy.optimizer.state == "8bit":
-        notes.append(
-            "optim:8bit keeps AdamW's moments in 8 bits (torchao): slightly different updates, a slower step on CPUs"
-        )
-    if policy.master_weights == "bf16":
-        notes.append(
-            "weights:bf16 trains pure bf16 (weights, gradients and moments; hf_memstack's BF16AdamW with stochastic rounding, "
-            "so that updates below bf16's resolution survive in expectation): 8 bytes per trainable parameter instead "
-            "of 16; see bench/optimizer_curves.py for its loss curve beside fp32 master weights"
-        )
-    return notes
 
 
 def _tiles_help(config: Any, tokens: int) -> bool:
@@ -466,64 +304,3 @@ def _num_blocks(config: Any) -> int:
         or getattr(config, "n_layer", None)
         or getattr(config, "num_layers", 4)
     )
-
-
-def _suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:
-    """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for its
-    model states, a smaller batch, a shorter sequence - with numbers from its batch-1 estimate."""
-    base = est(closest, 1)
-    states = base.parameters + base.gradients + base.optimizer
-    activations = base.peak_bytes - states
-    out = []
-    ranks = max(2, world_size * 2)
-    while ranks <= 4096 and states / ranks + activations > usable:
-        ranks *= 2
-    if ranks <= 4096:
-        out.append(
-            f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
-            f"optimizer state of {closest}"
-        )
-    else:  # what is not sharded (the activations) alone exceeds the budget: more ranks cannot help
-        out.append(
-            f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
-            "do not shard them"
-        )
-    if isinstance(batch_size, int) and batch_size > 1:
-        out.append(
-            f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch"
-        )
-    shorter = _shorter_sequence(est, closest, base, seq_len, usable)
-    if shorter is not None:
-        out.append(
-            f"a shorter sequence: {shorter.seq_len} tokens instead of {seq_len} fits at batch 1 with {closest} "
-            f"(estimated peak {format_bytes(shorter.peak_bytes)})"
-        )
-    else:
-        out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")
-    return out
-
-
-def _shorter_sequence(
-    est: _Estimates, policy: str, full: MemoryEstimate, seq_len: int, usable: float
-) -> MemoryEstimate | None:
-    """The estimate of the longest sequence (a multiple of 64, or of 8 below 256) that fits at
-    batch 1, found on the line through the forward+backward peaks at ``seq_len`` and half of it
-    (the optimizer step's peak does not depend on the sequence), then confirmed by estimating it;
-    None when the line finds none or three tries do not fit."""
-    if seq_len < 16:
-        return None
-    half = _Estimates(est.config, **{**est.job, "seq_len": seq_len // 2})(policy, 1)
-    slope = (full.forward_backward_peak - half.forward_backward_peak) / (seq_len - seq_len // 2)
-    if slope <= 0:
-        return None
-    tokens = int((usable - (full.forward_backward_peak - slope * seq_len)) / slope)
-    for _ in range(3):
-        tokens = min(tokens, seq_len - 1)
-        tokens = tokens // 64 * 64 if tokens >= 256 else tokens // 8 * 8
-        if tokens < 8:
-            return None
-        guess = _Estimates(est.config, **{**est.job, "seq_len": tokens})(policy, 1)
-        if guess.peak_bytes <= usable:
-            return guess
-        tokens = int(tokens * 0.9)
-    return None

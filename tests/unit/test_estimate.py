@@ -158,12 +158,13 @@ def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_di
     devices for the 16-bit weights: the numbers now come from the closest rung, and the shorter
     sequence they suggest fits when estimated."""
     from hf_memstack.planning.estimate import load_config
-    from hf_memstack.planning.planner import _Estimates, _suggestions
+    from hf_memstack.planning.plan_advice import suggestions
+    from hf_memstack.planning.plan_estimates import Estimates
 
-    est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
+    est = Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
     closest = "fp32+ckpt"
     usable = est(closest, 1).peak_bytes * 0.95  # short by 5%: a shorter sequence fits (the optimizer step's peak stays)
-    notes = _suggestions(est, closest, 1, 64, 1, usable=usable)
+    notes = suggestions(est, closest, 1, 64, 1, usable=usable)
     assert "of fp32+ckpt" in notes[0], notes
     shorter = next(n for n in notes if n.startswith("a shorter sequence: "))
     tokens = int(shorter.split(": ")[1].split(" ")[0])
@@ -333,15 +334,16 @@ def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_bu
     """Sharding divides the model states, not the activations: below the activations alone no
     number of ranks fits (it suggested FSDP over 8192 devices)."""
     from hf_memstack.planning.estimate import load_config
-    from hf_memstack.planning.planner import _Estimates, _suggestions
+    from hf_memstack.planning.plan_advice import suggestions
+    from hf_memstack.planning.plan_estimates import Estimates
 
-    est = _Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
+    est = Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
     one = est("fp32+ckpt", 1)
     activations = one.peak_bytes - (one.parameters + one.gradients + one.optimizer)
     assert activations > 0, one
     below, above = (
-        _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 0.9),
-        _suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 2),
+        suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 0.9),
+        suggestions(est, "fp32+ckpt", 1, 64, 1, usable=activations * 2),
     )
     assert "exceed the budget: more ranks do not shard them" in below[0] and "devices" not in below[0], below
     assert "more ranks: FSDP over about" in above[0], above

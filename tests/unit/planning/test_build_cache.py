@@ -10,7 +10,7 @@ import pytest
 from transformers import LlamaConfig
 
 import hf_memstack.planning.build_cache as build_cache
-import hf_memstack.planning.estimate as estimate_module
+import hf_memstack.planning.estimate_trace as estimate_trace
 from hf_memstack import estimate_memory, plan_policy
 from hf_memstack.transforms.precision import resolve_precision
 
@@ -85,8 +85,8 @@ def test_a_cached_build_is_never_reused_for_another_config_dtype_trainable_or_se
 
 def test_the_rungs_and_batches_of_one_model_share_one_depth_plan(monkeypatch):
     calls = []
-    real = estimate_module.plan_depths
-    monkeypatch.setattr(estimate_module, "plan_depths", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = estimate_trace.plan_depths
+    monkeypatch.setattr(estimate_trace, "plan_depths", lambda *a, **k: calls.append(1) or real(*a, **k))
     build_cache.clear()
     config = _config()
     for policy, batch in (("bf16", 1), ("bf16+loss:chunked", 1), ("bf16+ckpt", 2)):

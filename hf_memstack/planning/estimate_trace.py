@@ -1,0 +1,133 @@
+"""One estimate's job traced on fake tensors: the model built, prepared under the policy, and one
+training step (or one eval forward) metered; and which shallow depths stand for a deep stack."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.boundaries import packing_as_traced
+from ..measure.memory import PhasePeaks
+from ..policy import MemoryPolicy
+from . import build_cache
+from .depth import DepthPlan, _peft_picks_blocks, plan_depths
+from .fake_model import build_fake_model, build_key, fake_batch, quant_counts, refuse_mixture_of_experts, traced_step
+from .model_config import build_model
+from .weights_dtype import WeightsDtype, set_dtypes
+
+__all__ = ["Job", "Traced", "depth_plan", "trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one estimate traces, besides the config."""
+
+    task: str
+    peft_config: Any
+    trust_remote_code: bool
+    weights: WeightsDtype
+    policy: MemoryPolicy
+    """The traced policy (no compile, no FSDP: those are accounted for after the trace)."""
+    optimizer: str
+    batch_size: int
+    seq_len: int
+    packed: bool
+    mode: str = "train"
+
+
+@dataclass(frozen=True, slots=True)
+class Traced:
+    net: nn.Module
+    phases: PhasePeaks
+    counts: dict[str, int]
+    """Parameters (``total``, ``trainable``) and the 4-bit layers' numbers (``quant_*``)."""
+
+
+def trace(config: Any, job: Job) -> Traced:
+    """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..prepare import prepare_model
+    from ..transforms.optim import make_optimizer
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    net = build_fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
+    refuse_mixture_of_experts(net, config)
+    if job.mode == "eval":
+        return _trace_eval(net, config, job, mode)
+    with mode:
+        net.train()
+        prepare_model(net, job.policy)
+        params = [p for p in net.parameters() if p.requires_grad]
+        # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
+        # after or in the backward), so its state is traced as it will be allocated.
+        opt = make_optimizer(net, job.policy, lr=1e-4) if job.optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
+        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
+        with packing_as_traced(job.packed):
+            phases = traced_step(net, batch, opt, config, job.task)
+    counts = {
+        "total": sum(p.numel() for p in net.parameters()),
+        "trainable": sum(p.numel() for p in params),
+        **quant_counts(net),
+    }
+    return Traced(net=net, phases=phases, counts=counts)
+
+
+def _trace_eval(net: nn.Module, config: Any, job: Job, mode: Any) -> Traced:
+    """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
+    the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
+    from ..measure.memory import trace_eval_forward
+    from ..prepare import prepare_model
+    from .eval_logits import kept_outputs
+
+    with mode, warnings.catch_warnings():
+        # Its warning that 16-bit trainable weights lose precision in updates is about training.
+        warnings.filterwarnings("ignore", message=".*optimizer updates then lose precision", category=UserWarning)
+        net.eval()
+        prepare_model(net, job.policy)
+        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
+        with packing_as_traced(job.packed):
+            phases, outputs = trace_eval_forward(net, batch)
+    kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
+    params = [p for p in net.parameters() if p.requires_grad]
+    counts = {
+        "total": sum(p.numel() for p in net.parameters()),
+        "trainable": sum(p.numel() for p in params),
+        "kept": kept.device_bytes,
+        "kept_host": kept.host_bytes,
+        **quant_counts(net),
+    }
+    return Traced(net=net, phases=phases, counts=counts)
+
+
+def depth_plan(config: Any, job: Job) -> DepthPlan | None:
+    """Which shallow depths to trace for this job, or None to trace every block."""
+
+    def build(cfg: Any) -> nn.Module:
+        with torch.device("meta"):
+            net = build_model(cfg, job.task, trust_remote_code=job.trust_remote_code, dtype=job.weights.dtype)
+            if job.weights.per_parameter:
+                set_dtypes(net, job.weights.per_parameter)
+        return net
+
+    ck = job.policy.checkpointing
+    every_n = ck.every_n if ck.mode == "every_n" else 1
+
+    def plan() -> DepthPlan | None:
+        try:
+            return plan_depths(config, build, every_n=every_n, peft_config=job.peft_config)
+        except ValueError:
+            return None  # the full trace (next) says what is wrong with the config
+
+    # The same for every rung and batch of a plan: what plan_depths reads is the config, the
+    # weights' dtypes, the checkpointing period and whether the PEFT config picks blocks.
+    key = (
+        *build_key(config, job.task, job.trust_remote_code, job.weights),
+        every_n,
+        _peft_picks_blocks(job.peft_config),
+    )
+    return build_cache.cached("depth_plans", key, plan)
