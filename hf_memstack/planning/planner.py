@@ -73,7 +73,7 @@ def plan_policy(
     # Resolved once from what was given (the estimates below get its config, which no longer says
     # where its weights are): every rung counts the same weights.
     weights = resolve_weights_dtype(model, config, dtype)
-    precision = _planned_precision(device)
+    precision = _planned_precision(device, weights.dtype, trainable)
     est = Estimates(
         config,
         seq_len=seq_len,
@@ -110,7 +110,7 @@ def _check_plan_args(budget: int | str, margin: float, batch_size: Any) -> int:
     return budget_bytes
 
 
-def _planned_precision(device: str | None) -> str:
+def _planned_precision(device: str | None, weights_dtype: Any, trainable: Any) -> str:
     """The mixed precision the run would get on ``device`` (default: this machine)."""
     import torch
 
@@ -120,7 +120,14 @@ def _planned_precision(device: str | None) -> str:
     # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
     if device.startswith("cuda") and not torch.cuda.is_available():
         return "bf16"
-    return resolve_precision("auto", device).name
+    name = resolve_precision("auto", device).name
+    # fp32 (a CPU without native bf16) over a 16-bit full fine-tune is plain AdamW over the 16-bit
+    # weights - prepare_model leaves them as loaded without autocast - and updates below their
+    # resolution are lost. bf16 makes fp32 master weights (or pure bf16 with stochastic rounding):
+    # slower on such a CPU, but it trains.
+    if name == "fp32" and trainable == "all" and weights_dtype in (torch.bfloat16, torch.float16):
+        return "bf16"
+    return name
 
 
 def _ladder(

@@ -4,6 +4,7 @@ the reading is close to the trace."""
 
 from __future__ import annotations
 
+import pytest
 from transformers import LlamaConfig
 
 from hf_memstack import estimate_memory, plan_policy
@@ -111,3 +112,25 @@ def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced()
     for row in bounded.values():
         traced = estimate_memory(config, row.policy, **job).peak_bytes
         assert traced >= row.peak_bytes > budget * 0.9 and not row.fits
+
+
+@pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
+def test_a_16_bit_full_fine_tune_is_not_planned_in_fp32_on_a_cpu():
+    """A trial: on a CPU without native bf16 the plan for a bf16 checkpoint chose an fp32 rung,
+    which is plain AdamW over the bf16 weights (updates below bf16's resolution lost)."""
+    from transformers import LlamaConfig
+
+    from hf_memstack import plan_policy
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        dtype="bfloat16",
+    )
+    plan = plan_policy(config, budget="8GiB", seq_len=32, batch_size=1, trainable="all", device="cpu")
+    assert plan.rows and not [r.policy for r in plan.rows if r.policy.startswith("fp32")], [r.policy for r in plan.rows]
+    assert plan.policy is not None and plan.policy.precision == "bf16"
