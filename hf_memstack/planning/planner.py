@@ -14,7 +14,7 @@ from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
 from .plan_advice import optimizer_notes, suggestions
 from .plan_estimates import Estimates, max_batch
-from .rungs import memory_rungs
+from .rungs import Requirement, RungContext, rungs_for
 from .weights_dtype import parse_dtype, resolve_weights_dtype
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
@@ -39,7 +39,7 @@ def plan_policy(
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
     4-bit base weights (LoRA runs, where torchao is installed), the optimizer rungs (stepped in the
     backward, 8-bit moments where torchao is installed, both), offload, FSDP (see
-    :func:`hf_memstack.planning.rungs.memory_rungs`).
+    :data:`hf_memstack.planning.rungs.STEPS`).
 
     Args:
         model: hub id (local cache), local directory, config or model.
@@ -144,17 +144,18 @@ def _ladder(
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
-    return memory_rungs(
-        precision,
-        num_blocks=_num_blocks(config),
-        world_size=world_size,
-        causal_lm=chunked,
-        eightbit=torchao,
-        step_in_backward=step_in_backward,
-        quantize=torchao and not _trains_all(trainable),
-        tiled_mlp=_tiles_help(config, seq_len * (1 if batch_size == "max" else batch_size)),
-        pure_bf16=_trains_all(trainable),
-    )
+    tokens = seq_len * (1 if batch_size == "max" else batch_size)
+    facts = {
+        Requirement.CAUSAL_LM: chunked,
+        Requirement.TORCHAO: torchao,
+        Requirement.LORA_WITH_TORCHAO: torchao and not _trains_all(trainable),
+        Requirement.STEP_IN_BACKWARD: step_in_backward,
+        Requirement.TOKENS_OVER_ONE_TILE: _tiles_help(config, tokens),
+        Requirement.FULL_FINETUNE: _trains_all(trainable),
+        Requirement.SEVERAL_DEVICES: world_size > 1,
+    }
+    satisfied = frozenset(r for r, holds in facts.items() if holds)
+    return rungs_for(RungContext(precision, _num_blocks(config), satisfied))
 
 
 def _walk_rungs(plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | str, usable: float) -> list[int]:
