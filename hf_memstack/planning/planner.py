@@ -144,7 +144,7 @@ def _ladder(
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
-    tokens = seq_len * (1 if batch_size == "max" else batch_size)
+    tokens = seq_len * (1 if batch_size == "max" else int(batch_size))
     facts = {
         Requirement.CAUSAL_LM: chunked,
         Requirement.TORCHAO: torchao,
