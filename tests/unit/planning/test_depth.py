@@ -182,3 +182,10 @@ def test_a_stack_as_deep_as_every_n_still_warns():
     # The same policy on a model that really has 4 blocks: the warning is the user's.
     with pytest.warns(UserWarning, match="only block 0 is checkpointed"):
         estimate_memory(_config("llama", 4), "bf16+ckpt:4", batch_size=1, seq_len=32, extrapolate=False)
+
+
+def test_an_estimate_does_not_repeat_prepare_models_warnings_about_this_machine(recwarn):
+    # A plan is for the target device: on a CPU without native bf16, prepare_model's "bf16 is emulated"
+    # warning came once per traced rung. No warning may come from prepare_model while tracing.
+    estimate_memory(_config("llama", 2), "bf16+ckpt", batch_size=1, seq_len=16)
+    assert not [w for w in recwarn if w.filename.endswith("prepare.py")], [str(w.message) for w in recwarn]
