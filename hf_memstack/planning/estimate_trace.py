@@ -3,7 +3,9 @@ training step (or one eval forward) metered; and which shallow depths stand for 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +61,7 @@ def trace(config: Any, job: Job) -> Traced:
     refuse_mixture_of_experts(net, config)
     if job.mode == "eval":
         return _trace_eval(net, config, job, mode)
-    with mode:
+    with mode, _quiet_prepare(training=True):
         net.train()
         prepare_model(net, job.policy)
         params = [p for p in net.parameters() if p.requires_grad]
@@ -84,9 +86,7 @@ def _trace_eval(net: nn.Module, config: Any, job: Job, mode: Any) -> Traced:
     from ..prepare import prepare_model
     from .eval_logits import kept_outputs
 
-    with mode, warnings.catch_warnings():
-        # Its warning that 16-bit trainable weights lose precision in updates is about training.
-        warnings.filterwarnings("ignore", message=".*optimizer updates then lose precision", category=UserWarning)
+    with mode, _quiet_prepare(training=False):
         net.eval()
         prepare_model(net, job.policy)
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
@@ -102,6 +102,18 @@ def _trace_eval(net: nn.Module, config: Any, job: Job, mode: Any) -> Traced:
         **quant_counts(net),
     }
     return Traced(net=net, phases=phases, counts=counts)
+
+
+@contextlib.contextmanager
+def _quiet_prepare(*, training: bool) -> Iterator[None]:
+    """prepare_model's warnings about the machine it runs on, silenced while tracing: an estimate is of
+    the job on its target device (a plan made on a laptop for a GPU), and the planner picks the precision
+    itself. Out of training, also its warning that 16-bit trainable weights lose precision in updates."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*bf16 is emulated and about 2x slower", category=UserWarning)
+        if not training:
+            warnings.filterwarnings("ignore", message=".*optimizer updates then lose precision", category=UserWarning)
+        yield
 
 
 def depth_plan(config: Any, job: Job) -> DepthPlan | None:

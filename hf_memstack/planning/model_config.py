@@ -61,10 +61,23 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
                 f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
                 f"({_reason(e)}); fix the file or pass another model"
             ) from None
+        if _looks_like_a_path(str(model)):
+            # `hf download ./nope` would be no help: the user meant a folder on disk.
+            where = "not a directory" if path.exists() else "no such directory"
+            raise ValueError(
+                f"model={str(model)!r}: {where} ({path.resolve()}); pass the directory holding the model's "
+                "config.json (a save_pretrained folder) or a Hub model id in the local cache"
+            ) from None
         raise ValueError(
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
         ) from None
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A folder the user named, rather than a Hub id (``name`` or ``org/name``): it starts at the root,
+    home or the current folder, has more than one ``/``, or names something that exists."""
+    return name.startswith(("/", "~", ".")) or name.count("/") > 1 or "\\" in name or Path(name).exists()
 
 
 def _config_from_dict(data: dict[str, Any]) -> Any:

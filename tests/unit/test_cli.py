@@ -91,6 +91,11 @@ def test_find_batch_size_command(pretrained_dirs, capsys):
             "not in the local Hugging Face cache",
         ),
         (["estimate", "{d}", "--policy", "bf16+warp", "--batch-size", "1", "--seq-len", "16"], "unknown token 'warp'"),
+        # A folder that is not there is named as one: no `hf download ./no-such-folder` advice.
+        (
+            ["estimate", "./no-such-folder", "--batch-size", "1", "--seq-len", "16"],
+            "'./no-such-folder': no such directory",
+        ),
     ],
 )
 def test_usage_errors_exit_2(pretrained_dirs, capsys, argv, fragment):

@@ -168,3 +168,24 @@ def test_the_line_through_two_depths():
 def test_a_config_without_blocks_is_refused():
     with pytest.raises(ValueError, match="num_hidden_layers=0"):
         estimate_memory(_config("llama", 0), "bf16+ckpt", batch_size=1, seq_len=16)
+
+
+def test_shallow_traces_do_not_warn_about_their_own_depth(recwarn):
+    # Tracing every_n=4 over a shallow copy of 4 blocks checkpoints its block 0 on purpose; the user's
+    # 16 blocks do not trigger prepare_model's "only block 0 is checkpointed" warning, so neither may the estimate.
+    est = estimate_memory(_config("llama", 16), "bf16+ckpt:4", batch_size=1, seq_len=32)
+    assert any("extrapolated" in n or "traced" in n for n in est.notes), est.notes  # the shallow path ran
+    assert not [w for w in recwarn if "only block 0 is checkpointed" in str(w.message)]
+
+
+def test_a_stack_as_deep_as_every_n_still_warns():
+    # The same policy on a model that really has 4 blocks: the warning is the user's.
+    with pytest.warns(UserWarning, match="only block 0 is checkpointed"):
+        estimate_memory(_config("llama", 4), "bf16+ckpt:4", batch_size=1, seq_len=32, extrapolate=False)
+
+
+def test_an_estimate_does_not_repeat_prepare_models_warnings_about_this_machine(recwarn):
+    # A plan is for the target device: on a CPU without native bf16, prepare_model's "bf16 is emulated"
+    # warning came once per traced rung. No warning may come from prepare_model while tracing.
+    estimate_memory(_config("llama", 2), "bf16+ckpt", batch_size=1, seq_len=16)
+    assert not [w for w in recwarn if w.filename.endswith("prepare.py")], [str(w.message) for w in recwarn]
