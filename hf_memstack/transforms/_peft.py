@@ -3,6 +3,8 @@ which are the adapters inside them, and the names users give the layers they wra
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 __all__ = ["adapter_module_ids", "adapters_on", "base_layer_of", "is_tuner_layer", "logical_name"]
@@ -15,8 +17,13 @@ def is_tuner_layer(module: nn.Module) -> bool:
 
 def base_layer_of(module: nn.Module) -> nn.Module:
     while is_tuner_layer(module):
-        module = module.base_layer
+        module = _wrapped(module)
     return module
+
+
+def _wrapped(tuner_layer: nn.Module) -> nn.Module:
+    # is_tuner_layer saw that base_layer is a Module (nn.Module's __getattr__ is typed Tensor | Module).
+    return cast(nn.Module, tuner_layer.base_layer)
 
 
 def adapter_module_ids(model: nn.Module) -> set[int]:
@@ -24,7 +31,7 @@ def adapter_module_ids(model: nn.Module) -> set[int]:
     out: set[int] = set()
     for m in model.modules():
         if is_tuner_layer(m):
-            base = {id(b) for b in m.base_layer.modules()}
+            base = {id(b) for b in _wrapped(m).modules()}
             out |= {id(sub) for sub in m.modules() if id(sub) not in base and sub is not m}
     return out
 
@@ -43,6 +50,6 @@ def adapters_on(model: nn.Module, layers: set[int]) -> list[tuple[str, nn.Parame
     out = []
     for m in model.modules():
         if is_tuner_layer(m) and id(base_layer_of(m)) in layers:
-            base = {id(p) for p in m.base_layer.parameters()}
+            base = {id(p) for p in _wrapped(m).parameters()}
             out += [(names.get(id(p), "?"), p) for p in m.parameters() if p.requires_grad and id(p) not in base]
     return out

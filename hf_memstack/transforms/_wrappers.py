@@ -13,13 +13,16 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._device import device_of
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["AutocastForward", "CheckpointedForward", "forward_wrapper", "fused_lm_head_installed"]
 
@@ -109,7 +112,10 @@ class CheckpointedForward(_ForwardWrapper):
         return {"offload": self.offload, "checkpoint_kwargs": self.checkpoint_kwargs}
 
 
-def forward_wrapper(module: nn.Module, kind: type[_ForwardWrapper]) -> _ForwardWrapper | None:
+_Wrapper = TypeVar("_Wrapper", bound=_ForwardWrapper)
+
+
+def forward_wrapper(module: nn.Module, kind: type[_Wrapper]) -> _Wrapper | None:
     """The wrapper of ``kind`` installed on ``module.forward``, if any (seen through other wrappers)."""
     forward: Any = module.__dict__.get("forward")
     seen = 0
@@ -130,14 +136,10 @@ def fused_lm_head_installed(module: nn.Module) -> bool:
     and ``lm_head.weight`` directly, around the model's own forward. Each function's own
     parameters are read, not the signature it copies from the model's forward (``functools.wraps``).
     For a PEFT model, the model it wraps is looked at too (TRL patches that one)."""
-    if (
-        type(module).__module__.startswith("peft.")
-        and hasattr(module, "get_base_model")
-        and module.get_base_model() is not module
-    ):
-        return _fused_forward(module.__dict__.get("forward")) or _fused_forward(
-            module.get_base_model().__dict__.get("forward")
-        )
+    if type(module).__module__.startswith("peft.") and hasattr(module, "get_base_model"):
+        base = cast("PeftModel", module).get_base_model()  # only PEFT's PeftModel (and subclasses) has it
+        if base is not module:
+            return _fused_forward(module.__dict__.get("forward")) or _fused_forward(base.__dict__.get("forward"))
     return _fused_forward(module.__dict__.get("forward"))
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["BF16AdamW", "rounds_stochastically", "stochastic_round_to_bf16", "warn_on_plain_steps_over_pure_bf16"]
 
@@ -50,7 +53,7 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -82,7 +85,9 @@ class BF16AdamW(torch.optim.Optimizer):
         return loss
 
     def _step_parameter(self, p: torch.Tensor, group: dict[str, Any], arithmetic: bool = True) -> None:
-        if p.grad.is_sparse:
+        grad = p.grad
+        assert grad is not None, "step() steps only the parameters that have a gradient"
+        if grad.is_sparse:
             raise RuntimeError("BF16AdamW does not support sparse gradients")
         state = self.state[p]
         if not state:
@@ -96,7 +101,7 @@ class BF16AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
         bias1, bias2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-        weight, grad = _local(p), _local(p.grad)
+        weight, grad = _local(p), _local(grad)
         m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         tensors = (weight, grad, m, v)
         chunks: Iterable[tuple[torch.Tensor, ...]] = [tensors]  # a strided parameter: one chunk, its own layout
@@ -118,15 +123,14 @@ class BF16AdamW(torch.optim.Optimizer):
             w_c.copy_(stochastic_round_to_bf16(w32))
 
 
-def rounds_stochastically(optimizer: Any) -> bool:
+def rounds_stochastically(optimizer: torch.optim.Optimizer) -> bool:
     """BF16AdamW, or torchao's 8-bit AdamW with ``bf16_stochastic_round``, alone or inside an
     optimizer stepping in the backward."""
     inner = getattr(
         optimizer, "optimizers", None
     )  # hf_memstack.transforms.optim.OptimizerInBackward: one optimizer per parameter
-    if isinstance(inner, dict):
-        optimizer = next(iter(inner.values()), None)
-    return isinstance(optimizer, BF16AdamW) or bool(getattr(optimizer, "bf16_stochastic_round", False))
+    stepping = next(iter(inner.values()), None) if isinstance(inner, dict) else optimizer
+    return isinstance(stepping, BF16AdamW) or bool(getattr(stepping, "bf16_stochastic_round", False))
 
 
 _WARNED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers checked once
@@ -173,10 +177,12 @@ def _last_of_each_size(params: Iterable[torch.Tensor]) -> set[int]:
     params = list(params)
     if not params or not _is_fake(_local(params[0])):
         return set(range(len(params)))
-    last: dict[tuple[Any, ...], int] = {}
+    # (chunk size, or a strided parameter's shape and strides), contiguous, dtype, device
+    last: dict[tuple[int | tuple[tuple[int, ...], tuple[int, ...]], bool, torch.dtype, torch.device], int] = {}
     for i, p in enumerate(params):
-        t = _local(p)
-        contiguous = all(x.is_contiguous() for x in (t, _local(p.grad)))
+        t, grad = _local(p), p.grad
+        assert grad is not None, "step() passes only the parameters that have a gradient"
+        contiguous = all(x.is_contiguous() for x in (t, _local(grad)))
         size = min(t.numel(), _CHUNK) if contiguous else (tuple(t.shape), t.stride())
         last[(size, contiguous, t.dtype, t.device)] = i
     return set(last.values())

@@ -9,7 +9,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -19,6 +19,12 @@ from ..policy import CheckpointingConfig
 from ._wrappers import CheckpointedForward
 from .blocks import Blocks
 from .tiled_mlp import inside_tiled_mlp
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+    from transformers import PreTrainedModel
 
 __all__ = [
     "SAVED_OPS",
@@ -100,13 +106,14 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     chosen = tuple(i for i in range(len(blocks) if blocks is not None else 0) if i % every_n == 0)
 
     if uses_transformers_checkpointing(model, cfg):
+        pretrained = cast("PreTrainedModel", model)  # supports_gradient_checkpointing: a Transformers model
         kwargs = _checkpoint_kwargs(cfg)
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(
+        if hasattr(pretrained, "activation_checkpointing_enable"):
+            pretrained.activation_checkpointing_enable(
                 activation_checkpointing_kwargs=kwargs, every_n_layers=every_n, offload=offload
             )
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            pretrained.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return CheckpointingResult(method="transformers", checkpointed=chosen, note=note)
 
     if blocks is None:
@@ -127,13 +134,13 @@ def _checkpoint_kwargs(cfg: CheckpointingConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ selective
-def _aten_ops(*names: str) -> frozenset[Any]:
+def _aten_ops(*names: str) -> frozenset[OpOverload]:
     # Some kernels exist only in some PyTorch builds and versions: keep those this one has.
     return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
 _MATMULS = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm")
-SAVED_OPS: frozenset[Any] = _MATMULS | _aten_ops(
+SAVED_OPS: frozenset[OpOverload] = _MATMULS | _aten_ops(
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
@@ -147,11 +154,15 @@ matmuls and attention kernels, which cost most to recompute. Norms, activations,
 embeddings, casts and other cheap ops are recomputed in the backward."""
 
 
+_Contexts = tuple["TorchDispatchMode", "TorchDispatchMode"]
+"""What a ``context_fn`` returns: the forward's and the recompute's dispatch modes."""
+
+
 class SelectiveCheckpointingWarning(UserWarning):
     """Selective checkpointing found no op of its save list in a checkpointed block: it recomputes everything."""
 
 
-def selective_context_fn(matmuls: str = "save_all") -> functools.partial[Any]:
+def selective_context_fn(matmuls: str = "save_all") -> functools.partial[_Contexts]:
     """The ``context_fn`` of op-level (selective) checkpointing, for ``torch.utils.checkpoint`` or
     Transformers' ``activation_checkpointing_kwargs``: keep the outputs of :data:`SAVED_OPS`
     (with ``"save_alternate"``, every second matmul is recomputed too, as torchtitan does),
@@ -162,7 +173,7 @@ def selective_context_fn(matmuls: str = "save_all") -> functools.partial[Any]:
     return fn
 
 
-def _selective_contexts(matmuls: str) -> tuple[Any, Any]:
+def _selective_contexts(matmuls: str) -> _Contexts:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     # Counted per checkpointed call, so the forward and its recompute agree on which matmul is which.
@@ -174,7 +185,9 @@ def _selective_contexts(matmuls: str) -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(policy)
 
 
-def _selective_policy(matmuls: str, counts: dict[str, int], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+def _selective_policy(
+    matmuls: str, counts: dict[str, int], ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
     from torch.utils.checkpoint import CheckpointPolicy
 
     if inside_tiled_mlp():

@@ -6,7 +6,7 @@ mode, a selective save list that matched no op. These read the record and what v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 from torch import nn
 
@@ -15,6 +15,14 @@ from .blocks import Blocks
 from .checkpointing import CheckpointingResult
 
 __all__ = ["checkpointing_policy_problems", "verify_checkpointing"]
+
+
+class _StepFlops(Protocol):
+    """The step's FLOPs as verify's observer counts them (:class:`hf_memstack.measure.observe._Flops`)."""
+
+    backward: int
+    recompute: int
+    checkpointed_forward: int
 
 
 def checkpointing_policy_problems(
@@ -30,7 +38,7 @@ def checkpointing_policy_problems(
             f"Transformers checkpointing is on for blocks {flags}, but the policy checkpointed "
             f"{list(result.checkpointed)} (gradient_checkpointing_enable/disable was called after prepare_model)"
         )
-    reentrant = {_reentrant(b) for i, b in enumerate(blocks.modules) if i in flags} - {None}
+    reentrant = {r for i, b in enumerate(blocks.modules) if i in flags and (r := _reentrant(b)) is not None}
     if reentrant and reentrant != {config.use_reentrant}:
         problems.append(
             f"blocks checkpoint with use_reentrant={sorted(reentrant)} but the policy says "
@@ -51,7 +59,7 @@ def verify_checkpointing(
     *,
     recomputed: list[int],
     saved_bytes: int,
-    flops: Any,
+    flops: _StepFlops,
     selective_saved_nothing: bool,
     backward_error: str | None,
 ) -> tuple[bool, str]:
@@ -86,7 +94,7 @@ def verify_checkpointing(
     return ok, detail
 
 
-def _recompute_summary(flops: Any) -> str:
+def _recompute_summary(flops: _StepFlops) -> str:
     grads = max(1, flops.backward - flops.recompute)
     return (
         f"backward recomputed {flops.recompute / 1e9:.3g} GFLOP, {flops.recompute / grads:+.1%} over the gradients' "

@@ -5,7 +5,7 @@ that names the bad id before an index error would."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
 
 from .fused_cross_entropy import _FusedLinearCrossEntropy
+
+if TYPE_CHECKING:
+    from peft.utils import ModulesToSaveWrapper
+    from transformers import PretrainedConfig
 
 __all__ = ["auto_chunk_tokens", "chunked_lm_loss"]
 
@@ -125,6 +129,8 @@ def _chunked_lm_loss(
     compiled: bool = False,
 ) -> torch.Tensor:
     if shift_labels is None:
+        if labels is None:  # a TypeError, as F.pad(None) raised before this check
+            raise TypeError("chunked_lm_loss: pass labels or shift_labels (the targets of the loss)")
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
@@ -192,10 +198,11 @@ def _head_chunk_loss(
 def _plain_linear(head: nn.Module | None) -> nn.Linear | None:
     """The ``nn.Linear`` that computes the head's output (through PEFT's ``modules_to_save`` copy), or None."""
     if type(head).__name__ == "ModulesToSaveWrapper":
+        wrapper = cast("ModulesToSaveWrapper", head)  # seen by name: PEFT is optional
         # As ModulesToSaveWrapper.forward: the active adapter's copy, else the original module.
-        active = list(getattr(head, "active_adapters", []) or [])
-        off = head.disable_adapters or not active or any(a not in head.modules_to_save for a in active)
-        head = head.original_module if off else head.modules_to_save[active[0]]
+        active = list(getattr(wrapper, "active_adapters", []) or [])
+        off = wrapper.disable_adapters or not active or any(a not in wrapper.modules_to_save for a in active)
+        head = wrapper.original_module if off else wrapper.modules_to_save[active[0]]
     return head if type(head) is nn.Linear else None
 
 
@@ -209,7 +216,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def _vocab_size(head: nn.Module | None, config: Any) -> int:
+def _vocab_size(head: nn.Module | None, config: PretrainedConfig) -> int:
     return _head_outputs(head) or int(getattr(config, "vocab_size", 0) or 32000)
 
 

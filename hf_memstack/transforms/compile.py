@@ -7,13 +7,16 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..policy import CompileConfig
 from .blocks import Blocks
+
+if TYPE_CHECKING:
+    from torch._dynamo.backends.registry import CompiledFn, CompilerFn
 
 __all__ = ["CompileStats", "apply_compile", "check_backend", "compile_policy_problems", "verify_compile"]
 
@@ -53,11 +56,11 @@ def check_backend(cfg: CompileConfig) -> None:
 class _CountingBackend:
     """Wraps a backend: each graph it compiles bumps ``graphs_compiled``, each call ``graph_calls``."""
 
-    def __init__(self, inner: Callable[..., Any], stats: CompileStats):
+    def __init__(self, inner: CompilerFn, stats: CompileStats):
         self.inner = inner
         self.stats = stats
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> CompiledFn:
         import time
 
         start = time.perf_counter()
@@ -75,7 +78,7 @@ class _CountingBackend:
 
 def _backend(cfg: CompileConfig, stats: CompileStats) -> _CountingBackend:
     if cfg.backend == "inductor":
-        inner: Callable[..., Any] = torch._TorchCompileInductorWrapper(cfg.inductor_mode, None, cfg.dynamic)
+        inner: CompilerFn = torch._TorchCompileInductorWrapper(cfg.inductor_mode, None, cfg.dynamic)
     else:
         inner = torch._dynamo.lookup_backend(cfg.backend)
     return _CountingBackend(inner, stats)

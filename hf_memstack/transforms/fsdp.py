@@ -7,7 +7,7 @@ agreement, weights from rank 0, sharded checkpoints, Accelerate's plugin) is in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,10 @@ from ..distributed.weights import load_from_rank0
 from ..policy import FSDPConfig
 from .blocks import Blocks
 from .precision import ResolvedPrecision
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 __all__ = ["FSDPResult", "apply_fsdp", "mixed_precision_policy", "reshard_after_forward"]
 
@@ -95,7 +99,7 @@ def _reshard_after_no_grad_forward(model: nn.Module) -> None:
 
     def after(module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
-            module.reshard()
+            cast("FSDPModule", module).reshard()  # the hook is on the root, which fully_shard made an FSDPModule
 
     model.register_forward_hook(after)
 
@@ -105,7 +109,7 @@ def reshard_after_forward(cfg: FSDPConfig) -> bool:
     return cfg.reshard_after_forward if cfg.reshard_after_forward is not None else cfg.mode != "shard_grad_op"
 
 
-def mixed_precision_policy(precision: ResolvedPrecision) -> Any:
+def mixed_precision_policy(precision: ResolvedPrecision) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     # Compute in the policy's dtype, reduce gradients in fp32: summing bf16 gradients over many
@@ -113,7 +117,7 @@ def mixed_precision_policy(precision: ResolvedPrecision) -> Any:
     return MixedPrecisionPolicy(param_dtype=precision.dtype if precision.mixed else None, reduce_dtype=torch.float32)
 
 
-def _mesh(cfg: FSDPConfig, device_type: str) -> Any:
+def _mesh(cfg: FSDPConfig, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()

@@ -4,6 +4,7 @@ so no logits are saved and nothing is recomputed in the backward."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +42,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # matmul (addmm_: fp32 within a chunk, one rounding per chunk); an fp32 accumulator was
             # measured no more accurate next to bf16's own rounding and up to 1.7x slower on CPU.
             grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants_b else None
+            grad_b = (
+                torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+                if wants_b and bias is not None
+                else None
+            )
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             # Eager under a dispatch mode (the meter's MemTracker, the estimator's fake tensors: Dynamo
             # cannot compile there, and the peak is the same) and inside a compiled model (its graph has it).
@@ -148,9 +153,13 @@ def _compiled_chunk_step(
             grad_h[rows] = g_low @ w
         if grad_w is not None:
             grad_w.addmm_(g_low.t(), h)
-        if grad_b is not None:
+        if grad_b is not None and g_bias is not None:  # g_bias is computed exactly when grad_b is given
             grad_b += g_bias
     return loss
+
+
+_XentResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+"""A chunk's summed loss, and the loss's gradient on its raw logits and its bias (None when not asked for)."""
 
 
 def _softmax_xent(
@@ -161,14 +170,15 @@ def _softmax_xent(
     ignore_index: int,
     wants_grad: bool,
     bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> _XentResult:
     """One chunk's summed loss and the loss's gradient on the raw logits (in their dtype; its fp32
     column sums for a bias), written out of place: Inductor fuses it into a few passes over the chunk."""
     z = raw.float()
     if multiplier != 1.0:
         z = z * multiplier
-    squash = torch.tanh(z / softcap) if softcap is not None else None
-    if squash is not None:
+    squash: torch.Tensor | None = None
+    if softcap is not None:
+        squash = torch.tanh(z / softcap)
         z = squash * softcap
     valid = (y != ignore_index).unsqueeze(1)
     safe = torch.where(valid.squeeze(1), y, 0).unsqueeze(1)
@@ -187,10 +197,10 @@ def _softmax_xent(
     return loss, g.to(raw.dtype), g.sum(0) if bias_grad else None
 
 
-_COMPILED: list[Any] = []
+_COMPILED: list[Callable[..., _XentResult]] = []
 
 
-def _compiled_softmax_xent() -> Any:
+def _compiled_softmax_xent() -> Callable[..., _XentResult]:
     # Compiled once per process, for every chunk shape (dynamic): the last, shorter chunk reuses it.
     if not _COMPILED:
         _COMPILED.append(torch.compile(_softmax_xent, dynamic=True))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,7 +16,10 @@ from torch import nn
 from ..distributed._ranks import on_every_rank, runs_collectives
 from ._wrappers import _ForwardWrapper
 from .chunked_loss import _check_ids_in_range, _chunked_lm_loss, _vocab_size
-from .router_loss import _router_logits_on, _router_numbers
+from .router_loss import RouterLoss, _router_logits_on, _router_numbers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["ChunkedLossForward"]
 
@@ -25,14 +28,17 @@ class ChunkedLossForward(_ForwardWrapper):
     """A causal LM's forward that, with labels and gradients on, computes the loss chunk by chunk
     from the backbone's hidden states, and returns ``logits=None``; otherwise the model's own forward."""
 
+    module: PreTrainedModel
+    """The causal LM (``loss_head`` checked it is one)."""
+
     def __init__(
         self,
-        module: nn.Module,
+        module: PreTrainedModel,
         *,
         chunk_tokens: int,
         softcap: float | None = None,
         logit_multiplier: float = 1.0,
-        router_loss: Callable[..., Any] | None = None,
+        router_loss: RouterLoss | None = None,
         cache_default: bool = False,
         compiled: bool = False,
     ) -> None:
@@ -164,13 +170,14 @@ def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> An
     )
 
 
-def _check_token_ids(arguments: dict[str, Any], head: nn.Module, model: nn.Module, ignore_index: int) -> None:
+def _check_token_ids(arguments: dict[str, Any], head: nn.Module, model: PreTrainedModel, ignore_index: int) -> None:
     """Refuse ids outside the vocabulary before the forward: the embedding's and the loss's index
     errors name neither the id nor the vocabulary (on CUDA they are device-side asserts)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     checks: list[tuple[str, Any, int, int | None]] = []
-    if isinstance(getattr(embedding, "num_embeddings", None), int):
-        checks.append(("input_ids", arguments.get("input_ids"), embedding.num_embeddings, None))
+    num_embeddings = getattr(embedding, "num_embeddings", None)
+    if isinstance(num_embeddings, int):
+        checks.append(("input_ids", arguments.get("input_ids"), num_embeddings, None))
     vocab = _vocab_size(head, model.config)
     checks += [(name, arguments.get(name), vocab, ignore_index) for name in ("labels", "shift_labels")]
     _check_ids_in_range(checks, model_name=type(model).__name__)

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,10 @@ from ..policy import LossConfig
 from .chunked_loss import _plain_linear, _vocab_size, auto_chunk_tokens
 from .loss_forward import ChunkedLossForward
 from .loss_result import LossHeadResult
-from .router_loss import _router_loss_function
+from .router_loss import RouterLoss, _router_loss_function
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["apply_loss_head", "check_loss_head", "supports_chunked_loss"]
 
@@ -51,10 +54,10 @@ __all__ = ["apply_loss_head", "check_loss_head", "supports_chunked_loss"]
 class _HeadPlan:
     """What the checks found; applying it cannot fail."""
 
-    target: nn.Module
+    target: PreTrainedModel
     """The causal LM whose forward gets wrapped (inside a PEFT wrapper, the model PEFT wraps)."""
     result: LossHeadResult
-    router_loss: Callable[..., Any] | None = None
+    router_loss: RouterLoss | None = None
     """The model's own ``load_balancing_loss_func`` (a mixture-of-experts model), or None."""
     cache_default: bool = False
     """The model's ``config.use_cache`` before ``prepare_model`` turned it off for training: whether
@@ -77,14 +80,14 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
         return None
     from .._unwrap import unwrap_model
 
-    target = unwrap_model(model)
-    _check_causal_lm(target)
+    target = _check_causal_lm(unwrap_model(model))
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     router_loss = _router_loss_function(target)
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
     multiplier = float(getattr(target, "logit_scale", None) or getattr(config, "logit_scale", None) or 1.0)
-    if getattr(config, "logits_scaling", None):
-        multiplier /= float(config.logits_scaling)
+    logits_scaling = getattr(config, "logits_scaling", None)
+    if logits_scaling:
+        multiplier /= float(logits_scaling)
     head = target.get_output_embeddings()
     chunk = cfg.chunk_tokens or auto_chunk_tokens(_vocab_size(head, config))
     result = LossHeadResult(
@@ -118,7 +121,8 @@ def supports_chunked_loss(model: nn.Module) -> bool:
     return True
 
 
-def _check_causal_lm(target: nn.Module) -> None:
+def _check_causal_lm(target: nn.Module) -> PreTrainedModel:
+    """``target``, seen as the causal LM (a Transformers ``*ForCausalLM``) it was checked to be."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     name = type(target).__name__
@@ -139,6 +143,7 @@ def _check_causal_lm(target: nn.Module) -> None:
             f"vocabulary, next-token loss); {name} cannot use it: {why}. Its loss has no vocabulary-sized logits to chunk: "
             "drop loss:chunked from the policy"
         )
+    return cast("PreTrainedModel", target)
 
 
 def _check_matches_model(plan: _HeadPlan) -> None:
@@ -209,7 +214,7 @@ def _hooks_restored(model: nn.Module) -> Iterator[None]:
                 m.__dict__[flag] = installed
 
 
-def _show(value: Any) -> str:
+def _show(value: torch.Tensor | float | None) -> str:
     return "none" if value is None else f"{float(value):.6f}"
 
 

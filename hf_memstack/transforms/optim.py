@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from .bf16_adamw import BF16AdamW
 from .optim_8bit import _torchao_adamw
 from .optim_groups import _check_hyperparameters, _param_groups, _tensor_of
 from .optim_in_backward import Factory, OptimizerInBackward, optimizer_in_backward_of
+
+if TYPE_CHECKING:
+    from ..record import MemstackRecord
 
 __all__ = ["check_optimizer_policy", "check_training_settings", "make_optimizer"]
 
@@ -47,7 +50,7 @@ def check_training_settings(
     *,
     gradient_accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
-    grad_scaler: Any | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Raise when the training loop asks for what the optimizer rung cannot do; every problem at once.
 
@@ -99,8 +102,10 @@ def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> 
             "per optimizer step), e.g. 1"
         )
     if max_grad_norm is not None and not (
-        isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool) and max_grad_norm >= 0
-    ):  # nan fails >= 0
+        isinstance(max_grad_norm, numbers.Real)
+        and not isinstance(max_grad_norm, bool)
+        and cast(float, max_grad_norm) >= 0
+    ):  # nan fails >= 0; cast: numbers.Real's stub declares < and <= only, and every Real compares with 0
         problems.append(
             f"max_grad_norm={max_grad_norm!r} must be None or a number >= 0 (0 or None: no clipping), e.g. 1.0"
         )
@@ -150,7 +155,7 @@ def make_optimizer(
     # Plain floats for torch.optim (numpy scalars, or betas given as ints, which AdamW refuses).
     lr = lr if torch.is_tensor(lr) else float(lr)
     eps, weight_decay, betas = float(eps), float(weight_decay), (float(betas[0]), float(betas[1]))
-    record = record_of(model)
+    record = cast("MemstackRecord | None", record_of(model))  # the record prepare_model leaves is a MemstackRecord
     resolved = (
         MemoryPolicy.coerce(policy) if policy is not None else (record.policy if record is not None else MemoryPolicy())
     )

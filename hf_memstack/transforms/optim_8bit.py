@@ -14,8 +14,9 @@ _INSTALL = "pip install 'hf_memstack[optim]' (torchao)"
 
 
 @functools.cache
-def _torchao_adamw() -> type[torch.optim.Optimizer]:
-    """torchao's ``AdamW8bit`` (with ``bf16_stochastic_round`` under pure bf16), trackable."""
+def _torchao_adamw() -> Callable[..., torch.optim.Optimizer]:
+    """torchao's ``AdamW8bit`` (with ``bf16_stochastic_round`` under pure bf16), trackable: a class whose
+    constructor takes AdamW's arguments (not ``torch.optim.Optimizer``'s ``defaults`` dict)."""
     try:
         from torchao.optim import AdamW8bit
     except Exception as e:  # noqa: BLE001 - an ImportError, or torchao failing to load against this torch

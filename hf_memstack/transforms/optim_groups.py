@@ -8,7 +8,7 @@ import difflib
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,7 +24,8 @@ def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, 
     def number(x: Any, *, tensor: bool = False) -> bool:
         if tensor and torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():
             x = x.item()
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0  # numpy's too
+        # numpy's too; cast: numbers.Real's stub declares < and <= only, and every Real compares with 0
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and cast(float, x) >= 0
 
     problems = [
         f"{where}{name}={value!r} must be a finite number >= 0{' (or a one-value float tensor)' if tensor else ''}, "
@@ -56,9 +57,9 @@ def _param_groups(model: nn.Module, param_groups: Any, defaults: dict[str, Any])
         ValueError: a group's hyperparameter; a parameter that ``model`` does not have; nothing trainable.
     """
     if param_groups is None:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-        _check_group_parameters(model, groups, given=False)
-        return groups
+        trainable = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+        _check_group_parameters(model, trainable, given=False)
+        return trainable
     if isinstance(param_groups, (str, bytes, dict, set, torch.Tensor)) or not isinstance(param_groups, Iterable):
         raise TypeError(
             f"make_optimizer: param_groups={_short(param_groups)} ({type(param_groups).__name__}) must be a list of "

@@ -4,11 +4,14 @@ is complete, which then frees it (``optim:in_backward``): the gradients are neve
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from typing import Any
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward_of"]
 
@@ -30,7 +33,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         factory: Factory,
         defaults: dict[str, Any],
         *,
@@ -154,16 +157,16 @@ class _MergedState(MutableMapping):
     def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]) -> None:
         self._optimizers = optimizers
 
-    def __getitem__(self, param: Any) -> Any:
+    def __getitem__(self, param: nn.Parameter) -> Any:
         return self._optimizers[param].state[param]
 
-    def __setitem__(self, param: Any, value: Any) -> None:
+    def __setitem__(self, param: nn.Parameter, value: Any) -> None:
         self._optimizers[param].state[param] = value
 
-    def __delitem__(self, param: Any) -> None:
+    def __delitem__(self, param: nn.Parameter) -> None:
         del self._optimizers[param].state[param]
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[nn.Parameter]:
         return (p for p, o in self._optimizers.items() if p in o.state)
 
     def __len__(self) -> int:

@@ -7,7 +7,6 @@ backward (``optim:in_backward``) would, so it is paused for the observed step.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from torch import nn
 
@@ -16,7 +15,7 @@ from .optim_in_backward import optimizer_in_backward_of
 __all__ = ["optimizer_paused"]
 
 
-def optimizer_paused(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+def optimizer_paused(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """A context in which ``model``'s optimizer stepping in the backward (if any) does not step."""
     stepping = optimizer_in_backward_of(model)
     return stepping.paused() if stepping is not None else contextlib.nullcontext()

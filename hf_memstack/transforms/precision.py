@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from .._device import device_of
 from ._wrappers import AutocastForward, forward_wrapper, fused_lm_head_installed
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 __all__ = [
     "AutocastBypassGuard",
@@ -120,7 +123,7 @@ def resolve_precision(requested: str, device: torch.device | str) -> ResolvedPre
     return ResolvedPrecision(requested, dtype, dt, reason)
 
 
-def check_accelerator_precision(precision: ResolvedPrecision, accelerator: Any) -> None:
+def check_accelerator_precision(precision: ResolvedPrecision, accelerator: Accelerator) -> None:
     """Raise if an Accelerator was created with a different mixed precision than the policy's.
 
     Raises:
@@ -163,7 +166,7 @@ def restore_autocast(model: nn.Module) -> bool:
     """
     from .._unwrap import record_of, unwrap_model
 
-    record = record_of(model)
+    record = cast("_AutocastRecord | None", record_of(model))
     if record is None or record.autocast_by != "hf_memstack":
         return False
     inner = unwrap_model(model)
@@ -171,6 +174,16 @@ def restore_autocast(model: nn.Module) -> bool:
         return False
     inner.forward = AutocastForward(inner, dtype=record.precision.dtype)  # type: ignore[method-assign]
     return True
+
+
+class _AutocastRecord(Protocol):
+    """What :func:`restore_autocast` reads of ``model.memstack`` (a :class:`hf_memstack.record.MemstackRecord`,
+    whose module imports this one: it is typed here by what is read)."""
+
+    @property
+    def autocast_by(self) -> str: ...
+    @property
+    def precision(self) -> ResolvedPrecision: ...
 
 
 class AutocastBypassGuard:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from ..measure.accounting import tensor_bytes
 from ..policy import QuantConfig
 from .blocks import Blocks
 from .quant_targets import BNB_LOAD, find_targets, refuse_trainable_targets, scaler_block_size
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable"]
 
@@ -181,7 +184,8 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
             nf4 = _to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
         target.module.weight = nn.Parameter(nf4, requires_grad=False)
         del weight, nf4
-    layers = [t.module for t in plan.targets] or [m for _, m in plan.loaded]
+    # A model loaded 4-bit holds its 4-bit weights in linear layers (bitsandbytes' Linear4bit is an nn.Linear).
+    layers = [t.module for t in plan.targets] or [cast(nn.Linear, m) for _, m in plan.loaded]
     names = [t.name for t in plan.targets] or [n for n, _ in plan.loaded]
     upcast = _upcast(model) if plan.cfg.upcast else 0
     return QuantResult(
@@ -248,7 +252,7 @@ def quantizable(blocks: Blocks | None) -> bool:
 # ---------------------------------------------------------------------------------------- the checks
 
 
-def _nf4_module() -> Any:
+def _nf4_module() -> ModuleType:
     try:
         import importlib
 

@@ -5,6 +5,8 @@ size the 4-bit blocks (and FSDP's shards) divide."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from ..policy import QuantConfig
@@ -16,7 +18,7 @@ __all__ = ["BNB_LOAD", "find_targets", "refuse_trainable_targets", "scaler_block
 BNB_LOAD = "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True))"
 
 
-def find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> list[tuple[str, nn.Module]]:
+def find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers to quantize: the blocks' (default) or those ``cfg.targets`` names;
     PEFT's adapter layers never (they train), a PEFT wrapper's ``base_layer`` in its place."""
     adapters = adapter_module_ids(model)
@@ -50,8 +52,8 @@ def find_targets(model: nn.Module, cfg: QuantConfig, blocks: Blocks | None) -> l
 
 def _named_targets(
     model: nn.Module, targets: tuple[str, ...], adapters: set[int], names: dict[int, str]
-) -> list[tuple[str, nn.Module]]:
-    found: dict[int, tuple[str, nn.Module]] = {}
+) -> list[tuple[str, nn.Linear]]:
+    found: dict[int, tuple[str, nn.Linear]] = {}
     for target in targets:
         hits = [
             m
@@ -74,7 +76,7 @@ def _named_targets(
         odd = sorted({f"{names[id(m)]} ({type(m).__name__})" for m in hits if not isinstance(m, nn.Linear)})
         if odd:
             raise ValueError(_unsupported(model, odd, f"policy.quant.targets {target!r}"))
-        found.update((id(m), (names[id(m)], m)) for m in hits)
+        found.update((id(m), (names[id(m)], cast(nn.Linear, m))) for m in hits)  # odd refused any other kind
     return list(found.values())
 
 
@@ -87,7 +89,7 @@ def _unsupported(model: nn.Module, odd: list[str], what: str) -> str:
     )
 
 
-def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def _untied(model: nn.Module, found: list[tuple[str, nn.Linear]]) -> list[tuple[str, nn.Linear]]:
     """A weight shared with another module (a head tied to the embeddings) cannot become 4-bit in one of them."""
     users: dict[int, list[str]] = {}
     for n, m in model.named_modules(remove_duplicate=False):
@@ -104,7 +106,7 @@ def _untied(model: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[
     return found
 
 
-def refuse_trainable_targets(model: nn.Module, found: list[tuple[str, nn.Module]]) -> None:
+def refuse_trainable_targets(model: nn.Module, found: list[tuple[str, nn.Linear]]) -> None:
     """A model where every parameter trains is a base before its adapters (``get_peft_model`` after
     ``prepare_model`` freezes it): its quantized layers are frozen. Once anything is frozen, what
     trains was decided, and a trainable weight cannot become 4-bit."""

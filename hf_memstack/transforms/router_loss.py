@@ -7,19 +7,25 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 # The one signature every Transformers causal LM with a router loss calls it with (Mixtral's pattern):
 # load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask).
 _ROUTER_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 
+RouterLoss = Callable[..., "torch.Tensor | int"]
+"""A model's ``load_balancing_loss_func`` (0 when the forward gave it no router logits)."""
 
-def _router_loss_function(target: nn.Module) -> Callable[..., Any] | None:
+
+def _router_loss_function(target: PreTrainedModel) -> RouterLoss | None:
     """The model's own ``load_balancing_loss_func`` (from its modeling module, through subclasses),
     or None for a model without a router loss; refuse one called another way (Doge's extra argument)."""
-    modules = (sys.modules.get(cls.__module__) for cls in type(target).__mro__)
+    # A class whose module is no longer imported has no function to look at (hasattr(None, ...) was False too).
+    modules = (m for cls in type(target).__mro__ if (m := sys.modules.get(cls.__module__)) is not None)
     function = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
     if function is None:
         return None  # no router loss in this family (DeepSeek-V3, Llama-4, ... train without one)
@@ -44,7 +50,7 @@ def _router_loss_function(target: nn.Module) -> Callable[..., Any] | None:
     return function
 
 
-def _router_numbers(model: nn.Module) -> tuple[Any, Any, Any]:
+def _router_numbers(model: PreTrainedModel) -> tuple[Any, Any, Any]:
     """``(num_experts, top_k, coefficient)`` as the model's forward reads them (its own attributes,
     set from the config at init; JetMoE calls the coefficient ``aux_loss_coef``), else the config's."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -59,7 +65,7 @@ def _router_numbers(model: nn.Module) -> tuple[Any, Any, Any]:
     )
 
 
-def _router_logits_on(model: nn.Module, arguments: dict[str, Any]) -> bool | None:
+def _router_logits_on(model: PreTrainedModel, arguments: dict[str, Any]) -> bool | None:
     """``output_router_logits`` as the model's forward resolves it (the call's, else the config's);
     None for a model that has no such option."""
     if arguments.get("output_router_logits") is not None:

@@ -20,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -94,7 +94,7 @@ def check_tiled_mlp(model: nn.Module, cfg: MLPConfig, blocks: Blocks | None) -> 
             "policy.checkpointing.block_classes to the block class, or drop mlp:tiled"
         )
     config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
         raise ValueError(
             f"policy.mlp.mode='tiled': {type(model).__name__} is a mixture-of-experts model, whose expert layers "
@@ -109,7 +109,7 @@ def check_tiled_mlp(model: nn.Module, cfg: MLPConfig, blocks: Blocks | None) -> 
             f"policy.mlp.module_name={name!r}: block(s) {missing or [0]} of {type(model).__name__} have no such MLP "
             f"module (block children: {found}); set policy.mlp.module_name to the MLP's name, or drop mlp:tiled"
         )
-    mlps = tuple(_child(b, name) for b in blocks.modules)
+    mlps = tuple(b.get_submodule(name) for b in blocks.modules)  # every block has it: none is missing
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
     tile = cfg.tile_tokens or auto_tile_tokens(hidden)
     if _has_values(mlps[0]):
@@ -186,7 +186,7 @@ def _find_name(block: nn.Module) -> str | None:
     return next((n for n in _MLP_NAMES if isinstance(getattr(block, n, None), nn.Module)), None)
 
 
-def _child(block: nn.Module, name: str | None) -> Any:
+def _child(block: nn.Module, name: str | None) -> nn.Module | None:
     if not name:
         return None
     try:
@@ -226,7 +226,7 @@ def _input_width(mlp: nn.Module) -> int | None:
     if first is not None:
         return int(first.in_features)
     conv1d = next((m for m in mlp.modules() if type(m).__name__ == "Conv1D"), None)  # GPT-2's transposed linear
-    return int(conv1d.weight.shape[0]) if conv1d is not None else None
+    return int(cast(torch.Tensor, conv1d.weight).shape[0]) if conv1d is not None else None  # its [in, out] weight
 
 
 def _has_values(module: nn.Module) -> bool:
