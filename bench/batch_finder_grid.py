@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from _common import machine
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny models and their batches
+from tiny import LLAMA, batches, configs, model_class  # noqa: E402
 
 from hf_memstack import find_batch_size, prepare_model, simulated_memory_limit
 from hf_memstack.measure.step import train_step
@@ -39,12 +42,13 @@ SEQS = (32, 96)
 # (over), 37 with the finder v1. (arch, policy, seq, target)
 EXTRA = (("qwen2", "fp32+ckpt", 96, 37),)
 TARGETS = (24, 48, 96, 160)
-VOCAB = 128
 RESULTS = Path(__file__).parent / "results"
 
 
 class PlainStack(nn.Module):
-    """Not a Transformers model (as tests/tiny.py's): residual MLP blocks in a ModuleList."""
+    """Not a Transformers model (as tests/tiny.py's): residual MLP blocks in a ModuleList. Its own, not tiny.py's:
+    its blocks are bare Sequentials (the residual add outside what checkpointing wraps), as the cached truths were
+    measured."""
 
     def __init__(self, dim: int = 32, depth: int = 3):
         super().__init__()
@@ -64,97 +68,17 @@ class PlainStack(nn.Module):
 
 
 def build(arch: str) -> nn.Module:
+    """tests/tiny.py's tiny model of ``arch`` (positions for 128 tokens), or Qwen2 with an untied head."""
     import transformers as tf
 
     torch.manual_seed(0)
-    small = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
     if arch == "plain":
         return PlainStack().train()
-    model = {
-        "llama": lambda: tf.LlamaForCausalLM(
-            tf.LlamaConfig(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-                pad_token_id=0,
-                **small,
-            )
-        ),
-        "qwen2": lambda: tf.Qwen2ForCausalLM(
-            tf.Qwen2Config(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=128,
-                tie_word_embeddings=False,
-                **small,
-            )
-        ),
-        "gpt2": lambda: tf.GPT2LMHeadModel(
-            tf.GPT2Config(
-                n_embd=64,
-                n_layer=2,
-                n_head=4,
-                n_positions=128,
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-                **small,
-            )
-        ),
-        "bert": lambda: tf.BertForSequenceClassification(
-            tf.BertConfig(
-                hidden_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                intermediate_size=128,
-                vocab_size=VOCAB,
-                max_position_embeddings=128,
-                num_labels=3,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-        ),
-        "t5": lambda: tf.T5ForConditionalGeneration(
-            tf.T5Config(
-                d_model=64,
-                d_ff=128,
-                num_layers=2,
-                num_decoder_layers=2,
-                num_heads=4,
-                d_kv=16,
-                vocab_size=VOCAB,
-                dropout_rate=0.0,
-                decoder_start_token_id=0,
-                pad_token_id=0,
-                eos_token_id=1,
-            )
-        ),
-    }[arch]()
-    return model.train()
-
-
-def batches(arch: str, seq: int) -> Any:
-    def make(n: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(n)
-        if arch == "plain":
-            x = torch.randn(n, seq, 32, generator=g)
-            return {"x": x, "y": x.mean(1).sum(-1, keepdim=True).tanh()}
-        ids = torch.randint(3, VOCAB, (n, seq), generator=g)
-        if arch == "bert":
-            return {
-                "input_ids": ids,
-                "attention_mask": torch.ones_like(ids),
-                "labels": torch.randint(0, 3, (n,), generator=g),
-            }
-        return {"input_ids": ids, "labels": ids.clone()}
-
-    return make
+    if arch == "qwen2":
+        return tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(**LLAMA, max_position_embeddings=128, tie_word_embeddings=False)
+        ).train()
+    return model_class(arch)(configs(positions=128)[arch]).train()
 
 
 @dataclass(kw_only=True)

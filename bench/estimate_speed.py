@@ -18,43 +18,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 t_start = time.perf_counter()
 import torch  # noqa: E402
-from _common import machine  # noqa: E402
+from _common import LLAMA_SHAPES, machine  # noqa: E402
 from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 
 from hf_memstack import estimate_memory, plan_policy  # noqa: E402
 from hf_memstack.planning import build_cache as _build_cache  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny Llama, for the warm-up
+from tiny import llama_config  # noqa: E402
+
 t_imports = time.perf_counter() - t_start
 
-SHAPES = {
-    "llama-2-7b": {
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "vocab_size": 32000,
-    },
-    "llama-3-70b": {
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "vocab_size": 128256,
-    },
-}
 JOB = {"batch_size": 1, "seq_len": 2048, "trainable": {"r": 16}}
 POLICY = "bf16+ckpt"
 
 
 def config(shape: str) -> LlamaConfig:
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, dtype="bfloat16")
+    return LlamaConfig(**LLAMA_SHAPES[shape], max_position_embeddings=8192, dtype="bfloat16")
 
 
 CPU: dict[str, float] = {}  # each timed call's CPU seconds (this process), by what it timed
@@ -126,18 +112,12 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "estimate_speed.json"))
     args = ap.parse_args()
     print(machine(), f"torch threads {torch.get_num_threads()}", f"imports {t_imports:.1f} s", sep="\n")
-    tiny = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
+    _, warm = timed(
+        lambda: estimate_memory(llama_config(vocab_size=256), POLICY, batch_size=1, seq_len=32, trainable={"r": 16})
     )
-    _, warm = timed(lambda: estimate_memory(tiny, POLICY, batch_size=1, seq_len=32, trainable={"r": 16}))
     print(f"warm-up estimate (tiny model, first call): {warm:.1f} s")
     rows = []
-    for shape in SHAPES:
+    for shape in LLAMA_SHAPES:
         _build_cache.clear()  # each one estimate builds its model and depth plan itself
         fast, t_fast = timed(lambda shape=shape: estimate_memory(config(shape), POLICY, **JOB), shape)
         row = {

@@ -20,52 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _common import machine
+from _common import FINETUNE, ROOT, last_quarter_loss, machine, recipe_run, run_dir
 
-ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ["fp32", "fp32+optim:in_backward", "fp32+optim:8bit", "fp32+optim:8bit+optim:in_backward"]
 
 
 def run(policy: str, seed: int, steps: int, out: Path) -> dict:
-    script = ROOT / "bench" / "_plain_adamw.py" if policy.startswith("plain:") else ROOT / "recipes" / "finetune.py"
-    cmd = [
-        sys.executable,
-        str(script),
-        "--policy",
-        policy.removeprefix("plain:"),
-        "--seed",
-        str(seed),
-        "--max-steps",
-        str(steps),
-        "--grad-clip",
-        "0",
-        "--log-every",
-        "10",
-        "--eval-every",
-        "0",
-        "--output-dir",
-        str(out),
-    ]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if done.returncode != 0:
-        raise SystemExit(f"{policy} seed {seed} failed:\n{done.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
-    return {
-        "policy": policy,
-        "seed": seed,
-        "seconds": time.perf_counter() - start,
-        "losses": [(h["step"], h["loss"]) for h in report["history"]],
-        "final": report["final_metrics"],
-    }
+    """``plain:``: bench/_plain_adamw.py (the recipe with plain AdamW) on the policy after the prefix."""
+    script = ROOT / "bench" / "_plain_adamw.py" if policy.startswith("plain:") else FINETUNE
+    return {**recipe_run(script, policy.removeprefix("plain:"), seed, steps, out, "--grad-clip", "0"), "policy": policy}
 
 
 def main() -> None:
@@ -89,21 +56,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for policy in args.policies.split(","):
             for seed in seeds:
-                r = run(policy, seed, args.steps, Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}")
+                r = run(policy, seed, args.steps, run_dir(tmp, policy, seed))
                 print(f"  {policy} seed {seed}: {r['seconds']:.0f} s, final {r['final']}", flush=True)
                 runs.append(r)
                 # After every run (an hour each for bf16 on a CPU without it): what was measured is kept.
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps({"machine": machine(), "steps": args.steps, "runs": kept + runs}, indent=2))
 
-    # The mean training loss over the last quarter of the logged steps, per run.
-    def tail(r: dict) -> float:
-        losses = [loss for _, loss in r["losses"]]
-        return statistics.fmean(losses[-max(1, len(losses) // 4) :])
-
     runs = kept + runs
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    base = [tail(r) for r in runs if r["policy"] == args.base]
+    base = [last_quarter_loss(r) for r in runs if r["policy"] == args.base]
     spread = max(base) - min(base) if len(base) > 1 else float("nan")
     base_mean = statistics.fmean(base) if base else float("nan")  # nan: the base has no run in this file yet
     print(
@@ -112,7 +74,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for policy in policies:
         rs = [r for r in runs if r["policy"] == policy]
-        t = statistics.fmean(tail(r) for r in rs)
+        t = statistics.fmean(last_quarter_loss(r) for r in rs)
         ev = statistics.fmean(r["final"].get("eval_loss", float("nan")) for r in rs)
         acc = statistics.fmean(r["final"].get("eval_accuracy", float("nan")) for r in rs)
         print(

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine  # noqa: E402
+from _common import machine, measured_against_estimate  # noqa: E402
 
-from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model  # noqa: E402
+from hf_memstack import make_optimizer, measure_step, prepare_model  # noqa: E402
 from hf_memstack.data import PackedCollator, pack_dataset, padding_stats  # noqa: E402
 from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision  # noqa: E402
 
@@ -206,8 +206,6 @@ def estimates(
     args: argparse.Namespace, policy: str, layouts: dict[str, list[dict[str, torch.Tensor]]]
 ) -> list[dict[str, Any]]:
     """The estimator against the meter on one full batch of each layout (AdamW, the first step)."""
-    from transformers import LlamaForCausalLM
-
     rows = []
     per_step = max(1, args.budget // args.max_len)
     packed = next(b for b in layouts["packed"] if b["input_ids"].shape[0] == per_step)
@@ -215,20 +213,10 @@ def estimates(
     ids = torch.randint(3, args.vocab, (per_step, args.max_len), generator=torch.Generator().manual_seed(99))
     unpacked = {"input_ids": ids, "labels": ids}
     for name, batch, is_packed in (("packed", packed, True), ("unpacked, no padding", unpacked, False)):
-        torch.manual_seed(0)
-        model = prepare_model(LlamaForCausalLM(model_config(args)).train(), policy)
-        measured = measure_step(model, batch, make_optimizer(model, lr=1e-4), timed=False).peak_bytes
-        b, t = batch["input_ids"].shape
-        estimated = estimate_memory(model_config(args), policy, batch_size=b, seq_len=t, packed=is_packed).peak_bytes
-        rows.append(
-            {
-                "layout": name,
-                "shape": [b, t],
-                "measured": measured,
-                "estimated": estimated,
-                "error": estimated / measured - 1,
-            }
+        figures = measured_against_estimate(
+            model_config(args), policy, batch, estimate_cfg=model_config(args), packed=is_packed
         )
+        rows.append({"layout": name, "shape": list(batch["input_ids"].shape), **figures})
     return rows
 
 

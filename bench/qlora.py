@@ -18,22 +18,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import machine, median, reference_batch, reference_model
+from _common import (
+    FINETUNE,
+    LLAMA_SHAPES,
+    ROOT,
+    last_quarter_loss,
+    machine,
+    median,
+    recipe_run,
+    reference_batch,
+    reference_model,
+    run_dir,
+)
 
 from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model, record_of
 from hf_memstack.transforms.precision import cpu_has_native_bf16
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}
 # name: (how the base is loaded, policy)
@@ -147,81 +153,22 @@ def curves(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for policy in (f"{args.curve_precision}+ckpt", f"{args.curve_precision}+ckpt+quant:nf4"):
             for seed in range(args.seeds):
-                out = Path(tmp) / f"{policy.replace('+', '_').replace(':', '-')}_{seed}"
-                cmd = [
-                    sys.executable,
-                    str(ROOT / "recipes" / "finetune.py"),
-                    "--policy",
-                    policy,
-                    "--lora-r",
-                    "16",
-                    "--seed",
-                    str(seed),
-                    "--max-steps",
-                    str(args.steps),
-                    "--log-every",
-                    "10",
-                    "--eval-every",
-                    "0",
-                    "--output-dir",
-                    str(out),
-                ]
-                start = time.perf_counter()
-                done = subprocess.run(
-                    cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-                )
-                if done.returncode != 0:
-                    raise SystemExit(f"{policy} seed {seed} failed:\n{done.stderr[-3000:]}")
-                report = json.loads((out / "report.json").read_text())
                 runs.append(
-                    {
-                        "policy": policy,
-                        "seed": seed,
-                        "seconds": time.perf_counter() - start,
-                        "final": report["final_metrics"],
-                        "losses": [(h["step"], h["loss"]) for h in report["history"]],
-                    }
+                    recipe_run(FINETUNE, policy, seed, args.steps, run_dir(tmp, policy, seed), "--lora-r", "16")
                 )
                 print(f"  {policy} seed {seed}: {runs[-1]['seconds']:.0f} s, final {runs[-1]['final']}", flush=True)
-
-    def tail(r: dict) -> float:
-        losses = [loss for _, loss in r["losses"]]
-        return statistics.fmean(losses[-max(1, len(losses) // 4) :])
 
     print("\n| base weights | seed | train loss, last quarter | final eval loss | final accuracy | s/run |")
     print("|---|---|---|---|---|---|")
     for r in runs:
         print(
-            f"| {r['policy']} | {r['seed']} | {tail(r):.4f} | {r['final'].get('eval_loss', float('nan')):.4f} | "
+            f"| {r['policy']} | {r['seed']} | {last_quarter_loss(r):.4f} | {r['final'].get('eval_loss', float('nan')):.4f} | "
             f"{r['final'].get('eval_accuracy', float('nan')):.3f} | {r['seconds']:.0f} |"
         )
     return {"steps": args.steps, "runs": runs}
 
 
-CONFIGS = {  # Llama-2-7B's and Llama-3-70B's shapes
-    "7b": (
-        {
-            "hidden_size": 4096,
-            "intermediate_size": 11008,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 32,
-            "vocab_size": 32000,
-        },
-        "16GiB",
-    ),
-    "70b": (
-        {
-            "hidden_size": 8192,
-            "intermediate_size": 28672,
-            "num_hidden_layers": 80,
-            "num_attention_heads": 64,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-        },
-        "48GiB",
-    ),
-}
+CONFIGS = {"7b": (LLAMA_SHAPES["llama-2-7b"], "16GiB"), "70b": (LLAMA_SHAPES["llama-3-70b"], "48GiB")}
 
 
 def plan(args: argparse.Namespace) -> dict:

@@ -24,9 +24,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, timed  # noqa: E402
+from _common import machine, measured_against_estimate, timed  # noqa: E402
 
-from hf_memstack import MemoryPolicy, estimate_memory, make_optimizer, measure_step, prepare_model  # noqa: E402
+from hf_memstack import MemoryPolicy  # noqa: E402
 from hf_memstack.measure.tracker import _frozen_aware_tracker  # noqa: E402
 from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision  # noqa: E402
 from hf_memstack.transforms.tiled_mlp import TiledMLPForward, auto_tile_tokens  # noqa: E402
@@ -118,8 +118,6 @@ def block_figures(args: argparse.Namespace, tokens: int, dtype: torch.dtype) -> 
 
 def estimator_figures(args: argparse.Namespace, precision: str) -> list[dict[str, Any]]:
     """The estimate against the meter's measured step (AdamW) on a 2-layer model, untiled and tiled."""
-    from transformers import LlamaForCausalLM
-
     tokens = args.estimate_tokens
     cfg = config(args, tokens, layers=2)
     batch = {"input_ids": torch.randint(3, args.vocab, (1, tokens), generator=torch.Generator().manual_seed(0))}
@@ -127,19 +125,7 @@ def estimator_figures(args: argparse.Namespace, precision: str) -> list[dict[str
     rows = []
     for spec in (f"{precision}+ckpt+loss:chunked", f"{precision}+ckpt+loss:chunked+mlp:tiled"):
         policy = MemoryPolicy.from_string(spec)
-        torch.manual_seed(0)
-        model = prepare_model(LlamaForCausalLM(cfg).train(), policy)
-        measured = measure_step(model, batch, make_optimizer(model, lr=1e-4), timed=False).peak_bytes
-        estimated = estimate_memory(cfg, policy, batch_size=1, seq_len=tokens).peak_bytes
-        rows.append(
-            {
-                "policy": spec,
-                "tokens": tokens,
-                "measured": measured,
-                "estimated": estimated,
-                "error": estimated / measured - 1,
-            }
-        )
+        rows.append({"policy": spec, "tokens": tokens, **measured_against_estimate(cfg, policy, batch)})
     return rows
 
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +64,34 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
                 raise AssertionError(f"rank {rank} failed:\n{value}")
             results.append(value)
         return results
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
+    """What a call did on this rank: ``("ok", its result)``, or its error's type name and message (so that
+    a test can compare every rank's error, which run_ranks would otherwise raise for the first one)."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # noqa: BLE001 - every rank's error is the subject of the test
+        return type(e).__name__, str(e)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[tuple[str, Any], float]:
+    """``outcome(fn)`` and how many seconds the call took."""
+    start = time.monotonic()
+    result = outcome(fn)
+    return result, time.monotonic() - start
+
+
+def train_losses(
+    model: Any, optimizer: Any, batch: Callable[[int], dict[str, Any]], steps: Iterable[int]
+) -> list[float]:
+    """A plain loop: for each step, the model's own loss on ``batch(step)``, backward, step, zero the gradients.
+    Each step's loss (on a rank, its own loss on its part of the batch)."""
+    losses = []
+    for step in steps:
+        loss = model(**batch(step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses

@@ -14,28 +14,39 @@ VOCAB = 128
 SEQ = 16
 
 
-def configs() -> dict[str, Any]:
-    from transformers import BertConfig, GPT2Config, LlamaConfig, T5Config
+# The one tiny shape the architectures here share: 64 wide, 2 layers of 4 heads, an MLP of 128.
+SHAPE: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+# A tiny Llama (grouped-query attention: 2 key/value heads) over VOCAB ids.
+LLAMA: dict[str, Any] = {**SHAPE, "num_key_value_heads": 2, "vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def llama_config(**overrides: Any) -> Any:
+    """The tiny ``LlamaConfig`` (``LLAMA``), with ``overrides`` on top (e.g. ``vocab_size=256``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**LLAMA, **overrides})
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> nn.Module:
+    """A fresh ``LlamaForCausalLM`` of ``llama_config(**overrides)``, its weights drawn after ``manual_seed(seed)``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(**overrides)).train()
+
+
+def configs(positions: int = 64) -> dict[str, Any]:
+    """Each architecture's tiny config; ``positions``: the longest sequence its position table holds."""
+    from transformers import BertConfig, GPT2Config, T5Config
 
     return {
-        "llama": LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            max_position_embeddings=64,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        ),
+        "llama": llama_config(max_position_embeddings=positions, pad_token_id=0),
         "gpt2": GPT2Config(
             n_embd=64,
             n_layer=2,
             n_head=4,
             vocab_size=VOCAB,
-            n_positions=64,
+            n_positions=positions,
             bos_token_id=1,
             eos_token_id=2,
             resid_pdrop=0.0,
@@ -43,12 +54,9 @@ def configs() -> dict[str, Any]:
             attn_pdrop=0.0,
         ),
         "bert": BertConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
+            **SHAPE,
             vocab_size=VOCAB,
-            max_position_embeddings=64,
+            max_position_embeddings=positions,
             num_labels=3,
             hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import outcome, run_ranks
+from tiny import batches, tiny_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -15,42 +16,13 @@ SMALL, LARGE = 12 * 2**20, 24 * 2**20
 GLOBAL = 512
 
 
-def _model(vocab_size=128):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab_size,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).train()
-
-
-def _make(n):
-    from tiny import make_batch
-
-    return make_batch("llama", batch_size=n, seq=32, seed=n)
-
-
-def _outcome(fn):
-    """What a call did on this rank: its result, or the error's type and message."""
-    try:
-        return "ok", fn()
-    except Exception as e:  # noqa: BLE001 - every rank's error is the subject of the test
-        return type(e).__name__, str(e)
+_make = batches("llama", seq=32)
 
 
 def _scenarios(rank, world, cache_dirs):
     from hf_memstack import find_batch_size, prepare_model
 
-    model = prepare_model(_model(), "bf16")
+    model = prepare_model(tiny_llama(), "bf16")
     opt = torch.optim.AdamW(model.parameters())
     out = {}
 
@@ -60,10 +32,10 @@ def _scenarios(rank, world, cache_dirs):
         )
         return r.batch_size, r.world_size, r.grad_accum, r.cache, [(p.batch_size, p.fits) for p in r.probes]
 
-    out["agree"] = _outcome(lambda: find(budget=[LARGE, SMALL][rank]))
+    out["agree"] = outcome(lambda: find(budget=[LARGE, SMALL][rank]))
     # Per-node caches: after one search only rank 0 (local rank 0) wrote an entry.
-    out["cache_first"] = _outcome(lambda: find(budget=SMALL, cache=True, cache_dir=cache_dirs[rank]))
-    out["cache_second"] = _outcome(lambda: find(budget=SMALL, cache=True, cache_dir=cache_dirs[rank]))
+    out["cache_first"] = outcome(lambda: find(budget=SMALL, cache=True, cache_dir=cache_dirs[rank]))
+    out["cache_second"] = outcome(lambda: find(budget=SMALL, cache=True, cache_dir=cache_dirs[rank]))
 
     def make_or_fail(n):
         if rank == 1 and n >= 4:
@@ -71,9 +43,9 @@ def _scenarios(rank, world, cache_dirs):
         return _make(n)
 
     before = [p.detach().clone() for p in model.parameters()]
-    out["error_in_probe"] = _outcome(lambda: find(budget=SMALL, make=make_or_fail))
+    out["error_in_probe"] = outcome(lambda: find(budget=SMALL, make=make_or_fail))
     out["restored"] = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    out["preflight"] = _outcome(lambda: find(budget=[SMALL, 2**10][rank]))  # rank 1: below the weights
+    out["preflight"] = outcome(lambda: find(budget=[SMALL, 2**10][rank]))  # rank 1: below the weights
     return out
 
 
@@ -86,7 +58,7 @@ def ranks(tmp_path_factory):
 def _alone(budget):
     from hf_memstack import find_batch_size, prepare_model
 
-    model = prepare_model(_model(), "bf16")
+    model = prepare_model(tiny_llama(), "bf16")
     return find_batch_size(model, _make, torch.optim.AdamW(model.parameters()), budget=budget, cache=False).batch_size
 
 
@@ -135,7 +107,7 @@ def _fsdp(rank, world):
     from hf_memstack.measure.simulated import simulated_memory_limit
     from hf_memstack.measure.step import train_step
 
-    model = prepare_model(_model(FSDP_VOCAB), "fp32+fsdp")
+    model = prepare_model(tiny_llama(vocab_size=FSDP_VOCAB), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters())
     model(**_make(2)).loss.backward()  # leave (sharded) gradients in place
     local = [p.to_local().detach().clone() for p in model.parameters()]
@@ -170,6 +142,6 @@ def test_fsdp_counts_local_shards_and_restores_them():
     # Each rank's probe is the step's real peak on that rank: its local shards of the weights,
     # gradients and optimizer state plus what the step allocates. Counting the global sizes of the
     # sharded parameters (numel() of a DTensor) would add about half the model's state (2.7 MiB).
-    global_params = model_state_bytes(prepare_model(_model(FSDP_VOCAB), "fp32")).parameters
+    global_params = model_state_bytes(prepare_model(tiny_llama(vocab_size=FSDP_VOCAB), "fp32")).parameters
     for peak, direct in ((peak0, direct0), (peak1, direct1)):
         assert abs(peak - direct) < 0.05 * global_params, (peak, direct, global_params)

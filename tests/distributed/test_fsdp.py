@@ -5,29 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import run_ranks, train_losses
+from tiny import tiny_llama
 
 pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
-
-
-def _model(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).train()
 
 
 def _batch(step, lo=0, hi=GLOBAL_BATCH):
@@ -39,14 +22,10 @@ def _batch(step, lo=0, hi=GLOBAL_BATCH):
 def _train(model, rank, world, steps, start=0, opt=None):
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = GLOBAL_BATCH // world
-    losses = []
-    for step in range(start, start + steps):
-        loss = model(**_batch(step, rank * per, (rank + 1) * per)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))  # this rank's own loss, on its half of the batch
-    return losses, opt
+    losses = train_losses(
+        model, opt, lambda step: _batch(step, rank * per, (rank + 1) * per), range(start, start + steps)
+    )
+    return losses, opt  # this rank's own losses, on its half of the batch
 
 
 def _mean_over_ranks(per_rank):
@@ -57,14 +36,14 @@ def _mean_over_ranks(per_rank):
 def _fsdp_losses(rank, world, policy):
     from hf_memstack import prepare_model
 
-    model = prepare_model(_model(), policy)
+    model = prepare_model(tiny_llama(), policy)
     return _train(model, rank, world, STEPS)[0]
 
 
 def _single(policy):
     from hf_memstack import prepare_model
 
-    return _train(prepare_model(_model(), policy), 0, 1, STEPS)[0]
+    return _train(prepare_model(tiny_llama(), policy), 0, 1, STEPS)[0]
 
 
 @pytest.mark.parametrize("precision, tol", [("fp32", 1e-5), ("bf16", 3e-2)])
@@ -81,7 +60,7 @@ def _sharded_bytes(rank, world):
     from hf_memstack import measure_step, prepare_model
     from hf_memstack.measure.accounting import model_state_bytes
 
-    model = prepare_model(_model(), "fp32+fsdp")
+    model = prepare_model(tiny_llama(), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = measure_step(model, _batch(0, rank * 2, rank * 2 + 2), opt, timed=False)
     return model_state_bytes(model, opt), m.parameters, m.optimizer
@@ -90,7 +69,7 @@ def _sharded_bytes(rank, world):
 def test_per_rank_state_is_sharded():
     from hf_memstack.measure.accounting import model_state_bytes
 
-    model = _model()
+    model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, 0, 1, 1, opt=opt)
     model(**_batch(0)).loss.backward()
@@ -106,7 +85,7 @@ def _compose(rank, world):
 
     policy = MemoryPolicy.from_string("bf16+compile:regional+ckpt+fsdp")
     policy.compile.backend = "aot_eager"
-    model = prepare_model(_model(), policy)
+    model = prepare_model(tiny_llama(), policy)
     report = verify(model, _batch(0, rank * 2, rank * 2 + 2))
     losses = _train(model, rank, world, STEPS)[0]
     return report.ok, str(report), losses
@@ -122,7 +101,7 @@ def _save(rank, world, directory):
     from hf_memstack import prepare_model
     from hf_memstack.distributed.weights import save_pretrained_full
 
-    model = prepare_model(_model(), "fp32+fsdp")
+    model = prepare_model(tiny_llama(), "fp32+fsdp")
     _train(model, rank, world, 2)
     save_pretrained_full(model, directory)
     with torch.no_grad():
@@ -143,7 +122,7 @@ def _resume(rank, world, directory, phase):
     from hf_memstack import prepare_model
     from hf_memstack.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
-    model = prepare_model(_model(), "fp32+fsdp")
+    model = prepare_model(tiny_llama(), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if phase == "full":
         return _train(model, rank, world, 4, opt=opt)[0]
@@ -169,7 +148,7 @@ def _bad(rank, world, case):
 
     try:
         if case == "inconsistent":
-            prepare_model(_model(), "bf16+fsdp" if rank == 0 else "fp32+fsdp")
+            prepare_model(tiny_llama(), "bf16+fsdp" if rank == 0 else "fp32+fsdp")
         else:
             prepare_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), "fsdp")
     except (RuntimeError, ValueError) as e:
@@ -241,7 +220,7 @@ def _meta_on_rank0(rank, world, directory):
 
     if rank == 0:
         with torch.device("meta"):
-            model = _model()
+            model = tiny_llama()
     else:
         model = AutoModelForCausalLM.from_pretrained(directory)
     try:
@@ -252,7 +231,7 @@ def _meta_on_rank0(rank, world, directory):
 
 
 def test_rank0_on_meta_is_a_clear_error_on_every_rank(tmp_path):
-    _model().save_pretrained(tmp_path / "m")
+    tiny_llama().save_pretrained(tmp_path / "m")
     for message, sharded in run_ranks(_meta_on_rank0, str(tmp_path / "m"), timeout=120):
         assert "rank 0's model is on the meta device" in message and "from_pretrained_for_fsdp" in message
         assert sharded is False
@@ -261,7 +240,7 @@ def test_rank0_on_meta_is_a_clear_error_on_every_rank(tmp_path):
 def _different_models(rank, world):
     from hf_memstack import prepare_model
 
-    model = _model()
+    model = tiny_llama()
     if rank == 1:
         model = model.to(torch.bfloat16)
     try:
@@ -283,7 +262,7 @@ def _fp16_steps(rank, world):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16 on CPU: slow, fine for testing the loop
-        model = prepare_model(_model(), "fp16+fsdp")
+        model = prepare_model(tiny_llama(), "fp16+fsdp")
     scaler = model.memstack.grad_scaler
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = GLOBAL_BATCH // world
@@ -316,7 +295,7 @@ def test_fp16_scaler_skips_the_same_steps_on_every_rank():
 def _clipped(rank, world, max_norm):
     from hf_memstack import prepare_model
 
-    model = prepare_model(_model(), "fp32+fsdp" if world > 1 else "fp32")
+    model = prepare_model(tiny_llama(), "fp32+fsdp" if world > 1 else "fp32")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = GLOBAL_BATCH // world
     norms = []
@@ -355,19 +334,19 @@ def _preflight_failures(rank, world, directory):
 
     tvm = MemoryPolicy(precision="fp32", compile={"mode": "regional", "backend": "tvm"}, fsdp="full_shard")
     results = {
-        "policy": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else "fp32+fsdp+warp")),
+        "policy": outcome(lambda: prepare_model(tiny_llama(), "fp32+fsdp" if rank == 0 else "fp32+fsdp+warp")),
         "prepared": outcome(
-            lambda: prepare_model(_model() if rank == 0 else prepare_model(_model(), "fp32"), "fp32+fsdp")
+            lambda: prepare_model(tiny_llama() if rank == 0 else prepare_model(tiny_llama(), "fp32"), "fp32+fsdp")
         ),
-        "backend": outcome(lambda: prepare_model(_model(), "fp32+fsdp" if rank == 0 else tvm)),
+        "backend": outcome(lambda: prepare_model(tiny_llama(), "fp32+fsdp" if rank == 0 else tvm)),
         "blocks": outcome(
             lambda: prepare_model(
-                _model() if rank == 0 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "fp32+fsdp"
+                tiny_llama() if rank == 0 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), "fp32+fsdp"
             )
         ),
         "load": outcome(lambda: from_pretrained_for_fsdp(AutoModelForCausalLM, f"{directory}/no-such-model")),
     }
-    model = prepare_model(_model(), "fp32+fsdp")
+    model = prepare_model(tiny_llama(), "fp32+fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, rank, world, 1, opt=opt)
     save_sharded_checkpoint(model, opt, f"{directory}/ckpt")

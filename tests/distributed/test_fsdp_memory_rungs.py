@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import run_ranks, train_losses
+from tiny import tiny_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -19,24 +20,6 @@ POLICIES = [
 ]
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).train()
-
-
 def _batch(lo=0, hi=GLOBAL_BATCH):
     ids = torch.randint(3, 128, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(100))
     labels = ids.clone()
@@ -45,14 +28,7 @@ def _batch(lo=0, hi=GLOBAL_BATCH):
 
 
 def _train(model, optimizer, lo, hi):
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**_batch(lo, hi)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
+    return train_losses(model, optimizer, lambda _: _batch(lo, hi), range(STEPS))
 
 
 def _sharded(rank, world):
@@ -61,7 +37,7 @@ def _sharded(rank, world):
     per = GLOBAL_BATCH // world
     out = {}
     for policy in POLICIES:
-        model = prepare_model(_model(), policy)
+        model = prepare_model(tiny_llama(), policy)
         report = verify(model, _batch(rank * per, (rank + 1) * per))
         out[policy] = (
             report.ok,
@@ -72,14 +48,14 @@ def _sharded(rank, world):
     # parameters() would then be the gathered copies, and the optimizer would update those).
     from torch.distributed.tensor import DTensor
 
-    model = prepare_model(_model(), "fp32+fsdp")
+    model = prepare_model(tiny_llama(), "fp32+fsdp")
     with torch.no_grad():
         model(**_batch(rank * per, (rank + 1) * per))
     sharded = all(isinstance(p, DTensor) for p in model.parameters())
     out["eval_first"] = (sharded, _train(model, make_optimizer(model, lr=1e-2), rank * per, (rank + 1) * per))
     # Replicated (DDP-style) parameters: each rank would step before the gradients are averaged.
     try:
-        make_optimizer(prepare_model(_model(), "fp32+optim:in_backward"), lr=1e-2)
+        make_optimizer(prepare_model(tiny_llama(), "fp32+optim:in_backward"), lr=1e-2)
         out["replicated"] = "built"
     except ValueError as e:
         out["replicated"] = str(e)
@@ -87,7 +63,7 @@ def _sharded(rank, world):
 
 
 def test_memory_rungs_inside_fsdp_match_one_process():
-    alone_model = _model()
+    alone_model = tiny_llama()
     # One process, the whole batch, the model's own loss, plain AdamW. Every rank's half has the same
     # number of counted tokens, so the mean of the ranks' mean losses is the global mean.
     alone = _train(alone_model, torch.optim.AdamW(alone_model.parameters(), lr=1e-2), 0, GLOBAL_BATCH)
@@ -112,7 +88,7 @@ def _pure_bf16(rank, world):
     from hf_memstack.transforms.bf16_adamw import BF16AdamW
 
     per = GLOBAL_BATCH // world
-    model = prepare_model(_model(), "bf16+fsdp+weights:bf16")
+    model = prepare_model(tiny_llama(), "bf16+fsdp+weights:bf16")
     dtypes = {str(p.dtype) for p in model.parameters()}
     optimizer = make_optimizer(model, lr=1e-2)
     with warnings.catch_warnings(record=True) as rounding:

@@ -6,29 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import run_ranks, train_losses
+from tiny import tiny_llama
 
 pytestmark = pytest.mark.distributed
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
-
-
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).train()
 
 
 def _qlora(policy):
@@ -38,7 +21,7 @@ def _qlora(policy):
 
     torch.manual_seed(1)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
-    return prepare_model(get_peft_model(_model(), lora), policy)
+    return prepare_model(get_peft_model(tiny_llama(), lora), policy)
 
 
 def _batch(lo=0, hi=GLOBAL_BATCH):
@@ -48,14 +31,7 @@ def _batch(lo=0, hi=GLOBAL_BATCH):
 
 def _train(model, lo, hi):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(**_batch(lo, hi)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses
+    return train_losses(model, optimizer, lambda _: _batch(lo, hi), range(STEPS))
 
 
 def _four_bit_bytes(model):

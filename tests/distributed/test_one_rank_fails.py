@@ -8,12 +8,12 @@ hybrid_shard was a bare ZeroDivisionError. One launch runs every scenario; each 
 import os
 import pickle
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import run_ranks, timed
+from tiny import batches, tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -22,38 +22,11 @@ PROMPT = 20.0
 DISK = "the dataset's disk went away"
 
 
+_make = batches("llama", seq=16)
+
+
 def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=256,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).train()
-
-
-def _make(n):
-    from tiny import make_batch
-
-    return make_batch("llama", batch_size=n, seq=16, seed=n)
-
-
-def _timed(fn):
-    """What a call did on this rank - its result or its error's type and message - and how long it took."""
-    start = time.monotonic()
-    try:
-        outcome = "ok", fn()
-    except Exception as e:  # noqa: BLE001 - every rank's error is the subject of the test
-        outcome = type(e).__name__, str(e)
-    return outcome, time.monotonic() - start
+    return tiny_llama(vocab_size=256)  # out_of_vocabulary's id 999 lies outside it
 
 
 class _RunsCommand:
@@ -80,7 +53,7 @@ def _checkpoints(rank, sharded, directory):
         Path(directory, "forged", ".metadata").write_bytes(pickle.dumps(_RunsCommand(Path(directory, "MARKER"))))
         _write_manifest(Path(directory, "forged"))
     dist.barrier()
-    return _timed(lambda: load_sharded_checkpoint(model, opt, f"{directory}/{['real', 'forged'][rank]}"))
+    return timed(lambda: load_sharded_checkpoint(model, opt, f"{directory}/{['real', 'forged'][rank]}"))
 
 
 def _scenarios(rank, world, directory):
@@ -99,7 +72,7 @@ def _scenarios(rank, world, directory):
             r = find_batch_size(model, make, opt, **kwargs)
             return r.batch_size, [(p.batch_size, p.fits, p.partial) for p in r.probes]
 
-        return _timed(call)
+        return timed(call)
 
     def make_or_fail(n):
         if rank == 1 and n >= 4:
@@ -146,27 +119,27 @@ def _scenarios(rank, world, directory):
     from hf_memstack.distributed._ranks import share_error
 
     # Two ranks at different steps, carrying different numbers of values (was: gloo aborted the process).
-    out["different_steps"] = _timed(lambda: share_error(["step a", "step b"][rank], None, values=[(1, 2), ()][rank]))
+    out["different_steps"] = timed(lambda: share_error(["step a", "step b"][rank], None, values=[(1, 2), ()][rank]))
     model, opt = sharded()
-    out["verify"] = _timed(lambda: verify(model, unlabelled()).ok)
+    out["verify"] = timed(lambda: verify(model, unlabelled()).ok)
     model, opt = sharded()
-    out["measure"] = _timed(lambda: measure_step(model, unlabelled(), opt, timed=False).peak_bytes)
+    out["measure"] = timed(lambda: measure_step(model, unlabelled(), opt, timed=False).peak_bytes)
     model, opt = sharded()
-    out["verify_ok"] = _timed(lambda: verify(model, _make(2)).ok)  # every rank well: no error, the same verdict
+    out["verify_ok"] = timed(lambda: verify(model, _make(2)).ok)  # every rank well: no error, the same verdict
     model, opt = sharded()
     # Each rank valid alone, but the ranks disagree: rank 0 steps an optimizer, rank 1 does not (was: a hang).
-    out["measure_optimizer_on_one_rank"] = _timed(
+    out["measure_optimizer_on_one_rank"] = timed(
         lambda: measure_step(model, _make(2), opt if rank == 0 else None, timed=False).peak_bytes
     )
-    out["vocab_verify"] = _timed(lambda: verify(chunked(), out_of_vocabulary()).ok)
-    out["vocab_measure"] = _timed(lambda: measure_step(chunked(), out_of_vocabulary(), None, timed=False).peak_bytes)
+    out["vocab_verify"] = timed(lambda: verify(chunked(), out_of_vocabulary()).ok)
+    out["vocab_measure"] = timed(lambda: measure_step(chunked(), out_of_vocabulary(), None, timed=False).peak_bytes)
     out["checkpoint"] = _checkpoints(rank, sharded, directory)
     os.environ["LOCAL_WORLD_SIZE"] = "0"
-    out["local_world_size"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
+    out["local_world_size"] = timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
     os.environ["LOCAL_WORLD_SIZE"] = ["1", "2"][
         rank
     ]  # each a divisor of the world size: only their difference is wrong
-    out["local_world_size_differs"] = _timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
+    out["local_world_size_differs"] = timed(lambda: prepare_model(_model(), "fp32+fsdp:hybrid_shard"))
     return out
 
 

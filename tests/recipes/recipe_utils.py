@@ -21,6 +21,11 @@ RECIPE = ROOT / "recipes" / "finetune.py"
 # --standalone: a free port for the rendezvous, so that concurrent runs (other tests, other jobs
 # on the machine) never meet on torchrun's default port 29500 and wait for each other's ranks.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+# One process through Accelerate's FSDP2 plugin (the recipe's own config): the accelerate route, on a GPU.
+ACCELERATE_FSDP = [*ACCELERATE, "--config_file", ROOT / "recipes/configs/fsdp.yaml", "--num_processes", "1", RECIPE]
+# --batch-size auto under a budget that caps the search well below the global batch (a few probes, 2 steps).
+AUTO_BATCH = ("--batch-size", "auto", "--memory-budget", "40MiB", "--global-batch-size", "64", "--max-steps", "2")
 
 
 def load_recipe() -> Any:
@@ -128,6 +133,11 @@ def launch(cmd, *, env_extra=None, timeout=600, check=True) -> subprocess.Comple
     if check:
         assert done.returncode == 0, stderr[-4000:]
     return done
+
+
+def torchrun(tiny_lm, out, *extra, **launch_kwargs) -> subprocess.CompletedProcess:
+    """The recipe on 2 processes under torchrun, on the tiny LM (``lm_args``), writing to ``out``; ``launch``'s keywords."""
+    return launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *extra)], **launch_kwargs)
 
 
 def read_report(out: Path) -> dict[str, Any]:

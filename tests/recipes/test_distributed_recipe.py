@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from recipe_utils import RECIPE, TORCHRUN, launch, lm_args, read_report, run, snapshot
+from recipe_utils import RECIPE, lm_args, read_report, run, snapshot, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -44,7 +44,7 @@ def test_lr_schedule_is_the_same_on_two_processes(recipe, tiny_lm, tmp_path, sch
         "16",
     ]
     one = run(recipe, lm_args(tiny_lm, tmp_path / "one", *common))
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, tmp_path / "two", *common)])
+    torchrun(tiny_lm, tmp_path / "two", *common)
     two = read_report(tmp_path / "two")
     assert (one["world_size"], one["grad_accum"], two["world_size"], two["grad_accum"]) == (1, 2, 2, 1)
     lrs_one = [h["lr"] for h in one["history"]]
@@ -63,24 +63,25 @@ def test_a_one_process_checkpoint_is_not_resumed_on_two(recipe, tiny_lm, tmp_pat
     common = ["--max-steps", "4", "--save-every", "2"]
     run(recipe, lm_args(tiny_lm, out, *common, "--stop-after", "2"))
     before = snapshot(out)
-    proc = launch(
-        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300
-    )
+    proc = torchrun(tiny_lm, out, *common, "--resume-from", "latest", check=False, timeout=300)
     assert proc.returncode != 0
     assert "world_size: 1 there, 2 now" in proc.stderr and "--allow-config-change" in proc.stderr, proc.stderr[-3000:]
     assert f'File "{RECIPE}"' not in proc.stderr  # no traceback through the recipe (torchrun prints its own summary)
     assert snapshot(out) == before
 
 
+def _with_hook(tiny_lm, out, hook, *extra, timeout=300):
+    """The recipe on 2 processes with a failure injected by the recipe's test hook (``what@where@rank``); the run
+    is expected to fail, so its exit status is left to the test."""
+    return torchrun(
+        tiny_lm, out, *extra, env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": hook}, check=False, timeout=timeout
+    )
+
+
 def test_a_failing_rank_ends_every_rank_with_its_error(tiny_lm, tmp_path):
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch(
-        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "30")],
-        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "raise@step-2@rank1"},
-        check=False,
-        timeout=300,
-    )
+    proc = _with_hook(tiny_lm, out, "raise@step-2@rank1", "--max-steps", "8", "--dist-timeout", "30")
     assert proc.returncode != 0
     assert "failure injected at step-2 on rank 1" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 200
@@ -92,12 +93,7 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tiny_lm, tmp_path):
     --dist-timeout, fails, and torchrun then ends rank 1."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch(
-        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "8", "--dist-timeout", "20")],
-        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "hang@step-2@rank1"},
-        check=False,
-        timeout=400,
-    )
+    proc = _with_hook(tiny_lm, out, "hang@step-2@rank1", "--max-steps", "8", "--dist-timeout", "20", timeout=400)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
@@ -110,12 +106,7 @@ def test_a_setup_error_on_one_rank_ends_every_rank_with_it(tiny_lm, tmp_path):
     the next collective; nothing is written."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = launch(
-        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "2")],
-        env_extra={"HF_MEMSTACK_RECIPE_TEST_HOOK": "reject@setup@rank1"},
-        check=False,
-        timeout=300,
-    )
+    proc = _with_hook(tiny_lm, out, "reject@setup@rank1", "--max-steps", "2")
     assert proc.returncode != 0
     assert proc.stderr.count("error: test hook: bad input injected at setup on rank 1") == 2, proc.stderr[-3000:]
     assert f'File "{RECIPE}"' not in proc.stderr

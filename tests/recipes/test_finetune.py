@@ -2,19 +2,21 @@
 `accelerate launch` and `torchrun` in subprocesses for the launch paths."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from recipe_utils import (
+    ACCELERATE,
+    ACCELERATE_FSDP,
+    AUTO_BATCH,
     RECIPE,
     ROOT,
-    TORCHRUN,
     assert_same_weights,
     launch,
     lm_args,
     read_report,
+    torchrun,
 )
 
 
@@ -120,20 +122,7 @@ def test_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):
 
 
 def test_batch_size_auto_with_global_batch(recipe, tiny_lm, tmp_path):
-    report = recipe.main(
-        lm_args(
-            tiny_lm,
-            tmp_path / "auto",
-            "--batch-size",
-            "auto",
-            "--memory-budget",
-            "40MiB",
-            "--global-batch-size",
-            "64",
-            "--max-steps",
-            "2",
-        )
-    )
+    report = recipe.main(lm_args(tiny_lm, tmp_path / "auto", *AUTO_BATCH))
     bs, acc = report["batch_size"], report["grad_accum"]
     assert 1 <= bs and acc == -(-64 // bs)
 
@@ -155,18 +144,7 @@ def test_policy_auto_with_budget_uses_the_planner(recipe, tiny_lm, tmp_path, cap
 @pytest.mark.slow
 def test_accelerate_launch_single_process(tiny_lm, tmp_path):
     out = tmp_path / "out"
-    launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--num_processes",
-            "1",
-            "--cpu",
-            RECIPE,
-            *lm_args(tiny_lm, out, "--max-steps", "4"),
-        ]
-    )
+    launch([*ACCELERATE, "--num_processes", "1", "--cpu", RECIPE, *lm_args(tiny_lm, out, "--max-steps", "4")])
     report = read_report(out)
     assert report["steps"] == 4 and report["world_size"] == 1
 
@@ -175,7 +153,7 @@ def test_accelerate_launch_single_process(tiny_lm, tmp_path):
 @pytest.mark.distributed
 def test_torchrun_two_processes_on_cpu(tiny_lm, tmp_path):
     out = tmp_path / "out"
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "4", "--policy", "bf16+ckpt")])
+    torchrun(tiny_lm, out, "--max-steps", "4", "--policy", "bf16+ckpt")
     report = read_report(out)
     assert report["world_size"] == 2 and report["steps"] == 4 and report["route"] == "none"
     assert report["last_logged_loss"] < report["first_logged_loss"]
@@ -187,7 +165,7 @@ def test_torchrun_two_processes_with_fsdp_policy(tiny_lm, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, "--max-steps", "6", "--policy", "fp32+ckpt+fsdp")])
+    torchrun(tiny_lm, out, "--max-steps", "6", "--policy", "fp32+ckpt+fsdp")
     report = read_report(out)
     assert (
         report["world_size"] == 2
@@ -217,12 +195,12 @@ def test_fsdp_resume_equals_uninterrupted(tiny_lm, tmp_path):
         "--global-batch-size",
         "16",
     ]
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, tmp_path / "full", *common)])
+    torchrun(tiny_lm, tmp_path / "full", *common)
     cut = tmp_path / "cut"
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, cut, *common, "--stop-after", "3")])
+    torchrun(tiny_lm, cut, *common, "--stop-after", "3")
     assert (cut / "checkpoints" / "step-0000003" / "sharded").is_dir()
     assert (cut / "checkpoints" / "step-0000003" / "checkpoint.json").is_file()
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, cut, *common, "--resume-from", "latest")])
+    torchrun(tiny_lm, cut, *common, "--resume-from", "latest")
     report = read_report(cut)
     assert report["grad_accum"] == 2 and report["steps"] == 6
     assert_same_weights(tmp_path / "full", cut)
@@ -248,14 +226,7 @@ def test_accelerate_launch_fsdp_plugin_on_gpu(tiny_lm, tmp_path):
     out = tmp_path / "out"
     launch(
         [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            ROOT / "recipes/configs/fsdp.yaml",
-            "--num_processes",
-            "1",
-            RECIPE,
+            *ACCELERATE_FSDP,
             *lm_args(tiny_lm, out, "--max-steps", "6", "--save-every", "3", "--policy", "bf16+ckpt+fsdp"),
         ]
     )

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from recipe_utils import RECIPE, ROOT, fails, launch, lm_args, reset_accelerate, run, snapshot
+from recipe_utils import ACCELERATE, AUTO_BATCH, RECIPE, ROOT, fails, launch, lm_args, reset_accelerate, run, snapshot
 
 README = ROOT / "README.md"
 
@@ -49,18 +49,7 @@ def test_the_finder_measures_the_batches_training_runs(recipe, tiny_lm, tmp_path
         return real(model, recorded, *args, **kwargs)
 
     monkeypatch.setattr(hf_memstack, "find_batch_size", spy)
-    args = lm_args(
-        tiny_lm,
-        tmp_path / "out",
-        "--batch-size",
-        "auto",
-        "--memory-budget",
-        "40MiB",
-        "--global-batch-size",
-        "64",
-        "--max-steps",
-        "2",
-    )
+    args = lm_args(tiny_lm, tmp_path / "out", *AUTO_BATCH)
     if compiled:
         args = _with_policy(args, _eager_compile_policy(tmp_path))
     reset_accelerate()
@@ -191,7 +180,7 @@ def _readme_main_command() -> list[str]:
     assert block, "the README lost its main command"
     command = block.group(1).split("&&")[-1].split()
     if command[:2] == ["accelerate", "launch"]:
-        return [sys.executable, "-m", "accelerate.commands.launch", *command[2:]]
+        return [*ACCELERATE, *command[2:]]
     assert command[0] in ("python", "python3"), command
     return [sys.executable, *command[1:]]
 
@@ -214,17 +203,7 @@ def test_the_readmes_main_command_ends_a_refusal_cleanly(tmp_path):
 def test_accelerate_launch_quiet_keeps_the_launchers_traceback_out(tiny_lm, tmp_path):
     """What the README says for one process under accelerate launch anyway: -q leaves the recipe's one message."""
     done = launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "-q",
-            "--num_processes",
-            "1",
-            "--cpu",
-            RECIPE,
-            "--bad-flag",
-        ],
+        [*ACCELERATE, "-q", "--num_processes", "1", "--cpu", RECIPE, "--bad-flag"],
         check=False,
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from recipe_utils import RECIPE, TORCHRUN, fails, launch, lm_args, load_recipe, reset_accelerate, run, snapshot
+from recipe_utils import (
+    ACCELERATE_FSDP,
+    fails,
+    launch,
+    lm_args,
+    load_recipe,
+    reset_accelerate,
+    run,
+    snapshot,
+    torchrun,
+)
 
 
 class _RunsCommand:
@@ -220,15 +230,13 @@ def test_a_forged_sharded_checkpoint_runs_no_code(tiny_lm, tmp_path):
 
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     common = ["--max-steps", "4", "--save-every", "2", "--policy", "fp32+fsdp", "--batch-size", "4"]
-    launch([*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--stop-after", "2")])
+    torchrun(tiny_lm, out, *common, "--stop-after", "2")
     ckpt = out / "checkpoints" / "step-0000002"
     (ckpt / "sharded" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
     _write_manifest(ckpt / "sharded")
     _rewrite_checkpoint_manifest(ckpt)
     before = snapshot(out)
-    proc = launch(
-        [*TORCHRUN, RECIPE, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300
-    )
+    proc = torchrun(tiny_lm, out, *common, "--resume-from", "latest", check=False, timeout=300)
     assert proc.returncode != 0 and not marker.exists()
     assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[
         -3000:
@@ -243,29 +251,17 @@ def test_a_forged_accelerate_fsdp_checkpoint_runs_no_code(tiny_lm, tmp_path):
     folder with plain pickle; the recipe checks them first."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    import sys
-
-    from recipe_utils import ROOT
-
     out, marker = tmp_path / "out", tmp_path / "MARKER"
     common = ["--max-steps", "4", "--save-every", "2", "--policy", "bf16+ckpt+fsdp"]
-    accelerate = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        ROOT / "recipes/configs/fsdp.yaml",
-        "--num_processes",
-        "1",
-        RECIPE,
-    ]
-    launch([*accelerate, *lm_args(tiny_lm, out, *common, "--stop-after", "2")])
+    launch([*ACCELERATE_FSDP, *lm_args(tiny_lm, out, *common, "--stop-after", "2")])
     ckpt = out / "checkpoints" / "step-0000002"
     folders = sorted(m.parent for m in ckpt.rglob(".metadata"))
     assert folders, f"no DCP folder in {sorted(p.name for p in ckpt.iterdir())}"
     (folders[0] / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
     _rewrite_checkpoint_manifest(ckpt)
-    proc = launch([*accelerate, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300)
+    proc = launch(
+        [*ACCELERATE_FSDP, *lm_args(tiny_lm, out, *common, "--resume-from", "latest")], check=False, timeout=300
+    )
     assert proc.returncode != 0 and not marker.exists()
     assert "refused without loading it" in proc.stderr and "names the global posix.system" in proc.stderr, proc.stderr[
         -3000:

@@ -36,29 +36,17 @@ def varied(tiny_lm, tmp_path):
     return path
 
 
+def _varied_args(tiny_lm, varied, out, policy, steps, *extra) -> list[str]:
+    """The script's flags for ``steps`` steps of the tiny LM on the varied samples (rows of 32, batches of 4)."""
+    return [
+        *("--model", str(tiny_lm["model"]), "--dataset", str(varied), "--seq_len", "32", "--policy", policy),
+        *("--max_steps", str(steps), "--per_device_train_batch_size", "4", "--output_dir", str(out), *extra),
+    ]
+
+
 def test_packed_lora_run_verifies_the_rows_and_pads_less(trainer_recipe, tiny_lm, varied, tmp_path, capsys):
     out = tmp_path / "out"
-    metrics = trainer_recipe.main(
-        [
-            "--model",
-            str(tiny_lm["model"]),
-            "--dataset",
-            str(varied),
-            "--packing",
-            "--seq_len",
-            "32",
-            "--lora_r",
-            "4",
-            "--policy",
-            "fp32",
-            "--max_steps",
-            "3",
-            "--per_device_train_batch_size",
-            "4",
-            "--output_dir",
-            str(out),
-        ]
-    )
+    metrics = trainer_recipe.main(_varied_args(tiny_lm, varied, out, "fp32", 3, "--packing", "--lora_r", "4"))
     printed = capsys.readouterr().out
     packed, padded = map(
         float, re.search(r"packing: .* rows of 32: ([\d.]+)% padding, against ([\d.]+)% in padded", printed).groups()
@@ -139,24 +127,7 @@ def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(
         return seen["optimizer"]
 
     monkeypatch.setattr(Trainer, "create_optimizer", spy)
-    metrics = trainer_recipe.main(
-        [
-            "--model",
-            str(tiny_lm["model"]),
-            "--dataset",
-            str(varied),
-            "--seq_len",
-            "32",
-            "--policy",
-            "bf16+weights:bf16",
-            "--max_steps",
-            "4",
-            "--per_device_train_batch_size",
-            "4",
-            "--output_dir",
-            str(tmp_path / "out"),
-        ]
-    )
+    metrics = trainer_recipe.main(_varied_args(tiny_lm, varied, tmp_path / "out", "bf16+weights:bf16", 4))
     assert isinstance(seen["optimizer"], BF16AdamW)
     assert {p.dtype for g in seen["optimizer"].param_groups for p in g["params"]} == {torch.bfloat16}
     assert metrics["eval_loss"] < 10
