@@ -21,7 +21,7 @@ from hf_memstack.integrations.trainer import (
     training_arguments,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 POLICIES = ["fp32", "bf16", "bf16+ckpt", "bf16+ckpt:2", "bf16+compile:regional+ckpt", "bf16+compile+ckpt"]
 
 
