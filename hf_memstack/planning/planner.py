@@ -4,6 +4,7 @@ peak fits the budget with a margin - with the table of every rung considered."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..policy import MemoryPolicy
@@ -14,7 +15,7 @@ from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
 from .plan_advice import optimizer_notes, suggestions
 from .plan_estimates import Estimates, max_batch
-from .rungs import Requirement, RungContext, rungs_for
+from .rungs import MEASURED_SPEED, Requirement, RungContext, rungs_for
 from .weights_dtype import parse_dtype, resolve_weights_dtype
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
@@ -177,13 +178,87 @@ def _walk_rungs(plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | 
         plan.rows.append(row)
         shortfalls.append(int(row.peak_bytes - usable))
         if fitted >= 1 and e is not None:
-            plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(rung.policy), fitted, e
+            chosen, fitted, e = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors) or (
+                rung.policy,
+                fitted,
+                e,
+            )
+            plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(chosen), fitted, e
             plan.suggestions = [
                 f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
                 *optimizer_notes(plan.policy),
             ]
             break
     return shortfalls
+
+
+def _faster_with_its_states(
+    plan: Plan,
+    est: Estimates,
+    before: list[Any],
+    fitting: Any,
+    batch_size: int | str,
+    usable: float,
+    floors: dict[str, int],
+) -> tuple[str, int, MemoryEstimate] | None:
+    """A faster policy than the first rung that fits, when that rung fits by a model-state saving
+    (4-bit base weights, the optimizer rungs, pure bf16): the ladder reaches those only after its
+    heaviest activation rung, yet with the states smaller a lighter one may fit too (Qwen2-1.5B at
+    16 GiB: ``ckpt:selective+weights:bf16`` where the walk reached ``ckpt+mlp:tiled+weights:bf16``).
+    The earlier rungs, faster than it, with its state savings added are the candidates; the rows
+    traced are appended to ``plan``'s and the earliest that fits returned (policy, batch, estimate)."""
+    target = MemoryPolicy.coerce(fitting.policy)
+    factor = _state_speed(target)
+    seen: set[str] = set()
+    candidates = []
+    for rung in before:
+        p = MemoryPolicy.coerce(rung.policy)
+        if p.checkpointing.mode == "offload" or p.fsdp.mode != "none":
+            continue
+        try:
+            merged = MemoryPolicy.from_dict(
+                {**p.to_dict(), **{k: target.to_dict()[k] for k in ("quant", "optimizer", "master_weights")}}
+            )
+        except ValueError:  # a combination the policy refuses is no candidate
+            continue
+        if merged == p:
+            continue
+        speed = rung.relative_speed * factor / _state_speed(p)
+        if speed > fitting.relative_speed and merged.to_string() not in seen:
+            seen.add(merged.to_string())
+            candidates.append(_Candidate(merged.to_string(), speed))
+    # The earliest that fits, by bisection: down the ladder each rung saves more activation memory
+    # than the one before it (the order the walk relies on too), so a few traces instead of one a
+    # candidate. A candidate is chosen only once traced and fitting: a wrong guess costs speed, never a fit.
+    lo, hi, best = 0, len(candidates) - 1, None
+    tried: dict[int, PlanRow] = {}
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        row, fitted, e = _try_rung(est, candidates[mid], batch_size, usable, floors)
+        tried[mid] = row
+        if fitted >= 1 and e is not None:
+            best, hi = (candidates[mid].policy, fitted, e), mid - 1
+        else:
+            lo = mid + 1
+    plan.rows += [tried[k] for k in sorted(tried)]
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A lighter rung with a fitting rung's state savings: what :func:`_try_rung` reads of a rung."""
+
+    policy: str
+    relative_speed: float
+
+
+def _state_speed(policy: MemoryPolicy) -> float:
+    """The speed factors of a policy's model-state savings (``MEASURED_SPEED``), multiplied."""
+    s = MEASURED_SPEED
+    factor = s["quant"] if policy.quant.mode != "none" else 1.0
+    factor *= s["8bit"] if policy.optimizer.state == "8bit" else 1.0
+    factor *= s["in_backward"] if policy.optimizer.step == "in_backward" else 1.0
+    return factor * (s["pure_bf16"] if policy.master_weights == "bf16" else 1.0)
 
 
 def _try_rung(
