@@ -183,7 +183,7 @@ def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: 
     )
 
 
-def _report_batch_size(result: Any) -> None:
+def _report_batch_size(result: BatchSizeResult) -> None:
     """Say once, on the main process, what the finder chose: the batch size is the answer the
     caller asked for, and a logger at INFO level is silent unless logging was configured."""
     import os
