@@ -8,9 +8,19 @@ with the walk in the record module, each imported the other.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 from torch import nn
 
 __all__ = ["RecordBase", "record_of", "unwrap_model"]
+
+
+class PeftWrapper(Protocol):
+    """A PEFT model, as the walk and its callers use one: nn.Module types an attribute it does not
+    define as ``Tensor | Module``, so ``get_base_model`` is typed through this (a cast, after the
+    check that found it)."""
+
+    def get_base_model(self) -> nn.Module: ...
 
 
 class RecordBase:
@@ -55,6 +65,6 @@ def _inner(model: nn.Module) -> nn.Module | None:
     ):  # torch.compile(model)
         return modules["_orig_mod"]
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
-        base = model.get_base_model()
+        base = cast(PeftWrapper, model).get_base_model()
         return base if base is not model else None
     return None

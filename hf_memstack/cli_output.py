@@ -7,15 +7,18 @@ the layout of the results changes without touching how they are computed.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .sizes import format_bytes
+
+if TYPE_CHECKING:
+    from .planning import MemoryEstimate
 
 __all__ = ["plot_breakdown", "print_estimates", "require_matplotlib"]
 
 
 def print_estimates(
-    estimates: list[Any], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool
+    estimates: list[MemoryEstimate], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool
 ) -> None:
     """Print one row per policy's estimate, with its verdict when there is a budget (JSON for scripts)."""
     fits = any(verdicts)
@@ -39,7 +42,7 @@ def print_estimates(
         _print_verdicts(estimates, verdicts, budget)
 
 
-def _print_table(estimates: list[Any], verdicts: list[bool], *, budgeted: bool, kept: bool) -> None:
+def _print_table(estimates: list[MemoryEstimate], verdicts: list[bool], *, budgeted: bool, kept: bool) -> None:
     print(
         "| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
         + (" kept logits |" if kept else "")
@@ -60,7 +63,7 @@ def _print_table(estimates: list[Any], verdicts: list[bool], *, budgeted: bool, 
         )
 
 
-def _print_verdicts(estimates: list[Any], verdicts: list[bool], budget: int) -> None:
+def _print_verdicts(estimates: list[MemoryEstimate], verdicts: list[bool], budget: int) -> None:
     for e, ok in zip(estimates, verdicts):
         what = f"peak {format_bytes(e.peak_bytes)}" + (
             f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else ""

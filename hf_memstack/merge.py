@@ -15,6 +15,8 @@ computes what the 4-bit model with its adapters computed, up to that one cast::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, cast
+
 import torch
 from torch import nn
 
@@ -22,7 +24,27 @@ from .record import record_of
 from .transforms._peft import base_layer_of, is_tuner_layer
 from .transforms.quant import _backend_of, four_bit_weight
 
+if TYPE_CHECKING:
+    from bitsandbytes.nn import Params4bit
+    from transformers import PretrainedConfig
+
 __all__ = ["dequantize", "merge_adapters"]
+
+
+# What this module calls on PEFT's and torchao's objects. nn.Module types an attribute it does not define
+# as Tensor | Module, so the calls are typed through these (casts, after the checks that found them).
+class _PeftModel(Protocol):
+    def unload(self) -> nn.Module: ...
+
+
+class _LoraLayer(Protocol):
+    active_adapters: list[str]
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor: ...
+
+
+class _NF4Weight(Protocol):
+    def get_original_weight(self) -> torch.Tensor: ...
 
 
 def dequantize(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -61,20 +83,21 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
     record = record_of(model)
     for layer in [m for m in model.modules() if is_tuner_layer(m) and four_bit_weight(base_layer_of(m)) is not None]:
         _merge_into_base(layer, dtype)
-    base = model.unload()
+    base = cast("_PeftModel", model).unload()
     dequantize(base, dtype=dtype)  # 4-bit layers that had no adapter
     for p in base.parameters():
         if p.dtype.is_floating_point:
             p.data = p.data.to(dtype)
     if record is not None and record.kv_cache_disabled:  # prepare_model turned the cache off for training only
-        base.config.use_cache = True
+        cast("PretrainedConfig", base.config).use_cache = True
     return base
 
 
 def _merge_into_base(layer: nn.Module, dtype: torch.dtype) -> None:
     """``layer.base_layer`` becomes a dense ``nn.Linear`` holding base + every active adapter's delta."""
     base = base_layer_of(layer)
-    adapters = [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})]
+    lora = cast("_LoraLayer", layer)  # a PEFT tuner layer: merge_adapters picked it with is_tuner_layer
+    adapters = [a for a in lora.active_adapters if a in getattr(layer, "lora_A", {})]
     unmergeable = [
         a for a in adapters if getattr(layer, "use_dora", {}).get(a) or getattr(layer, "lora_bias", {}).get(a)
     ]
@@ -85,7 +108,7 @@ def _merge_into_base(layer: nn.Module, dtype: torch.dtype) -> None:
         )
     weight = _dense_weight(base).float()
     for adapter in adapters:
-        weight += layer.get_delta_weight(adapter).float()
+        weight += lora.get_delta_weight(adapter).float()
     layer.base_layer = _linear(base, weight.to(dtype))
 
 
@@ -103,10 +126,11 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     """The weight a 4-bit layer computes with, dense, in its dequantization dtype."""
     weight = module.weight
     if _backend_of(weight) == "torchao":
-        return weight.get_original_weight()
+        return cast("_NF4Weight", weight).get_original_weight()
     import bitsandbytes.functional as bnbf  # present: the weight is one of its Params4bit
 
-    return bnbf.dequantize_4bit(weight.data, weight.quant_state)
+    params = cast("Params4bit", weight)
+    return bnbf.dequantize_4bit(params.data, params.quant_state)
 
 
 def _linear(module: nn.Module, weight: torch.Tensor) -> nn.Linear:

@@ -8,7 +8,7 @@ import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from .data.guard import install_packing_guard
 from .distributed.accelerate import check_accelerate_fsdp
 from .distributed.preflight import agree_before_sharding, check_hybrid_shard, require_process_group
 from .policy import MemoryPolicy
-from .record import MemstackRecord, record_of, unwrap_model
+from .record import AutocastBy, MemstackRecord, record_of, unwrap_model
 from .transforms.blocks import Blocks, find_blocks
 from .transforms.checkpointing import (
     apply_checkpointing,
@@ -47,6 +47,10 @@ from .transforms.optim import check_optimizer_policy
 from .transforms.precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .transforms.quant import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PretrainedConfig
 
 __all__ = ["describe", "prepare_model"]
 
@@ -78,7 +82,7 @@ def prepare_model(
     model: nn.Module,
     policy: MemoryPolicy | str | dict[str, Any] | None = None,
     *,
-    accelerator: Any | None = None,
+    accelerator: Accelerator | None = None,
 ) -> nn.Module:
     """Apply a memory policy to ``model`` in place and return it.
 
@@ -135,7 +139,7 @@ def _coerce_policy(policy: Any) -> MemoryPolicy:
         raise
 
 
-def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
+def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator | None) -> _Plan:
     """The checks, agreed across ranks under FSDP: one rank's failure fails every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -164,7 +168,7 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
     return dataclasses.replace(plan, broadcast_from_rank0=broadcast)
 
 
-def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Plan:
+def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator | None) -> _Plan:
     """Every check that can fail, before the model is touched."""
     check_not_prepared(model)
     check_weights(model, policy)
@@ -222,7 +226,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Any) -> _Pla
     )
 
 
-def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> MemstackRecord:
+def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start: float) -> MemstackRecord:
     """The transformations, in the one order that composes (torchtitan's and Accelerate's FSDP2 order)."""
     policy = plan.policy
     # Training never reads the KV cache: building it costs memory and, under compile, a recompile
@@ -281,8 +285,8 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Any, start: float) -> Mem
 def _disable_kv_cache(model: nn.Module) -> bool:
     """Turn the model's ``config.use_cache`` off; whether it was on."""
     on = bool(getattr(getattr(model, "config", None), "use_cache", False))
-    if on:
-        model.config.use_cache = False
+    if on:  # a config with use_cache: a Transformers config
+        cast("PretrainedConfig", model.config).use_cache = False
     return on
 
 
@@ -315,7 +319,9 @@ def _record(model: nn.Module, plan: _Plan, start: float, **applied: Any) -> Mems
         if plan.precision.name == "fp16" and plan.autocast_here
         else None
     )
-    autocast_by = "hf_memstack" if plan.autocast_here else ("accelerator.prepare" if plan.precision.mixed else "none")
+    autocast_by: AutocastBy = (
+        "hf_memstack" if plan.autocast_here else ("accelerator.prepare" if plan.precision.mixed else "none")
+    )
     return MemstackRecord(
         policy=plan.policy,
         precision=plan.precision,

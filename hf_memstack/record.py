@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import nn
 
-from ._unwrap import RecordBase, record_of, unwrap_model
+from . import _unwrap
+from ._unwrap import RecordBase, unwrap_model
 from .policy import MemoryPolicy
 from .transforms.blocks import Blocks
 from .transforms.checkpointing import CheckpointingResult
@@ -110,3 +112,10 @@ class MemstackRecord(RecordBase):
             )
         lines.append(f"  prepare_model took {self.prepare_seconds * 1000:.0f} ms")
         return "\n".join(lines)
+
+
+def record_of(model: nn.Module) -> MemstackRecord | None:
+    """``model.memstack`` of the prepared model inside ``model`` (through DDP, compile, PEFT), or None."""
+    record = _unwrap.record_of(model)
+    # MemstackRecord is RecordBase's one subclass: the check narrows the type, it rejects nothing.
+    return record if isinstance(record, MemstackRecord) else None

@@ -1,5 +1,7 @@
-"""The linter and the formatter are part of the test command: `ruff check` with the rules in pyproject.toml, and
-`ruff format --check` (120 columns), so that a change that is not formatted fails here as it would in review."""
+"""The linter, the formatter and the type checker are part of the test command: `ruff check` with the rules in
+pyproject.toml, `ruff format --check` (120 columns), and `mypy` with pyproject.toml's [tool.mypy] (hf_memstack/, the
+default non-strict checks), so that a change that is not formatted or not well typed fails here as it would in
+review."""
 
 from __future__ import annotations
 
@@ -24,3 +26,16 @@ def _ruff(*args: str) -> subprocess.CompletedProcess[str]:
 def test_ruff_passes(args):
     done = _ruff(*args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_mypy_passes(tmp_path):
+    # mypy is in the dev extra too: missing, it fails like ruff. A fresh cache directory measures what a fresh clone
+    # pays (about a minute on 2 cores: it reads torch's and transformers' stubs), not a cache another run left.
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy_cache")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

@@ -30,7 +30,7 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -100,7 +100,7 @@ def cache_key(
         "parameters": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()],
         "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "config": config.to_json_string(use_diff=False)
-        if hasattr(config, "to_json_string")
+        if config is not None and hasattr(config, "to_json_string")
         else type(model).__qualname__,
         "policy": policy,
         # Every setting but the learning rate (swept often, never changes the state's size).
@@ -179,7 +179,11 @@ def _validate(data: Any) -> CacheEntry:
         peak_bytes=data["peak_bytes"],
         bytes_per_sample=data["bytes_per_sample"],
         capped=data["capped"],
-        steps=tuple(CachedStep(batch_size=d["batch_size"], peak_bytes=d["peak_bytes"], fits=d["fits"]) for d in steps),
+        # A list here: any other ``steps`` was a problem, raised above.
+        steps=tuple(
+            CachedStep(batch_size=d["batch_size"], peak_bytes=d["peak_bytes"], fits=d["fits"])
+            for d in cast("list[Any]", steps)
+        ),
     )
 
 

@@ -30,14 +30,16 @@ import inspect
 import numbers
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
 from .finder import find_batch_size
 from .probe import is_out_of_memory
+from .result import BatchSizeResult
 
 __all__ = ["find_executable_batch_size"]
 
@@ -92,7 +94,7 @@ def find_executable_batch_size(
         RuntimeError: ``No executable batch size found, reached zero.`` (Accelerate's message).
         BudgetTooSmallError: the finder found that not even batch size 1 fits.
     """
-    options = {
+    options: dict[str, Any] = {  # the finder's options, forwarded as keywords
         "make_batch": make_batch,
         "model": model,
         "optimizer": optimizer,
@@ -110,28 +112,28 @@ def find_executable_batch_size(
             reduce_batch_size_fn=reduce_batch_size_fn,
             **options,
         )
-    state = {"batch_size": starting_batch_size, "predicted": False, "returned": None}
+    state = _RetryState(batch_size=starting_batch_size)
 
     def reduce() -> int:
-        state["batch_size"] = (
-            _next_size(reduce_batch_size_fn, state) if reduce_batch_size_fn else int(state["batch_size"] * 0.9)
+        state.batch_size = (
+            _next_size(reduce_batch_size_fn, state) if reduce_batch_size_fn else int(state.batch_size * 0.9)
         )
-        return state["batch_size"]
+        return state.batch_size
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         _check_call(function, args, kwargs)
-        if not state["predicted"]:
-            state["predicted"] = True
+        if not state.predicted:
+            state.predicted = True
             result = _predict(function, args, kwargs, cap=starting_batch_size, **options)
             wrapper.batch_size_result = result  # type: ignore[attr-defined]
             if result is not None:
-                state["batch_size"] = result.batch_size
+                state.batch_size = result.batch_size
         while True:
-            if state["batch_size"] == 0:
+            if state.batch_size == 0:
                 raise RuntimeError("No executable batch size found, reached zero.")
             try:
-                return function(state["batch_size"], *args, **kwargs)
+                return function(state.batch_size, *args, **kwargs)
             except Exception as e:  # only out-of-memory errors are retried
                 if not is_out_of_memory(e):
                     raise
@@ -187,7 +189,17 @@ def _check_no_arguments(reduce_batch_size_fn: Callable[..., Any]) -> None:
         ) from None
 
 
-def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -> int:
+@dataclass(slots=True)
+class _RetryState:
+    """One decorated function's retries: the size to call it with next, whether the finder has
+    predicted yet, and what ``reduce_batch_size_fn`` last returned (None before its first call)."""
+
+    batch_size: int
+    predicted: bool = False
+    returned: int | None = None
+
+
+def _next_size(reduce_batch_size_fn: Callable[[], int], state: _RetryState) -> int:
     """The user's next size below the one that ran out of memory; refuse a hook that would loop forever."""
     while True:
         returned = reduce_batch_size_fn()
@@ -197,18 +209,18 @@ def _next_size(reduce_batch_size_fn: Callable[[], int], state: dict[str, Any]) -
                 "batch size as an int"
             )
         size = int(returned)
-        previous = state["returned"]
+        previous = state.returned
         if size < 0 or (previous is not None and size >= previous):
             why = "a negative size" if size < 0 else f"{size} after returning {previous} on its previous call"
             raise ValueError(
-                f"reduce_batch_size_fn returned {why}, and batch size {state['batch_size']} ran out of memory: "
+                f"reduce_batch_size_fn returned {why}, and batch size {state.batch_size} ran out of memory: "
                 "each call must return a smaller batch size than the last (0 ends the search), or the retries "
                 "never end; e.g. return int(batch_size * 0.9) and store it"
             )
-        state["returned"] = size
+        state.returned = size
         # At or above the size that just ran out of memory: it counts down from starting_batch_size
         # while the prediction started lower; ask again (it falls each call, so this ends).
-        if size < state["batch_size"]:
+        if size < state.batch_size:
             return size
 
 
@@ -218,11 +230,11 @@ def _predict(
     kwargs: dict[str, Any],
     *,
     cap: int,
-    make_batch: Any,
-    model: Any,
-    optimizer: Any,
+    make_batch: Callable[[int], Any] | None,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
     **finder: Any,
-) -> Any:
+) -> BatchSizeResult | None:
     values = [*args, *kwargs.values()]
     model = model if model is not None else next((v for v in values if isinstance(v, nn.Module)), None)
     optimizer = (
@@ -239,6 +251,8 @@ def _predict(
             stacklevel=3,
         )
         return None
+    # Neither is None here: ``missing`` named each one that was, and returned.
+    model, make_batch = cast(nn.Module, model), cast("Callable[[int], Any]", make_batch)
     return find_batch_size(model, make_batch, optimizer, max_batch_size=cap, **finder)
 
 
@@ -250,12 +264,12 @@ def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
         return ""
     found = {**scope.globals, **scope.nonlocals}
     kinds = {"model": nn.Module, "optimizer": torch.optim.Optimizer}
-    names = {
+    first = {
         kind: next((n for n, v in found.items() if isinstance(v, cls)), None)
         for kind, cls in kinds.items()
         if kind in missing
     }
-    names = {kind: name for kind, name in names.items() if name is not None}
+    names = {kind: name for kind, name in first.items() if name is not None}
     if not names:
         return ""
     passes = ", ".join(f"{kind}={name}" for kind, name in names.items())

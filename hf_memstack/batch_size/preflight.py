@@ -5,7 +5,7 @@ sample from ``make_batch``; and the errors that name the next rung of the ladder
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -23,15 +23,15 @@ __all__ = ["budget_too_small", "preflight"]
 
 
 def preflight(
-    model: Any,
-    make_batch: Any,
-    optimizer: Any,
+    model: nn.Module,
+    make_batch: Callable[[int], Any],
+    optimizer: torch.optim.Optimizer | None,
     *,
-    budget: Any,
-    mode: Any,
-    global_batch_size: Any,
-    max_batch_size: Any,
-    probe_size: Any,
+    budget: int | str | None,
+    mode: Literal["train", "eval"],
+    global_batch_size: int | None,
+    max_batch_size: int,
+    probe_size: int,
 ) -> tuple[int, Any]:
     """Every check before any step, agreed across ranks (a rank that fails - a wrong argument, a
     budget that does not parse or cannot hold the weights, a ``make_batch`` that fails - makes

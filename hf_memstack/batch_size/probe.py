@@ -15,7 +15,7 @@ import gc
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -72,7 +72,7 @@ class StepRunner:
         make_batch: Callable[[int], Any],
         optimizer: torch.optim.Optimizer | None,
         loss_fn: LossFn | None,
-        grad_scaler: Any,
+        grad_scaler: torch.amp.GradScaler | None,
         mode: Literal["train", "eval"],
         budget: int,
     ):
@@ -152,10 +152,11 @@ class StepRunner:
                 _call(self.model, batch)
             return
         loss = _agreed(f"the forward at batch size {n}", lambda: forward_loss(self.model, batch, self.loss_fn))
-        marks.append(len(tracker.timeline))
+        timeline = cast("list[int]", tracker.timeline)  # a list: run() made the tracker with record=True
+        marks.append(len(timeline))
         backward(loss, grad_scaler=self.grad_scaler)
         del loss
-        marks.append(len(tracker.timeline))
+        marks.append(len(timeline))
         optimizer_step(self.optimizer, grad_scaler=self.grad_scaler)
 
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -176,7 +176,7 @@ def build_result(
     *,
     sample: Any,
     budget: int,
-    mode: Any,
+    mode: Literal["train", "eval"],
     record: MemstackRecord | None,
     global_batch_size: int | None,
     snapshot_bytes: int,

@@ -14,13 +14,17 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from ..measure.accounting import tensor_bytes
 from ..measure.simulated import untracked
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
 
 __all__ = ["StepState", "step_state_restored"]
 
@@ -33,7 +37,7 @@ class _Saved:
     """The local data, copied to host memory."""
     device: torch.device
     """Where the local data lives."""
-    dtensor: tuple[Any, Any, torch.Size, tuple[int, ...]] | None
+    dtensor: tuple[DeviceMesh, tuple[Placement, ...], torch.Size, tuple[int, ...]] | None
     """``(mesh, placements, shape, stride)`` of a DTensor; None for a plain tensor."""
 
     @classmethod
@@ -63,7 +67,13 @@ class _Saved:
 class StepState:
     """The copies; :meth:`restore` writes them back. ``copied_bytes`` is the host memory they take."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, grad_scaler: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        grad_scaler: torch.amp.GradScaler | None,
+    ):
         self.model, self.optimizer, self.scheduler, self.grad_scaler = model, optimizer, scheduler, grad_scaler
         params = list(dict.fromkeys(model.parameters()))
         with torch.no_grad(), untracked():  # host copies: never counted as device memory
@@ -94,7 +104,7 @@ class StepState:
             _restore_optimizer(self.optimizer, self.opt_state, self.opt_groups)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(self.sched)
-        if self.grad_scaler is not None:
+        if self.grad_scaler is not None and self.scaler is not None:  # both or neither: saved from the scaler
             self.grad_scaler.load_state_dict(self.scaler)
         for m, training in self.modes:  # each submodule's own mode, not the root's
             m.training = training
@@ -102,7 +112,7 @@ class StepState:
 
 @contextlib.contextmanager
 def step_state_restored(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, grad_scaler: Any
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, grad_scaler: torch.amp.GradScaler | None
 ) -> Iterator[StepState]:
     """Copy the step's state now and write it back on exit, also when the body raises."""
     state = StepState(model, optimizer, scheduler, grad_scaler)
@@ -145,7 +155,8 @@ def _restore_optimizer(
         group.update(copy.deepcopy(settings))
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
+    # Duck-typed (no import of torch.distributed at run time); the guard tells the checker what it found.
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -84,7 +85,8 @@ def _allowed_types() -> tuple[type, ...]:
 class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be overridden
     """Unpickles DCP metadata and nothing else (see the module docstring)."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)
+    # The pure-Python unpickler's value stack: an undocumented internal that typeshed leaves out.
+    stack: list[Any]
 
     def find_class(self, module: str, name: str) -> Any:
         # A lookup, never an import or getattr: naming a module must not import it.
@@ -105,15 +107,15 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
 
     def load_reduce(self) -> None:
         self._require(self.stack[-2], "calls")
-        super().load_reduce()
+        super().load_reduce()  # type: ignore[misc]  # typeshed leaves out _Unpickler's opcode handlers
 
     def load_newobj(self) -> None:
         self._require(self.stack[-2], "creates")
-        super().load_newobj()
+        super().load_newobj()  # type: ignore[misc]  # typeshed leaves out _Unpickler's opcode handlers
 
     def load_newobj_ex(self) -> None:
         self._require(self.stack[-3], "creates")
-        super().load_newobj_ex()
+        super().load_newobj_ex()  # type: ignore[misc]  # typeshed leaves out _Unpickler's opcode handlers
 
     def load_build(self) -> None:
         inst = self.stack[-2]
@@ -121,12 +123,22 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
             raise pickle.UnpicklingError(
                 f"it sets the state of {type(inst).__name__} {inst!r:.80}, which is not a checkpoint metadata object"
             )
-        super().load_build()
+        super().load_build()  # type: ignore[misc]  # typeshed leaves out _Unpickler's opcode handlers
 
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.BUILD[0]] = load_build
+    # _Unpickler's opcode table, four handlers replaced. The cast: typeshed types the table's handlers as
+    # taking the C pickle.Unpickler, which no _Unpickler subclass is.
+    dispatch = {
+        **pickle._Unpickler.dispatch,
+        **cast(
+            "dict[int, Callable[..., None]]",
+            {
+                pickle.REDUCE[0]: load_reduce,
+                pickle.NEWOBJ[0]: load_newobj,
+                pickle.NEWOBJ_EX[0]: load_newobj_ex,
+                pickle.BUILD[0]: load_build,
+            },
+        ),
+    }
 
 
 def read_metadata(directory: Path) -> Any:

@@ -4,17 +4,25 @@ which shards the model itself agrees with it, so that ``accelerator.prepare`` sh
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..transforms.fsdp import mixed_precision_policy, reshard_after_forward
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from ..policy import MemoryPolicy
+
 __all__ = ["accelerate_fsdp_plugin", "check_accelerate_fsdp"]
 
 
-def accelerate_fsdp_plugin(policy: Any, model: nn.Module) -> Any:
+def accelerate_fsdp_plugin(
+    policy: MemoryPolicy | str | dict[str, Any] | None, model: nn.Module
+) -> FullyShardedDataParallelPlugin:
     """Accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2)`` built from the policy, for
     ``Accelerator(fsdp_plugin=...)`` on GPUs: ``accelerator.prepare`` then shards the same blocks,
     with the same mixed precision (fp32 gradient reduction), offload and resharding as
@@ -56,7 +64,7 @@ def accelerate_fsdp_plugin(policy: Any, model: nn.Module) -> Any:
     )
 
 
-def check_accelerate_fsdp(policy: Any, accelerator: Any) -> bool:
+def check_accelerate_fsdp(policy: MemoryPolicy, accelerator: Accelerator | None) -> bool:
     """True when ``accelerator`` will shard the model itself (Accelerate's FSDP); then its plugin
     must be FSDP2 and agree with the policy.
 

@@ -72,7 +72,7 @@ def load_sharded_checkpoint(
         "load_sharded_checkpoint: checking the folder", lambda: (None, None) if trusted else _vetted_reader(directory)
     )
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}  # DCP loads into it in place
     dcp.load(state, checkpoint_id=checkpoint_dir, storage_reader=reader, planner=planner)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

@@ -4,16 +4,19 @@ the gathered full state dict, so that no rank holds a second full copy it does n
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["from_pretrained_for_fsdp", "load_from_rank0", "save_pretrained_full"]
 
 
-def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -> nn.Module:
+def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -> PreTrainedModel:
     """Load a pretrained model for FSDP without a full copy on every rank.
 
     Rank 0 calls ``model_class.from_pretrained(pretrained, **kwargs)``; every other rank builds the
@@ -29,7 +32,9 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
     return model if model is not None else _meta_skeleton(model_class, pretrained, dtype, kwargs)
 
 
-def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) -> tuple[nn.Module | None, torch.dtype]:
+def _load_on_rank0(
+    model_class: Any, pretrained: str, kwargs: dict[str, Any]
+) -> tuple[PreTrainedModel | None, torch.dtype]:
     """Rank 0 loads; every rank learns the dtype it loaded in ("auto" may pick the checkpoint's),
     or that it failed - then every rank raises, instead of waiting for weights that never come."""
     from ..errors import DistributedMismatchError
@@ -40,6 +45,7 @@ def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) ->
             model = model_class.from_pretrained(pretrained, **kwargs)
         except Exception as e:  # noqa: BLE001 - told to the other ranks (waiting in the broadcast), then re-raised
             error = e
+    outcome: str | None
     if error is not None:
         outcome = f"{type(error).__name__}: {error}"
     else:
@@ -48,14 +54,15 @@ def _load_on_rank0(model_class: Any, pretrained: str, kwargs: dict[str, Any]) ->
     dist.broadcast_object_list(message, src=0)
     if error is not None:
         raise error
-    if not str(message[0]).startswith("torch."):
+    loaded = str(message[0])  # rank 0's outcome: a dtype's name, its error, or None
+    if not loaded.startswith("torch."):
         raise DistributedMismatchError(
             f"rank 0 could not load {pretrained!r}, so no rank can shard it: {message[0]}", failed_ranks=(0,)
         )
-    return model, getattr(torch, message[0].removeprefix("torch."))
+    return model, getattr(torch, loaded.removeprefix("torch."))
 
 
-def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> nn.Module:
+def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> PreTrainedModel:
     """The architecture rank 0 loaded, on the meta device, in its dtype."""
     from transformers import AutoConfig
 
@@ -90,7 +97,10 @@ def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None
             if buf is not None and buf.is_meta:
                 module._buffers[leaf] = torch.empty_like(buf, device=device)
     set_model_state_dict(
-        model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        model,
+        # torch types the state dict as a dict (invariant) of its ValueType union; a dict of tensors is one.
+        full_state or {},  # type: ignore[arg-type]
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
     )
     for module in model.modules():
         for leaf in sorted(module._non_persistent_buffers_set):
@@ -99,7 +109,7 @@ def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None
                 dist.broadcast(buf, src=0)
 
 
-def save_pretrained_full(model: nn.Module, save_directory: str, **kwargs: Any) -> None:
+def save_pretrained_full(model: PreTrainedModel, save_directory: str, **kwargs: Any) -> None:
     """Gather the full state dict on rank 0 (in CPU memory) and write it with ``save_pretrained``
     (safetensors, mode ``0o666 & ~umask`` like the other files), loadable by ``from_pretrained`` in
     one process. Call it on every rank."""

@@ -4,10 +4,20 @@ finder (:mod:`.trainer_args`) and the evaluation check (:mod:`.trainer_eval`).""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+
+from .._unwrap import PeftWrapper
+
+
+class MapDataset(Protocol):
+    """A map-style dataset, as Trainer reads one: its length, and the sample at an index."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def _longest_first(dataset: Any) -> list[int]:
@@ -43,7 +53,7 @@ def _signature_columns(model: nn.Module) -> set[str]:
 
     from transformers.utils import find_labels
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = cast(PeftWrapper, model).get_base_model() if hasattr(model, "get_base_model") else model
     return set(inspect.signature(inner.forward).parameters) | {"label", "label_ids"} | set(find_labels(type(inner)))
 
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .._device import module_mode
 from ..measure.accounting import optimizer_state_bytes
@@ -42,9 +42,12 @@ from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
 from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from .trainer_args import training_arguments
-from .trainer_checks import _record, check_optimizer, check_training_arguments
+from .trainer_checks import _given_model, _record, check_optimizer, check_training_arguments
 from .trainer_eval import check_eval_logits
 from .trainer_first_step import FirstStepReport, _first_batch, _verify_and_measure
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 __all__ = [
     "MemstackCallback",
@@ -99,22 +102,28 @@ class MemstackCallback(TrainerCallback):
         self._step_started = 0.0
 
     def on_init_end(
-        self, args: TrainingArguments, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
     ) -> None:
         _put_first(self)
-        for note in check_training_arguments(model, args):
+        for note in check_training_arguments(_given_model(model), args):
             warnings.warn(note, stacklevel=2)
 
     def on_train_begin(
         self,
         args: TrainingArguments,
-        state: Any,
-        control: Any,
+        state: TrainerState,
+        control: TrainerControl,
         model: nn.Module | None = None,
         train_dataloader: Any = None,
-        optimizer: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
+        model = _given_model(model)
         check_training_arguments(model, args)
         check_optimizer(model, optimizer)
         record = _record(model)
@@ -176,11 +185,18 @@ class MemstackCallback(TrainerCallback):
             if self.raise_on_failure and not report.ok:
                 raise RuntimeError(f"hf_memstack.measure.verify found problems on the first batch:\n{report}")
 
-    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._step_started = time.perf_counter()
 
     def on_step_end(
-        self, args: TrainingArguments, state: Any, control: Any, optimizer: Any = None, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: torch.optim.Optimizer | None = None,
+        **kwargs: Any,
     ) -> None:
         if not self._optimizer_bytes and optimizer is not None:
             self._optimizer_bytes = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer))
@@ -193,7 +209,12 @@ class MemstackCallback(TrainerCallback):
             )
 
     def on_log(
-        self, args: TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         if logs is None or self.first_step is None:
             return
@@ -215,14 +236,14 @@ class MemstackCallback(TrainerCallback):
             state.log_history[-1].update({k: v for k, v in logs.items() if k.startswith(("memory/", "memstack/"))})
 
 
-def add_memstack_callback(trainer: Any, callback: MemstackCallback | None = None) -> MemstackCallback:
+def add_memstack_callback(trainer: Trainer, callback: MemstackCallback | None = None) -> MemstackCallback:
     """Put a :class:`MemstackCallback` first among ``trainer``'s callbacks (the one it has, when
     ``callback`` is None and it has one), so that the reporting callbacks (TensorBoard, W&B,
     trackio) log its memory figures too. Returns the callback."""
     callbacks = trainer.callback_handler.callbacks
     if callback is None:
         callback = next((c for c in callbacks if isinstance(c, MemstackCallback)), None) or MemstackCallback()
-    check_training_arguments(trainer.model, trainer.args)
+    check_training_arguments(_given_model(trainer.model), trainer.args)
     if callback in callbacks:
         callbacks.remove(callback)
     callbacks.insert(0, callback)
@@ -252,7 +273,7 @@ def _put_first(callback: MemstackCallback) -> None:
     )
 
 
-def _dispatching_trainer() -> Any:
+def _dispatching_trainer() -> Trainer | None:
     """The Trainer whose event is being dispatched: the ``self`` of the frame that called its
     CallbackHandler (Trainer hands callbacks no handle on itself); None without one (a direct call)."""
     import inspect

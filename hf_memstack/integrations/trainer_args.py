@@ -13,7 +13,7 @@ import logging
 import math
 import warnings
 from collections.abc import Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -23,10 +23,13 @@ from .._device import device_of
 from ..data import PackedCollator
 from ..record import record_of
 from ..transforms.bf16_adamw import BF16AdamW
-from ._columns import _longest_first, _signature_columns, _trainer_columns
+from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
 from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments
 
 __all__ = ["training_arguments"]
+
+if TYPE_CHECKING:
+    from ..batch_size import BatchSizeResult
 
 logger = logging.getLogger("hf_memstack")
 
@@ -103,7 +106,11 @@ def training_arguments(
     per_device = fields.get("per_device_train_batch_size", 8)
     if global_batch_size is not None and accumulation is None:
         fields["gradient_accumulation_steps"] = max(1, math.ceil(global_batch_size / (per_device * world)))
-    elif global_batch_size is not None and per_device * world * accumulation != global_batch_size:
+    elif (
+        global_batch_size is not None
+        and accumulation is not None
+        and per_device * world * accumulation != global_batch_size
+    ):
         _refuse_accumulation(global_batch_size, accumulation, per_device, world)
     args = TrainingArguments(output_dir=output_dir, **fields)
     for note in check_training_arguments(model, args):
@@ -176,7 +183,7 @@ def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: 
     )
 
 
-def _report_batch_size(result: Any) -> None:
+def _report_batch_size(result: BatchSizeResult) -> None:
     """Say once, on the main process, what the finder chose: the batch size is the answer the
     caller asked for, and a logger at INFO level is silent unless logging was configured."""
     import os
@@ -213,7 +220,7 @@ def _find_batch_size(
     global_batch_size: int | None,
     *,
     remove_unused_columns: bool = True,
-) -> Any:
+) -> BatchSizeResult:
     """The finder on the batches Trainer's loader will build: the longest samples of ``dataset``,
     with the columns Trainer removes removed (``remove_unused_columns``), through ``collator``,
     so each probe has the padding and the length of the widest training batch."""
@@ -228,8 +235,10 @@ def _find_batch_size(
     keep = _signature_columns(model) if remove_unused_columns else None
     device = device_of(model)
 
+    samples = cast(MapDataset, dataset)  # Sized, checked above; indexable, as Trainer's own loader needs
+
     def make_batch(n: int) -> Any:
-        rows = [_trainer_columns(dataset[order[i % len(order)]], keep) for i in range(n)]
+        rows = [_trainer_columns(samples[order[i % len(order)]], keep) for i in range(n)]
         batch = collator(rows)
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 

@@ -9,7 +9,6 @@ fix, and warn about the harmless repeats, before any step runs.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
@@ -82,24 +81,38 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
 def _record(model: nn.Module | None) -> MemstackRecord:
     record = record_of(model) if isinstance(model, nn.Module) else None
     if record is None:
-        raise ValueError(
-            f"the model ({type(model).__name__}) was not prepared by hf_memstack: call "
-            "hf_memstack.prepare_model(model, policy) before building the Trainer"
-        )
+        raise _not_prepared(model)
     return record
 
 
-def _checkpointing_field(args: Any) -> str:
+def _given_model(model: nn.Module | None) -> nn.Module:
+    """The model a Trainer callback was given: Trainer passes its model to every callback, so only a
+    direct call without one gets None, which raises the checks' own "not prepared" error."""
+    if model is None:
+        raise _not_prepared(model)
+    return model
+
+
+def _not_prepared(model: object) -> ValueError:
+    return ValueError(
+        f"the model ({type(model).__name__}) was not prepared by hf_memstack: call "
+        "hf_memstack.prepare_model(model, policy) before building the Trainer"
+    )
+
+
+def _checkpointing_field(args: TrainingArguments) -> str:
     """The field to name in a fix: TRL's configs document ``gradient_checkpointing`` (default True);
     Transformers >= 5.20 names it ``activation_checkpointing``."""
     return "gradient_checkpointing" if _is_trl(args) else _CHECKPOINTING_FIELD
 
 
-def _is_trl(args: Any) -> bool:
+def _is_trl(args: TrainingArguments) -> bool:
     return type(args).__module__.startswith("trl.")
 
 
-def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecord, problems: list[str]) -> None:
+def _check_checkpointing_args(
+    model: nn.Module, args: TrainingArguments, record: MemstackRecord, problems: list[str]
+) -> None:
     enabled = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False)
     if not enabled:
         return
@@ -131,7 +144,7 @@ def _check_checkpointing_args(model: nn.Module, args: Any, record: MemstackRecor
     # policy's own: the guard keeps the policy's and says so once, when Trainer calls it.
 
 
-def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
+def _check_optimizer_args(args: TrainingArguments, record: MemstackRecord, problems: list[str]) -> None:
     """optim:in_backward updates each parameter inside the backward: what Trainer would do after it
     (clip by the global norm, accumulate micro-batches) cannot happen."""
     if record.policy.optimizer.step != "in_backward":
@@ -149,7 +162,7 @@ def _check_optimizer_args(args: Any, record: MemstackRecord, problems: list[str]
         )
 
 
-def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Raise when the policy has an optimizer rung (optim:8bit, optim:in_backward, weights:bf16's
     stochastic rounding) and ``optimizer`` was not built for it: Trainer builds plain AdamW unless
     given one. Warn when a plain AdamW updates 16-bit weights (its small updates round away)."""
@@ -191,7 +204,7 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
         )
 
 
-def _check_holds_the_trainable(model: nn.Module, optimizer: Any) -> None:
+def _check_holds_the_trainable(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """An optimizer built before PEFT added the adapters (TRL's ``peft_config``) holds the frozen base
     and none of what trains: the run would "succeed" and change nothing."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -206,7 +219,7 @@ def _check_holds_the_trainable(model: nn.Module, optimizer: Any) -> None:
         )
 
 
-def _check_precision_args(args: Any, record: MemstackRecord, problems: list[str]) -> None:
+def _check_precision_args(args: TrainingArguments, record: MemstackRecord, problems: list[str]) -> None:
     cls = type(args).__name__
     asked = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
     policy = record.precision.name

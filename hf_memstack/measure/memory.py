@@ -218,7 +218,11 @@ def _step_phases(
 
 
 def _time_step(
-    model: nn.Module, batch: Any, optimizer: Any, step_fn: Callable[..., Any], device: torch.device
+    model: nn.Module,
+    batch: Any,
+    optimizer: torch.optim.Optimizer | None,
+    step_fn: Callable[..., Any],
+    device: torch.device,
 ) -> float:
     synchronize(device)
     start = time.perf_counter()

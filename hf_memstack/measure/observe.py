@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from ..record import MemstackRecord
 from ..transforms.checkpointing import SelectiveCheckpointingWarning
 from ..transforms.tiled_mlp import tiled_mlps
 from .step import LossFn, forward_loss
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Observed", "observe_step"]
 
@@ -101,8 +104,8 @@ class _Phase:
 
 
 def _watch(
-    model: nn.Module, record: MemstackRecord, observed: Observed, counter: Any, phase: _Phase
-) -> tuple[list[Any], list[int]]:
+    model: nn.Module, record: MemstackRecord, observed: Observed, counter: FlopCounterMode, phase: _Phase
+) -> tuple[list[RemovableHandle], list[int]]:
     """Forward hooks counting each block's runs in the backward (its recompute), each tiled MLP's
     tiles in the forward and the backward, and the Linear outputs' dtypes; the FLOP watch on the
     checkpointed blocks. Returns the handles and the per-block backward run counts."""
@@ -174,7 +177,9 @@ class _Flops:
     _depth: int = 0
     _start: int = 0
 
-    def watch(self, blocks: list[nn.Module], counter: Any, in_backward: Any) -> list[Any]:
+    def watch(
+        self, blocks: list[nn.Module], counter: FlopCounterMode, in_backward: Callable[[], bool]
+    ) -> list[RemovableHandle]:
         """Hooks on the blocks' submodules that add the counter's FLOPs while one of them runs."""
 
         def enter(module: nn.Module, args: Any) -> None:

@@ -292,7 +292,9 @@ class LiveBytes(TorchDispatchMode):
                 f"Simulated device out of memory. Tried to allocate {format_bytes(added)}; {format_bytes(self.live)} of the "
                 f"simulated budget of {format_bytes(self.budget)} are in use (hf_memstack.simulated_memory_limit)"
             )
-            error.requested_bytes = added  # exact: tests and retry logic can read it
+            # exact: tests and retry logic can read it. An attribute of our own on torch's exception,
+            # which torch's class does not declare.
+            error.requested_bytes = added  # type: ignore[attr-defined]
             return error
         for key, st in resized.items():
             ref, old = self._storages[key]
@@ -359,7 +361,8 @@ def _all_tensors(device: str) -> Iterator[torch.Tensor]:
         # type(), not isinstance(): isinstance reads __class__, which some module proxies warn on.
         if (
             issubclass(type(obj), torch.Tensor)
-            and not isinstance(obj, torch.nn.parameter.UninitializedTensorMixin)
+            # torch/nn/parameter.py defines the mixin; its stub, parameter.pyi, leaves it out.
+            and not isinstance(obj, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
             and (is_traceable_wrapper_subclass(obj) or obj.device.type == device)
         ):
             yield obj

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["cached", "clear", "config_key", "model_copy"]
 
@@ -24,13 +27,13 @@ _MOST = 16  # entries per cache: a plan holds two depths and the full model's pl
 _CACHES: dict[str, dict[tuple[Any, ...], Any]] = {"depth_plans": {}, "meta_models": {}}
 
 
-def config_key(config: Any) -> tuple[str, str]:
+def config_key(config: PretrainedConfig) -> tuple[str, str]:
     """The config as a key: its class and every field (``to_json_string`` with the defaults, so two
     configs that differ anywhere - depth, width, dtype, a per-block list - never share an entry)."""
     return type(config).__qualname__, config.to_json_string(use_diff=False) + _private_settings(config)
 
 
-def _private_settings(config: Any) -> str:
+def _private_settings(config: PretrainedConfig) -> str:
     """What ``to_json_string`` leaves out but the build reads: the attention (and experts)
     implementation a config was given (``attn_implementation="eager"``), its own and its sub-configs'."""
     settings = []

@@ -24,11 +24,15 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..measure.memory import PhasePeaks
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import PretrainedConfig
 
 __all__ = [
     "DepthPlan",
@@ -73,17 +77,17 @@ class DepthPlan:
         )
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
 
 
-def num_layers(config: Any) -> int | None:
+def num_layers(config: PretrainedConfig) -> int | None:
     layers = getattr(text_config(config), "num_hidden_layers", None)
     return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
 
 
-def with_depth(config: Any, depth: int) -> Any:
+def with_depth(config: PretrainedConfig, depth: int) -> PretrainedConfig:
     """A copy of ``config`` with ``depth`` blocks; its per-block lists (``layer_types``) cut to them."""
     layers = num_layers(config)
     new = copy.deepcopy(config)
@@ -96,7 +100,11 @@ def with_depth(config: Any, depth: int) -> Any:
 
 
 def plan_depths(
-    config: Any, build: Callable[[Any], nn.Module], *, every_n: int, peft_config: Any | None
+    config: PretrainedConfig,
+    build: Callable[[PretrainedConfig], nn.Module],
+    *,
+    every_n: int,
+    peft_config: PeftConfig | None,
 ) -> DepthPlan | None:
     """The two shallow depths to trace for ``config``, or None when the model must be traced in full
     (too shallow to gain, blocks that differ, a PEFT config that picks blocks by index).
@@ -211,7 +219,7 @@ def _period(signatures: list[tuple[Any, ...]]) -> int | None:
     return None
 
 
-def _peft_picks_blocks(peft_config: Any | None) -> bool:
+def _peft_picks_blocks(peft_config: PeftConfig | None) -> bool:
     """A PEFT config that may treat blocks differently: by index, by pattern, by regular expression."""
     if peft_config is None:
         return False

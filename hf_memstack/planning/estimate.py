@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
 from .weights_dtype import WeightsDtype, resolve_weights_dtype, short_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "DEFAULT_LORA",
@@ -188,7 +191,7 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
 
 
 def _traced_step(
-    config: Any, job: Job, extrapolate: bool, notes: list[str]
+    config: PretrainedConfig, job: Job, extrapolate: bool, notes: list[str]
 ) -> tuple[StepMemory, nn.Module, dict[str, int]]:
     """The step's memory, the traced model and its counts: one full trace, or two shallow ones
     extrapolated to the full depth (said in ``notes``)."""

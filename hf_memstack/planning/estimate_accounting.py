@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,6 +17,9 @@ from ..sizes import format_bytes
 from .fake_model import blocks_or_empty
 from .memory_estimate import MemoryEstimate
 from .weights_dtype import WeightsDtype, short_name
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["dtype_note", "per_rank", "with_kept_logits"]
 
@@ -70,7 +73,7 @@ def per_rank(
     net: nn.Module,
     policy: MemoryPolicy,
     world: int,
-    config: Any,
+    config: PretrainedConfig,
     batch: int,
     seq: int,
     trainable: int,

@@ -4,13 +4,16 @@ chunked loss on a head it does not reproduce (checked on a one-block copy with r
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .depth import text_config
 from .model_config import build_model
 from .weights_dtype import parse_dtype
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer: Any, task: Any, dtype: Any) -> None:
@@ -44,7 +47,7 @@ def check_mode(mode: Any, eval_samples: Any) -> None:
         )
 
 
-def check_depth(config: Any) -> None:
+def check_depth(config: PretrainedConfig) -> None:
     """A config without blocks builds (embeddings and a head) and would be estimated as that: refused."""
     layers = getattr(text_config(config), "num_hidden_layers", None)
     if isinstance(layers, int) and not isinstance(layers, bool) and layers <= 0:
@@ -61,7 +64,7 @@ _LOSS_CHECK_MAX_PARAMETERS = 32 * 2**20  # building more costs seconds on a CPU
 _LOSS_VERDICTS: dict[tuple[str, str, str], tuple[str | None, str | None]] = {}
 
 
-def chunked_loss_problem(config: Any, task: str, *, trust_remote_code: bool = False) -> str | None:
+def chunked_loss_problem(config: PretrainedConfig, task: str, *, trust_remote_code: bool = False) -> str | None:
     """Why ``prepare_model`` would refuse ``loss:chunked`` on the model of ``config`` for ``task``, or None.
 
     The estimator's model has no values (fake tensors), so ``prepare_model`` cannot run the part of
@@ -73,7 +76,7 @@ def chunked_loss_problem(config: Any, task: str, *, trust_remote_code: bool = Fa
     return chunked_loss_verdict(config, task, trust_remote_code)[0]
 
 
-def chunked_loss_verdict(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
+def chunked_loss_verdict(config: PretrainedConfig, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
     """(the refusal, a note), computed once per config and task."""
     key = (type(config).__qualname__, config.to_json_string(use_diff=False), task)
     if key not in _LOSS_VERDICTS:
@@ -83,7 +86,7 @@ def chunked_loss_verdict(config: Any, task: str, trust_remote_code: bool) -> tup
     return _LOSS_VERDICTS[key]
 
 
-def _check_chunked_loss(config: Any, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
+def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
     from ..policy import LossConfig
     from ..transforms.loss_head import check_loss_head
 

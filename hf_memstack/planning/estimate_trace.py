@@ -7,7 +7,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,6 +21,10 @@ from .fake_model import build_fake_model, build_key, fake_batch, quant_counts, r
 from .model_config import build_model
 from .weights_dtype import WeightsDtype, set_dtypes
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import PretrainedConfig
+
 __all__ = ["Job", "Traced", "depth_plan", "trace"]
 
 
@@ -29,7 +33,7 @@ class Job:
     """What one estimate traces, besides the config."""
 
     task: str
-    peft_config: Any
+    peft_config: PeftConfig | None
     trust_remote_code: bool
     weights: WeightsDtype
     policy: MemoryPolicy
@@ -49,7 +53,7 @@ class Traced:
     """Parameters (``total``, ``trainable``) and the 4-bit layers' numbers (``quant_*``)."""
 
 
-def trace(config: Any, job: Job) -> Traced:
+def trace(config: PretrainedConfig, job: Job) -> Traced:
     """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -79,7 +83,7 @@ def trace(config: Any, job: Job) -> Traced:
     return Traced(net=net, phases=phases, counts=counts)
 
 
-def _trace_eval(net: nn.Module, config: Any, job: Job, mode: Any) -> Traced:
+def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any) -> Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
     from ..measure.memory import trace_eval_forward
@@ -116,7 +120,7 @@ def _quiet_prepare(*, training: bool) -> Iterator[None]:
         yield
 
 
-def depth_plan(config: Any, job: Job) -> DepthPlan | None:
+def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | None:
     """Which shallow depths to trace for this job, or None to trace every block."""
 
     def build(cfg: Any) -> nn.Module:

@@ -4,11 +4,12 @@ it with a fake batch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from .._unwrap import PeftWrapper
 from ..measure.memory import PhasePeaks, trace_training_step
 from ..sizes import format_bytes
 from . import build_cache
@@ -16,9 +17,18 @@ from .model_config import build_model
 from .trainable import apply_peft
 from .weights_dtype import WeightsDtype, set_dtypes
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import PretrainedConfig
+
 
 def build_fake_model(
-    config: Any, task: str, peft_config: Any | None, trust_remote_code: bool, mode: Any, weights: WeightsDtype
+    config: PretrainedConfig,
+    task: str,
+    peft_config: PeftConfig | None,
+    trust_remote_code: bool,
+    mode: Any,
+    weights: WeightsDtype,
 ) -> nn.Module:
     """The model built on the meta device in the weights' dtype (PEFT adapters added there, in the
     dtype PEFT gives them), then given fake tensors: shapes and dtypes, no storage. Built on meta
@@ -50,20 +60,22 @@ def build_fake_model(
     for module in net.modules():
         for name, p in module._parameters.items():
             if p is not None:
-                module._parameters[name] = fake(p, True)
+                module._parameters[name] = cast(nn.Parameter, fake(p, True))  # fake(p, True) makes a Parameter
         for name, b in module._buffers.items():
             if b is not None:
                 module._buffers[name] = fake(b, False)
     return net
 
 
-def build_key(config: Any, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
+def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
     """Everything a model built on meta depends on besides its PEFT config."""
     per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
     return (*build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
 
 
-def traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) -> PhasePeaks:
+def traced_step(
+    net: nn.Module, batch: Any, opt: torch.optim.Optimizer, config: PretrainedConfig, task: str
+) -> PhasePeaks:
     """The meter's step on fake tensors. A forward that needs the data's values (an output whose
     shape depends on them, a ``.item()``) cannot run there: said as such, not as a trace error."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -78,14 +90,16 @@ def traced_step(net: nn.Module, batch: Any, opt: Any, config: Any, task: str) ->
         ) from None
 
 
-def refuse_mixture_of_experts(net: nn.Module, config: Any) -> None:
+def refuse_mixture_of_experts(net: nn.Module, config: PretrainedConfig) -> None:
     """A mixture-of-experts model cannot be traced on fake tensors: its default experts kernel
     (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
     experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
     on the data). Said as such, with what to do, instead of the kernel's raw error."""
     from ..record import unwrap_model
 
-    inner = net.get_base_model() if callable(getattr(net, "get_base_model", None)) else net  # a PEFT model's own
+    inner = (
+        cast(PeftWrapper, net).get_base_model() if callable(getattr(net, "get_base_model", None)) else net
+    )  # a PEFT model's own
     cls = type(unwrap_model(inner))
     can_set = getattr(cls, "_can_set_experts_implementation", None)
     if callable(can_set) and can_set():
@@ -123,7 +137,9 @@ def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
         return ()
 
 
-def fake_batch(config: Any, task: str, batch: int, seq: int, *, packed: bool = False) -> dict[str, torch.Tensor]:
+def fake_batch(
+    config: PretrainedConfig, task: str, batch: int, seq: int, *, packed: bool = False
+) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, max(2, config.vocab_size - 1), (batch, seq))
     if task == "classification":
         return {

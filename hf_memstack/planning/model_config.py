@@ -8,7 +8,7 @@ import copy
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -16,13 +16,17 @@ from torch import nn
 from .trainable import apply_peft
 from .weights_dtype import cast_like_from_pretrained
 
+if TYPE_CHECKING:
+    from peft import PeftConfig
+    from transformers import PretrainedConfig
+
 _ACCEPTED = (
     "a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
     "dict with its 'model_type' (config.to_dict()), or a model"
 )
 
 
-def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> Any:
+def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> PretrainedConfig:
     """A Transformers config from a config object, a config dict, a local directory, or a hub id
     already in the local cache. Nothing is downloaded, so an unknown id fails at once instead of
     hanging offline.
@@ -37,7 +41,7 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
     if isinstance(model, PretrainedConfig):
         return model
     if isinstance(model, nn.Module):
-        return model.config
+        return cast(PretrainedConfig, model.config)  # a Transformers model's (estimate_memory's models are)
     if isinstance(model, dict):
         return _config_from_dict(model)
     if not isinstance(model, (str, Path)):
@@ -80,7 +84,7 @@ def _looks_like_a_path(name: str) -> bool:
     return name.startswith(("/", "~", ".")) or name.count("/") > 1 or "\\" in name or Path(name).exists()
 
 
-def _config_from_dict(data: dict[str, Any]) -> Any:
+def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
     """The config a ``config.to_dict()`` (or a parsed config.json) describes, built as
     ``AutoConfig.from_pretrained`` builds one from its file: the class named by ``model_type``."""
     from transformers import CONFIG_MAPPING
@@ -155,7 +159,7 @@ def _check_config_file(path: Path) -> None:
         )
 
 
-def check_seq_len(config: Any, seq_len: int) -> None:
+def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
     """Raise ValueError when ``seq_len`` is not positive or above the model's position limit."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
@@ -166,7 +170,7 @@ def check_seq_len(config: Any, seq_len: int) -> None:
         )
 
 
-def infer_task(model: Any, config: Any) -> str:
+def infer_task(model: Any, config: PretrainedConfig) -> str:
     """Which head to build when no task is given: ``classification`` for a sequence-classification
     model (its class, or the config's ``architectures`` saved by ``save_pretrained``) and for an
     encoder without a causal-LM head (``BertModel``, ``BertForMaskedLM``: what the recipe
@@ -174,7 +178,7 @@ def infer_task(model: Any, config: Any) -> str:
     return _infer_task(model, config)[0]
 
 
-def task_note(model: Any, config: Any) -> str | None:
+def task_note(model: Any, config: PretrainedConfig) -> str | None:
     """Why :func:`infer_task` chose classification for a model that names no classification head
     (an encoder), as a note for the estimate; None when the architecture says it plainly."""
     return _infer_task(model, config)[1]
@@ -183,7 +187,7 @@ def task_note(model: Any, config: Any) -> str | None:
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
-def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
+def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
     from ..record import unwrap_model
 
     names = (
@@ -208,7 +212,7 @@ def _infer_task(model: Any, config: Any) -> tuple[str, str | None]:
     return "causal-lm", None
 
 
-def _is_encoder(config: Any) -> bool:
+def _is_encoder(config: PretrainedConfig) -> bool:
     """A Transformers encoder: its model type has a masked-LM head, it is not set up as a decoder,
     and it is not an encoder-decoder (BART and T5 generate)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
@@ -219,9 +223,9 @@ def _is_encoder(config: Any) -> bool:
 
 
 def build_model(
-    config: Any,
+    config: PretrainedConfig,
     task: str,
-    peft_config: Any | None = None,
+    peft_config: PeftConfig | None = None,
     *,
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
@@ -238,7 +242,7 @@ def build_model(
     return apply_peft(net, peft_config) if peft_config is not None else net
 
 
-def _build(config: Any, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
+def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification

@@ -83,7 +83,7 @@ class Plan:
         lines.append(
             f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
         )
-        if self.fits:
+        if self.policy is not None:  # self.fits, spelled out so the type checker sees the policy
             lines.append(
                 f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})"
             )

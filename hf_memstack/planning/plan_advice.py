@@ -3,7 +3,7 @@ rungs, and - when nothing fits - what would (more ranks, a smaller batch, a shor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 from ..policy import MemoryPolicy
 from ..sizes import format_bytes
@@ -43,7 +43,9 @@ def optimizer_notes(policy: MemoryPolicy) -> list[str]:
     return notes
 
 
-def suggestions(est: Any, closest: str, batch_size: Any, seq_len: int, world_size: int, usable: float) -> list[str]:
+def suggestions(
+    est: Estimates, closest: str, batch_size: int | Literal["max"], seq_len: int, world_size: int, usable: float
+) -> list[str]:
     """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for its
     model states, a smaller batch, a shorter sequence - with numbers from its batch-1 estimate."""
     base = est(closest, 1)

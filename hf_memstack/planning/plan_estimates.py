@@ -3,11 +3,14 @@ rung's largest batch (``batch_size="max"``) that spends as few traces as it can.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..policy import MemoryPolicy
 from .estimate import estimate_memory
 from .memory_estimate import MemoryEstimate
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["Estimates", "max_batch"]
 
@@ -15,7 +18,7 @@ __all__ = ["Estimates", "max_batch"]
 class Estimates:
     """Estimates for one model and job, each policy and batch size traced once."""
 
-    def __init__(self, config: Any, **job: Any) -> None:
+    def __init__(self, config: PretrainedConfig, **job: Any) -> None:
         self.config, self.job = config, job
         self.cache: dict[tuple[str, int], MemoryEstimate] = {}
 

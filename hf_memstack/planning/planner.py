@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..policy import MemoryPolicy
 from ..sizes import parse_bytes
@@ -17,6 +17,9 @@ from .plan_advice import optimizer_notes, suggestions
 from .plan_estimates import Estimates, max_batch
 from .rungs import MEASURED_SPEED, Requirement, RungContext, rungs_for
 from .weights_dtype import parse_dtype, resolve_weights_dtype
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
 
@@ -132,11 +135,11 @@ def _planned_precision(device: str | None, weights_dtype: Any, trainable: Any) -
 
 
 def _ladder(
-    config: Any,
+    config: PretrainedConfig,
     task: str,
     precision: str,
     seq_len: int,
-    batch_size: int | str,
+    batch_size: int | Literal["max"],
     world_size: int,
     trainable: Any,
     step_in_backward: bool,
@@ -159,7 +162,9 @@ def _ladder(
     return rungs_for(RungContext(precision, _num_blocks(config), satisfied))
 
 
-def _walk_rungs(plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | str, usable: float) -> list[int]:
+def _walk_rungs(
+    plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | Literal["max"], usable: float
+) -> list[int]:
     """Add a row to ``plan`` for each rung until one fits (then ``plan`` holds it, its batch, its
     estimate and the notes on running it); each row's bytes over ``usable``."""
     shortfalls = []
@@ -197,7 +202,7 @@ def _faster_with_its_states(
     est: Estimates,
     before: list[Any],
     fitting: Any,
-    batch_size: int | str,
+    batch_size: int | Literal["max"],
     usable: float,
     floors: dict[str, int],
 ) -> tuple[str, int, MemoryEstimate] | None:
@@ -262,7 +267,7 @@ def _state_speed(policy: MemoryPolicy) -> float:
 
 
 def _try_rung(
-    est: Estimates, rung: Any, batch_size: int | str, usable: float, floors: dict[str, int]
+    est: Estimates, rung: Any, batch_size: int | Literal["max"], usable: float, floors: dict[str, int]
 ) -> tuple[PlanRow, int, MemoryEstimate | None]:
     """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
     weights and optimizer state already held more than ``usable`` in those alone: what only saves
@@ -300,7 +305,7 @@ def _try_rung(
 
 
 def _bounded_by_next(
-    est: Estimates, rung: Any, later: list[Any], batch_size: int | str, usable: float
+    est: Estimates, rung: Any, later: list[Any], batch_size: int | Literal["max"], usable: float
 ) -> PlanRow | None:
     """A rung not traced when a later rung is the same policy saving strictly more, and that one is
     over the budget: its peak is then a lower bound of this one's. Two such pairs are on the ladder:
@@ -371,7 +376,7 @@ def _trains_all(trainable: Any) -> bool:
     return isinstance(trainable, str) and trainable == "all"
 
 
-def _tiles_help(config: Any, tokens: int) -> bool:
+def _tiles_help(config: PretrainedConfig, tokens: int) -> bool:
     """A step's tokens span more than one MLP tile (the mlp:tiled rung then saves memory)."""
     from ..transforms.tiled_mlp import auto_tile_tokens
 
@@ -381,9 +386,9 @@ def _tiles_help(config: Any, tokens: int) -> bool:
     return bool(hidden) and not experts and tokens > auto_tile_tokens(hidden)
 
 
-def _num_blocks(config: Any) -> int:
+def _num_blocks(config: PretrainedConfig) -> int:
     return int(
-        getattr(config, "num_hidden_layers", None)
-        or getattr(config, "n_layer", None)
+        getattr(config, "num_hidden_layers", 0)  # 0 and None alike: not set, try the next name
+        or getattr(config, "n_layer", 0)
         or getattr(config, "num_layers", 4)
     )

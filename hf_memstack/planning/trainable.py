@@ -6,16 +6,20 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft import PeftConfig, PeftModel
 
 
 def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
     left at "all"): its base model's config is estimated with its adapters."""
     if isinstance(model, nn.Module) and type(model).__module__.startswith("peft.") and hasattr(model, "peft_config"):
-        return model.get_base_model(), model.peft_config[model.active_adapter] if trainable == "all" else trainable
+        peft = cast("PeftModel", model)  # a PEFT model: its peft_config and active_adapter are not nn.Module's
+        return peft.get_base_model(), peft.peft_config[peft.active_adapter] if trainable == "all" else trainable
     if isinstance(model, nn.Module) and trainable == "all" and any(not p.requires_grad for p in model.parameters()):
         warnings.warn(
             f"{type(model).__name__} has frozen parameters, but the estimate builds it from its config, where every "
@@ -31,7 +35,7 @@ def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     return model, trainable
 
 
-def peft_config_from(trainable: Any) -> Any | None:
+def peft_config_from(trainable: Any) -> PeftConfig | None:
     """``trainable`` as a PEFT config (None for ``"all"``).
 
     Raises:
@@ -66,7 +70,7 @@ def peft_config_from(trainable: Any) -> Any | None:
 DEFAULT_LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
-def apply_peft(net: nn.Module, peft_config: Any) -> nn.Module:
+def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
     from peft import get_peft_model  # optional: only when a PEFT config is given
 
     peft_config = copy.deepcopy(peft_config)

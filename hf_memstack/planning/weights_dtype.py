@@ -18,10 +18,13 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "DTYPE_CHOICES",
@@ -92,7 +95,7 @@ def parse_dtype(dtype: Any, *, field: str = "dtype") -> torch.dtype | None:
     raise TypeError(f"{field}={dtype!r} ({type(dtype).__name__}) must be a string or a torch.dtype: {_ALLOWED}")
 
 
-def resolve_weights_dtype(model: Any, config: Any, dtype: Any = "auto") -> WeightsDtype:
+def resolve_weights_dtype(model: Any, config: PretrainedConfig, dtype: Any = "auto") -> WeightsDtype:
     """The dtype the weights of ``model`` (a directory, cached hub id, config, config dict or
     model object; ``config`` is its loaded config) will have: ``dtype`` when given, else what
     ``from_pretrained(model)`` gives (see the module's docstring).
@@ -129,7 +132,7 @@ def _of_module(model: nn.Module) -> WeightsDtype:
     return WeightsDtype(main, "the model's parameters", per_parameter=per)
 
 
-def _config_dtype(config: Any) -> torch.dtype | None:
+def _config_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return _named_dtype(getattr(config, "dtype", None))
 
 

@@ -5,7 +5,7 @@ and the coercion of a sub-config given as a mode string or a dict."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 from .config import (
     MAX_EVERY_N,
@@ -49,10 +49,11 @@ def optimizer_from_string(value: str) -> OptimizerConfig | None:
     config: OptimizerConfig | None = OptimizerConfig()
     for part in value.split("+"):
         part = part.strip()
+        # The casts hold: each branch has just checked ``part`` against the Literal's values.
         if part in get_args(OptimizerState):
-            config = OptimizerConfig(state=part, step=config.step) if config else None
+            config = OptimizerConfig(state=cast(OptimizerState, part), step=config.step) if config else None
         elif part in get_args(OptimizerStep):
-            config = OptimizerConfig(state=config.state, step=part) if config else None
+            config = OptimizerConfig(state=config.state, step=cast(OptimizerStep, part)) if config else None
         else:
             return None
     return config
