@@ -34,8 +34,8 @@ def main() -> None:
         assert {p.dtype for p in decay + no_decay} == {torch.bfloat16}
         warnings.warn("bench: plain torch.optim.AdamW over bf16 weights (no stochastic rounding)", stacklevel=1)
         return torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
+            [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.train.lr,
             foreach=True,
         )
 

@@ -11,9 +11,21 @@ One process needs no launcher (accelerate launch would run this script in a chil
 its own CalledProcessError traceback after a refusal's message).
 
 Read top to bottom: setup(cfg) -> Job (everything validated and loaded before anything is written)
--> train(job) -> save(job). What they are built from lives in finetune_support/ (imported from this
-script's folder, never by the library): the flags (config.py: FinetuneConfig, defaults <- --config
-YAML/JSON <- flags) and their checks (checks.py), the data (rows.py, data.py), the model (model.py),
+-> train(job) -> save(job). The flags come in groups, one dataclass each, read as cfg.<group>.<flag>
+(cfg.train.lr is --lr; a --config file and run_config.yaml keep flat 'lr: 2e-4' keys):
+    cfg.model       ModelArgs       --model, --tokenizer, --trust-remote-code
+    cfg.data        DataArgs        --task, --dataset, --validation-*, --*-field, --packing, --seq-len, --num-workers
+    cfg.memory      MemoryArgs      --policy, --batch-size, --global-batch-size, --memory-budget
+    cfg.lora        LoraArgs        --lora-r, --lora-alpha, --lora-dropout, --lora-target, --merge-lora
+    cfg.train       TrainArgs       --epochs, --max-steps, --stop-after, --lr, --weight-decay, --warmup-ratio,
+                                    --lr-scheduler, --grad-clip, --log-every, --seed, --dist-timeout
+    cfg.eval        EvalArgs        --eval-every
+    cfg.checkpoint  CheckpointArgs  --save-every, --keep-last, --resume-from, --allow-config-change,
+                                    --discard-later-checkpoints
+    cfg.output      OutputArgs      --output-dir, --overwrite, --memory-plot, --report-to
+What they are built from lives in finetune_support/ (imported from this script's folder, never by the
+library): the flags (flags.py: the groups above and FinetuneConfig; config.py reads them: defaults <-
+--config YAML/JSON <- flags) and their checks (checks.py), the data (rows.py, data.py), the model (model.py),
 the Accelerator (accelerator.py), the batch size (batching.py), the crash-safe output directory
 (run_dir.py), its checkpoints (checkpoint_dirs.py, checkpoint.py) and the report's plot (report.py).
 The embedded default fine-tunes the real pretrained MiniLM-L6 (BERT, 22.7M parameters, shipped by
@@ -52,9 +64,9 @@ from finetune_support.checkpoint import (
 from finetune_support.checkpoint_dirs import read_trainer_state
 from finetune_support.checks import check_config
 from finetune_support.common import RecipeError, Route, agree
-from finetune_support.config import FinetuneConfig
 from finetune_support.data import collate, load_raw_data, packing_summary, tokenize
 from finetune_support.faults import test_hook
+from finetune_support.flags import FinetuneConfig
 from finetune_support.model import (
     add_lora,
     choose_policy,
@@ -69,8 +81,8 @@ from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
-    """The flags (finetune_support/config.py): defaults <- ``--config`` file <- command line, every
-    value's type checked; ``--help`` shows this script's docstring."""
+    """The flags (finetune_support/flags.py, one ``--help`` group per dataclass): defaults <- ``--config``
+    file <- command line, every value's type checked; ``--help`` shows this script's docstring."""
     return config.parse_config(argv, description=__doc__)
 
 
@@ -138,7 +150,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     # Data before the model: a wrong field name fails in seconds, not after a download.
-    model_path = resolve_model_path(cfg.model)
+    model_path = resolve_model_path(cfg.model.model)
     train_raw, val_raw, task, data_digest = load_raw_data(cfg)
     _check_packing_task(cfg, task)
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
@@ -149,7 +161,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     for note in plan.notes:
         log(note)
     if plan_table:
-        log(f"memory plan for {cfg.memory_budget} per device:\n{plan_table}")
+        log(f"memory plan for {cfg.memory.memory_budget} per device:\n{plan_table}")
 
     error = None
     try:
@@ -157,14 +169,14 @@ def setup(cfg: FinetuneConfig) -> Job:
         record = _run_record(cfg, plan, accelerator, policy, data_digest)
         tokenizer = load_tokenizer(cfg, model_path)
         train_ds, val_ds, num_labels = tokenize(train_raw, val_raw, task, tokenizer, cfg)
-        if cfg.packing == "on":
+        if cfg.data.packing == "on":
             accelerator.print(packing_summary(train_ds, cfg))
     except RecipeError as e:
         error = e
     agree(accelerator, error)
 
     try:
-        set_seed(cfg.seed)
+        set_seed(cfg.train.seed)
         job = _build(
             cfg,
             accelerator=accelerator,
@@ -190,9 +202,10 @@ def setup(cfg: FinetuneConfig) -> Job:
 
 def _check_packing_task(cfg: FinetuneConfig, task: str) -> None:
     """Packing is for causal-lm: --task auto found labels in the rows, which check_config could not know."""
-    if cfg.packing != "off" and task == "classification":
+    if cfg.data.packing != "off" and task == "classification":
         raise RecipeError(
-            f"packing={cfg.packing!r}: the rows have a {cfg.label_field!r} field, so --task auto trains a classifier, "
+            f"packing={cfg.data.packing!r}: the rows have a {cfg.data.label_field!r} field, so --task auto trains "
+            "a classifier, "
             "and packing only applies to causal-lm; drop --packing, or pass --task causal-lm to train a language model on the text"
         )
 
@@ -225,8 +238,8 @@ def _run_record(
         diffs = compare_runs(
             plan.reference,
             record,
-            where=str(plan.resume.path if plan.resume else cfg.output_dir),
-            allow=cfg.allow_config_change,
+            where=str(plan.resume.path if plan.resume else cfg.output.output_dir),
+            allow=cfg.checkpoint.allow_config_change,
         )
         if diffs:
             accelerator.print("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
@@ -241,16 +254,18 @@ def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
 
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if policy.optimizer.state != "fp32" or policy.optimizer.step != "after_backward" or policy.master_weights != "fp32":
         try:
-            return make_optimizer(model, policy, lr=cfg.lr, param_groups=groups, max_grad_norm=cfg.grad_clip or None)
+            return make_optimizer(
+                model, policy, lr=cfg.train.lr, param_groups=groups, max_grad_norm=cfg.train.grad_clip or None
+            )
         except (ValueError, RuntimeError) as e:
             raise RecipeError(f"policy={policy.to_string()!r}: {e}") from None
     try:  # the fused kernel where this PyTorch has it for the device
-        return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, fused=True)
     except (RuntimeError, TypeError):
-        return torch.optim.AdamW(groups, lr=cfg.lr, foreach=True)
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, foreach=True)
 
 
 def _build(
@@ -284,8 +299,8 @@ def _build(
 
     # Under compile every batch is padded to --seq-len: one static shape, one compile, instead of a
     # recompile for each new padded length (pytorch#188150). The finder measures batches of this collate too.
-    pad_to = cfg.seq_len if policy.compile.mode != "none" else None
-    batch_collate = collate(tokenizer, pad_to, packed=cfg.packing == "on")
+    pad_to = cfg.data.seq_len if policy.compile.mode != "none" else None
+    batch_collate = collate(tokenizer, pad_to, packed=cfg.data.packing == "on")
     state, resolved = _resumed_state(plan)
     batch_size, grad_accum = choose_batch_size(
         cfg, plan, resolved, accelerator, model, optimizer, train_ds, batch_collate
@@ -324,7 +339,7 @@ def _build(
     )
     if plan.resume is not None:
         load_checkpoint(job, plan.resume.path)
-        if cfg.allow_config_change:
+        if cfg.checkpoint.allow_config_change:
             _apply_requested_hparams(job)
         log(f"resumed from {plan.resume.path} at step {state.step}")
     return job
@@ -337,7 +352,7 @@ def _model_under_policy(
     from hf_memstack import PolicyError, describe, prepare_model
 
     model = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
-    if cfg.lora_r:
+    if cfg.lora.lora_r:
         model = add_lora(cfg, model, task)
     # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
     # on the fully_shard route, where prepare_model shards and autocasts). Sharded models are moved
@@ -347,7 +362,7 @@ def _model_under_policy(
     try:
         model = prepare_model(model, policy, accelerator=accelerator)
     except (PolicyError, ValueError, TypeError, RuntimeError) as e:
-        raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model}: {e}") from None
+        raise RecipeError(f"policy={policy.to_string()!r} cannot be applied to {cfg.model.model}: {e}") from None
     accelerator.print(describe(model))
     if policy.quant.mode != "none":
         accelerator.register_save_state_pre_hook(checkpoint_without_4bit_weights)
@@ -389,18 +404,18 @@ def _loaders(
         batch_size=batch_size,
         shuffle=True,
         collate_fn=batch_collate,
-        num_workers=cfg.num_workers,
+        num_workers=cfg.data.num_workers,
         pin_memory=pin,
         drop_last=pad_to is not None,
-        generator=torch.Generator().manual_seed(cfg.seed),
+        generator=torch.Generator().manual_seed(cfg.train.seed),
     )
     val_dl = torch.utils.data.DataLoader(
         val_ds,
         batch_size=batch_size,
-        collate_fn=collate(tokenizer, pad_to, packed=cfg.packing == "on"),
-        num_workers=cfg.num_workers,
+        collate_fn=collate(tokenizer, pad_to, packed=cfg.data.packing == "on"),
+        num_workers=cfg.data.num_workers,
         pin_memory=pin,
-        generator=torch.Generator().manual_seed(cfg.seed),
+        generator=torch.Generator().manual_seed(cfg.train.seed),
     )
     if len(train_dl) == 0:
         raise RecipeError(
@@ -416,11 +431,11 @@ def _schedule(cfg: FinetuneConfig, optimizer: Any, train_dl: Any, world: int, gr
 
     # Accelerate ends every epoch with an optimizer step, even a short accumulation.
     steps_per_epoch = math.ceil(len(train_dl) / world / grad_accum)
-    total_steps = cfg.max_steps or max(1, int(cfg.epochs * steps_per_epoch))
+    total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * steps_per_epoch))
     scheduler = get_scheduler(
-        cfg.lr_scheduler,
+        cfg.train.lr_scheduler,
         optimizer,
-        num_warmup_steps=int(cfg.warmup_ratio * total_steps),
+        num_warmup_steps=int(cfg.train.warmup_ratio * total_steps),
         num_training_steps=total_steps,
     )
     return scheduler, total_steps
@@ -430,11 +445,11 @@ def _apply_requested_hparams(job: Job) -> None:
     """After --allow-config-change, the loaded optimizer and schedule carry the checkpoint's lr and
     weight decay: the requested ones apply from here on, at the schedule's current position."""
     sched = job.scheduler.scheduler
-    sched.base_lrs = [job.cfg.lr for _ in sched.base_lrs]
+    sched.base_lrs = [job.cfg.train.lr for _ in sched.base_lrs]
     for group, lmbda in zip(job.optimizer.param_groups, sched.lr_lambdas):
-        group["initial_lr"] = job.cfg.lr
-        group["lr"] = job.cfg.lr * lmbda(sched.last_epoch)
-    job.optimizer.param_groups[0]["weight_decay"] = job.cfg.weight_decay  # group 0 decays; biases and norms never
+        group["initial_lr"] = job.cfg.train.lr
+        group["lr"] = job.cfg.train.lr * lmbda(sched.last_epoch)
+    job.optimizer.param_groups[0]["weight_decay"] = job.cfg.train.weight_decay  # group 0 decays; biases and norms never
 
 
 # ============================================================================= train
@@ -469,8 +484,8 @@ def micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
         loss = model(**batch).loss
         acc.backward(loss)
         if acc.sync_gradients:
-            if job.cfg.grad_clip > 0:
-                acc.clip_grad_norm_(model.parameters(), job.cfg.grad_clip)
+            if job.cfg.train.grad_clip > 0:
+                acc.clip_grad_norm_(model.parameters(), job.cfg.train.grad_clip)
             lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps it as a tensor
             optimizer.step()
             if not acc.optimizer_step_was_skipped:  # fp16: an overflow skipped the update; the schedule waits too
@@ -518,7 +533,7 @@ def train(job: Job) -> None:
 
     acc, cfg, state, model = job.accelerator, job.cfg, job.state, job.model
     world = acc.num_processes
-    stop_at = min(job.total_steps, cfg.stop_after) if cfg.stop_after else job.total_steps
+    stop_at = min(job.total_steps, cfg.train.stop_after) if cfg.train.stop_after else job.total_steps
     model.train()
     bar = tqdm(total=job.total_steps, initial=state.step, disable=not acc.is_local_main_process, desc="train")
     window = _Window()
@@ -543,18 +558,18 @@ def train(job: Job) -> None:
             state.step += 1
             bar.update(1)
             test_hook(f"step-{state.step}", acc.process_index)
-            if state.step % cfg.log_every == 0 or state.step == job.total_steps:
+            if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 row = _log_row(job, window)
                 state.log_history.append(row)
                 acc.log(row, step=state.step)
                 if acc.is_local_main_process:
                     bar.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
                 window = _Window()
-            if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step < job.total_steps:
+            if cfg.eval.eval_every and state.step % cfg.eval.eval_every == 0 and state.step < job.total_steps:
                 metrics = evaluate(job)
                 acc.log(metrics, step=state.step)
                 job.log(f"step {state.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-            if cfg.save_every and state.step % cfg.save_every == 0:
+            if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
                 save_checkpoint(job)
             if state.step >= stop_at:
                 break
@@ -642,7 +657,7 @@ def save_model(job: Job) -> Path:
             with weights_follow_umask(tmp):
                 # A LoRA model (PEFT) writes its adapters alone (adapter_model.safetensors + adapter_config.json).
                 acc.unwrap_model(job.model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-                if job.cfg.lora_r and job.cfg.merge_lora:
+                if job.cfg.lora.lora_r and job.cfg.lora.merge_lora:
                     # Last use of the model: merging folds the adapters into the base weights in place.
                     _merged(job).save_pretrained(tmp / "merged", safe_serialization=True)
                     job.tokenizer.save_pretrained(tmp / "merged")
@@ -692,7 +707,7 @@ def save(job: Job) -> dict[str, Any]:
     job.log("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
     model_dir = save_model(job)
-    if job.policy.quant.mode != "none" and not cfg.merge_lora:
+    if job.policy.quant.mode != "none" and not cfg.lora.merge_lora:
         job.log(
             f"{model_dir} holds the adapters; the base stayed 4-bit. To merge them into a 16-bit model: "
             f"PeftModel.from_pretrained(prepare_model(<--model loaded in bf16>, '{job.policy.to_string()}'), '{model_dir}'), then "
@@ -703,7 +718,7 @@ def save(job: Job) -> dict[str, Any]:
     seconds = time.perf_counter() - job.started
     report = {
         "task": job.task,
-        "model": cfg.model,
+        "model": cfg.model.model,
         "policy": job.policy.to_string(),
         "precision": job.precision.name,
         "batch_size": job.batch_size,
@@ -722,15 +737,19 @@ def save(job: Job) -> dict[str, Any]:
         "history": history,
         "model_dir": str(model_dir),
         "trainable_parameters": trainable,
-        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha or 2 * cfg.lora_r, "target": cfg.lora_target}
-        if cfg.lora_r
+        "lora": {
+            "r": cfg.lora.lora_r,
+            "alpha": cfg.lora.lora_alpha or 2 * cfg.lora.lora_r,
+            "target": cfg.lora.lora_target,
+        }
+        if cfg.lora.lora_r
         else None,
     }
     if acc.is_main_process:
         job.run_dir.write("report.json", json.dumps(report, indent=2))
-        if cfg.memory_plot:
+        if cfg.output.memory_plot:
             plot_memory(job.run_dir.claim("memory.png", atomic=False), job.first_step, history, report)
-        losses = loss_summary(history, cfg.log_every)
+        losses = loss_summary(history, cfg.train.log_every)
         job.log(
             f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
             f"{acc.num_processes} process(es); {losses}"
@@ -746,13 +765,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cfg = parse_config(argv)
         job = setup(cfg)
-        if cfg.report_to:
+        if cfg.output.report_to:
             if job.accelerator.is_main_process:
                 job.run_dir.claim("hf_memstack-finetune", "trees")
             job.accelerator.init_trackers(
-                "hf_memstack-finetune", config={k: v for k, v in dataclasses.asdict(cfg).items() if v is not None}
+                "hf_memstack-finetune", config={k: v for k, v in cfg.flat().items() if v is not None}
             )
-        job.log(f"resolved config:\n{yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)}")
+        job.log(f"resolved config:\n{yaml.safe_dump(cfg.flat(), sort_keys=False)}")
         train(job)
         if job.state.step < job.total_steps:
             job.log(f"stopped after step {job.state.step} (--stop-after); continue with --resume-from latest")
@@ -765,7 +784,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if job is not None and job.accelerator.num_processes > 1:
             e.add_note(
                 f"[rank {job.accelerator.process_index}] if another rank failed or hung first, its error is the cause: a "
-                f"collective waits --dist-timeout={job.cfg.dist_timeout:g} s for every rank, then fails"
+                f"collective waits --dist-timeout={job.cfg.train.dist_timeout:g} s for every rank, then fails"
             )
         raise
     finally:

@@ -5,7 +5,9 @@ library never does.
 
     common.py      RecipeError (a bad input: one message, exit 2), the sharding routes
     faults.py      the test-only fault hook (HF_MEMSTACK_RECIPE_TEST_HOOK), in one marked place
-    config.py      FinetuneConfig (every flag) and its reader: defaults <- --config file <- flags
+    flags.py       the flags, one dataclass per --help group (ModelArgs, DataArgs, ..., OutputArgs), and
+                   FinetuneConfig holding them (cfg.train.lr); their flat form for files
+    config.py      their reader: defaults <- --config file <- flags, every value's type checked
     checks.py      check_config: every problem a config can have, before anything is loaded
     rows.py        read and check one data file, whatever its format
     data.py        the splits and the task from the rows; tokenize, pack and collate them

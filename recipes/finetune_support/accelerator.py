@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .config import FinetuneConfig
+from .flags import FinetuneConfig
 
 
 def make_accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp_plugin: Any) -> Any:
@@ -18,7 +18,7 @@ def make_accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp
 
     # Accelerate drops an InitProcessGroupKwargs value equal to its class default (600 s): a
     # millisecond more keeps the timeout that was asked for.
-    timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+    timeout = datetime.timedelta(seconds=cfg.train.dist_timeout)
     if timeout == datetime.timedelta(seconds=600):
         timeout += datetime.timedelta(milliseconds=1)
     return Accelerator(
@@ -26,8 +26,8 @@ def make_accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp
         cpu=device_type == "cpu",
         mixed_precision=ACCELERATE_NAMES[precision.name],
         fsdp_plugin=fsdp_plugin,
-        log_with=[t.strip() for t in cfg.report_to.split(",")] if cfg.report_to else None,
-        project_dir=cfg.output_dir,
+        log_with=[t.strip() for t in cfg.output.report_to.split(",")] if cfg.output.report_to else None,
+        project_dir=cfg.output.output_dir,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=device_type == "cuda"),
         # The schedule is stepped once per optimizer step below: with Accelerate's default it would
         # step once per process per optimizer step, ending N times too early on N processes.

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .common import RecipeError
-from .config import FinetuneConfig
+from .flags import FinetuneConfig
 from .run_dir import OutputPlan
 
 
@@ -30,14 +30,14 @@ def choose_batch_size(
     world, log = accelerator.num_processes, accelerator.print
     if (
         resolved
-        and cfg.batch_size == "auto"
+        and cfg.memory.batch_size == "auto"
         and plan.reference
         and plan.reference.get("batch_size") == "auto"
         and plan.reference.get("world_size") == world
     ):
         batch_size = resolved["batch_size"]  # what the finder found when the run started
-        grad_accum = grad_accum_steps(cfg.global_batch_size, batch_size, world)
-    elif cfg.batch_size == "auto":
+        grad_accum = grad_accum_steps(cfg.memory.global_batch_size, batch_size, world)
+    elif cfg.memory.batch_size == "auto":
         make_batch = finder_batches(train_ds, batch_collate, accelerator.device)
         try:
             # No larger than one process's share of the training rows: a bigger batch never runs whole
@@ -46,21 +46,22 @@ def choose_batch_size(
                 model,
                 make_batch,
                 optimizer,
-                budget=cfg.memory_budget,
-                global_batch_size=cfg.global_batch_size,
+                budget=cfg.memory.memory_budget,
+                global_batch_size=cfg.memory.global_batch_size,
                 max_batch_size=max(1, len(train_ds) // world),
             )
         except ValueError as e:
-            raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory_budget!r}: {e}") from None
+            raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory.memory_budget!r}: {e}") from None
         log(found.summary())
         batch_size = found.batch_size
-        grad_accum = found.grad_accum if cfg.global_batch_size else 1
+        grad_accum = found.grad_accum if cfg.memory.global_batch_size else 1
     else:
-        batch_size = int(cfg.batch_size)
-        grad_accum = grad_accum_steps(cfg.global_batch_size, batch_size, world)
-    if cfg.global_batch_size and grad_accum * batch_size * world != cfg.global_batch_size:
+        batch_size = int(cfg.memory.batch_size)
+        grad_accum = grad_accum_steps(cfg.memory.global_batch_size, batch_size, world)
+    if cfg.memory.global_batch_size and grad_accum * batch_size * world != cfg.memory.global_batch_size:
         log(
-            f"note: global batch {cfg.global_batch_size} is not a multiple of {batch_size} x {world} process(es); "
+            f"note: global batch {cfg.memory.global_batch_size} is not a multiple of {batch_size} x {world} "
+            "process(es); "
             f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
         )
     return batch_size, grad_accum

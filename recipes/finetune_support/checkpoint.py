@@ -114,7 +114,7 @@ def save_checkpoint(job: Job) -> Path:
             },
         }
         write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1))
-        write_atomic(tmp / "run_config.yaml", yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        write_atomic(tmp / "run_config.yaml", yaml.safe_dump(cfg.flat(), sort_keys=False))
         files = {}
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             with open(f, "rb") as handle:  # durable before the manifest says it is there
@@ -130,7 +130,7 @@ def save_checkpoint(job: Job) -> Path:
         test_hook(f"save-{state.step}:renamed")
         # Keep the newest --keep-last by step number; the one just written always stays.
         complete = [c for c in list_checkpoints(job.run_dir.path) if c.problem is None and c.path != final]
-        for old in complete[: max(0, len(complete) - (cfg.keep_last - 1))]:
+        for old in complete[: max(0, len(complete) - (cfg.checkpoint.keep_last - 1))]:
             remove_checkpoint(old.path, hook=f"save-{state.step}:rotating")
     acc.wait_for_everyone()
     return final
@@ -252,7 +252,7 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
         run_dir.manifest["run"] = job.record
         run_dir.path.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir.path / MANIFEST, json.dumps(run_dir.manifest, indent=1))
-        run_dir.write("run_config.yaml", yaml.safe_dump(dataclasses.asdict(job.cfg), sort_keys=False))
+        run_dir.write("run_config.yaml", yaml.safe_dump(job.cfg.flat(), sort_keys=False))
     acc.wait_for_everyone()
     test_hook("committed", acc.process_index)
 

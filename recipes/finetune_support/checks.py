@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from .common import FORMATS, RecipeError, is_alias, looks_local
-from .config import FinetuneConfig
+from .flags import FinetuneConfig
 
 
 def check_config(cfg: FinetuneConfig) -> None:
@@ -38,41 +38,40 @@ def _number_problems(cfg: FinetuneConfig) -> list[str]:
     problems: list[str] = []
 
     def bad(name: str, why: str) -> None:
-        problems.append(f"{name}={getattr(cfg, name)!r} {why}")
+        problems.append(f"{name}={cfg.value(name)!r} {why}")
 
     for name in ("lr", "weight_decay", "warmup_ratio", "grad_clip", "epochs", "validation_split", "dist_timeout"):
-        if not math.isfinite(getattr(cfg, name)):
+        if not math.isfinite(cfg.value(name)):
             bad(
                 name,
-                "is not a finite number; give a real value (e.g. the default "
-                f"{FinetuneConfig.__dataclass_fields__[name].default})",
+                f"is not a finite number; give a real value (e.g. the default {FinetuneConfig.default(name)})",
             )
-    finite = lambda name: math.isfinite(getattr(cfg, name))  # noqa: E731 - ranges only for finite values
-    if finite("lr") and cfg.lr <= 0:
+    finite = lambda name: math.isfinite(cfg.value(name))  # noqa: E731 - ranges only for finite values
+    if finite("lr") and cfg.train.lr <= 0:
         bad("lr", "must be positive, e.g. 2e-4")
-    if finite("weight_decay") and cfg.weight_decay < 0:
+    if finite("weight_decay") and cfg.train.weight_decay < 0:
         bad("weight_decay", "must be >= 0 (0: no decay)")
-    if finite("warmup_ratio") and not 0 <= cfg.warmup_ratio < 1:
+    if finite("warmup_ratio") and not 0 <= cfg.train.warmup_ratio < 1:
         bad("warmup_ratio", "must be in [0, 1), e.g. 0.1")
-    if finite("grad_clip") and cfg.grad_clip < 0:
+    if finite("grad_clip") and cfg.train.grad_clip < 0:
         bad("grad_clip", "must be >= 0 (0 turns clipping off)")
-    if finite("validation_split") and not 0 < cfg.validation_split < 1:
+    if finite("validation_split") and not 0 < cfg.data.validation_split < 1:
         bad("validation_split", "must be between 0 and 1 (exclusive), e.g. 0.1")
-    if finite("dist_timeout") and cfg.dist_timeout <= 0:
+    if finite("dist_timeout") and cfg.train.dist_timeout <= 0:
         bad("dist_timeout", "must be a positive number of seconds, e.g. 900")
-    if cfg.max_steps == 0 and finite("epochs") and cfg.epochs <= 0:
+    if cfg.train.max_steps == 0 and finite("epochs") and cfg.train.epochs <= 0:
         bad("epochs", "must be positive (or set --max-steps)")
     for name in ("seq_len", "log_every", "keep_last"):
-        if getattr(cfg, name) < 1:
+        if cfg.value(name) < 1:
             bad(name, "must be at least 1")
     for name in ("max_steps", "stop_after", "eval_every", "save_every", "num_workers"):
-        if getattr(cfg, name) < 0:
+        if cfg.value(name) < 0:
             bad(name, "must not be negative (0 turns it off)")
-    if not 0 <= cfg.seed < 2**32:
+    if not 0 <= cfg.train.seed < 2**32:
         bad("seed", "must be in [0, 2**32)")
-    if cfg.global_batch_size is not None and cfg.global_batch_size < 1:
+    if cfg.memory.global_batch_size is not None and cfg.memory.global_batch_size < 1:
         bad("global_batch_size", "must be a positive number of samples (or leave it out)")
-    if cfg.stop_after and not cfg.save_every:
+    if cfg.train.stop_after and not cfg.checkpoint.save_every:
         bad("stop_after", "needs --save-every: without checkpoints the stopped run could not be resumed")
     return problems
 
@@ -82,13 +81,13 @@ def _schedule_problems(cfg: FinetuneConfig) -> list[str]:
     problems: list[str] = []
 
     def bad(name: str, why: str) -> None:
-        problems.append(f"{name}={getattr(cfg, name)!r} {why}")
+        problems.append(f"{name}={cfg.value(name)!r} {why}")
 
     usable, refused = _scheduler_names()
-    if cfg.lr_scheduler in refused:
-        bad("lr_scheduler", f"cannot be used here: {refused[cfg.lr_scheduler]}; use one of {', '.join(usable)}")
-    elif cfg.lr_scheduler not in usable:
-        close = difflib.get_close_matches(cfg.lr_scheduler, usable, 1)
+    if cfg.train.lr_scheduler in refused:
+        bad("lr_scheduler", f"cannot be used here: {refused[cfg.train.lr_scheduler]}; use one of {', '.join(usable)}")
+    elif cfg.train.lr_scheduler not in usable:
+        close = difflib.get_close_matches(cfg.train.lr_scheduler, usable, 1)
         bad(
             "lr_scheduler",
             "is not a transformers scheduler"
@@ -105,30 +104,30 @@ def _policy_and_batch_problems(cfg: FinetuneConfig) -> list[str]:
     problems: list[str] = []
 
     def bad(name: str, why: str) -> None:
-        problems.append(f"{name}={getattr(cfg, name)!r} {why}")
+        problems.append(f"{name}={cfg.value(name)!r} {why}")
 
-    if cfg.policy != "auto":
+    if cfg.memory.policy != "auto":
         try:
-            policy = MemoryPolicy.coerce(cfg.policy)
-            problems += _policy_problems(policy, cfg.policy)
+            policy = MemoryPolicy.coerce(cfg.memory.policy)
+            problems += _policy_problems(policy, cfg.memory.policy)
             problems += _optimizer_problems(cfg, policy)
             problems += _quant_problems(cfg, policy)
         except (PolicyError, ValueError, TypeError, OSError, yaml.YAMLError) as e:
-            problems.append(f"policy={cfg.policy!r}: {str(e).strip()}")
+            problems.append(f"policy={cfg.memory.policy!r}: {str(e).strip()}")
 
-    if cfg.batch_size != "auto" and not (cfg.batch_size.isdigit() and int(cfg.batch_size) > 0):
+    if cfg.memory.batch_size != "auto" and not (cfg.memory.batch_size.isdigit() and int(cfg.memory.batch_size) > 0):
         bad("batch_size", "must be a positive integer or 'auto'")
-    if cfg.memory_budget is not None:
+    if cfg.memory.memory_budget is not None:
         try:
-            parse_bytes(cfg.memory_budget, field="memory_budget")
+            parse_bytes(cfg.memory.memory_budget, field="memory_budget")
         except (ValueError, TypeError, OverflowError) as e:
-            problems.append(str(e) if "memory_budget" in str(e) else f"memory_budget={cfg.memory_budget!r}: {e}")
-        if cfg.batch_size != "auto" and cfg.policy != "auto":
+            problems.append(str(e) if "memory_budget" in str(e) else f"memory_budget={cfg.memory.memory_budget!r}: {e}")
+        if cfg.memory.batch_size != "auto" and cfg.memory.policy != "auto":
             bad(
                 "memory_budget",
                 "has no effect: it is used by --batch-size auto and --policy auto; drop it or use one of those",
             )
-    elif cfg.batch_size == "auto" and not torch.cuda.is_available():
+    elif cfg.memory.batch_size == "auto" and not torch.cuda.is_available():
         bad("batch_size", "needs --memory-budget on CPU (e.g. '8GiB'): a CPU has no out-of-memory error to catch")
     return problems
 
@@ -138,45 +137,49 @@ def _input_problems(cfg: FinetuneConfig) -> list[str]:
     problems: list[str] = []
 
     def bad(name: str, why: str) -> None:
-        problems.append(f"{name}={getattr(cfg, name)!r} {why}")
+        problems.append(f"{name}={cfg.value(name)!r} {why}")
 
-    if looks_local(cfg.dataset):
-        path = Path(cfg.dataset)
+    if looks_local(cfg.data.dataset):
+        path = Path(cfg.data.dataset)
         if not path.is_file():
             bad("dataset", "is not a file; pass a .json/.jsonl/.csv/.parquet/.txt file or a hub id")
         elif path.suffix not in FORMATS:
             bad("dataset", f"has the unsupported type {path.suffix!r}; use one of {', '.join(sorted(FORMATS))}")
-    if cfg.validation_file is not None:
-        path = Path(cfg.validation_file)
+    if cfg.data.validation_file is not None:
+        path = Path(cfg.data.validation_file)
         if not path.is_file() or path.suffix not in FORMATS:
             bad("validation_file", f"is not a {'/'.join(sorted(FORMATS))} file; pass an existing file or leave it out")
-    if (cfg.prompt_field is None) != (cfg.response_field is None):
+    if (cfg.data.prompt_field is None) != (cfg.data.response_field is None):
         problems.append("prompt_field and response_field go together; give both or neither")
-    if cfg.packing != "off" and cfg.task == "classification":
+    if cfg.data.packing != "off" and cfg.data.task == "classification":
         bad("packing", "only applies to causal-lm (a classification row is one sample with one label); drop --packing")
-    elif cfg.packing == "wrapped" and cfg.prompt_field:
+    elif cfg.data.packing == "wrapped" and cfg.data.prompt_field:
         bad(
             "packing",
             "cuts blocks across samples, which prompt/response data cannot be; use --packing on "
             "(whole samples per row, the prompt stays masked)",
         )
-    if not is_alias(cfg.model) and looks_local(cfg.model) and not (Path(cfg.model) / "config.json").is_file():
+    if (
+        not is_alias(cfg.model.model)
+        and looks_local(cfg.model.model)
+        and not (Path(cfg.model.model) / "config.json").is_file()
+    ):
         bad("model", "is not a model directory (no config.json); pass a directory saved by save_pretrained or a hub id")
-    if cfg.tokenizer is not None and looks_local(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
+    if cfg.model.tokenizer is not None and looks_local(cfg.model.tokenizer) and not Path(cfg.model.tokenizer).is_dir():
         bad("tokenizer", "is not a directory; pass a tokenizer directory or a hub id")
-    if cfg.report_to:
-        problems += _tracker_problems(cfg.report_to)
-    if cfg.memory_plot and importlib.util.find_spec("matplotlib") is None:
+    if cfg.output.report_to:
+        problems += _tracker_problems(cfg.output.report_to)
+    if cfg.output.memory_plot and importlib.util.find_spec("matplotlib") is None:
         bad(
             "memory_plot",
             "needs matplotlib, which is not installed: pip install 'hf_memstack[plot]' (or drop --memory-plot)",
         )
-    if cfg.overwrite and cfg.resume_from == "latest":
+    if cfg.output.overwrite and cfg.checkpoint.resume_from == "latest":
         problems.append(
             "overwrite=True with resume_from='latest' contradict each other: --overwrite starts again, "
             "--resume-from latest continues; pick one"
         )
-    if cfg.discard_later_checkpoints and not cfg.resume_from:
+    if cfg.checkpoint.discard_later_checkpoints and not cfg.checkpoint.resume_from:
         bad("discard_later_checkpoints", "only applies with --resume-from CHECKPOINT")
     return problems
 
@@ -184,27 +187,28 @@ def _input_problems(cfg: FinetuneConfig) -> list[str]:
 def _lora_problems(cfg: FinetuneConfig) -> list[str]:
     """LoRA settings that cannot work, or that do nothing without --lora-r."""
     problems = []
-    if cfg.lora_r < 0:
-        problems.append(f"lora_r={cfg.lora_r!r} must be >= 0 (0: full fine-tuning; 8 or 16 are common ranks)")
-    if cfg.lora_alpha is not None and not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0):
-        problems.append(f"lora_alpha={cfg.lora_alpha!r} must be a positive number (default: 2 x lora_r)")
-    if not (math.isfinite(cfg.lora_dropout) and 0 <= cfg.lora_dropout < 1):
-        problems.append(f"lora_dropout={cfg.lora_dropout!r} must be in [0, 1), e.g. 0.05")
-    if not [t for t in cfg.lora_target.split(",") if t.strip()]:
-        problems.append(f"lora_target={cfg.lora_target!r} names no module; pass e.g. q_proj,v_proj or all-linear")
-    if cfg.lora_r == 0:
+    if cfg.lora.lora_r < 0:
+        problems.append(f"lora_r={cfg.lora.lora_r!r} must be >= 0 (0: full fine-tuning; 8 or 16 are common ranks)")
+    if cfg.lora.lora_alpha is not None and not (math.isfinite(cfg.lora.lora_alpha) and cfg.lora.lora_alpha > 0):
+        problems.append(f"lora_alpha={cfg.lora.lora_alpha!r} must be a positive number (default: 2 x lora_r)")
+    if not (math.isfinite(cfg.lora.lora_dropout) and 0 <= cfg.lora.lora_dropout < 1):
+        problems.append(f"lora_dropout={cfg.lora.lora_dropout!r} must be in [0, 1), e.g. 0.05")
+    if not [t for t in cfg.lora.lora_target.split(",") if t.strip()]:
+        problems.append(f"lora_target={cfg.lora.lora_target!r} names no module; pass e.g. q_proj,v_proj or all-linear")
+    if cfg.lora.lora_r == 0:
         unused = [
             f"--{f.replace('_', '-')}"
             for f in ("lora_alpha", "lora_dropout", "lora_target", "merge_lora")
-            if getattr(cfg, f) != FinetuneConfig.__dataclass_fields__[f].default
+            if cfg.value(f) != FinetuneConfig.default(f)
         ]
         if unused:
             problems.append(
                 f"{', '.join(unused)} given without --lora-r: they only apply to LoRA; add --lora-r 8 (or drop them)"
             )
-    elif cfg.policy != "auto" and "fsdp" in cfg.policy:
+    elif cfg.memory.policy != "auto" and "fsdp" in cfg.memory.policy:
         problems.append(
-            f"lora_r={cfg.lora_r} with policy={cfg.policy!r}: LoRA under FSDP is not supported by this recipe yet "
+            f"lora_r={cfg.lora.lora_r} with policy={cfg.memory.policy!r}: LoRA under FSDP is not supported by this "
+            "recipe yet "
             "(the adapters are small: drop fsdp from the policy)"
         )
     return problems
@@ -227,10 +231,11 @@ def _policy_problems(policy: Any, spec: str) -> list[str]:
 
 def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     """4-bit base weights (quant:nf4) are frozen: only adapters can train on them."""
-    if policy.quant.mode == "none" or cfg.lora_r:
+    if policy.quant.mode == "none" or cfg.lora.lora_r:
         return []
     return [
-        f"policy={cfg.policy!r} keeps the base weights in 4 bits, which cannot be trained: add --lora-r 16 (LoRA adapters "
+        f"policy={cfg.memory.policy!r} keeps the base weights in 4 bits, which cannot be trained: add --lora-r 16 "
+        "(LoRA adapters "
         "train on the frozen 4-bit base, as QLoRA does), or drop quant:nf4 for full fine-tuning"
     ]
 
@@ -240,7 +245,7 @@ def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     later; here every problem is named by its flag, before anything is loaded)."""
     from hf_memstack.transforms.optim import check_optimizer_policy
 
-    problems, spec = [], cfg.policy
+    problems, spec = [], cfg.memory.policy
     try:
         check_optimizer_policy(policy.optimizer)
     except RuntimeError as e:
@@ -248,17 +253,17 @@ def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     if policy.optimizer.step != "in_backward":
         return problems
     why = "optim:in_backward updates each parameter inside the backward"
-    if cfg.grad_clip > 0:
+    if cfg.train.grad_clip > 0:
         problems.append(
-            f"grad_clip={cfg.grad_clip} with policy={spec!r}: {why}, before the global gradient norm exists; "
+            f"grad_clip={cfg.train.grad_clip} with policy={spec!r}: {why}, before the global gradient norm exists; "
             "pass --grad-clip 0, or drop optim:in_backward from the policy"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.global_batch_size and not (
-        cfg.batch_size.isdigit() and int(cfg.batch_size) * world == cfg.global_batch_size
+    if cfg.memory.global_batch_size and not (
+        cfg.memory.batch_size.isdigit() and int(cfg.memory.batch_size) * world == cfg.memory.global_batch_size
     ):
         problems.append(
-            f"global_batch_size={cfg.global_batch_size} with policy={spec!r}: {why}, so gradients cannot be "
+            f"global_batch_size={cfg.memory.global_batch_size} with policy={spec!r}: {why}, so gradients cannot be "
             "accumulated over micro-batches; drop --global-batch-size (the per-device batch is the step's batch), "
             "or drop optim:in_backward"
         )

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .common import RecipeError, looks_local
-from .config import FinetuneConfig
+from .flags import FinetuneConfig
 from .rows import Rows, check_rows, read_rows
 
 
@@ -25,22 +25,22 @@ def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     import datasets
 
     datasets.disable_progress_bars()
-    if not looks_local(cfg.dataset):
+    if not looks_local(cfg.data.dataset):
         return _load_hub_data(cfg)
-    train = read_rows(Path(cfg.dataset))
-    val = read_rows(Path(cfg.validation_file)) if cfg.validation_file else None
+    train = read_rows(Path(cfg.data.dataset))
+    val = read_rows(Path(cfg.data.validation_file)) if cfg.data.validation_file else None
     if val is None:
         _check_split(cfg, len(train.rows))
-    task = cfg.task
+    task = cfg.data.task
     if task == "auto":
-        has_label = any(cfg.label_field in r for r in train.rows)
-        task = "classification" if has_label and cfg.prompt_field is None else "causal-lm"
+        has_label = any(cfg.data.label_field in r for r in train.rows)
+        task = "classification" if has_label and cfg.data.prompt_field is None else "causal-lm"
     needed = _needed_fields(cfg, task)
     parts = [train] + ([val] if val else [])
     if task == "classification":
         for part in parts:
             if part.source.endswith(".csv"):
-                _integer_csv_labels(part, cfg.label_field)
+                _integer_csv_labels(part, cfg.data.label_field)
     problems = _problems(cfg, task, parts, needed)
     if problems:
         raise RecipeError("the data cannot be used (nothing was written):\n  - " + "\n  - ".join(problems))
@@ -48,7 +48,7 @@ def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     if val is not None:
         val_ds = datasets.Dataset.from_list([{k: r[k] for k in needed} for r in val.rows])
     else:
-        split = train_ds.train_test_split(test_size=cfg.validation_split, seed=cfg.seed)
+        split = train_ds.train_test_split(test_size=cfg.data.validation_split, seed=cfg.train.seed)
         train_ds, val_ds = split["train"], split["test"]
     digest = hashlib.sha256((train.sha256 + (val.sha256 if val else "")).encode()).hexdigest()
     return train_ds, val_ds, task, digest
@@ -57,10 +57,10 @@ def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
 def _check_split(cfg: FinetuneConfig, n: int) -> None:
     """Carving off --validation-split leaves a row on each side."""
     # The same rule as datasets' train_test_split: ceil for the validation part, floor for the training part.
-    n_val, n_train = math.ceil(cfg.validation_split * n), math.floor((1 - cfg.validation_split) * n)
+    n_val, n_train = math.ceil(cfg.data.validation_split * n), math.floor((1 - cfg.data.validation_split) * n)
     if n_train < 1 or n_val < 1 or n_train + n_val > n:
         raise RecipeError(
-            f"{cfg.dataset}: has {n} row(s); carving off validation_split={cfg.validation_split} for "
+            f"{cfg.data.dataset}: has {n} row(s); carving off validation_split={cfg.data.validation_split} for "
             "validation leaves no training row; add rows, lower --validation-split or pass --validation-file"
         )
 
@@ -68,10 +68,10 @@ def _check_split(cfg: FinetuneConfig, n: int) -> None:
 def _needed_fields(cfg: FinetuneConfig, task: str) -> list[str]:
     """The fields the task reads from every row."""
     if task == "classification":
-        return [cfg.text_field, cfg.label_field]
-    if cfg.prompt_field:
-        return [cfg.prompt_field, cfg.response_field]
-    return [cfg.text_field]
+        return [cfg.data.text_field, cfg.data.label_field]
+    if cfg.data.prompt_field:
+        return [cfg.data.prompt_field, cfg.data.response_field]
+    return [cfg.data.text_field]
 
 
 def _integer_csv_labels(part: Rows, label_field: str) -> None:
@@ -87,13 +87,17 @@ def _problems(cfg: FinetuneConfig, task: str, parts: list[Rows], needed: list[st
     first_label: dict[str, Any] = {}
     for part in parts:
         problems += check_rows(
-            part, needed, label_field=cfg.label_field if task == "classification" else None, first_label=first_label
+            part,
+            needed,
+            label_field=cfg.data.label_field if task == "classification" else None,
+            first_label=first_label,
         )
     if task == "classification" and not problems:
-        labels = {r[cfg.label_field] for r in parts[0].rows}
+        labels = {r[cfg.data.label_field] for r in parts[0].rows}
         if len(labels) < 2:
             problems.append(
-                f"{cfg.dataset}: field {cfg.label_field!r} has one value ({next(iter(labels))!r}) in every row; "
+                f"{cfg.data.dataset}: field {cfg.data.label_field!r} has one value ({next(iter(labels))!r}) in "
+                "every row; "
                 "classification needs at least 2 classes"
             )
     return problems
@@ -103,29 +107,33 @@ def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     import datasets
 
     try:
-        data = datasets.load_dataset(cfg.dataset)
+        data = datasets.load_dataset(cfg.data.dataset)
     except Exception as e:  # noqa: BLE001 - offline, unknown id, gated: say which and how to fix
         raise RecipeError(
-            f"dataset={cfg.dataset!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
+            f"dataset={cfg.data.dataset!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
             "pass a local file or check the id and the network"
         ) from None
     train = data["train"]
     if "validation" in data:
         val = data["validation"]
     else:
-        split = train.train_test_split(test_size=cfg.validation_split, seed=cfg.seed)
+        split = train.train_test_split(test_size=cfg.data.validation_split, seed=cfg.train.seed)
         train, val = split["train"], split["test"]
-    task = cfg.task
+    task = cfg.data.task
     if task == "auto":
-        task = "classification" if cfg.label_field in train.column_names and cfg.prompt_field is None else "causal-lm"
+        task = (
+            "classification"
+            if cfg.data.label_field in train.column_names and cfg.data.prompt_field is None
+            else "causal-lm"
+        )
     needed = _needed_fields(cfg, task)
     missing = [f for f in needed if f not in train.column_names]
     if missing:
         raise RecipeError(
-            f"dataset {cfg.dataset}: field(s) {missing} not in the data; its columns are {train.column_names}. "
+            f"dataset {cfg.data.dataset}: field(s) {missing} not in the data; its columns are {train.column_names}. "
             "Pass --text-field/--label-field/--prompt-field/--response-field"
         )
-    return train, val, task, f"hub:{cfg.dataset}:{train._fingerprint}:{val._fingerprint}"
+    return train, val, task, f"hub:{cfg.data.dataset}:{train._fingerprint}:{val._fingerprint}"
 
 
 def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfig) -> tuple[Any, Any, int]:
@@ -135,12 +143,12 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
         RecipeError: a row left with nothing to learn (a prompt longer than --seq-len, no full packed block).
     """
     if task == "classification":
-        labels = sorted(set(train[cfg.label_field]) | set(val[cfg.label_field]))
+        labels = sorted(set(train[cfg.data.label_field]) | set(val[cfg.data.label_field]))
         index = {v: i for i, v in enumerate(labels)}
 
         def enc(rows: dict) -> dict:
-            out = tokenizer(rows[cfg.text_field], truncation=True, max_length=cfg.seq_len)
-            out["labels"] = [index[v] for v in rows[cfg.label_field]]
+            out = tokenizer(rows[cfg.data.text_field], truncation=True, max_length=cfg.data.seq_len)
+            out["labels"] = [index[v] for v in rows[cfg.data.label_field]]
             return out
 
         cols = train.column_names
@@ -150,9 +158,10 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
             len(labels),
         )
 
-    if cfg.seq_len < 2:
+    if cfg.data.seq_len < 2:
         raise RecipeError(
-            f"seq_len={cfg.seq_len}: a causal LM needs at least 2 tokens per sample (one to predict); use --seq-len 2 or more"
+            f"seq_len={cfg.data.seq_len}: a causal LM needs at least 2 tokens per sample (one to predict); use "
+            "--seq-len 2 or more"
         )
     enc = _lm_encoder(cfg, tokenizer)
     cols = train.column_names
@@ -161,7 +170,7 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
         val.map(enc, batched=True, remove_columns=cols),
     )
     _check_learnable(train_ds, val_ds, cfg)
-    if cfg.packing == "on":
+    if cfg.data.packing == "on":
         train_ds, val_ds = pack_rows(train_ds, cfg), pack_rows(val_ds, cfg)
     return train_ds, val_ds, 0
 
@@ -170,11 +179,11 @@ def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
     """The batched ``map`` function of a causal LM's rows: a prompt and its response (the loss on
     the response only), --packing wrapped's blocks of --seq-len tokens, or one text a row."""
     eos = tokenizer.eos_token or ""
-    if cfg.prompt_field:
+    if cfg.data.prompt_field:
 
         def enc(rows: dict) -> dict:
             ids, labels = [], []
-            for prompt, response in zip(rows[cfg.prompt_field], rows[cfg.response_field]):
+            for prompt, response in zip(rows[cfg.data.prompt_field], rows[cfg.data.response_field]):
                 if tokenizer.chat_template:
                     p = tokenizer.apply_chat_template(
                         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -183,27 +192,29 @@ def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
                     p = prompt + "\n"
                 p_ids = tokenizer(p, add_special_tokens=False)["input_ids"]
                 r_ids = tokenizer(response + eos, add_special_tokens=False)["input_ids"]
-                ids.append((p_ids + r_ids)[: cfg.seq_len])
+                ids.append((p_ids + r_ids)[: cfg.data.seq_len])
                 # The loss is on the response only: prompt positions are -100.
-                labels.append(([-100] * len(p_ids) + r_ids)[: cfg.seq_len])
+                labels.append(([-100] * len(p_ids) + r_ids)[: cfg.data.seq_len])
             return {"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids], "labels": labels}
-    elif cfg.packing == "wrapped":
+    elif cfg.data.packing == "wrapped":
 
         def enc(rows: dict) -> dict:
             stream = [
-                t for text in rows[cfg.text_field] for t in tokenizer(text + eos, add_special_tokens=False)["input_ids"]
+                t
+                for text in rows[cfg.data.text_field]
+                for t in tokenizer(text + eos, add_special_tokens=False)["input_ids"]
             ]
-            n = len(stream) // cfg.seq_len * cfg.seq_len
-            blocks = [stream[i : i + cfg.seq_len] for i in range(0, n, cfg.seq_len)]
+            n = len(stream) // cfg.data.seq_len * cfg.data.seq_len
+            blocks = [stream[i : i + cfg.data.seq_len] for i in range(0, n, cfg.data.seq_len)]
             return {
                 "input_ids": blocks,
-                "attention_mask": [[1] * cfg.seq_len for _ in blocks],
+                "attention_mask": [[1] * cfg.data.seq_len for _ in blocks],
                 "labels": [list(b) for b in blocks],
             }
     else:
 
         def enc(rows: dict) -> dict:
-            out = tokenizer([t + eos for t in rows[cfg.text_field]], truncation=True, max_length=cfg.seq_len)
+            out = tokenizer([t + eos for t in rows[cfg.data.text_field]], truncation=True, max_length=cfg.data.seq_len)
             out["labels"] = [list(x) for x in out["input_ids"]]
             return out
 
@@ -215,7 +226,7 @@ def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:
     decreasing; no sample is split, each is at most --seq-len tokens already)."""
     from hf_memstack.data import pack_dataset
 
-    return pack_dataset(ds, cfg.seq_len)
+    return pack_dataset(ds, cfg.data.seq_len)
 
 
 def packing_summary(packed: Any, cfg: FinetuneConfig) -> str:
@@ -224,11 +235,11 @@ def packing_summary(packed: Any, cfg: FinetuneConfig) -> str:
     from hf_memstack.data import padding_stats
 
     lengths = [n for row in packed["seq_lengths"] for n in row]
-    tokens, slots = sum(lengths), len(packed) * cfg.seq_len
-    batch = int(cfg.batch_size) if cfg.batch_size.isdigit() else 8
-    padded = padding_stats(lengths, batch, seed=cfg.seed)
+    tokens, slots = sum(lengths), len(packed) * cfg.data.seq_len
+    batch = int(cfg.memory.batch_size) if cfg.memory.batch_size.isdigit() else 8
+    padded = padding_stats(lengths, batch, seed=cfg.train.seed)
     return (
-        f"packing: {len(lengths)} training samples ({tokens} tokens) in {len(packed)} rows of {cfg.seq_len}: "
+        f"packing: {len(lengths)} training samples ({tokens} tokens) in {len(packed)} rows of {cfg.data.seq_len}: "
         f"{1 - tokens / slots:.1%} padding, against {padded.padding_fraction:.1%} in padded batches of {batch}"
     )
 
@@ -238,14 +249,14 @@ def _check_learnable(train_ds: Any, val_ds: Any, cfg: FinetuneConfig) -> None:
     for name, ds in (("training", train_ds), ("validation", val_ds)):
         if len(ds) == 0:
             raise RecipeError(
-                f"packing: the {name} texts hold fewer than --seq-len={cfg.seq_len} tokens in all; "
+                f"packing: the {name} texts hold fewer than --seq-len={cfg.data.seq_len} tokens in all; "
                 "lower --seq-len or add text"
             )
-        if cfg.prompt_field:
+        if cfg.data.prompt_field:
             empty = [i for i, labels in enumerate(ds["labels"]) if all(t == -100 for t in labels[1:])]
             if empty:
                 raise RecipeError(
-                    f"{name} row {empty[0] + 1}: the prompt fills all --seq-len={cfg.seq_len} tokens, "
+                    f"{name} row {empty[0] + 1}: the prompt fills all --seq-len={cfg.data.seq_len} tokens, "
                     f"no response token is left to learn ({len(empty)} such row(s)); raise --seq-len or shorten the prompts"
                 )
 

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 
 from .common import RecipeError, Route
-from .config import FinetuneConfig
+from .flags import FinetuneConfig
 
 
 def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
     return (
         "all-linear"
-        if cfg.lora_target.strip() == "all-linear"
-        else [t.strip() for t in cfg.lora_target.split(",") if t.strip()]
+        if cfg.lora.lora_target.strip() == "all-linear"
+        else [t.strip() for t in cfg.lora.lora_target.split(",") if t.strip()]
     )
 
 
@@ -26,9 +26,9 @@ def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
 
     targets = _lora_targets(cfg)
     config = LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha or 2 * cfg.lora_r,
-        lora_dropout=cfg.lora_dropout,
+        r=cfg.lora.lora_r,
+        lora_alpha=cfg.lora.lora_alpha or 2 * cfg.lora.lora_r,
+        lora_dropout=cfg.lora.lora_dropout,
         target_modules=targets,
         task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
     )
@@ -37,7 +37,8 @@ def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise RecipeError(
-            f"lora_target={cfg.lora_target!r} does not fit {cfg.model} ({str(e).splitlines()[0][:160]}); its linear "
+            f"lora_target={cfg.lora.lora_target!r} does not fit {cfg.model.model} "
+            f"({str(e).splitlines()[0][:160]}); its linear "
             f"layers are named {', '.join(names)}: pass some of those (or all-linear)"
         ) from None
 
@@ -55,9 +56,9 @@ def resolve_model_path(name: str) -> str:
 def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
     from transformers import AutoTokenizer
 
-    source = cfg.tokenizer or model_path
+    source = cfg.model.tokenizer or model_path
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise RecipeError(
             f"no tokenizer could be loaded from {source!r} ({type(e).__name__}: {str(e)[:160]}); "
@@ -72,16 +73,17 @@ def load_model_config(cfg: FinetuneConfig, model_path: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise RecipeError(
-            f"model={cfg.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
+            f"model={cfg.model.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
             "pass a local directory or check the id and the network"
         ) from None
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit is not None and cfg.seq_len > limit:
+    if limit is not None and cfg.data.seq_len > limit:
         raise RecipeError(
-            f"seq_len={cfg.seq_len} is above {cfg.model}'s limit of {limit} positions; use --seq-len {limit} or less"
+            f"seq_len={cfg.data.seq_len} is above {cfg.model.model}'s limit of {limit} positions; use --seq-len "
+            f"{limit} or less"
         )
     return config
 
@@ -107,9 +109,9 @@ def load_model(
     auto_class = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     if skeleton:
         with torch.device("meta"):
-            return auto_class.from_config(config, trust_remote_code=cfg.trust_remote_code)
+            return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     kwargs: dict[str, Any] = {
-        "trust_remote_code": cfg.trust_remote_code,
+        "trust_remote_code": cfg.model.trust_remote_code,
         "dtype": torch.float32,
         "use_safetensors": None,
     }
@@ -121,7 +123,7 @@ def load_model(
         return auto_class.from_pretrained(model_path, **kwargs)
     except (OSError, ValueError) as e:
         raise RecipeError(
-            f"model={cfg.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})"
+            f"model={cfg.model.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})"
         ) from None
 
 
@@ -130,30 +132,30 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
     (returned with the planner's table)."""
     from hf_memstack import MemoryPolicy, plan_policy
 
-    if cfg.policy != "auto" or not cfg.memory_budget:
-        return MemoryPolicy.coerce(cfg.policy), ""
-    batch: Any = int(cfg.batch_size) if cfg.batch_size.isdigit() else "max"
+    if cfg.memory.policy != "auto" or not cfg.memory.memory_budget:
+        return MemoryPolicy.coerce(cfg.memory.policy), ""
+    batch: Any = int(cfg.memory.batch_size) if cfg.memory.batch_size.isdigit() else "max"
     try:
         # optim:in_backward rungs only when this run could train with them (no clipping, no
         # accumulation, no DDP): the planner does not offer what the loop would then refuse.
-        in_backward = cfg.grad_clip == 0 and not cfg.global_batch_size and world == 1
+        in_backward = cfg.train.grad_clip == 0 and not cfg.memory.global_batch_size and world == 1
         # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
         # master weights under mixed precision), so that is what the plan must count.
         # A LoRA run plans for its adapters (which also opens the 4-bit base rung), not a full fine-tune.
         trainable: Any = (
             {
-                "r": cfg.lora_r,
-                "lora_alpha": cfg.lora_alpha or 2 * cfg.lora_r,
+                "r": cfg.lora.lora_r,
+                "lora_alpha": cfg.lora.lora_alpha or 2 * cfg.lora.lora_r,
                 "target_modules": _lora_targets(cfg),
                 "task_type": "SEQ_CLS" if task == "classification" else "CAUSAL_LM",
             }
-            if cfg.lora_r
+            if cfg.lora.lora_r
             else "all"
         )
         plan = plan_policy(
             model_path,
-            budget=cfg.memory_budget,
-            seq_len=cfg.seq_len,
+            budget=cfg.memory.memory_budget,
+            seq_len=cfg.data.seq_len,
             batch_size=batch,
             device=device_type,
             world_size=world,
@@ -164,12 +166,12 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         )
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise RecipeError(
-            f"policy=auto with memory_budget={cfg.memory_budget!r}: the planner cannot plan this run ({e}); "
+            f"policy=auto with memory_budget={cfg.memory.memory_budget!r}: the planner cannot plan this run ({e}); "
             "pass --policy explicitly"
         ) from None
     if not plan.fits:
         raise RecipeError(
-            f"policy=auto: nothing fits memory_budget={cfg.memory_budget}; raise --memory-budget, "
+            f"policy=auto: nothing fits memory_budget={cfg.memory.memory_budget}; raise --memory-budget, "
             f"lower --seq-len/--batch-size, or use more devices:\n{plan.table()}"
         )
     return plan.policy, plan.table()

@@ -3,7 +3,6 @@ for the run's output (new, resumed, or overwritten); its checkpoints are checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from .checkpoint_dirs import (
     remove_checkpoint,
 )
 from .common import RecipeError
-from .config import MAY_CHANGE_ON_RESUME, FinetuneConfig
+from .flags import MAY_CHANGE_ON_RESUME, FinetuneConfig
 
 MANIFEST = "recipe_manifest.json"  # what this recipe wrote in the output directory (for --overwrite)
 
@@ -198,27 +197,26 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     Raises:
         RecipeError: the directory, the checkpoint and the way out.
     """
-    out = Path(cfg.output_dir)
+    out_dir = cfg.output.output_dir
+    out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise RecipeError(f"output_dir={cfg.output_dir!r} is a file, not a directory; choose another --output-dir")
+        raise RecipeError(f"output_dir={out_dir!r} is a file, not a directory; choose another --output-dir")
     ancestor = next(p for p in [out, *out.parents] if p.exists())
     if not ancestor.is_dir():
         raise RecipeError(
-            f"output_dir={cfg.output_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir"
+            f"output_dir={out_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir"
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise RecipeError(
-            f"output_dir={cfg.output_dir!r}: {ancestor} is not writable; choose a directory you can write to"
-        )
+        raise RecipeError(f"output_dir={out_dir!r}: {ancestor} is not writable; choose a directory you can write to")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     manifest = read_manifest(out) if entries else None
     plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out))
     foreign = (
-        f"output_dir={cfg.output_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
+        f"output_dir={out_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
         f"{', ...' if len(entries) > 5 else ''}); choose an empty or new --output-dir (nothing was changed)"
     )
     if entries and manifest is None:
-        if cfg.overwrite:
+        if cfg.output.overwrite:
             raise RecipeError(
                 foreign.replace(
                     "; choose",
@@ -231,7 +229,7 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     checkpoints = list_checkpoints(out)
     complete = [c for c in checkpoints if c.problem is None]
 
-    if cfg.resume_from == "latest":
+    if cfg.checkpoint.resume_from == "latest":
         if not complete:
             broken = [c for c in checkpoints]
             if broken:
@@ -243,12 +241,12 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
             plan.reference = manifest.get("run") if manifest else None
             return plan
         plan.resume = _latest(checkpoints, complete)
-    elif cfg.resume_from is not None:
+    elif cfg.checkpoint.resume_from is not None:
         _resume_from(cfg, plan, checkpoints, entries, out)
     elif entries:
-        if not cfg.overwrite:
+        if not cfg.output.overwrite:
             raise RecipeError(
-                f"output_dir={cfg.output_dir!r} already holds a run of this recipe; continue it with --resume-from latest, "
+                f"output_dir={out_dir!r} already holds a run of this recipe; continue it with --resume-from latest, "
                 "replace it with --overwrite (removes only the files the recipe wrote; yours are kept), "
                 "or choose another --output-dir"
             )
@@ -277,34 +275,37 @@ def _resume_from(
 ) -> None:
     """--resume-from CHECKPOINT: it must be complete; another run's needs --overwrite of this one; an
     earlier one of this run abandons the later ones only with --discard-later-checkpoints."""
-    path = Path(cfg.resume_from)
+    path = Path(cfg.checkpoint.resume_from)
     if not path.is_dir():
         raise RecipeError(
-            f"resume_from={cfg.resume_from!r}: no such directory; pass a checkpoints/step-N folder or 'latest'"
+            f"resume_from={cfg.checkpoint.resume_from!r}: no such directory; pass a checkpoints/step-N folder or "
+            "'latest'"
         )
     ckpt = inspect_checkpoint(path)
     if ckpt.problem:
         raise RecipeError(
-            f"resume_from={cfg.resume_from!r}: not a complete checkpoint: {ckpt.problem}; "
+            f"resume_from={cfg.checkpoint.resume_from!r}: not a complete checkpoint: {ckpt.problem}; "
             "pass a complete checkpoints/step-N folder (or 'latest')"
         )
     plan.resume = ckpt
     inside = path.parent == out / "checkpoints"
     if entries and not inside:
-        if not cfg.overwrite:
+        if not cfg.output.overwrite:
             raise RecipeError(
-                f"resume_from={cfg.resume_from!r} belongs to another run, and output_dir={cfg.output_dir!r} "
+                f"resume_from={cfg.checkpoint.resume_from!r} belongs to another run, and "
+                f"output_dir={cfg.output.output_dir!r} "
                 "already holds a run; resume into an empty --output-dir, or add --overwrite to replace that run "
                 "(only the files the recipe wrote are removed)"
             )
         plan.overwrite = True
     if inside:
-        if cfg.overwrite:
+        if cfg.output.overwrite:
             raise RecipeError(f"overwrite=True would delete the checkpoint you resume from ({path}); drop --overwrite")
         later = [c for c in checkpoints if c.step > ckpt.step]
-        if later and not cfg.discard_later_checkpoints:
+        if later and not cfg.checkpoint.discard_later_checkpoints:
             raise RecipeError(
-                f"resume_from={cfg.resume_from!r}: later checkpoints exist ({', '.join(c.path.name for c in later)}); "
+                f"resume_from={cfg.checkpoint.resume_from!r}: later checkpoints exist "
+                f"({', '.join(c.path.name for c in later)}); "
                 "resuming from an earlier one abandons them. Continue from the newest with --resume-from latest, "
                 "branch into a new --output-dir (both runs are kept), or add --discard-later-checkpoints to delete them"
             )
@@ -335,6 +336,6 @@ def compare_runs(reference: dict[str, Any], now: dict[str, Any], *, where: str, 
 def run_record(cfg: FinetuneConfig, *, world_size: int, policy: str, data: str) -> dict[str, Any]:
     """What defines a run: the settings that change training, the number of processes, the
     resolved policy and the data's digest."""
-    record = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in MAY_CHANGE_ON_RESUME}
+    record = {k: v for k, v in cfg.flat().items() if k not in MAY_CHANGE_ON_RESUME}
     record.update(world_size=world_size, resolved_policy=policy, data_sha256=data)
     return record

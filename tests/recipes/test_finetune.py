@@ -91,17 +91,42 @@ def test_config_file_and_flags(recipe, tiny_lm, tmp_path):
     yml = tmp_path / "run.yaml"
     yml.write_text(f"model: {tiny_lm['model']}\nlr: 2e-4\nbatch_size: 4\nseq_len: 16\noutput_dir: ./rel\n")
     cfg = recipe.parse_config(["--config", str(yml), "--seq-len", "8"])
-    assert cfg.lr == 2e-4 and cfg.batch_size == "4" and cfg.seq_len == 8 and cfg.epochs == 3.0
-    assert cfg.output_dir == str((Path.cwd() / "rel").resolve())
+    assert cfg.train.lr == 2e-4 and cfg.memory.batch_size == "4" and cfg.data.seq_len == 8 and cfg.train.epochs == 3.0
+    assert cfg.output.output_dir == str((Path.cwd() / "rel").resolve())
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"lr": 1e-3, "epochs": 2, "packing": True}))
     cfg = recipe.parse_config(["--config", str(js)])
-    assert cfg.lr == 1e-3 and cfg.epochs == 2.0 and isinstance(cfg.epochs, float) and cfg.packing == "on"
+    assert (
+        cfg.train.lr == 1e-3
+        and cfg.train.epochs == 2.0
+        and isinstance(cfg.train.epochs, float)
+        and cfg.data.packing == "on"
+    )
 
 
 def test_shipped_config_is_the_embedded_default(recipe, monkeypatch):
     monkeypatch.chdir(ROOT)  # its paths are relative to where the command runs: the repository root
     assert recipe.parse_config(["--config", "recipes/configs/finetune-default.yaml"]) == recipe.parse_config([])
+
+
+def test_flags_grouped_and_saved_flat(recipe, capsys):
+    """One --help group per dataclass, read as cfg.<group>.<flag>; the flat form (a --config file,
+    run_config.yaml, a checkpoint's record) holds every flag once and reads back the same config."""
+    from finetune_support.flags import GROUP_OF, GROUPS, FinetuneConfig
+
+    with pytest.raises(SystemExit):
+        recipe.parse_config(["--help"])
+    text = capsys.readouterr().out
+    for kind in GROUPS.values():
+        assert f"\n{kind._argument_group_name}:\n" in text
+    assert text.index("TrainArgs, cfg.train") < text.index("  --lr LR") < text.index("EvalArgs, cfg.eval")
+    cfg = recipe.parse_config(["--lr", "1e-3", "--lora-r", "4", "--seed", "7"])
+    assert (cfg.train.lr, cfg.lora.lora_r, cfg.train.seed) == (1e-3, 4, 7)
+    flat = cfg.flat()
+    assert list(flat) == list(GROUP_OF) and len(flat) == 44 and flat["lr"] == 1e-3
+    assert FinetuneConfig.from_flat(flat) == cfg and cfg.replaced(lr=2e-4).train.lr == 2e-4
+    with pytest.raises(TypeError, match="learning_rate"):
+        FinetuneConfig.from_flat({"learning_rate": 1.0})
 
 
 def test_resume_equals_uninterrupted(recipe, tiny_lm, tmp_path):

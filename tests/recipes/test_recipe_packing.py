@@ -26,7 +26,7 @@ def _varied(tiny_lm, tmp_path):
 def test_packed_rows_hold_whole_samples_with_restarting_positions(recipe, tiny_lm, tmp_path):
     data = _varied(tiny_lm, tmp_path)
     cfg = recipe.parse_config(lm_args(data, tmp_path / "o", "--packing"))  # bare --packing: on
-    assert cfg.packing == "on"
+    assert cfg.data.packing == "on"
     train, val, task, _ = recipe.load_raw_data(cfg)
     tokenizer = recipe.load_tokenizer(cfg, str(tiny_lm["model"]))
     packed, _, _ = recipe.tokenize(train, val, task, tokenizer, cfg)
@@ -35,7 +35,7 @@ def test_packed_rows_hold_whole_samples_with_restarting_positions(recipe, tiny_l
     samples = sorted(tuple(s["input_ids"]) for s in plain)
     pieces = []
     for row in packed:
-        assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= cfg.seq_len
+        assert sum(row["seq_lengths"]) == len(row["input_ids"]) <= cfg.data.seq_len
         start = 0
         for n in row["seq_lengths"]:
             pieces.append(tuple(row["input_ids"][start : start + n]))
