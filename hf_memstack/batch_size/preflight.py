@@ -141,7 +141,7 @@ def budget_too_small(m: Measured, *, mode: str, budget: int, record: MemstackRec
 
 
 def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
-    from ..planning.rungs import next_rung
+    from ..planning.next_rung import next_rung
     from ..transforms.quant import quantizable
 
     if record is None:

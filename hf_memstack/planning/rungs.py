@@ -44,7 +44,6 @@ __all__ = [
     "RungContext",
     "Step",
     "memory_rungs",
-    "next_rung",
     "rungs_for",
 ]
 
@@ -74,15 +73,10 @@ MEASURED_SPEED = {
 # pure_bf16 (weights:bf16) is an assumption: the same bf16 matmuls, a step that reads half the bytes.
 # mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, the README).
 
-# How much of the activations each checkpointing mode drops (ordering only; measured on the ladder
-# model, of all activations alive after the forward: selective 40%, selective:alternate 47%, every
-# block 56% - the rest being the logits, which only the chunked loss removes).
-_CHECKPOINTED = {"none": 0.0, "selective": 0.4, "every_n": 0.5, "full": 1.0, "offload": 1.1}
-
 
 class Requirement(Enum):
-    """A fact a rung needs before it is offered. The caller states the first seven
-    (:attr:`RungContext.satisfied`); the rest follow from the precision and the number of blocks."""
+    """A fact a rung needs before it is offered. The caller states the facts about the job
+    (:attr:`RungContext.satisfied`); those marked Derived follow from the precision and the number of blocks."""
 
     CAUSAL_LM = "causal_lm"
     """The chunked loss head applies: a causal LM whose head prepare_model can chunk (not BERT's)."""
@@ -248,8 +242,9 @@ def memory_rungs(
     """:func:`rungs_for` with the facts as keywords, one a :class:`Requirement`: ``causal_lm``
     (``CAUSAL_LM``), ``eightbit`` (``TORCHAO``), ``step_in_backward``, ``quantize``
     (``LORA_WITH_TORCHAO``), ``tiled_mlp`` (``TOKENS_OVER_ONE_TILE``), ``pure_bf16`` (a full
-    fine-tune: ``FULL_FINETUNE``); ``world_size > 1`` is ``SEVERAL_DEVICES``. New facts are only
-    :class:`RungContext`'s."""
+    fine-tune: ``FULL_FINETUNE``); ``world_size > 1`` is ``SEVERAL_DEVICES``. A requirement none of
+    them names (one added after these keywords) is taken to hold: its rungs stay offered, and a new
+    precondition needs no keyword here."""
     flags = {
         Requirement.CAUSAL_LM: causal_lm,
         Requirement.TORCHAO: eightbit,
@@ -259,7 +254,7 @@ def memory_rungs(
         Requirement.FULL_FINETUNE: pure_bf16,
         Requirement.SEVERAL_DEVICES: world_size > 1,
     }
-    return rungs_for(RungContext(precision, num_blocks, frozenset(r for r, holds in flags.items() if holds)))
+    return rungs_for(RungContext(precision, num_blocks, frozenset(r for r in Requirement if flags.get(r, True))))
 
 
 _BY_SPELLING = {t.spelling: t for t in TOKENS if t.number is None}
@@ -319,78 +314,3 @@ def _merge(fragments: list[Any]) -> Any:
 def _written_at(spelling: str) -> tuple[int, int]:
     token = _token(spelling)
     return _WRITTEN.index(token.field), TOKENS.index(token)
-
-
-def next_rung(
-    policy: MemoryPolicy,
-    *,
-    num_blocks: int,
-    weights_dominate: bool = False,
-    causal_lm: bool = False,
-    quantize: bool = False,
-) -> str:
-    """What to try when ``policy`` does not fit, as a sentence: the first memory rung that adds a
-    saving to ``policy`` (its features kept: compile, precision, what it already saves).
-    ``weights_dominate``: the parameters alone do not fit, so neither activation nor optimizer
-    rungs can help; only 4-bit base weights (``quantize``: frozen linear layers that are not 4-bit
-    yet, and torchao), sharding or a larger budget can."""
-    if weights_dominate and quantize and policy.quant.mode == "none":
-        candidate = _merged(policy, _compose(policy.precision, ["quant:nf4"])[0])
-        return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
-    if not weights_dominate:
-        # The optimizer rungs are named whether or not this loop could take them (one device).
-        facts = {Requirement.TORCHAO, Requirement.STEP_IN_BACKWARD}
-        facts |= {Requirement.CAUSAL_LM} if causal_lm else set()
-        facts |= {Requirement.LORA_WITH_TORCHAO} if quantize else set()
-        for rung in rungs_for(RungContext(policy.precision, num_blocks, frozenset(facts))):
-            candidate = _merged(policy, MemoryPolicy.from_string(rung.policy))
-            if candidate != policy:
-                return f"Next rung of the ladder: '{candidate.to_string()}' ({_what_it_saves(policy, candidate)})."
-    if policy.fsdp.mode == "none":
-        return "Next rung of the ladder: shard the model with FSDP over several devices (policy 'fsdp'), or a larger budget."
-    if not policy.fsdp.cpu_offload:
-        return (
-            f"Next rung of the ladder: FSDP with CPU offload ('{policy.precision}+ckpt+fsdp:offload'), or more ranks."
-        )
-    return "Nothing left on the ladder: more ranks, a shorter sequence or a smaller model."
-
-
-def _merged(policy: MemoryPolicy, rung: MemoryPolicy) -> MemoryPolicy:
-    """``policy`` with every saving of ``rung`` added: the stronger checkpointing, the chunked loss,
-    4-bit base weights, the optimizer rung; its own precision, compile and sharding kept."""
-    merged = policy.to_dict()
-    if _strength(rung) > _strength(policy):
-        merged["checkpointing"] = rung.to_dict()["checkpointing"]
-    if rung.loss.mode == "chunked":
-        merged["loss"] = rung.to_dict()["loss"]
-    if rung.quant.mode != "none" and policy.quant.mode == "none":
-        merged["quant"] = rung.to_dict()["quant"]
-    op = dict(merged["optimizer"])
-    if rung.optimizer.state == "8bit":
-        op["state"] = "8bit"
-    if rung.optimizer.step == "in_backward" and policy.precision != "fp16":
-        op["step"] = "in_backward"
-    merged["optimizer"] = op
-    return MemoryPolicy.from_dict(merged)
-
-
-def _strength(policy: MemoryPolicy) -> float:
-    ck = policy.checkpointing
-    if ck.mode == "every_n":
-        return 1 / ck.every_n
-    if ck.mode == "selective" and ck.selective_matmuls == "save_alternate":
-        return 0.55
-    return _CHECKPOINTED[ck.mode]
-
-
-def _what_it_saves(policy: MemoryPolicy, candidate: MemoryPolicy) -> str:
-    parts = []
-    if candidate.loss != policy.loss:
-        parts.append("no full logits")
-    if candidate.checkpointing != policy.checkpointing:
-        parts.append("less activation memory")
-    if candidate.quant != policy.quant:
-        parts.append("the frozen linear weights in 4 bits")
-    if candidate.optimizer != policy.optimizer:
-        parts.append("smaller optimizer state and gradients")
-    return ", ".join(parts)

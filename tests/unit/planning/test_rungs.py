@@ -10,13 +10,13 @@ import itertools
 import pytest
 
 from hf_memstack import MemoryPolicy
+from hf_memstack.planning.next_rung import next_rung
 from hf_memstack.planning.rungs import (
     MEASURED_SPEED,
     STEPS,
     Requirement,
     RungContext,
     memory_rungs,
-    next_rung,
     rungs_for,
 )
 from hf_memstack.policy import tokens
@@ -32,7 +32,7 @@ STATED = (
     R.SEVERAL_DEVICES,
 )
 CONTEXTS = [
-    RungContext(precision, blocks, frozenset(r for r, on in zip(STATED, flags) if on))
+    RungContext(precision, blocks, frozenset(r for r, on in zip(STATED, flags, strict=True) if on))
     for precision, blocks, flags in itertools.product(
         ("fp32", "bf16", "fp16"), (1, 3, 4, 5), itertools.product((False, True), repeat=len(STATED))
     )
@@ -165,9 +165,17 @@ def test_fp16_has_no_in_backward_rung_and_only_bf16_trains_pure_bf16():
 
 
 def test_memory_rungs_keywords_are_the_stated_facts():
-    keywords = ("causal_lm", "eightbit", "quantize", "step_in_backward", "tiled_mlp", "pure_bf16")
+    keywords = {
+        "causal_lm": R.CAUSAL_LM,
+        "eightbit": R.TORCHAO,
+        "quantize": R.LORA_WITH_TORCHAO,
+        "step_in_backward": R.STEP_IN_BACKWARD,
+        "tiled_mlp": R.TOKENS_OVER_ONE_TILE,
+        "pure_bf16": R.FULL_FINETUNE,
+    }
+    assert set(keywords.values()) | {R.SEVERAL_DEVICES} == set(STATED)  # every stated fact has its keyword
     for context in CONTEXTS[:: len(CONTEXTS) // 97]:
-        flags = dict(zip(keywords, (r in context.satisfied for r in STATED)))
+        flags = {k: r in context.satisfied for k, r in keywords.items()}
         world = 2 if R.SEVERAL_DEVICES in context.satisfied else 1
         got = memory_rungs(context.precision, num_blocks=context.num_blocks, world_size=world, **flags)
         assert got == rungs_for(context), context
