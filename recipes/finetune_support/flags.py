@@ -116,7 +116,7 @@ class LoraArgs:
     lora_r: int = field(
         default=0, metadata={"help": "LoRA rank: train low-rank adapters on frozen weights (0: full fine-tuning)"}
     )
-    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: 2 x lora_r)"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (None: 2 x lora_r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA path"})
     lora_target: str = field(
         default="all-linear",
