@@ -297,9 +297,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _find(args: argparse.Namespace) -> int:
-    # here, not at the top: --help stays fast
-    import torch
+    import torch  # here, not at the top: --help stays fast
 
+    # Imported here: keeps hf-memstack --help fast (the finder, the estimator and prepare_model need torch).
     from .batch_size import find_batch_size
     from .planning.estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
     from .prepare import prepare_model

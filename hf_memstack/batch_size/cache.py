@@ -35,7 +35,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .ranks import agree
+from .._device import device_of
+from .._version import __version__
+from .ranks import agree, world_size
 
 __all__ = ["CacheEntry", "CachedStep", "agree_entry", "cache_key", "read_entry", "write_entry"]
 
@@ -89,10 +91,6 @@ def cache_key(
 ) -> str:
     """A hash of everything that changes the step's memory (see the module docstring)."""
     import transformers
-
-    from .._device import device_of
-    from .._version import __version__
-    from .ranks import world_size
 
     device = device_of(model)
     config = getattr(model, "config", None)

@@ -14,8 +14,10 @@ from .._device import device_of
 from ..errors import BudgetTooSmallError
 from ..measure.accounting import model_state_bytes
 from ..measure.simulated import current_limit, untracked
+from ..planning.next_rung import next_rung
 from ..record import MemstackRecord, record_of
 from ..sizes import format_bytes, parse_bytes
+from ..transforms.quant import quantizable
 from .probe import Measured, check_batch_size
 from .ranks import agree_no_error
 
@@ -141,8 +143,6 @@ def budget_too_small(m: Measured, *, mode: str, budget: int, record: MemstackRec
 
 
 def _next_rung(record: MemstackRecord | None, *, weights_dominate: bool) -> str:
-    from ..planning.next_rung import next_rung
-    from ..transforms.quant import quantizable
 
     if record is None:
         return "Prepare the model with a memory policy first, e.g. prepare_model(model, 'bf16+ckpt')."

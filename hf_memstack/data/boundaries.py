@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._device import device_of, module_mode, preserved_rng
+from ..record import unwrap_model
+
 __all__ = [
     "PackedComparison",
     "packing_as_traced",
@@ -137,7 +140,6 @@ def attention_respects_boundaries(model: nn.Module) -> bool:
     """Whether ``model`` keeps packed samples apart: two short samples packed in one row against
     the second one alone, in eval mode, without gradients (weights and RNG untouched). Models with
     fake or meta weights (the estimator) are judged by their attention implementation's name."""
-    from .._device import device_of, module_mode, preserved_rng
 
     inner = _unwrapped(model)
     if not _has_values(inner):
@@ -231,7 +233,6 @@ def compare_packed_to_separate(
     """Run the packed ``batch`` and each of its first ``max_samples`` samples alone (positions from
     0, no mask), without gradients and in eval mode, and compare their per-token losses on the
     labelled tokens (labels default to the input ids)."""
-    from .._device import device_of, module_mode, preserved_rng
 
     ids, positions = batch["input_ids"], batch["position_ids"]
     labels = batch.get("labels")
@@ -289,7 +290,6 @@ def _token_losses(
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:
-    from ..record import unwrap_model
 
     return unwrap_model(model)
 

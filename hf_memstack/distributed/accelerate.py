@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..policy import MemoryPolicy
+from ..transforms.blocks import find_blocks
 from ..transforms.fsdp import mixed_precision_policy, reshard_after_forward
+from ..transforms.precision import resolve_precision
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -35,10 +38,6 @@ def accelerate_fsdp_plugin(
             or the model's blocks cannot be found.
     """
     from accelerate.utils import FullyShardedDataParallelPlugin
-
-    from ..policy import MemoryPolicy
-    from ..transforms.blocks import find_blocks
-    from ..transforms.precision import resolve_precision
 
     policy = MemoryPolicy.coerce(policy)
     cfg = policy.fsdp

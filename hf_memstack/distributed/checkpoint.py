@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._ranks import on_every_rank
-from ._safe_dcp import UntrustedCheckpointError
+from ._safe_dcp import UntrustedCheckpointError, plain_file_name, vet_checkpoint, weights_only_load
 
 __all__ = [
     "MANIFEST",
@@ -87,7 +87,6 @@ def check_checkpoint_folder(checkpoint_dir: str | Path) -> None:
     Raises:
         UntrustedCheckpointError: (a ``ValueError``) what is not plain data, and how to trust the folder.
     """
-    from ._safe_dcp import vet_checkpoint
 
     vet_checkpoint(checkpoint_dir)
 
@@ -97,8 +96,6 @@ def _vetted_reader(directory: Path) -> tuple[Any, Any]:
     non-tensor items weights-only (DefaultLoadPlanner's own ``load_bytes`` does not)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
-
-    from ._safe_dcp import vet_checkpoint, weights_only_load
 
     _check_manifest(directory)
     metadata = vet_checkpoint(directory)  # refuses here, clearly, what the planner below would refuse inside DCP
@@ -134,8 +131,6 @@ def _write_manifest(directory: Path) -> None:
 
 def _check_manifest(directory: Path) -> None:
     import json
-
-    from ._safe_dcp import plain_file_name
 
     path = directory / MANIFEST
     fix = (

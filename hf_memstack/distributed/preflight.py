@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import DistributedMismatchError
 from ..policy import FSDPConfig
 
 __all__ = ["agree_before_sharding", "check_hybrid_shard", "local_world_size", "require_process_group"]
@@ -62,7 +63,6 @@ def agree_before_sharding(
         on every other rank (naming the failed rank and its error), and on every rank when the
         policies or models differ, or rank 0 is on the meta device.
     """
-    from ..errors import DistributedMismatchError
 
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
     mine = _RankReport(
@@ -110,7 +110,6 @@ def agree_before_sharding(
 def _agree_on_nodes(everyone: list[_RankReport]) -> None:
     """Hybrid sharding splits the world into nodes of LOCAL_WORLD_SIZE ranks: ranks that see different
     sizes build different meshes and wait in each other's collectives until the group times out."""
-    from ..errors import DistributedMismatchError
 
     if (everyone[0].policy or {}).get("fsdp", {}).get("mode") != "hybrid_shard":
         return

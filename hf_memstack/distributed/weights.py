@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import DistributedMismatchError
+from ..files import weights_follow_umask
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -37,7 +40,6 @@ def _load_on_rank0(
 ) -> tuple[PreTrainedModel | None, torch.dtype]:
     """Rank 0 loads; every rank learns the dtype it loaded in ("auto" may pick the checkpoint's),
     or that it failed - then every rank raises, instead of waiting for weights that never come."""
-    from ..errors import DistributedMismatchError
 
     model, error = None, None
     if dist.get_rank() == 0:
@@ -114,8 +116,6 @@ def save_pretrained_full(model: PreTrainedModel, save_directory: str, **kwargs: 
     (safetensors, mode ``0o666 & ~umask`` like the other files), loadable by ``from_pretrained`` in
     one process. Call it on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from ..files import weights_follow_umask
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:

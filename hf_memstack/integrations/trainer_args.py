@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers import TrainingArguments
 
+from .. import batch_size as finder  # looked up at call time: a patched finder (tests spy on it) is the one used
 from .._device import device_of
 from ..data import PackedCollator
 from ..record import record_of
@@ -224,7 +225,6 @@ def _find_batch_size(
     """The finder on the batches Trainer's loader will build: the longest samples of ``dataset``,
     with the columns Trainer removes removed (``remove_unused_columns``), through ``collator``,
     so each probe has the padding and the length of the widest training batch."""
-    from ..batch_size import find_batch_size
 
     if dataset is None or collator is None or not isinstance(dataset, Sized) or len(dataset) == 0:
         raise ValueError(
@@ -247,7 +247,7 @@ def _find_batch_size(
     # cap the per-device batch by the launcher's count instead.
     cap = max(1, global_batch_size // _world_size()) if global_batch_size else 65536
     cap = min(cap, len(dataset))  # a batch larger than the dataset is never built
-    return find_batch_size(
+    return finder.find_batch_size(
         model, make_batch, optimizer, budget=budget, global_batch_size=global_batch_size, max_batch_size=cap
     )
 

@@ -20,6 +20,7 @@ from torch import nn
 from .._device import device_of, preserved_rng, synchronize
 from ..data.guard import settle_packing_guard
 from ..measure.memory import StepMemory, measure_step
+from ..measure.tracker import _category, _frozen_aware_tracker
 from ..measure.verify import VerifyReport, verify
 from ..transforms.optim_in_backward import optimizer_in_backward_of
 
@@ -51,7 +52,6 @@ def _verify_and_measure(
         return verify(model, batch), None
     if not run_verify:
         return None, _measure_forward_backward(model, batch)
-    from ..measure.tracker import _frozen_aware_tracker
 
     settle_packing_guard(model, batch)  # the packed-batch guard's one-time probe runs outside the tracked step
 
@@ -80,7 +80,6 @@ def _verify_and_measure(
 
 
 def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepMemory:
-    from ..measure.tracker import _category
 
     cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
     total, method = cat["total"], "memtracker"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._device import device_of, preserved_rng
+from ..data.boundaries import compare_packed_to_separate, is_packed
 from ..distributed._ranks import on_every_rank, reraise, runs_collectives, share_error
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..transforms.checkpointing_verify import checkpointing_policy_problems, verify_checkpointing
@@ -249,7 +250,6 @@ def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shar
     """A packed batch's rows against each of their first samples run alone (None: not a packed
     batch, or a model whose forward is a collective: each rank's rows hold other samples, so the
     per-sample forwards would not pair up across ranks; compare on one process)."""
-    from ..data.boundaries import compare_packed_to_separate, is_packed
 
     if shared or not isinstance(batch, dict) or not is_packed(batch.get("position_ids"), batch.get("attention_mask")):
         return None

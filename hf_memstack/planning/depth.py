@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..measure.memory import PhasePeaks
+from ..transforms.blocks import find_blocks
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -165,7 +166,6 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
-    from ..transforms.blocks import find_blocks
 
     try:
         return find_blocks(model).modules

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..policy import LossConfig
+from ..transforms.loss_head import check_loss_head
 from .depth import text_config
 from .model_config import build_model
 from .weights_dtype import parse_dtype
@@ -87,8 +89,6 @@ def chunked_loss_verdict(config: PretrainedConfig, task: str, trust_remote_code:
 
 
 def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
-    from ..policy import LossConfig
-    from ..transforms.loss_head import check_loss_head
 
     small = copy.deepcopy(config)
     text = text_config(small)

@@ -13,10 +13,13 @@ import torch
 from torch import nn
 
 from ..data.boundaries import packing_as_traced
-from ..measure.memory import PhasePeaks
+from ..measure.memory import PhasePeaks, trace_eval_forward
 from ..policy import MemoryPolicy
+from ..prepare import prepare_model
+from ..transforms.optim import make_optimizer
 from . import build_cache
 from .depth import DepthPlan, _peft_picks_blocks, plan_depths
+from .eval_logits import kept_outputs
 from .fake_model import build_fake_model, build_key, fake_batch, quant_counts, refuse_mixture_of_experts, traced_step
 from .model_config import build_model
 from .weights_dtype import WeightsDtype, set_dtypes
@@ -57,9 +60,6 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
     """The model of ``config`` built on fake tensors, prepared, and one training step traced."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..prepare import prepare_model
-    from ..transforms.optim import make_optimizer
-
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
     refuse_mixture_of_experts(net, config)
@@ -86,9 +86,6 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
 def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any) -> Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
-    from ..measure.memory import trace_eval_forward
-    from ..prepare import prepare_model
-    from .eval_logits import kept_outputs
 
     with mode, _quiet_prepare(training=False):
         net.eval()

@@ -11,7 +11,9 @@ from torch import nn
 
 from .._unwrap import PeftWrapper
 from ..measure.memory import PhasePeaks, trace_training_step
+from ..record import record_of, unwrap_model
 from ..sizes import format_bytes
+from ..transforms.blocks import find_blocks
 from . import build_cache
 from .model_config import build_model
 from .trainable import apply_peft
@@ -95,7 +97,6 @@ def refuse_mixture_of_experts(net: nn.Module, config: PretrainedConfig) -> None:
     (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
     experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
     on the data). Said as such, with what to do, instead of the kernel's raw error."""
-    from ..record import unwrap_model
 
     inner = (
         cast(PeftWrapper, net).get_base_model() if callable(getattr(net, "get_base_model", None)) else net
@@ -114,7 +115,6 @@ def refuse_mixture_of_experts(net: nn.Module, config: PretrainedConfig) -> None:
 
 def quant_counts(net: nn.Module) -> dict[str, int]:
     """The traced 4-bit base's numbers (none without one), each a line in the number of blocks."""
-    from ..record import record_of
 
     record = record_of(net)
     quant = record.quant if record is not None else None
@@ -129,7 +129,6 @@ def quant_counts(net: nn.Module) -> dict[str, int]:
 
 
 def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
-    from ..transforms.blocks import find_blocks
 
     try:
         return find_blocks(net).modules

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ..record import unwrap_model
 from .trainable import apply_peft
 from .weights_dtype import cast_like_from_pretrained
 
@@ -188,7 +189,6 @@ _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
 def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
-    from ..record import unwrap_model
 
     names = (
         [type(unwrap_model(model)).__name__]

@@ -7,6 +7,8 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..sizes import parse_bytes
+from ..transforms.precision import resolve_precision
+from ..transforms.tiled_mlp import auto_tile_tokens
 from .estimate_checks import chunked_loss_problem
 from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
@@ -116,8 +118,6 @@ def _planned_precision(device: str | None, weights_dtype: Any, trainable: Any) -
     """The mixed precision the run would get on ``device`` (default: this machine)."""
     import torch
 
-    from ..transforms.precision import resolve_precision
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # Planning a GPU run on a machine without one (a laptop, a CPU login node): bf16, as every GPU since Ampere runs.
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -166,7 +166,6 @@ def _trains_all(trainable: Any) -> bool:
 
 def _tiles_help(config: PretrainedConfig, tokens: int) -> bool:
     """A step's tokens span more than one MLP tile (the mlp:tiled rung then saves memory)."""
-    from ..transforms.tiled_mlp import auto_tile_tokens
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0) or 0)

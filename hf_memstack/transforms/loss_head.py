@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .._device import module_mode, preserved_rng
+from .._unwrap import unwrap_model
 from ..policy import LossConfig
 from .chunked_loss import _plain_linear, _vocab_size, auto_chunk_tokens
 from .loss_forward import ChunkedLossForward
@@ -78,7 +79,6 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
     """
     if cfg.mode == "default":
         return None
-    from .._unwrap import unwrap_model
 
     target = _check_causal_lm(unwrap_model(model))
     config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
@@ -112,7 +112,6 @@ def check_loss_head(model: nn.Module, cfg: LossConfig) -> _HeadPlan | None:
 
 def supports_chunked_loss(model: nn.Module) -> bool:
     """Whether ``loss:chunked`` applies to ``model`` (a causal LM with an output head and a backbone)."""
-    from .._unwrap import unwrap_model
 
     try:
         _check_causal_lm(unwrap_model(model))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..policy import MemoryPolicy, OptimizerConfig
+from ..record import record_of, unwrap_model
 from .bf16_adamw import BF16AdamW
 from .optim_8bit import _torchao_adamw
 from .optim_groups import _check_hyperparameters, _param_groups, _tensor_of
@@ -145,7 +146,6 @@ def make_optimizer(
         ValueError: settings the optimizer cannot honour; no trainable parameter.
         RuntimeError: 8-bit moments without torchao.
     """
-    from ..record import record_of, unwrap_model
 
     if not isinstance(model, nn.Module):
         raise TypeError(

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..record import unwrap_model
+
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
 
@@ -196,7 +198,6 @@ def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> Non
 
 def optimizer_in_backward_of(model: nn.Module) -> OptimizerInBackward | None:
     """The :class:`OptimizerInBackward` that :func:`make_optimizer` attached to ``model``'s parameters, if alive."""
-    from ..record import unwrap_model
 
     ref = unwrap_model(model).__dict__.get("_memstack_optimizer_in_backward")
     optimizer = ref() if ref is not None else None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._device import device_of
+from .._unwrap import record_of, unwrap_model
 from ._wrappers import AutocastForward, forward_wrapper, fused_lm_head_installed
 
 if TYPE_CHECKING:
@@ -164,7 +165,6 @@ def restore_autocast(model: nn.Module) -> bool:
         True when the autocast was put back; False when nothing was to do (the autocast is
         still in place, or the policy's precision is not applied by hf_memstack).
     """
-    from .._unwrap import record_of, unwrap_model
 
     record = cast("_AutocastRecord | None", record_of(model))
     if record is None or record.autocast_by != "hf_memstack":

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .._device import module_mode
 from ..policy import MLPConfig
 from ._wrappers import _ForwardWrapper
 from .blocks import Blocks
@@ -197,7 +198,6 @@ def _child(block: nn.Module, name: str | None) -> nn.Module | None:
 
 def _check_token_wise(mlp: nn.Module, name: str) -> None:
     """The MLP on six tokens, whole and in tiles of two (eval mode, no gradients): equal, or it mixes tokens."""
-    from .._device import module_mode
 
     weight = next((p for p in mlp.parameters()), None)
     if weight is None:
