@@ -5,22 +5,14 @@ the reading is close to the trace."""
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig
+from tiny import llama_config
 
 from hf_memstack import estimate_memory, plan_policy
 from hf_memstack.transforms.precision import resolve_precision
 
 
 def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=2048,
-    )
+    config = llama_config(intermediate_size=256, num_hidden_layers=8, vocab_size=256, max_position_embeddings=2048)
     job = {"batch_size": 2, "seq_len": 512}
     precision = resolve_precision("auto", "cpu").name
     full = estimate_memory(config, f"{precision}+loss:chunked+ckpt", **job).peak_bytes
@@ -37,15 +29,7 @@ def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():
 
 
 def test_the_plain_rung_is_bounded_by_the_chunked_one_only_where_that_is_over_the_budget():
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        dtype="bfloat16",
-    )
+    config = llama_config(vocab_size=4096, dtype="bfloat16")
     job = {"batch_size": 2, "seq_len": 128}
     chunked = estimate_memory(config, "bf16+loss:chunked", **job).peak_bytes
     plain = estimate_memory(config, "bf16", **job).peak_bytes
@@ -66,14 +50,8 @@ def test_the_plain_rung_is_bounded_by_the_chunked_one_only_where_that_is_over_th
 
 def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
     # Big enough that BF16AdamW's chunk buffers (5 x 4 MiB at most) are small beside the model states.
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=8192,
-        dtype="bfloat16",
+    config = llama_config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=8192, dtype="bfloat16"
     )
     job = {"batch_size": 1, "seq_len": 16}
     master = estimate_memory(config, "bf16+loss:chunked+ckpt", **job)
@@ -94,14 +72,8 @@ def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
 
 
 def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced():
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        dtype="bfloat16",
+    config = llama_config(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=6, vocab_size=4096, dtype="bfloat16"
     )
     job = {"batch_size": 2, "seq_len": 256, "trainable": "lora"}
     full = estimate_memory(config, "bf16+loss:chunked+ckpt", **job).peak_bytes
@@ -118,19 +90,9 @@ def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced()
 def test_a_16_bit_full_fine_tune_is_not_planned_in_fp32_on_a_cpu():
     """A trial: on a CPU without native bf16 the plan for a bf16 checkpoint chose an fp32 rung,
     which is plain AdamW over the bf16 weights (updates below bf16's resolution lost)."""
-    from transformers import LlamaConfig
-
     from hf_memstack import plan_policy
 
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        dtype="bfloat16",
-    )
+    config = llama_config(vocab_size=256, dtype="bfloat16")
     plan = plan_policy(config, budget="8GiB", seq_len=32, batch_size=1, trainable="all", device="cpu")
     assert plan.rows and not [r.policy for r in plan.rows if r.policy.startswith("fp32")], [r.policy for r in plan.rows]
     assert plan.policy is not None and plan.policy.precision == "bf16"

@@ -5,22 +5,14 @@ is the estimator itself, run on each policy independently of the plan."""
 
 from __future__ import annotations
 
-from transformers import LlamaConfig
+from tiny import llama_config
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
 from hf_memstack.planning.rungs import MEASURED_SPEED
 
 
 def _config():
-    return LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=4096,
-        dtype="bfloat16",
-    )
+    return llama_config(hidden_size=256, intermediate_size=688, num_hidden_layers=4, vocab_size=4096, dtype="bfloat16")
 
 
 def test_a_state_saving_is_combined_with_the_lightest_activation_rung_that_fits():
