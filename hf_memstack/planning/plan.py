@@ -29,8 +29,9 @@ class PlanRow:
     max_batch_size: int | None = None
     """With ``batch_size="max"``: the largest batch whose estimate fits."""
     traced: bool = True
-    """False: not traced, because a rung before it with the same weights and optimizer state
-    already held more than the budget in those alone (``peak_bytes`` is then that floor)."""
+    """False: not traced, because its weights and optimizer state alone hold more than the budget -
+    counted from the model's parameters, or as a traced rung with the same states held them
+    (``peak_bytes`` is then that floor)."""
     interpolated: bool = False
     """A ``ckpt:N`` rung not traced: ``peak_bytes`` is read between the same policy without
     checkpointing and with every block checkpointed, by the share of blocks each holds, and lies

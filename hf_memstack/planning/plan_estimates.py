@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from ..policy import MemoryPolicy
 from .estimate import estimate_memory
 from .memory_estimate import MemoryEstimate
+from .states_floor import states_floor
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -29,6 +30,19 @@ class Estimates:
                 self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job
             )
         return self.cache[key]
+
+    def states_floor(self, policy: str) -> int | None:
+        """A lower bound of the policy's weights and optimizer moments, without a trace
+        (:func:`hf_memstack.planning.states_floor.states_floor`; None: none known)."""
+        trainable = self.job.get("trainable", "all")
+        return states_floor(
+            self.config,
+            MemoryPolicy.coerce(policy),
+            task=self.job["task"],
+            dtype=self.job["dtype"],
+            trains_all=isinstance(trainable, str) and trainable == "all",
+            world_size=self.job.get("world_size", 1),
+        )
 
     def has(self, policy: str, batch_size: int) -> bool:
         return self._key(policy, batch_size) in self.cache

@@ -12,7 +12,7 @@ from .memory_estimate import MemoryEstimate
 from .plan import Plan, PlanRow
 from .plan_advice import optimizer_notes
 from .plan_estimates import Estimates, max_batch
-from .rungs import MEASURED_SPEED
+from .rungs import savings_speed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -25,34 +25,63 @@ def walk_rungs(
 ) -> list[int]:
     """Add a row to ``plan`` for each rung until one fits (then ``plan`` holds it, its batch, its
     estimate and the notes on running it); each row's bytes over ``usable``."""
-    shortfalls = []
+    shortfalls: list[int] = []
     floors: dict[str, int] = {}
+    only_floored = True  # every rung so far held more than usable in weights and moments alone
     for i, rung in enumerate(rungs):
+        if i and only_floored and _floor(est, rung.policy, floors) <= usable and _saves_states(rung.policy):
+            # The first rung whose model states fit, and a saving of them is why: the lighter
+            # activation rungs before it, with that saving, are searched at once (the rung itself the
+            # last of them) - tracing it first would spend an estimate on the slowest candidate.
+            found = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors, traced=False)
+            if found is not None:
+                _choose(plan, *found)
+                break
+            shortfalls += [int(r.peak_bytes - usable) for r in plan.rows[len(shortfalls) :]]
+            only_floored = False
+            continue
         bound = (
             None
-            if floors.get(_states_key(rung.policy), 0) > usable
+            if _floor(est, rung.policy, floors) > usable
             else _bounded_by_next(est, rung, rungs[i + 1 :], batch_size, usable)
         )
         if bound is not None:
             plan.rows.append(bound)
             shortfalls.append(int(bound.peak_bytes - usable))
+            only_floored = False
             continue
         row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
         plan.rows.append(row)
         shortfalls.append(int(row.peak_bytes - usable))
+        only_floored = only_floored and not (row.traced or row.interpolated)
         if fitted >= 1 and e is not None:
-            chosen, fitted, e = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors) or (
-                rung.policy,
-                fitted,
-                e,
+            _choose(
+                plan,
+                *(
+                    _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors, traced=True)
+                    or (rung.policy, fitted, e)
+                ),
             )
-            plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(chosen), fitted, e
-            plan.suggestions = [
-                f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
-                *optimizer_notes(plan.policy),
-            ]
             break
     return shortfalls
+
+
+def _choose(plan: Plan, policy: str, fitted: int, e: MemoryEstimate) -> None:
+    plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(policy), fitted, e
+    plan.suggestions = [
+        f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
+        *optimizer_notes(plan.policy),
+    ]
+
+
+def _saves_states(policy: str) -> bool:
+    p = MemoryPolicy.coerce(policy)
+    return (p.quant.mode, p.optimizer.state, p.optimizer.step, p.master_weights) != (
+        "none",
+        "fp32",
+        "after_backward",
+        "fp32",
+    )
 
 
 def _faster_with_its_states(
@@ -63,15 +92,19 @@ def _faster_with_its_states(
     batch_size: int | Literal["max"],
     usable: float,
     floors: dict[str, int],
+    *,
+    traced: bool,
 ) -> tuple[str, int, MemoryEstimate] | None:
-    """A faster policy than the first rung that fits, when that rung fits by a model-state saving
-    (4-bit base weights, the optimizer rungs, pure bf16): the ladder reaches those only after its
+    """A faster policy than ``fitting`` when a model-state saving of it (4-bit base weights, the
+    optimizer rungs, pure bf16) is what lets it fit: the ladder reaches those only after its
     heaviest activation rung, yet with the states smaller a lighter one may fit too (Qwen2-1.5B at
-    16 GiB: ``ckpt:selective+weights:bf16`` where the walk reached ``ckpt+mlp:tiled+weights:bf16``).
-    The earlier rungs, faster than it, with its state savings added are the candidates; the rows
-    traced are appended to ``plan``'s and the earliest that fits returned (policy, batch, estimate)."""
+    16 GiB: ``ckpt:4+weights:bf16`` where the walk reached ``ckpt+mlp:tiled+weights:bf16``).
+    The earlier rungs, faster than it, with its state savings added are the candidates - and,
+    when ``fitting`` was not ``traced`` (it is then not known to fit), ``fitting`` itself, last.
+    The rows traced are appended to ``plan``'s; the fastest that fits is returned (policy, batch,
+    estimate)."""
     target = MemoryPolicy.coerce(fitting.policy)
-    factor = _state_speed(target)
+    factor = savings_speed(target)
     seen: set[str] = set()
     candidates = []
     for rung in before:
@@ -86,28 +119,13 @@ def _faster_with_its_states(
             continue
         if merged == p:
             continue
-        speed = rung.relative_speed * factor / _state_speed(p)
+        speed = rung.relative_speed * factor / savings_speed(p)
         if speed > fitting.relative_speed and merged.to_string() not in seen:
             seen.add(merged.to_string())
             candidates.append(_Candidate(merged.to_string(), speed))
-    # The earliest that fits, by bisection: down the ladder each rung saves more activation memory
-    # than the one before it (the order the walk relies on too), so a few traces instead of one a
-    # candidate; then the fastest from there on (the ladder's order is not quite its speed's: ckpt:4
-    # runs faster than ckpt:selective before it), one trace more. Only a traced candidate that fits is
-    # chosen, the fastest of those: a wrong guess costs speed, never a fit.
-    lo, hi, earliest = 0, len(candidates) - 1, len(candidates)
-    tried: dict[int, tuple[PlanRow, int, MemoryEstimate | None]] = {}
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        tried[mid] = _try_rung(est, candidates[mid], batch_size, usable, floors)
-        if tried[mid][1] >= 1:
-            earliest, hi = mid, mid - 1
-        else:
-            lo = mid + 1
-    if earliest < len(candidates):
-        fastest = max(range(earliest, len(candidates)), key=lambda k: candidates[k].relative_speed)
-        if fastest not in tried:
-            tried[fastest] = _try_rung(est, candidates[fastest], batch_size, usable, floors)
+    if not traced:
+        candidates.append(_Candidate(fitting.policy, fitting.relative_speed))
+    tried = _search(est, candidates, batch_size, usable, floors)
     plan.rows += [tried[k][0] for k in sorted(tried)]
     fits = [k for k, (_, fitted, e) in tried.items() if fitted >= 1 and e is not None]
     if not fits:
@@ -118,6 +136,51 @@ def _faster_with_its_states(
     return candidates[best].policy, fitted, e
 
 
+def _search(
+    est: Estimates,
+    candidates: list[_Candidate],
+    batch_size: int | Literal["max"],
+    usable: float,
+    floors: dict[str, int],
+) -> dict[int, tuple[PlanRow, int, MemoryEstimate | None]]:
+    """The candidates traced to find the fastest that fits, each ``_try_rung``'s answer by index.
+
+    The fastest candidate not ruled out is traced; when it fits it is the answer (every faster one
+    was traced or ruled out), else it rules out every candidate that saves no more activation
+    memory than it (:func:`_saves_no_more`). A state saving usually frees enough for a light rung,
+    and then one or two traces answer (Qwen2-1.5B at 16 GiB: the chunked loss alone misses, ckpt:4
+    fits). Only a traced candidate that fits is chosen: a wrong guess costs speed, never a fit.
+    """
+    tried: dict[int, tuple[PlanRow, int, MemoryEstimate | None]] = {}
+    left = list(range(len(candidates)))
+    policies = [MemoryPolicy.coerce(c.policy) for c in candidates]
+    while left:
+        k = max(left, key=lambda j: (candidates[j].relative_speed, -j))
+        tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors, screen=False)
+        if tried[k][1] >= 1:
+            break
+        left = [j for j in left if not _saves_no_more(policies[j], policies[k])]
+    return tried
+
+
+def _saves_no_more(a: MemoryPolicy, b: MemoryPolicy) -> bool:
+    """Whether ``a`` saves no more activation memory than ``b`` (the same policy but for how it
+    checkpoints and tiles), by what each recomputes: no checkpointing saves least, every block
+    checkpointed most; ckpt:N checkpoints fewer blocks the larger N; selective's alternate variant
+    recomputes what the plain one keeps; tiling saves more. Selective against ckpt:N is not known
+    (it depends on the model), and neither rules out the other."""
+    if a.mlp.mode == "tiled" and b.mlp.mode != "tiled":
+        return False
+    ca, cb = a.checkpointing, b.checkpointing
+    if ca == cb or ca.mode == "none" or cb.mode == "full":
+        return True
+    if ca.mode == cb.mode == "every_n":
+        return ca.every_n >= cb.every_n
+    if ca.mode == cb.mode == "selective":
+        return ca.selective_matmuls == "save_all"
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class _Candidate:
     """A lighter rung with a fitting rung's state savings: what :func:`_try_rung` reads of a rung."""
@@ -126,32 +189,38 @@ class _Candidate:
     relative_speed: float
 
 
-def _state_speed(policy: MemoryPolicy) -> float:
-    """The speed factors of a policy's model-state savings (``MEASURED_SPEED``), multiplied."""
-    s = MEASURED_SPEED
-    factor = s["quant"] if policy.quant.mode != "none" else 1.0
-    factor *= s["8bit"] if policy.optimizer.state == "8bit" else 1.0
-    factor *= s["in_backward"] if policy.optimizer.step == "in_backward" else 1.0
-    return factor * (s["pure_bf16"] if policy.master_weights == "bf16" else 1.0)
+def _floor(est: Estimates, policy: str, floors: dict[str, int]) -> int:
+    """The bytes a rung's weights and optimizer moments hold at every moment of its step: those a
+    traced rung with the same states held (``floors``), or the count of the parameters without a
+    trace (:meth:`Estimates.states_floor`, a lower bound), whichever is more."""
+    counted = est.states_floor(policy)
+    return max(floors.get(_states_key(policy), 0), counted or 0)
 
 
 def _try_rung(
-    est: Estimates, rung: Any, batch_size: int | Literal["max"], usable: float, floors: dict[str, int]
+    est: Estimates,
+    rung: Any,
+    batch_size: int | Literal["max"],
+    usable: float,
+    floors: dict[str, int],
+    *,
+    screen: bool = True,
 ) -> tuple[PlanRow, int, MemoryEstimate | None]:
-    """Estimate one rung (its largest batch, or the plan's), unless a rung before it with the same
-    weights and optimizer state already held more than ``usable`` in those alone: what only saves
-    activations (the loss head, checkpointing) cannot bring the peak below them. Big models then
-    trace a handful of rungs instead of every one (a 7B LoRA base in fp32 is 25 GiB on each)."""
+    """Estimate one rung (its largest batch, or the plan's), unless its weights and optimizer state
+    alone hold more than ``usable`` (:func:`_floor`): what only saves activations (the loss head,
+    checkpointing) cannot bring the peak below them. Big models then trace a handful of rungs
+    instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). ``screen``: a ``ckpt:N`` rung
+    read between its neighbours first (:func:`_every_n_between`, which traces full checkpointing:
+    on the walk that rung comes later anyway, in a search it may not)."""
     key = _states_key(rung.policy)
-    if floors.get(key, 0) > usable:
+    floor = _floor(est, rung.policy, floors)
+    if floor > usable:
         return (
-            PlanRow(
-                rung.policy, floors[key], False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False
-            ),
+            PlanRow(rung.policy, floor, False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False),
             0,
             None,
         )
-    if batch_size != "max":
+    if screen and batch_size != "max":
         guess = _every_n_between(est, rung.policy, int(batch_size))
         if guess is not None and guess > _SCREEN * usable:
             return (

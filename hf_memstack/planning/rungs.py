@@ -26,6 +26,7 @@ among them. A new precondition is a :class:`Requirement` member and the rows tha
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -45,6 +46,7 @@ __all__ = [
     "Step",
     "memory_rungs",
     "rungs_for",
+    "savings_speed",
 ]
 
 # Step speed relative to eager fp32 (mixed precision) or to the same rung without the feature.
@@ -255,6 +257,25 @@ def memory_rungs(
         Requirement.SEVERAL_DEVICES: world_size > 1,
     }
     return rungs_for(RungContext(precision, num_blocks, frozenset(r for r in Requirement if flags.get(r, True))))
+
+
+# The fields whose tokens save model states (the weights, the optimizer's moments), not activations.
+_STATE_FIELDS = ("quant", "optimizer", "master_weights")
+
+
+def savings_speed(policy: MemoryPolicy) -> float:
+    """The speed factor of a policy's model-state savings (4-bit base weights, the optimizer rungs,
+    pure bf16): the ``MEASURED_SPEED`` keys of the :data:`STEPS` rows that add only such tokens, all
+    of them in the policy - each key once (``8bit_in_backward``'s keys are ``8bit``'s and
+    ``in_backward``'s). 1.0 for a policy that saves only activations."""
+    spellings = set(policy.to_string().split("+"))
+    keys = {
+        key
+        for step in STEPS
+        if step.tokens and all(_token(t).field in _STATE_FIELDS for t in step.tokens) and set(step.tokens) <= spellings
+        for key in step.speed
+    }
+    return math.prod(MEASURED_SPEED[k] for k in keys)
 
 
 _BY_SPELLING = {t.spelling: t for t in TOKENS if t.number is None}

@@ -95,14 +95,13 @@ def test_rungs_that_only_save_activations_are_not_traced_once_the_weights_alone_
         trainable=LORA,
     )
     rows = plan.rows
-    fit = next(i for i, r in enumerate(rows) if r.fits)  # the walk's first fit; faster combinations follow it
+    fit = next(i for i, r in enumerate(rows) if r.fits)
     assert plan.fits and plan.policy.quant.mode == "nf4" and rows[fit].traced, plan.table()
-    # The first rung is traced, or bounded by the chunked rung after it, traced; the floor screens the rest.
-    first_traced = 0 if rows[0].traced else 1
-    assert rows[0].traced or (rows[0].bound_by == rows[1].policy and rows[1].traced), plan.table()
-    assert all(not r.traced and not r.fits and r.peak_bytes == floor for r in rows[first_traced + 1 : fit]), (
-        plan.table()
-    )
+    # No rung over the 32-bit base is traced: its weights, counted from the parameters, are over the
+    # budget alone - a floor no higher than the traced one.
+    usable = plan.budget * 0.9
+    base = [r for r in rows if MemoryPolicy.coerce(r.policy).quant.mode == "none"]
+    assert base and all(not r.traced and not r.fits and usable < r.peak_bytes <= floor for r in base), plan.table()
     assert ">= " in plan.table() and "(weights + optimizer state)" in plan.table()
-    skipped = estimate_memory(tmp_path, rows[fit - 1].policy, batch_size=1, seq_len=16, trainable=LORA)
-    assert skipped.peak_bytes >= floor  # the floor is a floor
+    skipped = estimate_memory(tmp_path, base[-1].policy, batch_size=1, seq_len=16, trainable=LORA)
+    assert skipped.peak_bytes >= base[-1].peak_bytes  # the floor is a floor
