@@ -26,7 +26,7 @@ from .transforms.quant import _backend_of, four_bit_weight
 
 if TYPE_CHECKING:
     from bitsandbytes.nn import Params4bit
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["dequantize", "merge_adapters"]
 
@@ -90,6 +90,8 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
             p.data = p.data.to(dtype)
     if record is not None and record.kv_cache_disabled:  # prepare_model turned the cache off for training only
         cast("PretrainedConfig", base.config).use_cache = True
+    if record is not None and record.attention.applied:  # and ran SDPA per sample on packed rows
+        cast("PreTrainedModel", base).set_attn_implementation("sdpa")
     return base
 
 

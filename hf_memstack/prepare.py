@@ -44,6 +44,7 @@ from .transforms.master_weights import (
     mark_pure_bf16,
 )
 from .transforms.optim import check_optimizer_policy
+from .transforms.packed_attention import PackedAttentionResult, apply_packed_attention
 from .transforms.precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
 from .transforms.quant import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
@@ -257,6 +258,13 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
     # 2b. the packed-batch guard on the root forward, outside the loss head and inside autocast: it
     #     sees the batch as the caller passes it (the mask, use_cache) before anything runs on it.
     packing_guard = install_packing_guard(unwrap_model(model), probe=policy.fsdp.mode == "none")
+    # 2c. SDPA attention per sample on packed rows (the same numbers, sum(L_i^2) instead of
+    #     (sum L_i)^2): a model that can take packed rows, switched before compile traces it.
+    attention = (
+        apply_packed_attention(unwrap_model(model), compiled=policy.compile.mode != "none")
+        if packing_guard
+        else PackedAttentionResult()
+    )
     # 3. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
     if plan.autocast_here:
@@ -277,6 +285,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
         mlp=mlp,
         loss=loss,
         packing_guard=packing_guard,
+        attention=attention,
         compile=compile_stats,
         fsdp=fsdp,
     )

@@ -19,6 +19,7 @@ from .transforms.compile import CompileStats
 from .transforms.fsdp import FSDPResult
 from .transforms.loss_result import LossHeadResult
 from .transforms.master_weights import MasterWeightsResult
+from .transforms.packed_attention import PackedAttentionResult
 from .transforms.precision import ResolvedPrecision
 from .transforms.quant import QuantResult
 from .transforms.tiled_mlp import TiledMLPResult
@@ -58,6 +59,8 @@ class MemstackRecord(RecordBase):
     """Whether and how each block's MLP runs over tiles of tokens."""
     packing_guard: bool = False
     """The forward refuses packed batches that would let samples attend to each other (:mod:`hf_memstack.data.boundaries`)."""
+    attention: PackedAttentionResult = field(default_factory=PackedAttentionResult)
+    """Whether SDPA runs per sample on packed rows (:mod:`hf_memstack.transforms.packed_attention`)."""
     chunkable_loss: bool = False
     """The model is a causal LM whose loss ``loss:chunked`` can compute (the ladder's first memory
     rung for it, when the policy does not chunk already)."""
@@ -98,6 +101,8 @@ class MemstackRecord(RecordBase):
         lines.append(f"  loss: {self.loss.describe()}")
         lines.append(f"  4-bit base: {self.quant.describe()}")
         lines.append(f"  master weights: {self.master_weights.describe()}")
+        if self.attention.applied:
+            lines.append(f"  attention: {self.attention.describe()}")
         if self.mlp.mode != "default":
             lines.append(f"  mlp: {self.mlp.describe()}")
         op = self.policy.optimizer

@@ -25,6 +25,7 @@ from torch import nn
 
 from .._device import device_of, module_mode, preserved_rng
 from ..record import unwrap_model
+from ..transforms.packed_attention import PACKED_SDPA
 
 __all__ = [
     "PackedComparison",
@@ -37,8 +38,9 @@ __all__ = [
 ]
 
 # Attention implementations that Transformers 5.x points at packed position_ids: the mask
-# functions of masking_utils (SDPA, eager, flex) and flash-attention's variable-length kernels.
-_BOUNDARY_AWARE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# functions of masking_utils (SDPA, eager, flex), flash-attention's variable-length kernels, and
+# prepare_model's per-sample SDPA.
+_BOUNDARY_AWARE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", PACKED_SDPA)
 
 
 def is_packed(position_ids: Any, attention_mask: Any = None) -> bool:

@@ -155,6 +155,8 @@ def estimate_memory(
         seq_len=seq_len,
         packed=packed and task == "causal-lm",
         mode=mode,
+        # A compiled run's attention cannot read the samples' lengths: its rows run whole.
+        packed_per_sample=policy.compile.mode == "none",
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
     notes += quant_notes(counts, peft_config is not None)

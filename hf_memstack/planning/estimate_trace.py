@@ -17,6 +17,7 @@ from ..measure.memory import PhasePeaks, trace_eval_forward
 from ..policy import MemoryPolicy
 from ..prepare import prepare_model
 from ..transforms.optim import make_optimizer
+from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
 from .depth import DepthPlan, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
@@ -46,6 +47,8 @@ class Job:
     seq_len: int
     packed: bool
     mode: str = "train"
+    packed_per_sample: bool = True
+    """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
         # after or in the backward), so its state is traced as it will be allocated.
         opt = make_optimizer(net, job.policy, lr=1e-4) if job.optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
-        with packing_as_traced(job.packed):
+        with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases = traced_step(net, batch, opt, config, job.task)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),
@@ -91,7 +94,7 @@ def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any) -
         net.eval()
         prepare_model(net, job.policy)
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
-        with packing_as_traced(job.packed):
+        with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases, outputs = trace_eval_forward(net, batch)
     kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
     params = [p for p in net.parameters() if p.requires_grad]
