@@ -12,7 +12,7 @@ from .memory_estimate import MemoryEstimate
 from .plan import Plan, PlanRow
 from .plan_advice import optimizer_notes
 from .plan_estimates import Estimates, max_batch
-from .rungs import savings_speed
+from .rungs import MEASURED_SPEED, savings_speed
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -104,22 +104,27 @@ def _faster_with_its_states(
     The rows traced are appended to ``plan``'s; the fastest that fits is returned (policy, batch,
     estimate)."""
     target = MemoryPolicy.coerce(fitting.policy)
-    factor = savings_speed(target)
+    # Sharding saves states too: a target sharded without offload lends its sharding to the faster
+    # rungs (ckpt:4+fsdp where the walk reached ckpt+fsdp); an offloading one lends none (it is the
+    # slowest rung), and the plain FSDP rung before it is a candidate of its own.
+    lent = ("quant", "optimizer", "master_weights") + (
+        ("fsdp",) if target.fsdp.mode != "none" and not target.fsdp.cpu_offload else ()
+    )
+    factor = _states_speed(target)
+    tried_before = {row.policy for row in plan.rows}  # traced or floored already, and did not fit
     seen: set[str] = set()
     candidates = []
     for rung in before:
         p = MemoryPolicy.coerce(rung.policy)
-        if p.checkpointing.mode == "offload" or p.fsdp.mode != "none":
+        if p.checkpointing.mode == "offload" or p.fsdp.cpu_offload:
             continue
         try:
-            merged = MemoryPolicy.from_dict(
-                {**p.to_dict(), **{k: target.to_dict()[k] for k in ("quant", "optimizer", "master_weights")}}
-            )
+            merged = MemoryPolicy.from_dict({**p.to_dict(), **{k: target.to_dict()[k] for k in lent}})
         except ValueError:  # a combination the policy refuses is no candidate
             continue
-        if merged == p:
+        if merged == p or merged.to_string() in tried_before:
             continue
-        speed = rung.relative_speed * factor / savings_speed(p)
+        speed = rung.relative_speed * factor / _states_speed(p)
         if speed > fitting.relative_speed and merged.to_string() not in seen:
             seen.add(merged.to_string())
             candidates.append(_Candidate(merged.to_string(), speed))
@@ -134,6 +139,13 @@ def _faster_with_its_states(
     _, fitted, e = tried[best]
     assert e is not None  # in fits
     return candidates[best].policy, fitted, e
+
+
+def _states_speed(policy: MemoryPolicy) -> float:
+    """The speed factor of a policy's state savings, its sharding included (``MEASURED_SPEED``)."""
+    fsdp = policy.fsdp
+    shard = 1.0 if fsdp.mode == "none" else MEASURED_SPEED["fsdp_offload" if fsdp.cpu_offload else "fsdp"]
+    return savings_speed(policy) * shard
 
 
 def _search(
@@ -164,11 +176,16 @@ def _search(
 
 
 def _saves_no_more(a: MemoryPolicy, b: MemoryPolicy) -> bool:
-    """Whether ``a`` saves no more activation memory than ``b`` (the same policy but for how it
-    checkpoints and tiles), by what each recomputes: no checkpointing saves least, every block
+    """Whether ``a`` saves no more activation memory than ``b``, both the same policy but for how
+    they checkpoint and tile (else False: not known), by what each recomputes: no checkpointing saves least, every block
     checkpointed most; ckpt:N checkpoints fewer blocks the larger N; selective's alternate variant
     recomputes what the plain one keeps; tiling saves more. Selective against ckpt:N is not known
     (it depends on the model), and neither rules out the other."""
+    rest_a, rest_b = a.to_dict(), b.to_dict()
+    for field in ("checkpointing", "mlp"):
+        rest_a.pop(field), rest_b.pop(field)
+    if rest_a != rest_b:  # other savings (sharding, 4-bit weights, ...): not comparable this way
+        return False
     if a.mlp.mode == "tiled" and b.mlp.mode != "tiled":
         return False
     ca, cb = a.checkpointing, b.checkpointing

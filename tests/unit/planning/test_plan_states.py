@@ -47,3 +47,22 @@ def test_without_a_state_saving_the_walk_is_unchanged():
     plan = plan_policy(cfg, budget=int(full / 0.9) + 1, seq_len=256, batch_size=2, device="cuda")
     assert plan.fits and plan.rows[-1].fits and MemoryPolicy.coerce(plan.rows[-1].policy) == plan.policy
     assert plan.policy.master_weights == "fp32" and plan.policy.optimizer.state == "fp32"
+
+
+def test_on_several_devices_plain_sharding_is_chosen_over_offloading_when_it_fits():
+    # Found by a new-user trial: a 7B full fine-tune on 4 devices chose fsdp:offload (0.28x) while
+    # plain FSDP fit, because the walk's candidates dropped the sharding and a miss without it
+    # ruled out the FSDP rung of the same checkpointing. Here the same shape in small: every
+    # unsharded rung's weights and moments are over the budget, sharded ones fit.
+    cfg = _config()
+    job = {"batch_size": 2, "seq_len": 256, "world_size": 4}
+    unsharded = estimate_memory(cfg, "bf16+loss:chunked+ckpt+optim:8bit+weights:bf16", **job)
+    sharded = estimate_memory(cfg, "bf16+fsdp+loss:chunked+weights:bf16", **job)
+    budget = int((unsharded.parameters + unsharded.optimizer + sharded.peak_bytes) / 2 / 0.9)
+    assert sharded.peak_bytes < budget * 0.9 < unsharded.parameters + unsharded.optimizer
+    plan = plan_policy(cfg, budget=budget, seq_len=256, batch_size=2, world_size=4, device="cuda")
+
+    assert plan.fits and plan.policy.fsdp.mode == "full_shard" and not plan.policy.fsdp.cpu_offload
+    policies = [r.policy for r in plan.rows]
+    assert len(policies) == len(set(policies))  # no candidate traced twice
+    assert estimate_memory(cfg, plan.policy, **job).peak_bytes <= budget * 0.9
