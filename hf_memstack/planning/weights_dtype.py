@@ -14,6 +14,7 @@ counts at its parameters' own dtypes. The modules a model keeps in fp32
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -184,8 +185,20 @@ def _checkpoint_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
             first = folder / shards[0] if shards else first
         if first.is_file():
             # map_location="meta": safetensors reads the header; a .bin goes through torch.load(weights_only=True)
-            state = load_state_dict(str(first), map_location="meta", weights_only=True)
-            return get_state_dict_dtype(state), f"the weights in {first.name}"
+            try:
+                state = load_state_dict(str(first), map_location="meta", weights_only=True)
+                return get_state_dict_dtype(state), f"the weights in {first.name}"
+            except Exception as e:  # a damaged file, or a pickle weights_only refuses: the user's file, not a bug
+                why = (
+                    "a pickle that torch.load(weights_only=True) refuses to load"
+                    if isinstance(e, pickle.UnpicklingError)
+                    else f"{type(e).__name__}: {(str(e).splitlines() or ['no message'])[0][:160]}"
+                )
+                raise ValueError(
+                    f"dtype='auto': the config in {folder} names no dtype, and {first.name} cannot be read for it ({why}): "
+                    "the file is damaged, truncated or not a weights file (nothing in it was run). Re-save the model "
+                    "(save_pretrained writes safetensors), or pass dtype= (--dtype bf16|fp16|fp32) to say which dtype to count"
+                ) from e
     return None
 
 

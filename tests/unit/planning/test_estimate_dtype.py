@@ -308,3 +308,41 @@ def test_a_sharded_checkpoint_without_a_config_dtype_reads_what_from_pretrained_
     assert est.weights_dtype_source.startswith(
         "the dtype in model.safetensors.index.json" if index_dtype else "the weights in model-00001-of-"
     )
+
+
+class _Runs:
+    """A pickle that, when unpickled without weights_only, would write a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("damage", ["truncated safetensors", "pickle that runs code"])
+def test_a_weights_file_that_cannot_be_read_is_refused_naming_it(tmp_path, damage):
+    # Found by a new-user trial: these ended in a traceback ("internal error", exit 3).
+    import pickle
+
+    folder = tmp_path / "model"
+    config = configs()["llama"].to_dict()
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    if damage == "truncated safetensors":
+        name = "model.safetensors"
+        (folder / name).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    else:
+        name = "pytorch_model.bin"
+        (folder / name).write_bytes(pickle.dumps({"w": _Runs(marker)}))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(ValueError, match=rf"{name} cannot be read.*--dtype bf16\|fp16\|fp32"):
+        estimate_memory(folder, "bf16", batch_size=1, seq_len=8)
+    assert main(["estimate", str(folder), "--policy", "bf16", "--batch-size", "1", "--seq-len", "8"]) == 2
+    assert not marker.exists()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # The way out the message names works.
+    assert estimate_memory(folder, "bf16", batch_size=1, seq_len=8, dtype="bf16").weights_dtype == "bf16"
