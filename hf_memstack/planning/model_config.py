@@ -54,7 +54,7 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
         raise TypeError(f"model={_short(model)} ({what}); pass {_ACCEPTED}")
     path = Path(str(model)).expanduser()
     if path.is_dir():
-        _check_config_file(path)
+        _check_config_file(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(
             str(path) if path.is_dir() else str(model), local_files_only=True, trust_remote_code=trust_remote_code
@@ -103,7 +103,7 @@ def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
             "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)"
         )
     cls = CONFIG_MAPPING[model_type]
-    _check_dict_keys(cls, data)
+    _check_dict_keys(cls, data, "model= a config dict")
     try:
         return cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as e:  # noqa: BLE001 - a config class's own validation raises its own types
@@ -113,7 +113,7 @@ def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
         ) from None
 
 
-def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
+def _check_dict_keys(cls: type, data: dict[str, Any], what: str) -> None:
     """A config keeps keys it does not define, and builds its defaults instead: ``"hiden_size": 64`` would
     estimate a 4096-wide model. A key that is not the config's (nor a generation setting, which older
     configs carry) but is close to one of its keys is refused as the typo it most likely is; other
@@ -126,7 +126,7 @@ def _check_dict_keys(cls: type, data: dict[str, Any]) -> None:
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
         if close:
             raise ValueError(
-                f"model= a config dict with {key!r}, which {cls.__name__} does not define (the model would be "
+                f"{what} with {key!r}, which {cls.__name__} does not define (the model would be "
                 f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?"
             )
 
@@ -143,7 +143,7 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
 
 
-def _check_config_file(path: Path) -> None:
+def _check_config_file(path: Path, *, trust_remote_code: bool) -> None:
     config = path / "config.json"
     if not config.is_file():
         raise ValueError(
@@ -153,10 +153,28 @@ def _check_config_file(path: Path) -> None:
         data = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"model={str(path)!r}: {config} is not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(data, dict) or "model_type" not in data:
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"model={str(path)!r}: {config} holds a JSON {type(data).__name__}, not an object of config fields; "
+            "re-save the model with save_pretrained"
+        )
+    if "model_type" not in data:
         raise ValueError(
             f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
             'add it (e.g. "model_type": "llama") or re-save the model with save_pretrained'
+        )
+    from transformers import CONFIG_MAPPING
+
+    model_type = data["model_type"]
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        # A misspelled field would build the architecture's default for it, silently (a dict is checked alike).
+        _check_dict_keys(CONFIG_MAPPING[model_type], data, f"model={str(path)!r}: {config.name}")
+    elif data.get("auto_map") and not trust_remote_code:
+        raise ValueError(
+            f"model={str(path)!r}: {config} has model_type={model_type!r}, which this Transformers does not know, and an "
+            "auto_map: the model is defined by custom code in its folder, which hf_memstack does not run "
+            "(trust_remote_code is off). Read the code; if you trust it, pass trust_remote_code=True "
+            "(estimate_memory / plan_policy), or estimate a built-in architecture of the same shape"
         )
 
 

@@ -179,3 +179,36 @@ def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
     as_dict = estimate_memory(config.to_dict(), "bf16+ckpt", batch_size=2, seq_len=16)
     as_config = estimate_memory(config, "bf16+ckpt", batch_size=2, seq_len=16)
     assert as_dict.peak_bytes == as_config.peak_bytes and as_dict.total_parameters == as_config.total_parameters
+
+
+def _copy_with_config(src, dst, edit):
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "config.json").read_text())
+    edit(data)
+    (dst / "config.json").write_text(json.dumps(data))
+    return dst
+
+
+def test_a_misspelled_field_in_a_directorys_config_is_refused(pretrained_dirs, tmp_path):
+    # Found by a new-user trial: the dict was checked, the directory was not (a 4096-wide model was estimated).
+    folder = _copy_with_config(
+        pretrained_dirs["llama"], tmp_path / "typo", lambda d: d.update(hiden_size=d.pop("hidden_size"))
+    )
+    before = (folder / "config.json").read_bytes()
+    with pytest.raises(ValueError, match=r"config.json with 'hiden_size'.*did you mean 'hidden_size'\?"):
+        estimate_memory(folder, "bf16", batch_size=1, seq_len=16)
+    assert (folder / "config.json").read_bytes() == before
+
+
+def test_a_config_of_custom_code_is_refused_as_such(pretrained_dirs, tmp_path):
+    def custom(d):
+        d.update(model_type="mine", auto_map={"AutoConfig": "configuration_mine.MineConfig"})
+
+    folder = _copy_with_config(pretrained_dirs["llama"], tmp_path / "custom", custom)
+    (folder / "configuration_mine.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    with pytest.raises(ValueError, match=r"custom code in its folder, which hf_memstack does not run"):
+        estimate_memory(folder, "bf16", batch_size=1, seq_len=16)
+    assert not (tmp_path / "ran").exists()
