@@ -56,6 +56,8 @@ class Plan:
     weights_dtype: str = "fp32"
     """The dtype every rung counted the weights at (see :attr:`MemoryEstimate.weights_dtype`)."""
     weights_dtype_source: str = ""
+    usable_bytes: int = 0
+    """The budget minus the margin: what a rung's estimated peak must fit in (``fits``)."""
 
     @property
     def fits(self) -> bool:
@@ -84,14 +86,16 @@ class Plan:
         lines.append(
             f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
         )
+        budget = format_bytes(self.budget) + (
+            f", {format_bytes(self.usable_bytes)} usable after the margin" if self.usable_bytes < self.budget else ""
+        )
         if self.policy is not None:  # self.fits, spelled out so the type checker sees the policy
-            lines.append(
-                f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {format_bytes(self.budget)})"
-            )
+            lines.append(f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {budget})")
             lines += [f"  - {s}" for s in self.suggestions]
         else:
             lines.append(
-                f"nothing fits {format_bytes(self.budget)}: short by {format_bytes(self.shortfall_bytes)} at best"
+                f"nothing fits {format_bytes(self.usable_bytes)} (budget {budget}): short by "
+                f"{format_bytes(self.shortfall_bytes)} at best"
             )
             lines += [f"  - {s}" for s in self.suggestions]
         return "\n".join(lines)
@@ -101,6 +105,7 @@ class Plan:
             "policy": self.policy.to_string() if self.policy else None,
             "batch_size": self.batch_size,
             "budget": self.budget,
+            "usable_bytes": self.usable_bytes,
             "fits": self.fits,
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "shortfall_bytes": self.shortfall_bytes,

@@ -1,5 +1,5 @@
 """What the planner tells the user beside its choice: how to run the chosen policy's optimizer
-rungs, and - when nothing fits - what would (more ranks, a smaller batch, a shorter sequence)."""
+rungs, and - when nothing fits - what would (more ranks, adapters, a smaller batch, a shorter sequence)."""
 
 from __future__ import annotations
 
@@ -44,14 +44,30 @@ def optimizer_notes(policy: MemoryPolicy) -> list[str]:
 
 
 def suggestions(
-    est: Estimates, closest: str, batch_size: int | Literal["max"], seq_len: int, world_size: int, usable: float
+    est: Estimates,
+    closest: str,
+    batch_size: int | Literal["max"],
+    seq_len: int,
+    world_size: int,
+    usable: float,
+    *,
+    trainable: str = "all",
 ) -> list[str]:
     """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for its
-    model states, a smaller batch, a shorter sequence - with numbers from its batch-1 estimate."""
+    model states, adapters instead of a full fine-tune, a smaller batch, a shorter sequence - with
+    numbers from its batch-1 estimate. When the model states alone are over the budget, only what
+    shrinks them is said (a shorter sequence or a smaller batch cannot help)."""
     base = est(closest, 1)
     states = base.parameters + base.gradients + base.optimizer
     activations = base.peak_bytes - states
     out = []
+    states_over = states > usable
+    if states_over:
+        out.append(
+            f"the weights, gradients and optimizer state of {closest} alone are {format_bytes(states)}, over the "
+            f"{format_bytes(usable)} usable: no activation rung, smaller batch or shorter sequence can fit; shrink "
+            "the model states"
+        )
     ranks = max(2, world_size * 2)
     while ranks <= 4096 and states / ranks + activations > usable:
         ranks *= 2
@@ -65,6 +81,13 @@ def suggestions(
             f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
             "do not shard them"
         )
+    if trainable == "all":
+        out.append(
+            "train LoRA adapters instead of every weight (trainable='lora', --trainable lora): the frozen base holds no "
+            "gradients and no optimizer state"
+        )
+    if states_over:
+        return out
     if isinstance(batch_size, int) and batch_size > 1:
         out.append(
             f"a smaller batch with gradient accumulation: batch 1 x {batch_size} accumulation steps keeps the global batch"

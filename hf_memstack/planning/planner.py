@@ -93,6 +93,7 @@ def plan_policy(
         budget=budget_bytes,
         weights_dtype=weights.name,
         weights_dtype_source=weights.source,
+        usable_bytes=int(usable),
     )
     rungs = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward)
     shortfalls = walk_rungs(plan, est, rungs, batch_size, usable)
@@ -100,7 +101,7 @@ def plan_policy(
         return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
     closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
-    plan.suggestions = suggestions(est, closest, batch_size, seq_len, world_size, usable)
+    plan.suggestions = suggestions(est, closest, batch_size, seq_len, world_size, usable, trainable=trainable)
     return plan
 
 
