@@ -6,15 +6,18 @@ the same samples, one epoch each, at the same token budget per step.
 
 The data: prompt + response samples whose lengths are lognormal (median ``--median`` tokens, capped
 at ``--max-len``), the prompt (30%) masked with -100, tokens drawn from a fixed random bigram model
-so that the loss can fall. A Llama-shaped model built from a config (precision ``auto``).
+so that the loss can fall. A Llama-shaped model built from a config (``--precision``, ``auto`` by default).
 
 * padded: the shuffled samples, batched greedily up to ``--budget`` token slots (each batch padded
   to its longest sample, ``attention_mask`` and -100 labels on the padding);
 * packed: ``pack_dataset`` (best-fit decreasing) into rows of ``--max-len`` tokens, the rows batched
-  ``--budget // --max-len`` at a time by ``PackedCollator`` (``position_ids`` restarting, no mask).
+  ``--budget // --max-len`` at a time by ``PackedCollator`` (``position_ids`` restarting, no mask),
+  attention per sample (``prepare_model``'s ``hf_memstack_sdpa``);
+* packed_whole_rows: the same packed batches under Transformers' own SDPA, which attends over each
+  whole row with its block-diagonal mask (what the per-sample attention saves).
 
-The two runs alternate step by step (each from the same initial weights, with its own AdamW), so the
-machine's load falls on both alike. Reported: real (non-pad) tokens per second, the padding
+The three runs alternate step by step (each from the same initial weights, with its own AdamW), so the
+machine's load falls on all alike. Reported: real (non-pad) tokens per second, the padding
 fraction, the steps an epoch takes, the first step's peak (the meter), the held-out loss after the
 epoch (each validation sample alone), and the estimator against the meter for both layouts.
 Results: ``bench/results/packing.json``.
@@ -134,7 +137,7 @@ def held_out_loss(model: torch.nn.Module, samples: list[dict[str, list[int]]]) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    precision = resolve_precision("auto", "cpu").name
+    precision = resolve_precision(args.precision, "cpu").name
     policy = f"{precision}+loss:chunked"
     train, val = (
         make_samples(args.samples, args, seed=args.seed),
@@ -147,12 +150,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     base = LlamaForCausalLM(model_config(args)).train()
     sides: dict[str, Any] = {}
-    for name, batches in layouts.items():
-        model = prepare_model(copy.deepcopy(base), policy)
+    # "packed_whole_rows": the same packed batches under Transformers' own SDPA, which attends over
+    # each whole row with its block-diagonal mask (prepare_model's per-sample attention undone).
+    for name, batches in (*layouts.items(), ("packed_whole_rows", layouts["packed"])):
+        model = _prepared(base, policy, whole_rows=name == "packed_whole_rows")
         first = batches[max(range(len(batches)), key=lambda i: batches[i]["input_ids"].numel())]
         peak = measure_step(model, first, make_optimizer(model, lr=1e-4), timed=False)  # on a copy that does not train
         sides[name] = {
-            "model": prepare_model(copy.deepcopy(base), policy),
+            "model": _prepared(base, policy, whole_rows=name == "packed_whole_rows"),
             "batches": batches,
             "seconds": 0.0,
             "tokens": 0,
@@ -163,8 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         sides[name]["optimizer"] = make_optimizer(sides[name]["model"], lr=args.lr)
     steps = max(len(s["batches"]) for s in sides.values())
-    for i in range(steps):  # alternate: one step of each, in turn
-        for name in ("padded", "packed") if i % 2 == 0 else ("packed", "padded"):
+    names = list(sides)
+    for i in range(steps):  # alternate: one step of each, in turn, the order rotating
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             side = sides[name]
             if i >= len(side["batches"]):
                 continue
@@ -197,9 +203,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "last_loss": side["losses"][-1],
         }
     out["speedup"] = out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
+    out["speedup_whole_rows"] = out["packed_whole_rows"]["tokens_per_s"] / out["padded"]["tokens_per_s"]
     out["padding_before"] = padding_stats([len(s["input_ids"]) for s in train], 8).padding_fraction
     out["estimates"] = estimates(args, policy, layouts)
     return out
+
+
+def _prepared(base: torch.nn.Module, policy: str, *, whole_rows: bool) -> torch.nn.Module:
+    model = prepare_model(copy.deepcopy(base), policy)
+    if whole_rows:
+        model.set_attn_implementation("sdpa")
+    return model
 
 
 def estimates(
@@ -233,6 +247,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "packing.json"))
     args = ap.parse_args()
     native = cpu_has_native_bf16()
@@ -246,14 +261,15 @@ def main() -> None:
         "| layout | steps | padding | real tokens/s | peak MiB (first step) | loss first -> last step | held-out loss |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name in ("padded", "packed"):
+    for name in ("padded", "packed", "packed_whole_rows"):
         r = out[name]
         print(
             f"| {name} | {r['steps']} | {r['padding_fraction']:.1%} | {r['tokens_per_s']:.0f} | {r['peak_bytes'] / 2**20:.0f} | "
             f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['held_out_loss']:.4f} |"
         )
     print(
-        f"\npacked / padded tokens per second: {out['speedup']:.2f}x (target >= 1.5x); padding of fixed batches of 8 "
+        f"\npacked / padded tokens per second: {out['speedup']:.2f}x (target >= 1.5x; with Transformers' whole-row SDPA "
+        f"{out['speedup_whole_rows']:.2f}x); padding of fixed batches of 8 "
         f"padded to their longest: {out['padding_before']:.1%}"
     )
     for e in out["estimates"]:
