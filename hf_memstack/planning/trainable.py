@@ -19,7 +19,15 @@ def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     left at "all"): its base model's config is estimated with its adapters."""
     if isinstance(model, nn.Module) and type(model).__module__.startswith("peft.") and hasattr(model, "peft_config"):
         peft = cast("PeftModel", model)  # a PEFT model: its peft_config and active_adapter are not nn.Module's
-        return peft.get_base_model(), peft.peft_config[peft.active_adapter] if trainable == "all" else trainable
+        if not (isinstance(trainable, str) and trainable in ("all", "lora")):
+            # Its own adapters are what trains: another config would silently estimate other adapters.
+            raise ValueError(
+                f"trainable={_short(trainable)} with a PEFT model ({type(model).__name__}) that has adapters of its own "
+                f"({peft.active_adapter!r}); its adapters are what trains, so leave trainable at 'all' (or 'lora') to "
+                "estimate them, or pass the base model (model.get_base_model()) with the trainable= you want"
+            )
+        # 'lora' on a LoRA model is its own adapters, not the default ones.
+        return peft.get_base_model(), peft.peft_config[peft.active_adapter]
     if isinstance(model, nn.Module) and trainable == "all" and any(not p.requires_grad for p in model.parameters()):
         warnings.warn(
             f"{type(model).__name__} has frozen parameters, but the estimate builds it from its config, where every "
@@ -85,3 +93,8 @@ def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
             f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
             f"its linear layers are named {names}: pass target_modules from those"
         ) from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

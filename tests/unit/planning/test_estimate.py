@@ -212,3 +212,16 @@ def test_a_config_of_custom_code_is_refused_as_such(pretrained_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"custom code in its folder, which hf_memstack does not run"):
         estimate_memory(folder, "bf16", batch_size=1, seq_len=16)
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_peft_model_is_estimated_with_its_own_adapters(load_model):
+    # Found by a new-user trial: trainable='lora' replaced the model's r=4 q/v adapters by the default ones.
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    own = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for trainable in ("all", "lora"):
+        est = estimate_memory(model, "bf16", batch_size=1, seq_len=16, trainable=trainable)
+        assert est.trainable_parameters == own
+    with pytest.raises(ValueError, match=r"trainable=\{'r': 16\} with a PEFT model .* adapters of its own"):
+        estimate_memory(model, "bf16", batch_size=1, seq_len=16, trainable={"r": 16})
