@@ -92,6 +92,13 @@ def _add_estimate(sub: Any) -> None:
         default=None,
         help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
     )
+    e.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="where the step will run: on cuda PyTorch's AdamW steps with foreach kernels (one more copy of the "
+        "moments while it steps); default: this machine",
+    )
     _dtype_option(e)
 
 
@@ -116,7 +123,8 @@ def _add_plan(sub: Any) -> None:
         "--device",
         choices=["cuda", "cpu"],
         default=None,
-        help="where it will train, which picks the precision (bf16/fp16 on cuda; default: this machine)",
+        help="where it will train, which picks the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on "
+        "cuda); default: this machine",
     )
     _dtype_option(pl)
 
@@ -234,6 +242,7 @@ def _estimate(args: argparse.Namespace) -> int:
             extrapolate=not args.full_trace,
             mode=args.mode,
             eval_samples=args.eval_samples,
+            device=args.device,
         )
         for policy in args.policy.split(",")
     ]
@@ -286,6 +295,7 @@ def _plan(args: argparse.Namespace) -> int:
                         task=args.task,
                         trainable=_trainable(args),
                         dtype=args.dtype,
+                        device=args.device,
                     ),
                 )
                 for r in plan.rows

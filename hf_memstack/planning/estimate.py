@@ -74,6 +74,7 @@ def estimate_memory(
     extrapolate: bool = True,
     mode: str = "train",
     eval_samples: int | None = None,
+    device: str | None = None,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
     evaluation forward's and the logits Trainer keeps).
@@ -113,6 +114,10 @@ def estimate_memory(
             training is. The estimate also counts the outputs Trainer keeps (``eval_logits_bytes``).
         eval_samples: eval mode only: the evaluation set's size, for ``eval_logits_bytes`` (default:
             ``batch_size``, one batch's).
+        device: where the step will run, ``"cuda"`` or ``"cpu"`` (default: this machine's GPU if it
+            has one). It decides how PyTorch's AdamW steps: on CUDA with its foreach kernels, which
+            hold one more copy of the second moments (4 bytes per trainable fp32 parameter) while
+            they step, on the CPU parameter by parameter.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -125,6 +130,7 @@ def estimate_memory(
         batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
     )
     check_mode(mode, eval_samples)
+    foreach = _steps_foreach(device)
     given = model
     model, trainable = what_trains(model, trainable)
     peft_config = peft_config_from(trainable)
@@ -157,6 +163,7 @@ def estimate_memory(
         mode=mode,
         # A compiled run's attention cannot read the samples' lengths: its rows run whole.
         packed_per_sample=policy.compile.mode == "none",
+        foreach=foreach,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
     notes += quant_notes(counts, peft_config is not None)
@@ -167,6 +174,15 @@ def estimate_memory(
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
+
+
+def _steps_foreach(device: str | None) -> bool:
+    """Whether PyTorch's AdamW steps with its foreach kernels there: its default on CUDA."""
+    if device is None:
+        return torch.cuda.is_available()
+    if not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r} must be 'cuda' or 'cpu' (where the step will run), or None: this machine")
+    return device.startswith("cuda")
 
 
 def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferred_note: str | None) -> list[str]:

@@ -48,6 +48,8 @@ class Job:
     packed: bool
     mode: str = "train"
     packed_per_sample: bool = True
+    foreach: bool = False
+    """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
     """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
 
 
@@ -75,6 +77,11 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
         # The optimizer the policy asks for, built as users build it (fp32 or 8-bit moments, stepped
         # after or in the backward), so its state is traced as it will be allocated.
         opt = make_optimizer(net, job.policy, lr=1e-4) if job.optimizer == "adamw" else torch.optim.SGD(params, lr=1e-4)
+        if job.foreach and type(opt) is torch.optim.AdamW:
+            # The fake tensors are on the CPU, where AdamW would loop; on CUDA it defaults to foreach,
+            # whose step holds a copy of every second moment at once: traced as it will run.
+            for group in opt.param_groups:
+                group["foreach"] = True
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases = traced_step(net, batch, opt, config, job.task)

@@ -36,9 +36,13 @@ class MemoryEstimate:
     optimizer: int
     """Optimizer state of the trainable parameters."""
     activations: int
-    """Activations alive at the end of the forward (what the backward needs)."""
+    """Activations alive at the end of the forward (what the backward needs: the meter's
+    ``saved_activations``), at most what the peak holds besides the model states."""
     temporaries: int
-    """The rest of the peak: transient buffers, logits and their gradients at the peak."""
+    """The rest of the peak besides the model states and ``activations``: transient buffers, logits
+    and their gradients. Not MemTracker's own split of the peak moment (the meter's ``activations``
+    and ``temporaries``, which labels by where a tensor was made: a recomputed block's activations
+    count as activations there), whose sum is the same."""
     peak_bytes: int
     """The step's estimated peak on one rank."""
     peak_phase: str

@@ -86,6 +86,7 @@ def plan_policy(
         trainable=trainable,
         dtype=weights.dtype,
         packed=packed,
+        device=device,
     )
     plan = Plan(
         policy=None,

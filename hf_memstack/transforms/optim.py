@@ -268,5 +268,5 @@ def _factory(cfg: OptimizerConfig, master_weights: str = "fp32") -> Factory:
         rounding = {"bf16_stochastic_round": True} if master_weights == "bf16" else {}
         return lambda groups, defaults: adamw(groups, **defaults, **rounding)
     # PyTorch's own defaults (foreach on CUDA, a loop on the CPU): what a hand-written loop gets;
-    # the estimator traces this same optimizer, so its temporaries are counted as they run.
+    # the estimator traces this same optimizer, foreach when it estimates for CUDA (device=).
     return lambda groups, defaults: torch.optim.AdamW(groups, **defaults)

@@ -77,3 +77,22 @@ def test_every_field_of_the_estimate_is_the_meters(saved, weights, policy, train
     assert est.forward_backward_peak == real.forward_backward_peak
     rest = real.peak_bytes - real.parameters - real.gradients - real.optimizer
     assert est.activations == min(real.saved_activations, rest) and est.temporaries == rest - est.activations
+
+
+@pytest.mark.parametrize("policy", ["bf16+ckpt", "bf16"])
+def test_on_cuda_adamw_steps_with_foreach_and_is_estimated_so(saved, policy):
+    # Found by a new-user trial: the fake tensors are on the CPU, where AdamW loops over the
+    # parameters; on CUDA it defaults to foreach, whose step holds a copy of every second moment.
+    # The meter runs that step here, with foreach asked for (the CPU has the kernels too).
+    model = prepare_model(AutoModelForCausalLM.from_pretrained(saved["fp32"]).train(), policy)
+    ids = torch.randint(3, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    opt = make_optimizer(model, lr=1e-4)
+    for group in opt.param_groups:
+        group["foreach"] = True
+    real = measure_step(model, {"input_ids": ids, "labels": ids.clone()}, opt, timed=False)
+    cuda = estimate_memory(saved["fp32"], policy, batch_size=BATCH, seq_len=SEQ, device="cuda")
+    cpu = estimate_memory(saved["fp32"], policy, batch_size=BATCH, seq_len=SEQ, device="cpu")
+    assert (cuda.peak_bytes, cuda.peak_phase) == (real.peak_bytes, real.peak_phase)
+    assert cuda.peak_bytes > cpu.peak_bytes  # the CPU's loop holds no such copy
+    with pytest.raises(ValueError, match=r"device='tpu' must be 'cuda' or 'cpu'"):
+        estimate_memory(saved["fp32"], policy, batch_size=BATCH, seq_len=SEQ, device="tpu")
