@@ -1,7 +1,8 @@
 """How long the estimator takes on real model shapes, and that its extrapolation from two shallow
 traces gives the full trace's bytes: a Llama-2-7B-shaped and a Llama-3-70B-shaped config (bf16
 weights, LoRA r=16, bf16+ckpt, batch 1 x 2,048 tokens), and the planner walking the ladder at
-16 GiB for the 7B (LoRA) and a Qwen2-1.5B shape (full fine-tune), each against one estimate of its own.
+16 GiB for the 7B (LoRA) and a Qwen2-1.5B shape (full fine-tune), and where the 4-bit base is what
+fits (the 7B LoRA at 12 GiB, the 70B LoRA at 80 GiB), each against one estimate of its own shape.
 
 Each timing is one call in this process after a warm-up estimate of a tiny model (imports and
 first-call caches paid there, as a notebook or a second CLI call pays them once), with the
@@ -75,23 +76,24 @@ def qwen2_config() -> Qwen2Config:
     )
 
 
-def timed_plan(name: str, cfg, trainable, one: float, one_cpu: float) -> dict:
-    """The planner walking the ladder at 16 GiB (batch 1 x 2,048 tokens, cuda), against one estimate's
+def timed_plan(name: str, cfg, trainable, one: float, one_cpu: float, budget: str = "16GiB") -> dict:
+    """The planner walking the ladder at ``budget`` (batch 1 x 2,048 tokens, cuda), against one estimate's
     wall (``one``) and CPU (``one_cpu``) seconds."""
     _build_cache.clear()  # the plan builds its model and depth plans itself, as a fresh `hf-memstack plan` does
     plan, t_plan = timed(
-        lambda: plan_policy(cfg, budget="16GiB", seq_len=2048, trainable=trainable, device="cuda"), "plan"
+        lambda: plan_policy(cfg, budget=budget, seq_len=2048, trainable=trainable, device="cuda"), "plan"
     )
     cpu = CPU["plan"]
     traced, read = sum(r.traced for r in plan.rows), sum(r.interpolated for r in plan.rows)
     print(
-        f"plan {name} at 16 GiB (cuda): {t_plan:.1f} s = {t_plan / one:.2f}x one estimate ({one:.1f} s); CPU {cpu:.1f} s = "
+        f"plan {name} at {budget} (cuda): {t_plan:.1f} s = {t_plan / one:.2f}x one estimate ({one:.1f} s); CPU {cpu:.1f} s = "
         f"{cpu / one_cpu:.2f}x one estimate's ({one_cpu:.1f} s), "
         f"{len(plan.rows)} rungs considered, {traced} traced, {read} read between their neighbours; "
         f"chose {plan.policy.to_string() if plan.fits else 'nothing'}"
     )
     print(plan.table())
     return {
+        "budget": budget,
         "seconds": round(t_plan, 2),
         "one_estimate_seconds": round(one, 2),
         "x_one_estimate": round(t_plan / one, 2),
@@ -151,6 +153,13 @@ def main() -> None:
             "llama-2-7b LoRA", config("llama-2-7b"), {"r": 16}, rows[0]["seconds"], CPU["llama-2-7b"]
         )
     }
+    # Where the 4-bit base is what fits: the 7B at 12 GiB, the 70B at 80 GiB (LoRA).
+    plans["llama-2-7b-12gib"] = timed_plan(
+        "llama-2-7b LoRA", config("llama-2-7b"), {"r": 16}, rows[0]["seconds"], CPU["llama-2-7b"], budget="12GiB"
+    )
+    plans["llama-3-70b-80gib"] = timed_plan(
+        "llama-3-70b LoRA", config("llama-3-70b"), {"r": 16}, rows[1]["seconds"], CPU["llama-3-70b"], budget="80GiB"
+    )
     # The full fine-tune of a Qwen2-1.5B shape (tied embeddings, vocab 151,936): its own one estimate first.
     _build_cache.clear()
     _, one = timed(lambda: estimate_memory(qwen2_config(), POLICY, batch_size=1, seq_len=2048), "qwen2-1.5b")

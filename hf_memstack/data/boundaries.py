@@ -101,10 +101,19 @@ def check_packed_batch(model: nn.Module, batch: Mapping[str, Any], *, probe: boo
 
 def ignores_boundaries_message(model: nn.Module) -> str:
     """The refusal for a model whose attention lets packed samples see each other."""
-    return (
+    head = (
         f"{type(_unwrapped(model)).__name__} (attn_implementation={_attn_implementation(model)!r}) lets the samples of a "
         "packed batch attend to each other: two samples packed in one row give the second other logits than it has "
-        "alone. Packed batches need a causal LM whose attention reads position_ids boundaries (Transformers 5: "
+        "alone. "
+    )
+    if _known_boundary_aware(model):  # the attention would keep them apart: the model's own code does not
+        return head + (
+            "Its attention implementation reads the boundaries, so the model's own code crosses them (it may build its "
+            "positions or mask from the attention mask instead of position_ids, as OPT does): do not pack it (pad each "
+            "sample: DataCollatorWithPadding)"
+        )
+    return head + (
+        "Packed batches need a causal LM whose attention reads position_ids boundaries (Transformers 5: "
         f"{', '.join(_BOUNDARY_AWARE)}); load it with one, or do not pack (pad each sample: DataCollatorWithPadding)"
     )
 

@@ -40,6 +40,9 @@ class PlanRow:
     """Not traced: a later rung (``bound_by``) is the same policy saving strictly more (the chunked
     loss added, or selective checkpointing's alternate variant) and was over the budget:
     ``peak_bytes`` is that rung's peak, a lower bound of this one's."""
+    shifted_from: str = ""
+    """Not traced: the walk's row of ``shifted_from`` (the same rung without this one's state
+    savings) less the weights and optimizer state those savings remove, far above the budget."""
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class Plan:
                 if r.interpolated
                 else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})"
                 if r.bound_by
+                else f"~{format_bytes(r.peak_bytes)} ({r.shifted_from} less the states saved)"
+                if r.shifted_from
                 else f">= {format_bytes(r.peak_bytes)} (weights + optimizer state)"
             )
             line = f"| {r.policy} | {peak} | {'yes' if r.fits else 'no'} | {r.relative_speed:.2f}x |"

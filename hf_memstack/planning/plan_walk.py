@@ -112,6 +112,7 @@ def _faster_with_its_states(
     )
     factor = _states_speed(target)
     tried_before = {row.policy for row in plan.rows}  # traced or floored already, and did not fit
+    rows = {row.policy: row for row in plan.rows}
     seen: set[str] = set()
     candidates = []
     for rung in before:
@@ -127,7 +128,11 @@ def _faster_with_its_states(
         speed = rung.relative_speed * factor / _states_speed(p)
         if speed > fitting.relative_speed and merged.to_string() not in seen:
             seen.add(merged.to_string())
-            candidates.append(_Candidate(merged.to_string(), speed))
+            shifted = _shifted(rows.get(rung.policy), merged.to_string(), speed, floors, batch_size, usable)
+            if shifted is not None:
+                plan.rows.append(shifted)  # far over the budget by the rung's own peak: not traced
+            else:
+                candidates.append(_Candidate(merged.to_string(), speed))
     if not traced:
         candidates.append(_Candidate(fitting.policy, fitting.relative_speed))
     tried = _search(est, candidates, batch_size, usable, floors)
@@ -139,6 +144,36 @@ def _faster_with_its_states(
     _, fitted, e = tried[best]
     assert e is not None  # in fits
     return candidates[best].policy, fitted, e
+
+
+def _shifted(
+    row: PlanRow | None,
+    policy: str,
+    speed: float,
+    floors: dict[str, int],
+    batch_size: int | Literal["max"],
+    usable: float,
+) -> PlanRow | None:
+    """A candidate's row without a trace, when the walk's row of its rung (``row``: traced, read
+    between its neighbours or bounded) less the weights its 4-bit base removes (the difference of
+    the two states' traced floors) is far over the budget (``_SCREEN``): the activations do not
+    depend on how the frozen weights are stored, so every phase's peak shifts by that difference (7B LoRA at 12 GiB: ckpt:4 at 22.5 GiB less 9.2 GiB of
+    4-bit savings is not traced with quant:nf4). None: traced as usual."""
+    if row is None or batch_size == "max" or not (row.traced or row.interpolated or row.bound_by):
+        return None
+    a, b = MemoryPolicy.coerce(row.policy).to_dict(), MemoryPolicy.coerce(policy).to_dict()
+    if {k for k in a if a[k] != b[k]} != {"quant"}:
+        # Only 4-bit base weights shift every phase by their bytes alone: they are frozen (no
+        # gradient, no moments). Pure bf16 or 8-bit moments also shrink gradients or the step's
+        # scratch, which the floors do not hold.
+        return None
+    before, after = floors.get(_states_key(row.policy)), floors.get(_states_key(policy))
+    if before is None or after is None or after > before:
+        return None
+    guess = row.peak_bytes - (before - after)
+    if guess <= _SCREEN * usable:
+        return None
+    return PlanRow(policy, guess, False, speed, None, traced=False, shifted_from=row.policy)
 
 
 def _states_speed(policy: MemoryPolicy) -> float:
@@ -168,7 +203,7 @@ def _search(
     policies = [MemoryPolicy.coerce(c.policy) for c in candidates]
     while left:
         k = max(left, key=lambda j: (candidates[j].relative_speed, -j))
-        tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors, screen=False)
+        tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors)
         if tried[k][1] >= 1:
             break
         left = [j for j in left if not _saves_no_more(policies[j], policies[k])]
@@ -177,17 +212,20 @@ def _search(
 
 def _saves_no_more(a: MemoryPolicy, b: MemoryPolicy) -> bool:
     """Whether ``a`` saves no more activation memory than ``b``, both the same policy but for how
-    they checkpoint and tile (else False: not known), by what each recomputes: no checkpointing saves least, every block
+    they checkpoint, tile and compute the loss (else False: not known), by what each recomputes
+    (and the model's own loss saves no more than the chunked one): no checkpointing saves least, every block
     checkpointed most; ckpt:N checkpoints fewer blocks the larger N; selective's alternate variant
     recomputes what the plain one keeps; tiling saves more. Selective against ckpt:N is not known
     (it depends on the model), and neither rules out the other."""
     rest_a, rest_b = a.to_dict(), b.to_dict()
-    for field in ("checkpointing", "mlp"):
+    for field in ("checkpointing", "mlp", "loss"):
         rest_a.pop(field), rest_b.pop(field)
     if rest_a != rest_b:  # other savings (sharding, 4-bit weights, ...): not comparable this way
         return False
     if a.mlp.mode == "tiled" and b.mlp.mode != "tiled":
         return False
+    if a.loss != b.loss and not (a.loss.mode == "default" and b.loss.mode == "chunked"):
+        return False  # the chunked loss only removes the logits and their fp32 copy
     ca, cb = a.checkpointing, b.checkpointing
     if ca == cb or ca.mode == "none" or cb.mode == "full":
         return True
@@ -228,7 +266,8 @@ def _try_rung(
     checkpointing) cannot bring the peak below them. Big models then trace a handful of rungs
     instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). ``screen``: a ``ckpt:N`` rung
     read between its neighbours first (:func:`_every_n_between`, which traces full checkpointing:
-    on the walk that rung comes later anyway, in a search it may not)."""
+    on the walk that rung comes later anyway; in a search it is the candidate the search falls back
+    to, and its 3-block trace costs less than the ``3N`` blocks of a ``ckpt:N`` one it screens out)."""
     key = _states_key(rung.policy)
     floor = _floor(est, rung.policy, floors)
     if floor > usable:
@@ -321,10 +360,12 @@ def _every_n_between(est: Estimates, policy: str, batch_size: int) -> int | None
 
 def _states_key(policy: str) -> str:
     """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer's state
-    (fp32 or 8-bit moments), sharding, the master weights' dtype. Not when the optimizer steps: in
-    the backward it frees each gradient sooner, and holds the same moments."""
+    (fp32 or 8-bit moments), sharding, the master weights' dtype, and when the optimizer steps: the
+    same moments either way, but a traced step's optimizer bytes hold its scratch too, and PyTorch's
+    foreach step on CUDA (after the backward) holds a copy of every second moment, where a step in
+    the backward updates one parameter at a time."""
     p = MemoryPolicy.coerce(policy)
-    return repr((p.quant, p.optimizer.state, p.fsdp, p.master_weights))
+    return repr((p.quant, p.optimizer.state, p.optimizer.step, p.fsdp, p.master_weights))
 
 
 def num_blocks(config: PretrainedConfig) -> int:

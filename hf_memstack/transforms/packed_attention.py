@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,7 @@ class PackedAttentionResult:
                 f"{PACKED_SDPA}: packed rows run whole inside compiled graphs (their samples' lengths are not "
                 "read there), per sample where the model runs eagerly"
             )
-        return f"sdpa, run per sample on packed rows ({PACKED_SDPA})"
+        return f"sdpa, run per sample on packed rows where its attention is given their position_ids ({PACKED_SDPA})"
 
 
 def register_packed_attention() -> None:
@@ -193,15 +194,49 @@ def _segments(
         return None
     if _is_fake(positions):
         return [[tokens // 2, tokens - tokens // 2]] * rows if _TRACE_PER_SAMPLE.get() and tokens > 1 else None
+    if _LAST.answers(positions, mask, rows):  # every layer of one forward gets the same two tensors
+        return _LAST.segments
     positions = positions.expand(rows, -1)
     starts = positions.diff(dim=-1) != 1  # [rows, tokens - 1]: token i + 1 begins a sample
-    if not bool(starts.any()):
-        return None
-    # Each sample's first token must see nothing before it (the mask keeps the samples apart).
+    segments = _lengths(starts, rows, tokens) if bool(starts.any()) and _keeps_apart(mask, starts) else None
+    _LAST.keep(kwargs["position_ids"], mask, rows, segments)
+    return segments
+
+
+class _LastSplit:
+    """The last call's answer, for the same position ids and mask (weak references: a tensor freed
+    and another made at its address is not taken for it) at the same versions."""
+
+    def __init__(self) -> None:
+        self.refs: tuple[Any, ...] = ()
+        self.segments: list[list[int]] | None = None
+
+    def answers(self, positions: torch.Tensor, mask: torch.Tensor, rows: int) -> bool:
+        if not self.refs:
+            return False
+        p, pv, m, mv, r = self.refs
+        return p() is positions and m() is mask and (pv, mv, r) == (positions._version, mask._version, rows)
+
+    def keep(self, positions: torch.Tensor, mask: torch.Tensor, rows: int, segments: list[list[int]] | None) -> None:
+        self.refs = (weakref.ref(positions), positions._version, weakref.ref(mask), mask._version, rows)
+        self.segments = segments
+
+
+_LAST = _LastSplit()
+
+
+def _keeps_apart(mask: torch.Tensor, starts: torch.Tensor) -> bool:
+    """Whether no token of ``mask`` attends to a token of another sample: every entry outside the
+    samples' diagonal blocks is False. Transformers' packed masks are so; a 4-D mask of the caller's
+    own may not be (a prompt shared by two responses: ``[prompt][chosen][rejected]``), and then the
+    row runs whole. Bytes compared once per forward, against the attention's work per layer."""
+    sample = torch.nn.functional.pad(starts, (1, 0)).cumsum(-1)  # [rows, tokens]: each token's sample
+    same = sample[:, :, None] == sample[:, None, :]  # [rows, tokens, tokens]
+    return not bool((mask & ~same[:, None]).any())
+
+
+def _lengths(starts: torch.Tensor, rows: int, tokens: int) -> list[list[int]]:
     row_index, token_index = starts.nonzero(as_tuple=True)
-    mask_rows = row_index if mask.shape[0] > 1 else torch.zeros_like(row_index)
-    if bool(mask[mask_rows, :, token_index + 1, token_index].any()):
-        return None
     out: list[list[int]] = [[] for _ in range(rows)]
     begin = [0] * rows
     for r, i in zip(row_index.tolist(), token_index.tolist()):

@@ -62,13 +62,15 @@ def test_a_full_fine_tune_whose_fp32_master_weights_do_not_fit_gets_pure_bf16():
     assert plan.fits and plan.policy.master_weights == "bf16", plan.table()
     assert plan.estimate.peak_bytes == pure.peak_bytes  # the pure-bf16 rung was traced, not screened by fp32's floor
     assert any("BF16AdamW" in s for s in plan.suggestions)
-    # Stepping in the backward frees gradients, not moments: fp32 master weights' floor screens that rung
-    # too (a lower bound of its trace), so the plan traces no more than it must.
+    # Stepping in the backward frees gradients, not moments; its rung does not fit, and where it is
+    # screened by a floor (not traced), the floor is a lower bound of its trace. Not the floor of the
+    # rungs stepped after the backward: on CUDA their foreach step holds a copy of the second moments
+    # that the step in the backward never makes (it read 104.9 MB there against 104.0 MB traced).
     in_backward = [r for r in plan.rows if "optim:in_backward" in r.policy and "weights:bf16" not in r.policy]
-    assert in_backward and all(not r.traced and not r.fits for r in in_backward), plan.table()
+    assert in_backward and not any(r.fits for r in in_backward), plan.table()
     for row in in_backward:
-        traced = estimate_memory(config, row.policy, **job)
-        assert traced.peak_bytes >= row.peak_bytes == master.parameters + master.optimizer > budget * 0.9
+        traced = estimate_memory(config, row.policy, device="cuda", **job)
+        assert traced.peak_bytes >= row.peak_bytes and traced.peak_bytes > budget * 0.9
 
 
 def test_every_rung_it_bounds_by_a_stronger_one_is_over_the_budget_when_traced():

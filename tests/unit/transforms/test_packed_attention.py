@@ -161,3 +161,40 @@ def test_merged_adapters_come_back_on_sdpa():
     assert prepared.get_base_model().config._attn_implementation == PACKED_SDPA
     merged = merge_adapters(prepared, dtype=torch.float32)
     assert merged.config._attn_implementation == "sdpa"
+
+
+def test_a_4d_mask_sharing_a_prompt_between_two_samples_runs_whole():
+    # Found by a new-user trial: [prompt][chosen][rejected] with `rejected` seeing the prompt but not
+    # `chosen` (the DPO layout) was split at the restart of the positions and lost the prompt.
+    reference = _model("llama").eval()
+    prepared = prepare_model(copy.deepcopy(reference), "fp32").eval()
+    prompt, chosen, rejected = 6, 5, 4
+    tokens = prompt + chosen + rejected
+    ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(prompt + chosen), torch.arange(prompt, prompt + rejected)]).unsqueeze(0)
+    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    mask[prompt + chosen :, prompt : prompt + chosen] = False
+    batch = {"input_ids": ids, "position_ids": positions, "attention_mask": mask[None, None]}
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-6)
+        assert _attention_flops(prepared, batch) == _attention_flops(reference, batch)
+
+
+def test_a_model_whose_own_code_crosses_the_boundaries_is_refused_saying_so():
+    # OPT builds its positions from the attention mask: a trial found the refusal told the user to
+    # load it with the very implementation it had.
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    config = OPTConfig(
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        word_embed_proj_dim=64,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = prepare_model(AutoModelForCausalLM.from_config(config).train(), "fp32")
+    with pytest.raises(ValueError, match=r"the model's own code crosses them .* do not pack it"):
+        model(**_packed())
