@@ -92,13 +92,7 @@ def _add_estimate(sub: Any) -> None:
         default=None,
         help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
     )
-    e.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default=None,
-        help="where the step will run: on cuda PyTorch's AdamW steps with foreach kernels (one more copy of the "
-        "moments while it steps); default: this machine",
-    )
+    _device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
     _dtype_option(e)
 
 
@@ -119,14 +113,12 @@ def _add_plan(sub: Any) -> None:
     )
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
-    pl.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default=None,
-        help="where it will train, which picks the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on "
-        "cuda); default: this machine",
-    )
+    _device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
     _dtype_option(pl)
+
+
+def _device_option(parser: Any, what: str) -> None:
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help=f"{what}; default: this machine")
 
 
 def _add_find_batch_size(sub: Any) -> None:
