@@ -13,13 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_memstack import estimate_memory, measure_step, prepare_model
 from hf_memstack.transforms.packed_attention import PACKED_SDPA
-from tests.tiny import VOCAB, llama_config
+from tests.tiny import VOCAB, configs, llama_config
 
 LENGTHS = [7, 1, 12, 4, 8]  # one sample a single token; 32 tokens a row
 
 
 def _config(arch: str, attn: str = "sdpa"):
-    from transformers import GPT2Config, Qwen2Config
+    from transformers import Qwen2Config
 
     if arch == "llama":
         config = llama_config()
@@ -36,7 +36,7 @@ def _config(arch: str, attn: str = "sdpa"):
             max_window_layers=0,
         )
     else:
-        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        config = configs()["gpt2"]  # the suite's tiny GPT-2, without dropout
     config._attn_implementation = attn
     config.use_cache = False  # else Transformers' own packed-row detection is off (the reference would attend across)
     return config
