@@ -132,6 +132,11 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     import bitsandbytes.functional as bnbf  # present: the weight is one of its Params4bit
 
     params = cast("Params4bit", weight)
+    if getattr(params.quant_state, "packing_format_for_cpu", False):
+        # On a CPU with AVX512-BF16, Linear4bit's first no-grad eval forward repacks the codes into a
+        # layout only its CPU kernel reads; dequantize_4bit on it gives garbage. Unpack first, as
+        # bitsandbytes' own _save_to_state_dict does.
+        params.data, params.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(params.data, params.quant_state)
     return bnbf.dequantize_4bit(params.data, params.quant_state)
 
 

@@ -186,6 +186,8 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
         del weight, nf4
     # A model loaded 4-bit holds its 4-bit weights in linear layers (bitsandbytes' Linear4bit is an nn.Linear).
     layers = [t.module for t in plan.targets] or [cast(nn.Linear, m) for _, m in plan.loaded]
+    if plan.loaded_backend == "bitsandbytes":
+        _keep_bnb_layout(layers)
     names = [t.name for t in plan.targets] or [n for n, _ in plan.loaded]
     upcast = _upcast(model) if plan.cfg.upcast else 0
     return QuantResult(
@@ -267,6 +269,28 @@ def _nf4_module() -> ModuleType:
                 f"policy.quant.mode='nf4' needs torchao's NF4 weights: {_INSTALL}; or load the model 4-bit with "
                 f"bitsandbytes ({BNB_LOAD}) and drop quant:nf4"
             ) from None
+
+
+def _keep_bnb_layout(layers: list[nn.Linear]) -> None:
+    """Keep bitsandbytes' 4-bit codes in the layout its autograd path reads.
+
+    On a CPU with AVX512-BF16, ``Linear4bit``'s first eval-mode no-grad forward (an evaluation, a
+    generation) repacks the codes for a CPU inference kernel and keeps them so; every later forward,
+    training ones included, runs that kernel, which has no backward: the loss still computes but no
+    gradient reaches the adapters (measured with bitsandbytes 0.50.2). Undo a repack already done,
+    as bitsandbytes' own ``_save_to_state_dict`` does, and switch it off.
+    """
+    import bitsandbytes.functional as bnbf  # present: these layers hold its Params4bit
+
+    for layer in layers:
+        weight = layer.weight
+        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(  # type: ignore[attr-defined]
+                weight.data,
+                weight.quant_state,  # type: ignore[attr-defined]
+            )
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010 (a plain attribute nn.Module cannot type)
 
 
 def four_bit_weight(module: nn.Module) -> nn.Parameter | None:

@@ -326,6 +326,37 @@ def test_a_model_loaded_4bit_with_bitsandbytes_is_accepted_measured_and_trains(p
     assert losses[-1] < losses[0], losses
 
 
+def test_evaluating_a_bitsandbytes_base_does_not_cut_its_gradients(pretrained_dirs):
+    # On a CPU with AVX512-BF16, bitsandbytes repacks its codes at the first eval no-grad forward
+    # into a layout whose kernel has no backward: afterwards no gradient reached the adapters. The
+    # reference is the same model never evaluated (elsewhere bitsandbytes never repacks and both agree).
+    from peft import get_peft_model
+
+    batch = make_batch("llama")
+
+    def adapter_grads(evaluate: bool) -> dict[str, torch.Tensor | None]:
+        model = _bnb_model(pretrained_dirs)
+        if evaluate:  # before prepare_model: a generation
+            with torch.no_grad():
+                model.eval()(input_ids=batch["input_ids"])
+        torch.manual_seed(0)
+        model = prepare_model(get_peft_model(model, _lora()), "bf16+ckpt")
+        if evaluate:  # after: the Trainer's evaluate(), which must leave the 4-bit weights as they are
+            codes = [m.weight.detach().clone() for m in record_of(model).quant.layers]
+            with torch.no_grad():
+                model.eval()(input_ids=batch["input_ids"])
+            for before, layer in zip(codes, record_of(model).quant.layers, strict=True):
+                assert torch.equal(layer.weight, before)
+        model.train()(**batch).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    fresh, evaluated = adapter_grads(False), adapter_grads(True)
+    assert [n for n, g in evaluated.items() if g is None] == []
+    for name, grad in fresh.items():
+        # Undoing the first repack re-quantizes the scales (bitsandbytes' own inverse): bf16-ulp changes.
+        torch.testing.assert_close(evaluated[name], grad, rtol=2e-2, atol=2e-2 * grad.abs().max().item(), msg=name)
+
+
 # ------------------------------------------------------------------------------ save, reload, merge
 
 
