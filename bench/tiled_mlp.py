@@ -148,7 +148,9 @@ def main() -> None:
     args = ap.parse_args()
     precision = resolve_precision(args.precision, "cpu")
     native = cpu_has_native_bf16()
-    print(f"machine: {machine()}; native bf16: {'yes' if native else 'no'}; precision {precision.name} ({args.precision})")
+    print(
+        f"machine: {machine()}; native bf16: {'yes' if native else 'no'}; precision {precision.name} ({args.precision})"
+    )
     blocks = [block_figures(args, n, precision.dtype) for n in args.tokens]
     print(
         f"\nLlama-style block, hidden {args.hidden}, intermediate {args.intermediate}, checkpointed, {precision.name}; "
