@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,6 +61,8 @@ class PackedAttentionResult:
     """``("model",)`` when the model's config was switched from ``sdpa``; empty when it runs as loaded."""
     compiled: bool = False
     """The policy compiles the model: compiled graphs run packed rows whole (as Transformers' SDPA)."""
+    config: Any = field(default=None, repr=False, compare=False)
+    """The switched config, read again by :meth:`describe`: a later ``set_attn_implementation`` replaces it."""
 
     @property
     def applied(self) -> bool:
@@ -69,6 +71,9 @@ class PackedAttentionResult:
     def describe(self) -> str:
         if not self.switched:
             return "as loaded"
+        now = getattr(self.config, "_attn_implementation", PACKED_SDPA)
+        if now != PACKED_SDPA:
+            return f"{now} (set after prepare_model, which had switched sdpa to {PACKED_SDPA})"
         if self.compiled:
             return (
                 f"{PACKED_SDPA}: packed rows run whole inside compiled graphs (their samples' lengths are not "
@@ -101,7 +106,7 @@ def apply_packed_attention(model: nn.Module, *, compiled: bool = False) -> Packe
     model.set_attn_implementation(PACKED_SDPA)  # type: ignore[operator]
     if getattr(config, "_attn_implementation", None) != PACKED_SDPA:
         return PackedAttentionResult()  # Transformers declined it: the model runs as loaded
-    return PackedAttentionResult(switched=("model",), compiled=compiled)
+    return PackedAttentionResult(switched=("model",), compiled=compiled, config=config)
 
 
 def _sub_configs_with_attention(config: Any) -> bool:

@@ -137,6 +137,14 @@ def test_other_attention_implementations_are_kept():
     assert "attention:" not in prepared.memstack.describe()
 
 
+def test_describe_follows_a_later_switch_of_the_attention():
+    prepared = prepare_model(_model("llama"), "fp32")
+    assert "run per sample on packed rows" in prepared.memstack.describe()
+    prepared.set_attn_implementation("eager")  # the user's own switch, after prepare_model
+    line = next(x for x in prepared.memstack.describe().splitlines() if "attention:" in x)
+    assert "eager (set after prepare_model" in line and "per sample" not in line
+
+
 def test_the_estimate_of_packed_rows_follows_the_per_sample_run():
     config = _config("llama")
     config.max_position_embeddings = 512
