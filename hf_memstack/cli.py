@@ -35,7 +35,7 @@ from typing import Any
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
-from .sizes import parse_bytes
+from .sizes import format_bytes, parse_bytes
 
 # The estimator, planner, finder and prepare_model (torch, transformers) are imported inside the
 # functions that use them, each marked "--help stays fast": parsing the command line needs none of them.
@@ -376,9 +376,14 @@ def _negative_sizes_joined(argv: list[str], flags: tuple[str, ...] = ("--budget"
 
 def _budget(value: str) -> int:
     try:
-        return parse_bytes(value, field="--budget")
+        size = parse_bytes(value, field="--budget")
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if re.fullmatch(r"\s*[\d.]+\s*[KMGT]B\s*", value, flags=re.IGNORECASE):  # a card sold as "24 GB" holds 24 GiB
+        print(
+            f"note: --budget {value!r} is {format_bytes(size)} (GB = 10^9 bytes); for 2^30 write GiB", file=sys.stderr
+        )
+    return size
 
 
 def _margin(value: str) -> float:

@@ -109,6 +109,16 @@ def test_missing_arguments_exit_2(capsys):
     assert "the following arguments are required: model, --seq-len, --batch-size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("budget", "noted"), [("16GB", True), ("16 gb", True), ("16GiB", False), ("17179869184", False)]
+)
+def test_a_decimal_budget_is_noted_with_its_binary_size(pretrained_dirs, capsys, budget, noted):
+    argv = ["estimate", str(pretrained_dirs["llama"]), "--batch-size", "1", "--seq-len", "16", "--budget", budget]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("note: --budget" in err and "14.90 GiB (GB = 10^9 bytes)" in err) is noted, err
+
+
 def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
     """The real entry point (the console script), with the size as its own word."""
     import shutil
