@@ -379,10 +379,8 @@ def _budget(value: str) -> int:
         size = parse_bytes(value, field="--budget")
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if re.fullmatch(r"\s*[\d.]+\s*[KMGT]B\s*", value, flags=re.IGNORECASE):  # a card sold as "24 GB" holds 24 GiB
-        print(
-            f"note: --budget {value!r} is {format_bytes(size)} (GB = 10^9 bytes); for 2^30 write GiB", file=sys.stderr
-        )
+    if re.fullmatch(r"\s*[\d.]+\s*[KMGT]B\s*", value, flags=re.IGNORECASE):  # a card sold as "24 GB" has 24 GiB
+        print(f"note: --budget {value!r} is {format_bytes(size)} (GB = 10^9 bytes; GiB = 2^30)", file=sys.stderr)
     return size
 
 

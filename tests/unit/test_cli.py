@@ -116,7 +116,7 @@ def test_a_decimal_budget_is_noted_with_its_binary_size(pretrained_dirs, capsys,
     argv = ["estimate", str(pretrained_dirs["llama"]), "--batch-size", "1", "--seq-len", "16", "--budget", budget]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert ("note: --budget" in err and "14.90 GiB (GB = 10^9 bytes)" in err) is noted, err
+    assert ("note: --budget" in err and "14.90 GiB (GB = 10^9 bytes; GiB = 2^30)" in err) is noted, err
 
 
 def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
