@@ -73,10 +73,22 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
                 f"model={str(model)!r}: {where} ({path.resolve()}); pass the directory holding the model's "
                 "config.json (a save_pretrained folder) or a Hub model id in the local cache"
             ) from None
+        near = _near_local_folder(str(model))
+        fix = f"did you mean the folder {near!r}?" if near else f"download it first (`hf download {model} config.json`)"
         raise ValueError(
             f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
-            f"({type(e).__name__}); download it first (`hf download {model} config.json`) or pass a local directory"
+            f"({type(e).__name__}); {fix} or pass a local directory"
         ) from None
+
+
+def _near_local_folder(name: str) -> str | None:
+    """A folder of the current directory holding a config.json whose name is close to ``name`` (a typo)."""
+    try:
+        folders = [p.name for p in Path.cwd().iterdir() if (p / "config.json").is_file()] if "/" not in name else []
+    except OSError:  # an unreadable working directory: no suggestion
+        folders = []
+    close = difflib.get_close_matches(name, folders, n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def _looks_like_a_path(name: str) -> bool:

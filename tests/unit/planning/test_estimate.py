@@ -140,6 +140,17 @@ def test_unknown_model_offline_is_a_clear_error():
         estimate_memory("no-such-org/no-such-model", "bf16", batch_size=1, seq_len=16)
 
 
+def test_a_typo_of_a_local_folder_names_the_folder_not_the_hub(pretrained_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(pretrained_dirs["llama"], tmp_path / "llama-7b-config")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="did you mean the folder 'llama-7b-config'") as e:
+        estimate_memory("llama-7b-confg", "bf16", batch_size=1, seq_len=16)
+    assert "hf download" not in str(e.value)
+    assert estimate_memory("llama-7b-config", "bf16", batch_size=1, seq_len=16).peak_bytes > 0  # the folder itself
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arch):
     """BERT's LM head (dense + activation + LayerNorm before the output layer) is not what the chunked
