@@ -22,7 +22,7 @@ from torch import nn
 
 from .record import record_of
 from .transforms._peft import base_layer_of, is_tuner_layer
-from .transforms.quant import _backend_of, four_bit_weight
+from .transforms.quant import _backend_of, four_bit_weight, unpack_bnb_weight
 
 if TYPE_CHECKING:
     from bitsandbytes.nn import Params4bit
@@ -132,11 +132,9 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     import bitsandbytes.functional as bnbf  # present: the weight is one of its Params4bit
 
     params = cast("Params4bit", weight)
-    if getattr(params.quant_state, "packing_format_for_cpu", False):
-        # On a CPU with AVX512-BF16, Linear4bit's first no-grad eval forward repacks the codes into a
-        # layout only its CPU kernel reads; dequantize_4bit on it gives garbage. Unpack first, as
-        # bitsandbytes' own _save_to_state_dict does.
-        params.data, params.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(params.data, params.quant_state)
+    # On a CPU with AVX512-BF16, Linear4bit's first no-grad eval forward repacks the codes into a
+    # layout only its CPU kernel reads; dequantize_4bit on it gives garbage.
+    unpack_bnb_weight(params)
     return bnbf.dequantize_4bit(params.data, params.quant_state)
 
 

@@ -280,17 +280,20 @@ def _keep_bnb_layout(layers: list[nn.Linear]) -> None:
     gradient reaches the adapters (measured with bitsandbytes 0.50.2). Undo a repack already done,
     as bitsandbytes' own ``_save_to_state_dict`` does, and switch it off.
     """
-    import bitsandbytes.functional as bnbf  # present: these layers hold its Params4bit
-
     for layer in layers:
-        weight = layer.weight
-        if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
-            weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(  # type: ignore[attr-defined]
-                weight.data,
-                weight.quant_state,  # type: ignore[attr-defined]
-            )
+        unpack_bnb_weight(layer.weight)
         if hasattr(layer, "support_avx512bf16_for_cpu"):
             setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010 (a plain attribute nn.Module cannot type)
+
+
+def unpack_bnb_weight(weight: Any) -> None:
+    """Put a bitsandbytes ``Params4bit`` repacked for its CPU inference kernel back into its standard
+    layout, in place, with bitsandbytes' own inverse (as its ``_save_to_state_dict`` does); nothing
+    for a weight in that layout already."""
+    if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+        import bitsandbytes.functional as bnbf  # present: the weight is one of its Params4bit
+
+        weight.data, weight.quant_state = bnbf._convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
 
 
 def four_bit_weight(module: nn.Module) -> nn.Parameter | None:
