@@ -36,6 +36,9 @@ class PlanRow:
     """A ``ckpt:N`` rung not traced: ``peak_bytes`` is read between the same policy without
     checkpointing and with every block checkpointed, by the share of blocks each holds, and lies
     far enough above the budget (see ``_SCREEN``) that the rung cannot fit."""
+    below: bool = False
+    """With ``interpolated``: read with the weights and optimizer state in place of full
+    checkpointing's peak (not traced), below the interpolation: a lower bound."""
     bound_by: str = ""
     """Not traced: a later rung (``bound_by``) is the same policy saving strictly more (the chunked
     loss added, or selective checkpointing's alternate variant) and was over the budget:
@@ -76,6 +79,8 @@ class Plan:
             peak = (
                 format_bytes(r.peak_bytes)
                 if r.traced
+                else f">= {format_bytes(r.peak_bytes)} (interpolated, to the states)"
+                if r.interpolated and r.below
                 else f"~{format_bytes(r.peak_bytes)} (interpolated)"
                 if r.interpolated
                 else f">= {format_bytes(r.peak_bytes)} (as {r.bound_by})"

@@ -203,7 +203,7 @@ def _search(
     policies = [MemoryPolicy.coerce(c.policy) for c in candidates]
     while left:
         k = max(left, key=lambda j: (candidates[j].relative_speed, -j))
-        tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors)
+        tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors, trace_full=False)
         if tried[k][1] >= 1:
             break
         left = [j for j in left if not _saves_no_more(policies[j], policies[k])]
@@ -259,15 +259,18 @@ def _try_rung(
     usable: float,
     floors: dict[str, int],
     *,
-    screen: bool = True,
+    trace_full: bool = True,
 ) -> tuple[PlanRow, int, MemoryEstimate | None]:
     """Estimate one rung (its largest batch, or the plan's), unless its weights and optimizer state
     alone hold more than ``usable`` (:func:`_floor`): what only saves activations (the loss head,
     checkpointing) cannot bring the peak below them. Big models then trace a handful of rungs
-    instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). ``screen``: a ``ckpt:N`` rung
-    read between its neighbours first (:func:`_every_n_between`, which traces full checkpointing:
-    on the walk that rung comes later anyway; in a search it is the candidate the search falls back
-    to, and its 3-block trace costs less than the ``3N`` blocks of a ``ckpt:N`` one it screens out)."""
+    instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). A ``ckpt:N`` rung is read
+    between its neighbours first (:func:`_every_n_between`) and not traced when that reading is far
+    over the budget. ``trace_full``: when its states' floor does not rule it out, trace full
+    checkpointing for a closer reading - on the walk that rung comes later anyway, and its 3-block
+    trace costs less than the ``3N`` blocks of the ``ckpt:N`` one it may screen out; a search
+    (:func:`_search`) traces the ``ckpt:N`` rung instead, as it would stop at full checkpointing
+    only when every faster candidate missed."""
     key = _states_key(rung.policy)
     floor = _floor(est, rung.policy, floors)
     if floor > usable:
@@ -276,14 +279,24 @@ def _try_rung(
             0,
             None,
         )
-    if screen and batch_size != "max":
-        guess = _every_n_between(est, rung.policy, int(batch_size))
-        if guess is not None and guess > _SCREEN * usable:
-            return (
-                PlanRow(rung.policy, guess, False, rung.relative_speed, None, traced=False, interpolated=True),
-                0,
-                None,
-            )
+    if batch_size != "max":
+        for full in (False, True) if trace_full else (False,):
+            guess = _every_n_between(est, rung.policy, int(batch_size), floor, trace_full=full)
+            if guess is not None and guess[0] > (_SCREEN_BELOW if guess[1] else _SCREEN) * usable:
+                return (
+                    PlanRow(
+                        rung.policy,
+                        guess[0],
+                        False,
+                        rung.relative_speed,
+                        None,
+                        traced=False,
+                        interpolated=True,
+                        below=guess[1],
+                    ),
+                    0,
+                    None,
+                )
     if batch_size == "max":
         fitted, e = max_batch(est, rung.policy, usable)
     else:
@@ -335,12 +348,24 @@ def _bounded_by_next(
 # holds 3N blocks, the others 3). On a 7B LoRA at 2,048 tokens the interpolation read 1.7-2.3% above
 # the traced ckpt:2-4 peaks (bench/estimate_speed.py): 15% leaves a rung that could fit traced.
 _SCREEN = 1.15
+# The reading with the states in place of full checkpointing's peak lies below the interpolation by
+# full checkpointing's activations, so it is over the rung's trace only where those are nearly nothing,
+# and then by the interpolation's own 1.7-2.3%: 5% over the budget. A rung screened out wrongly costs
+# speed (a slower rung is chosen), never a fit. At 15%, the 7B LoRA at 12 GiB traced its 4-bit ckpt:3
+# (13 blocks, 12.80 GiB against 10.80 usable; read at >= 12.3 GiB).
+_SCREEN_BELOW = 1.05
 
 
-def _every_n_between(est: Estimates, policy: str, batch_size: int) -> int | None:
+def _every_n_between(
+    est: Estimates, policy: str, batch_size: int, floor: int, *, trace_full: bool
+) -> tuple[int, bool] | None:
     """A ``ckpt:N`` rung's peak read between the same policy without checkpointing (traced as an
     earlier rung: else None) and with every block checkpointed, by the share of blocks that keep
-    their activations (Transformers checkpoints blocks 0, N, 2N...)."""
+    their activations (Transformers checkpoints blocks 0, N, 2N...); and whether that is a lower
+    bound. Full checkpointing's peak is its trace's when it was traced (or ``trace_full``), else
+    ``floor``, the states it holds at every moment: below its peak, so the reading is below the
+    interpolation's, a lower bound (Qwen2-1.5B at 16 GiB screens nothing by it; tracing full
+    checkpointing for it was a third trace where two answered)."""
     p = MemoryPolicy.coerce(policy)
     if p.checkpointing.mode != "every_n":
         return None
@@ -352,10 +377,12 @@ def _every_n_between(est: Estimates, policy: str, batch_size: int) -> int | None
         return None
     if not est.has(plain, batch_size):
         return None
+    below = not (trace_full or est.has(full, batch_size))
     layers = num_blocks(est.config)
     kept = layers - -(-layers // p.checkpointing.every_n)  # blocks not checkpointed
-    none_peak, full_peak = est(plain, batch_size).peak_bytes, est(full, batch_size).peak_bytes
-    return full_peak + (none_peak - full_peak) * kept // layers
+    none_peak = est(plain, batch_size).peak_bytes
+    full_peak = min(floor, none_peak) if below else est(full, batch_size).peak_bytes
+    return full_peak + (none_peak - full_peak) * kept // layers, below
 
 
 def _states_key(policy: str) -> str:
