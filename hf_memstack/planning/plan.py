@@ -35,7 +35,7 @@ class PlanRow:
     interpolated: bool = False
     """A ``ckpt:N`` rung not traced: ``peak_bytes`` is read between the same policy without
     checkpointing and with every block checkpointed, by the share of blocks each holds, and lies
-    far enough above the budget (see ``_SCREEN``) that the rung cannot fit."""
+    far enough above the budget (see ``plan_screen.SCREEN``) that the rung cannot fit."""
     below: bool = False
     """With ``interpolated``: read with the weights and optimizer state in place of full
     checkpointing's peak (not traced), below the interpolation: a lower bound."""

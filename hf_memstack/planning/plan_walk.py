@@ -5,19 +5,17 @@ when a model-state saving is what made it fit, the faster activation rungs tried
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ..policy import MemoryPolicy
 from .memory_estimate import MemoryEstimate
 from .plan import Plan, PlanRow
 from .plan_advice import optimizer_notes
 from .plan_estimates import Estimates, max_batch
+from .plan_screen import SCREEN, SCREEN_BELOW, every_n_between
 from .rungs import MEASURED_SPEED, savings_speed
 
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-__all__ = ["num_blocks", "walk_rungs"]
+__all__ = ["walk_rungs"]
 
 
 def walk_rungs(
@@ -156,7 +154,7 @@ def _shifted(
 ) -> PlanRow | None:
     """A candidate's row without a trace, when the walk's row of its rung (``row``: traced, read
     between its neighbours or bounded) less the weights its 4-bit base removes (the difference of
-    the two states' traced floors) is far over the budget (``_SCREEN``): the activations do not
+    the two states' traced floors) is far over the budget (``SCREEN``): the activations do not
     depend on how the frozen weights are stored, so every phase's peak shifts by that difference (7B LoRA at 12 GiB: ckpt:4 at 22.5 GiB less 9.2 GiB of
     4-bit savings is not traced with quant:nf4). None: traced as usual."""
     if row is None or batch_size == "max" or not (row.traced or row.interpolated or row.bound_by):
@@ -171,7 +169,7 @@ def _shifted(
     if before is None or after is None or after > before:
         return None
     guess = row.peak_bytes - (before - after)
-    if guess <= _SCREEN * usable:
+    if guess <= SCREEN * usable:
         return None
     return PlanRow(policy, guess, False, speed, None, traced=False, shifted_from=row.policy)
 
@@ -265,7 +263,7 @@ def _try_rung(
     alone hold more than ``usable`` (:func:`_floor`): what only saves activations (the loss head,
     checkpointing) cannot bring the peak below them. Big models then trace a handful of rungs
     instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). A ``ckpt:N`` rung is read
-    between its neighbours first (:func:`_every_n_between`) and not traced when that reading is far
+    between its neighbours first (:func:`every_n_between`) and not traced when that reading is far
     over the budget. ``trace_full``: when its states' floor does not rule it out, trace full
     checkpointing for a closer reading - on the walk that rung comes later anyway, and its 3-block
     trace costs less than the ``3N`` blocks of the ``ckpt:N`` one it may screen out; a search
@@ -281,8 +279,8 @@ def _try_rung(
         )
     if batch_size != "max":
         for full in (False, True) if trace_full else (False,):
-            guess = _every_n_between(est, rung.policy, int(batch_size), floor, trace_full=full)
-            if guess is not None and guess[0] > (_SCREEN_BELOW if guess[1] else _SCREEN) * usable:
+            guess = every_n_between(est, rung.policy, int(batch_size), floor, trace_full=full)
+            if guess is not None and guess[0] > (SCREEN_BELOW if guess[1] else SCREEN) * usable:
                 return (
                     PlanRow(
                         rung.policy,
@@ -344,47 +342,6 @@ def _bounded_by_next(
     return PlanRow(rung.policy, e.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=bound.policy)
 
 
-# A ckpt:N rung whose interpolated peak is this far above the budget is not traced (a ckpt:N trace
-# holds 3N blocks, the others 3). On a 7B LoRA at 2,048 tokens the interpolation read 1.7-2.3% above
-# the traced ckpt:2-4 peaks (bench/estimate_speed.py): 15% leaves a rung that could fit traced.
-_SCREEN = 1.15
-# The reading with the states in place of full checkpointing's peak lies below the interpolation by
-# full checkpointing's activations, so it is over the rung's trace only where those are nearly nothing,
-# and then by the interpolation's own 1.7-2.3%: 5% over the budget. A rung screened out wrongly costs
-# speed (a slower rung is chosen), never a fit. At 15%, the 7B LoRA at 12 GiB traced its 4-bit ckpt:3
-# (13 blocks, 12.80 GiB against 10.80 usable; read at >= 12.3 GiB).
-_SCREEN_BELOW = 1.05
-
-
-def _every_n_between(
-    est: Estimates, policy: str, batch_size: int, floor: int, *, trace_full: bool
-) -> tuple[int, bool] | None:
-    """A ``ckpt:N`` rung's peak read between the same policy without checkpointing (traced as an
-    earlier rung: else None) and with every block checkpointed, by the share of blocks that keep
-    their activations (Transformers checkpoints blocks 0, N, 2N...); and whether that is a lower
-    bound. Full checkpointing's peak is its trace's when it was traced (or ``trace_full``), else
-    ``floor``, the states it holds at every moment: below its peak, so the reading is below the
-    interpolation's, a lower bound (Qwen2-1.5B at 16 GiB screens nothing by it; tracing full
-    checkpointing for it was a third trace where two answered)."""
-    p = MemoryPolicy.coerce(policy)
-    if p.checkpointing.mode != "every_n":
-        return None
-    d = p.to_dict()
-    try:
-        plain = MemoryPolicy.from_dict({**d, "checkpointing": {"mode": "none"}}).to_string()
-        full = MemoryPolicy.from_dict({**d, "checkpointing": {"mode": "full"}}).to_string()
-    except ValueError:
-        return None
-    if not est.has(plain, batch_size):
-        return None
-    below = not (trace_full or est.has(full, batch_size))
-    layers = num_blocks(est.config)
-    kept = layers - -(-layers // p.checkpointing.every_n)  # blocks not checkpointed
-    none_peak = est(plain, batch_size).peak_bytes
-    full_peak = min(floor, none_peak) if below else est(full, batch_size).peak_bytes
-    return full_peak + (none_peak - full_peak) * kept // layers, below
-
-
 def _states_key(policy: str) -> str:
     """What fixes the weights' and the optimizer's bytes: 4-bit base weights, the optimizer's state
     (fp32 or 8-bit moments), sharding, the master weights' dtype, and when the optimizer steps: the
@@ -393,11 +350,3 @@ def _states_key(policy: str) -> str:
     the backward updates one parameter at a time."""
     p = MemoryPolicy.coerce(policy)
     return repr((p.quant, p.optimizer.state, p.optimizer.step, p.fsdp, p.master_weights))
-
-
-def num_blocks(config: PretrainedConfig) -> int:
-    return int(
-        getattr(config, "num_hidden_layers", 0)  # 0 and None alike: not set, try the next name
-        or getattr(config, "n_layer", 0)
-        or getattr(config, "num_layers", 4)
-    )

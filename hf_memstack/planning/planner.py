@@ -14,7 +14,8 @@ from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
 from .plan_advice import suggestions
 from .plan_estimates import Estimates
-from .plan_walk import num_blocks, walk_rungs
+from .plan_screen import num_blocks
+from .plan_walk import walk_rungs
 from .rungs import Requirement, RungContext, rungs_for
 from .weights_dtype import parse_dtype, resolve_weights_dtype
 
