@@ -36,6 +36,10 @@ trainer.train()
 if trainer.is_world_process_zero():
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("RESULT " + json.dumps({"world": args.world_size, "accum": args.gradient_accumulation_steps, "losses": losses}))
+# Trainer leaves the process group up: without this, gloo's worker threads can still hold work
+# when the interpreter shuts down, and the process aborts ("terminate called without an active
+# exception", SIGABRT; pytorch/pytorch#179291). Seen once in CI on a loaded 2-core machine.
+torch.distributed.destroy_process_group()
 """
 
 
