@@ -8,7 +8,7 @@ import pytest
 from tiny import llama_config
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.planning import plan_estimates
+from hf_memstack.planning import plan_estimates, plan_walk
 from hf_memstack.transforms.precision import resolve_precision
 
 
@@ -140,3 +140,47 @@ def test_a_16_bit_full_fine_tune_is_not_planned_in_fp32_on_a_cpu():
     plan = plan_policy(config, budget="8GiB", seq_len=32, batch_size=1, trainable="all", device="cpu")
     assert plan.rows and not [r.policy for r in plan.rows if r.policy.startswith("fp32")], [r.policy for r in plan.rows]
     assert plan.policy is not None and plan.policy.precision == "bf16"
+
+
+def test_a_search_that_must_shed_most_activations_traces_slowest_first_and_still_finds_the_fastest_fit(monkeypatch):
+    """Where only the 4-bit base fits, and the fastest 4-bit rung traced misses by most of its
+    activations, the search traces strong rungs before weak ones: fewer traces than the
+    fastest-first order (``DEEP`` infinite, the order before), the same answer, and that answer the
+    fastest 4-bit rung whose own estimate fits (each traced here on its own, the reference)."""
+    config = llama_config(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    job = {"batch_size": 1, "seq_len": 512, "trainable": {"r": 8}}
+    sixteen = estimate_memory(config, "bf16+loss:chunked+ckpt", device="cuda", **job)
+    budget = int((sixteen.parameters + sixteen.optimizer) * 0.97 / 0.9)  # the 16-bit weights alone do not fit
+    usable = int(budget * 0.9)
+    traces: list[str] = []
+
+    def traced_estimate(config, policy, **kwargs):
+        traces.append(MemoryPolicy.coerce(policy).to_string())
+        return estimate_memory(config, policy, **kwargs)
+
+    monkeypatch.setattr(plan_estimates, "estimate_memory", traced_estimate)
+    plans, searched = {}, {}
+    for deep in (plan_walk.DEEP, float("inf")):
+        monkeypatch.setattr(plan_walk, "DEEP", deep)
+        traces.clear()
+        plans[deep] = plan_policy(config, budget=budget, device="cuda", **job)
+        searched[deep] = [t for t in traces if "quant:nf4" in t]
+    monkeypatch.undo()
+    plan, ordered = plans[plan_walk.DEEP], plans[float("inf")]
+    assert plan.fits and plan.policy.quant.mode == "nf4", plan.table()
+    assert len(searched[plan_walk.DEEP]) < len(searched[float("inf")]), searched
+    assert plan.policy == ordered.policy and plan.estimate == ordered.estimate
+    rows = [r for r in ordered.rows if MemoryPolicy.coerce(r.policy).quant.mode == "nf4"]
+    direct = {r.policy: estimate_memory(config, r.policy, device="cuda", **job).peak_bytes for r in rows}
+    fastest = max((r for r in rows if direct[r.policy] <= usable), key=lambda r: r.relative_speed)
+    assert plan.policy == MemoryPolicy.coerce(fastest.policy), plan.table()
+    assert plan.estimate.peak_bytes == direct[fastest.policy]
