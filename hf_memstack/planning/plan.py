@@ -40,9 +40,10 @@ class PlanRow:
     """With ``interpolated``: read with the weights and optimizer state in place of full
     checkpointing's peak (not traced), below the interpolation: a lower bound."""
     bound_by: str = ""
-    """Not traced: a later rung (``bound_by``) is the same policy saving strictly more (the chunked
-    loss added, or selective checkpointing's alternate variant) and was over the budget:
-    ``peak_bytes`` is that rung's peak, a lower bound of this one's."""
+    """Not traced: another rung (``bound_by``) is the same policy saving strictly more (the chunked
+    loss added, selective checkpointing's alternate variant, more blocks checkpointed) and was over
+    the budget: ``peak_bytes`` is that rung's peak (traced, or read between its neighbours), a lower
+    bound of this one's."""
     shifted_from: str = ""
     """Not traced: the walk's row of ``shifted_from`` (the same rung without this one's state
     savings) less the weights and optimizer state those savings remove, far above the budget."""

@@ -192,12 +192,14 @@ def _search(
 
     The fastest candidate is traced first. A candidate that misses rules out every one that saves
     no more activation memory than it (:func:`_saves_no_more`); one that fits rules out every slower
-    one. A state saving usually frees enough for a light rung, and then one or two traces answer
-    (Qwen2-1.5B at 16 GiB: the chunked loss alone misses, ckpt:4 fits). When the fastest misses by
-    more than a third of what it holds above its weights and optimizer state (:data:`DEEP`), the
-    light rungs seldom fit, and the rest are traced slowest first: the slowest (full checkpointing) then
-    reads every ``ckpt:N`` rung between two traces, and one strong rung that misses rules out the
-    weaker ones of its kind (7B LoRA at 12 GiB with 4-bit weights: 3 traces, was 5). Either order
+    one (the rows of those ruled out by a miss read its peak, ``bound_by``). A state saving usually
+    frees enough for a light rung, and then one or two traces answer (Qwen2-1.5B at 16 GiB: the
+    chunked loss alone misses, ckpt:4 fits). When the fastest misses by more than a third of what it
+    holds above its weights and optimizer state (:data:`DEEP`), the light rungs seldom fit, and the
+    rest are traced slowest first: the slowest (full checkpointing) then lets a ``ckpt:N`` rung be
+    read between two traces, and a strong rung that misses rules out the weaker ones of its kind
+    (7B LoRA at 12 GiB with 4-bit weights: 4 traces, was 5; ckpt:2 rules out ckpt:3 and ckpt:4, the
+    alternate-matmul selective rung the plain one). Either order
     ends at the same answer - the fastest candidate that fits, of those not screened - and only a
     traced candidate that fits is chosen: a wrong screen costs speed, never a fit.
     """
@@ -208,12 +210,28 @@ def _search(
     while left:
         pick = min if slowest_first else max
         k = pick(left, key=lambda j: (candidates[j].relative_speed, -j))
+        first = not tried
         row, fitted, e = tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors, trace_full=False)
         if fitted >= 1:
             left = [j for j in left if candidates[j].relative_speed > candidates[k].relative_speed]
             continue
-        left = [j for j in left if j != k and not _saves_no_more(policies[j], policies[k])]
-        if len(tried) == 1 and e is not None:
+        ruled_out = [j for j in left if j != k and _saves_no_more(policies[j], policies[k])]
+        for j in ruled_out:  # their rows read the stronger rung's peak, a lower bound of theirs
+            tried[j] = (
+                PlanRow(
+                    candidates[j].policy,
+                    row.peak_bytes,
+                    False,
+                    candidates[j].relative_speed,
+                    0 if batch_size == "max" else None,
+                    traced=False,
+                    bound_by=candidates[k].policy,
+                ),
+                0,
+                None,
+            )
+        left = [j for j in left if j != k and j not in ruled_out]
+        if first and e is not None:
             above_states = e.peak_bytes - (e.parameters + e.optimizer)
             slowest_first = above_states > 0 and e.peak_bytes - usable > DEEP * above_states
     return tried
