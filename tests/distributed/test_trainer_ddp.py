@@ -36,9 +36,14 @@ trainer.train()
 if trainer.is_world_process_zero():
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print("RESULT " + json.dumps({"world": args.world_size, "accum": args.gradient_accumulation_steps, "losses": losses}))
-# Trainer leaves the process group up: without this, gloo's worker threads can still hold work
-# when the interpreter shuts down, and the process aborts ("terminate called without an active
-# exception", SIGABRT; pytorch/pytorch#179291). Seen once in CI on a loaded 2-core machine.
+# Release what holds the process group, then destroy it. The DDP wrapper inside the Trainer keeps
+# gloo's worker threads (pt_gloo_runloop) alive even after destroy_process_group(); left for the
+# interpreter's finalization they can abort the process ("terminate called without an active
+# exception", no Python frame, SIGABRT; pytorch/pytorch#179291). Seen in CI on a loaded 2-core
+# machine, and here 1 run in 12 under load with destroy_process_group() alone.
+import gc
+del trainer, model
+gc.collect()
 torch.distributed.destroy_process_group()
 """
 
