@@ -9,8 +9,9 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
 default way (``dtype="auto"``: the bf16 one comes back bf16), full fine-tuning and LoRA, fp32 master
-weights and pure bf16 (``weights:bf16``), and a mixture-of-experts model (which the estimator refuses,
-saying why). Written to bench/results/estimate_accuracy_checkpoints.json.
+weights and pure bf16 (``weights:bf16``), and mixture-of-experts models of 139M and 151M parameters
+(a Mixtral and a Qwen2-MoE: hidden 512, 8 layers, 8 experts, 2 per token, vocabulary 32,000), run
+with Transformers' default ``grouped_mm`` experts. Written to bench/results/estimate_accuracy_checkpoints.json.
 """
 
 from __future__ import annotations
@@ -163,61 +164,88 @@ def _measured(auto, cfg, task, policy, trainable, b, args, device):
     return measure_step(model, {"input_ids": ids, "labels": labels}, opt, timed=False)
 
 
-# (saved dtype, policy, what trains) for the 125M Llama at batch 2 x 512.
-# (saved dtype, policy, trainable): the issue's rows first - fp32 and bf16 weights, full and LoRA, pure bf16.
+# (model, saved dtype, policy, what trains) at batch 2 x 512: the issue's rows first - fp32 and bf16
+# weights, full and LoRA, pure bf16 - then the mixtures of experts.
 CHECKPOINT_CASES = [
-    ("fp32", "bf16", "all"),
-    ("bf16", "bf16", "all"),
-    ("fp32", "bf16+ckpt", "lora"),
-    ("bf16", "bf16+ckpt", "lora"),
-    ("bf16", "bf16+ckpt+weights:bf16", "all"),
-    ("bf16", "bf16+ckpt", "all"),
-    ("fp32", "bf16+weights:bf16", "all"),
+    ("llama", "fp32", "bf16", "all"),
+    ("llama", "bf16", "bf16", "all"),
+    ("llama", "fp32", "bf16+ckpt", "lora"),
+    ("llama", "bf16", "bf16+ckpt", "lora"),
+    ("llama", "bf16", "bf16+ckpt+weights:bf16", "all"),
+    ("llama", "bf16", "bf16+ckpt", "all"),
+    ("llama", "fp32", "bf16+weights:bf16", "all"),
+    ("mixtral", "bf16", "bf16+ckpt", "lora"),
+    ("mixtral", "bf16", "bf16", "all"),
+    ("qwen2-moe", "bf16", "bf16+ckpt", "lora"),
+    ("qwen2-moe", "bf16", "bf16+ckpt+weights:bf16", "all"),
 ]
+
+
+def checkpoint_config(arch: str):
+    """The model of a checkpoint row: the 125M Llama, or a 139M Mixtral / 151M Qwen2-MoE."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig
+
+    ids = {"vocab_size": 32000, "bos_token_id": 1, "eos_token_id": 2}
+    if arch == "llama":
+        return LlamaConfig(
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            **ids,
+        )
+    moe = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2, **ids}
+    if arch == "mixtral":
+        return MixtralConfig(intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2, **moe)
+    return Qwen2MoeConfig(
+        intermediate_size=1024,
+        moe_intermediate_size=1024,
+        shared_expert_intermediate_size=1024,
+        num_experts=8,
+        num_experts_per_tok=2,
+        **moe,
+    )
 
 
 def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] | None = None) -> None:
     """The rows of ``CHECKPOINT_CASES`` (those at ``cases``' indices, when given), merged into ``out``:
     rows measured before for other cases are kept, so a slow machine can add them one run at a time."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     wanted = [CHECKPOINT_CASES[i] for i in (cases if cases is not None else range(len(CHECKPOINT_CASES)))]
     old = json.loads(out.read_text()) if out.exists() else {}
     same = (old.get("batch"), old.get("seq")) == (batch, seq)
-    rows = [r for r in old.get("rows", []) if same and (r["saved"], r["policy"], r["trainable"]) not in wanted]
+
+    def case(r: dict) -> tuple[str, str, str, str]:
+        return (r.get("arch", "llama"), r["saved"], r["policy"], r["trainable"])
+
+    rows = [r for r in old.get("rows", []) if same and case(r) not in wanted]
     with tempfile.TemporaryDirectory() as tmp:
-        for saved in ("fp32", "bf16"):
+        for arch, saved in sorted({(a, s) for a, s, _, _ in wanted}):
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config).to(
+            AutoModelForCausalLM.from_config(checkpoint_config(arch)).to(
                 getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[saved])
-            ).save_pretrained(Path(tmp) / saved)
-        for saved, policy, trainable in wanted:
+            ).save_pretrained(Path(tmp) / f"{arch}-{saved}")
+        for arch, saved, policy, trainable in wanted:
             start = time.perf_counter()
-            est = estimate_memory(Path(tmp) / saved, policy, batch_size=batch, seq_len=seq, trainable=trainable)
-            model = AutoModelForCausalLM.from_pretrained(Path(tmp) / saved)  # dtype="auto", as users load
+            path = Path(tmp) / f"{arch}-{saved}"
+            est = estimate_memory(path, policy, batch_size=batch, seq_len=seq, trainable=trainable)
+            model = AutoModelForCausalLM.from_pretrained(path)  # dtype="auto", as users load
             loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
             if trainable != "all":
                 from peft import get_peft_model
 
                 model = get_peft_model(model, peft_config_from(trainable))
             model = prepare_model(model.train(), policy)
-            ids = torch.randint(3, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(3, 32000, (batch, seq), generator=torch.Generator().manual_seed(0))
             real = measure_step(
                 model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-5), timed=False
             )
             fields = {k: (getattr(est, k), getattr(real, k)) for k in ("parameters", "gradients", "optimizer")}
             rows.append(
                 {
+                    "arch": arch,
                     "saved": saved,
                     "loaded": loaded,
                     "policy": policy,
@@ -232,41 +260,19 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
                 }
             )
             print(
-                f"saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  measured "
-                f"{real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
+                f"{arch} saved {saved} (loaded {loaded}) {trainable:4s} {policy:26s} estimate {est.peak_bytes / 2**20:8.1f} MiB  "
+                f"measured {real.peak_bytes / 2**20:8.1f} MiB  error {rows[-1]['error'] * 100:+.2f}%  states equal: "
                 f"{all(a == b for a, b in fields.values())}",
                 flush=True,
             )
-            out.parent.mkdir(
-                parents=True, exist_ok=True
-            )  # after every row: a long run stopped early keeps what it measured
+            # After every row: a long run stopped early keeps what it measured.
+            out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows}, indent=2))
-    moe = MixtralConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=1000,
-    )
-    try:
-        estimate_memory(moe, "bf16", batch_size=batch, seq_len=seq)
-        refusal = None
-    except ValueError as e:
-        refusal = str(e)
-    print(f"mixture of experts (Mixtral): {'refused: ' + refusal[:160] if refusal else 'estimated'}")
-    if not rows:
-        return
-    print(
-        f"\nmachine: {machine()}; 125M Llama, batch {batch} x {seq}; worst |error| "
-        f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows, "moe_refusal": refusal}, indent=2)
-    )
+    if rows:
+        print(
+            f"\nmachine: {machine()}; batch {batch} x {seq}; worst |error| "
+            f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import dataclasses
 import gc
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -286,9 +286,12 @@ def step_memory_of(traced: PhasePeaks) -> StepMemory:
     )
 
 
-def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer) -> PhasePeaks:
+def trace_training_step(
+    model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, *, blocks: Sequence[nn.Module] = ()
+) -> PhasePeaks:
     """The optimizer's state created, then each phase's peak of one step (forward, backward, optimizer step):
-    what :func:`measure_step` reads, phase by phase, for the estimator on fake tensors.
+    what :func:`measure_step` reads, phase by phase, for the estimator on fake tensors. With the
+    model's ``blocks``, each phase's peak in each of its parts too (:mod:`.segments`).
 
     Raises:
         RuntimeError: this PyTorch has no MemTracker.
@@ -297,7 +300,7 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
     # gradients leaves no reference cycles holding tensors.
     _create_optimizer_state(optimizer)
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step
-    traced = trace_phases(model, optimizer, _step_phases(lambda: forward_loss(model, batch), optimizer))
+    traced = trace_phases(model, optimizer, _step_phases(lambda: forward_loss(model, batch), optimizer), blocks=blocks)
     if traced is None:
         raise RuntimeError(
             "this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with"
@@ -305,7 +308,7 @@ def trace_training_step(model: nn.Module, batch: Any, optimizer: torch.optim.Opt
     return traced
 
 
-def trace_eval_forward(model: nn.Module, batch: Any) -> tuple[PhasePeaks, Any]:
+def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Module] = ()) -> tuple[PhasePeaks, Any]:
     """One evaluation forward as ``Trainer.prediction_step`` runs it - ``model(**batch)`` under
     ``torch.no_grad()``, the model as it is (eval mode is the caller's) - traced as a single phase;
     returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.planning.eval_logits`).
@@ -320,7 +323,7 @@ def trace_eval_forward(model: nn.Module, batch: Any) -> tuple[PhasePeaks, Any]:
             held["outputs"] = model(**batch) if isinstance(batch, dict) else model(batch)
 
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced forward
-    traced = trace_phases(model, None, [forward])
+    traced = trace_phases(model, None, [forward], blocks=blocks)
     if traced is None:
         raise RuntimeError(
             "this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the meter traces with"

@@ -8,14 +8,15 @@ reads it, so the measured step (:mod:`.memory`) and the estimator's fake-tensor 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from .accounting import bnb_state_tensors
+from .segments import PRE, Segment, segment_hooks
 
 __all__ = ["PhasePeaks", "trace_phases"]
 
@@ -30,34 +31,59 @@ class PhasePeaks:
 
     peaks: tuple[dict[str, int], ...]
     forward_activations: int
+    segments: tuple[dict[Segment, dict[str, int]], ...] = field(default=())
+    """Each phase's peak in each of its parts (:mod:`.segments`: before the blocks, in block ``k``,
+    after them), in the order they first ran; empty unless the blocks were given."""
 
 
 _CATEGORIES = ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")
 
 
 def trace_phases(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    phases: list[Callable[[], Any]],
+    *,
+    blocks: Sequence[nn.Module] = (),
 ) -> PhasePeaks | None:
     """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
-    reset to the current bytes as each phase starts, so each phase's own peak is read."""
+    reset to the current bytes as each phase starts, so each phase's own peak is read. With the
+    model's ``blocks``, also each phase's peak in each of its parts (``segments``)."""
     tracker = _frozen_aware_tracker()
     if tracker is None:
         return None
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
     peaks: list[dict[str, int]] = []
+    segments: list[dict[Segment, dict[str, int]]] = []
     forward_activations = 0
-    with tracker, warnings.catch_warnings():
-        # MemTracker's module tracker warns for modules freed before their backward hook runs.
-        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        for i, phase in enumerate(phases):
-            if i:
-                tracker.restart_peak()
-            phase()
-            if i == 0 and len(phases) > 1:
-                forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
-            peak = tracker.get_tracker_snapshot("peak")
-            peaks.append({name: _category(peak, name) for name in _CATEGORIES})
-    return PhasePeaks(peaks=tuple(peaks), forward_activations=forward_activations)
+    current = [0]
+    hooks = segment_hooks(blocks, tracker.enter_segment, lambda: current[0]) if blocks else []
+    try:
+        with tracker, warnings.catch_warnings():
+            # MemTracker's module tracker warns for modules freed before their backward hook runs.
+            warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+            for i, phase in enumerate(phases):
+                current[0] = i
+                if i:
+                    tracker.restart_peak()
+                if blocks:
+                    tracker.keep_segments()
+                phase()
+                if i == 0 and len(phases) > 1:
+                    forward_activations = _category(tracker.get_tracker_snapshot("current"), "act")
+                peak = tracker.get_tracker_snapshot("peak")
+                peaks.append({name: _category(peak, name) for name in _CATEGORIES})
+                if blocks:
+                    segments.append(
+                        {
+                            s: {name: _category(snap, name) for name in _CATEGORIES}
+                            for s, snap in tracker.segment_peaks()
+                        }
+                    )
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return PhasePeaks(peaks=tuple(peaks), forward_activations=forward_activations, segments=tuple(segments))
 
 
 def _frozen_aware_tracker() -> Any:
@@ -74,7 +100,7 @@ def _frozen_aware_tracker() -> Any:
     except ImportError:
         return None
 
-    class FrozenAwareMemTracker(MemTracker):
+    class FrozenAwareMemTracker(_SegmentPeaks, MemTracker):
         def _track_module_params_and_buffers(
             self, module: nn.Module, install_grad_hooks: bool = True
         ) -> tuple[int, int]:
@@ -114,13 +140,58 @@ def _frozen_aware_tracker() -> Any:
         def _update_peak_stats(self, peak_state: Any) -> None:
             # MemTracker walks every tracked module on every op to keep per-module peaks, which
             # nothing here reads: O(modules) per op made a 7B estimate take minutes (its time grew
-            # with the square of the depth). Only the global peak is kept, as MemTracker keeps it.
+            # with the square of the depth). Only the global peak is kept, as MemTracker keeps it,
+            # and the peak of the part of the phase running now (keep_segments).
+            total = 0
             for dev, snap in self._curr_mem_snap.items():
+                total += snap[_TOTAL_KEY]
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+            if self._segment_peaks is not None and total > self._segment_best:
+                self._note_segment(total)
+
+    FrozenAwareMemTracker._total_key = _TOTAL_KEY
 
     return FrozenAwareMemTracker()
+
+
+class _SegmentPeaks:
+    """The tracker's peak of each part of a phase (:mod:`.segments`), kept beside its global peak:
+    mixed into the MemTracker subclass, whose ``_curr_mem_snap`` (device -> category -> bytes) it reads."""
+
+    _curr_mem_snap: dict[Any, dict[Any, int]]
+    _total_key: Any = "Total"
+    _segment: Segment = PRE
+    _segment_best = -1  # the running segment's peak so far (bytes)
+    _segment_peaks: dict[Segment, tuple[int, dict[Any, dict[Any, int]]]] | None = None
+
+    def keep_segments(self) -> None:
+        """From now on (a phase's start), keep each segment's peak apart, starting in ``PRE``."""
+        self._segment_peaks = {}
+        self.enter_segment(PRE)
+
+    def enter_segment(self, segment: Segment) -> None:
+        """The step moves on to ``segment``: the bytes alive now are its first reading."""
+        self._segment = segment
+        if self._segment_peaks is not None:
+            best = self._segment_peaks.get(segment)
+            self._segment_best = -1 if best is None else best[0]
+            self._note_segment(sum(snap[self._total_key] for snap in self._curr_mem_snap.values()))
+
+    def segment_peaks(self) -> list[tuple[Segment, dict[Any, dict[Any, int]]]]:
+        """Each segment's peak snapshot (device -> category -> bytes), in the order they first ran."""
+        return [(s, snap) for s, (_, snap) in (self._segment_peaks or {}).items()]
+
+    def _note_segment(self, total: int) -> None:
+        """``total`` bytes alive now: the running segment's peak if it is above the one kept."""
+        assert self._segment_peaks is not None  # keep_segments ran
+        if total > self._segment_best or self._segment not in self._segment_peaks:
+            self._segment_best = total
+            self._segment_peaks[self._segment] = (
+                total,
+                {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()},
+            )
 
 
 def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:

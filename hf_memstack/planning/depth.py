@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..measure.memory import PhasePeaks
+from ..measure.segments import Segment
 from ..transforms.blocks import find_blocks
 
 if TYPE_CHECKING:
@@ -152,17 +153,58 @@ def extrapolate_line(at: tuple[int, int], depths: tuple[int, int], layers: int) 
 
 
 def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan) -> PhasePeaks:
-    """Each phase's peak, category by category, at the model's full depth."""
+    """Each phase's peak, category by category, at the model's full depth.
+
+    With the traces' segments (each part of a phase kept apart: before the blocks, in each block,
+    after them; :mod:`hf_memstack.measure.segments`), each part that is there at every depth - the
+    first ``period`` blocks to run from the input, the last ``period``, the rest of the model before
+    and after - is extrapolated on its own and the phase's peak is the highest at the full depth: the
+    part that holds the peak can change with the depth (the head's backward in a shallow LoRA model,
+    its last block's backward in a deep one). The blocks between the first and the last add the same
+    bytes each, so none of them is above both ends. Without segments, each phase's peak is one line.
+    """
     if len(shallow.peaks) != len(deeper.peaks):
         raise RuntimeError("the two shallow traces ran different phases")
 
     def line(lo: int, hi: int) -> int:
         return max(0, extrapolate_line((lo, hi), plan.depths, plan.layers))
 
-    peaks = tuple({k: line(a[k], b[k]) for k in a} for a, b in zip(shallow.peaks, deeper.peaks, strict=True))
-    for peak in peaks:  # the total is its categories' sum at each depth, so it is on their lines' sum
+    def extrapolated(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+        peak = {k: line(a[k], b[k]) for k in a}
+        # The total is its categories' sum at each depth, so it is on their lines' sum.
         peak["total"] = sum(v for k, v in peak.items() if k != "total")
-    return PhasePeaks(peaks=peaks, forward_activations=line(shallow.forward_activations, deeper.forward_activations))
+        return peak
+
+    peaks = []
+    for i, (a, b) in enumerate(zip(shallow.peaks, deeper.peaks, strict=True)):
+        lo, hi = (
+            (_by_position(s.segments[i], d, plan.period) if len(s.segments) > i else {})
+            for s, d in zip((shallow, deeper), plan.depths, strict=True)
+        )
+        if lo and lo.keys() == hi.keys():
+            # The first part (in the order they ran) to reach the highest peak, as one tracker reads it.
+            peaks.append(max((extrapolated(lo[k], hi[k]) for k in hi), key=lambda p: p["total"]))
+        else:
+            peaks.append(extrapolated(a, b))
+    return PhasePeaks(
+        peaks=tuple(peaks), forward_activations=line(shallow.forward_activations, deeper.forward_activations)
+    )
+
+
+def _by_position(segments: dict[Segment, dict[str, int]], depth: int, period: int) -> dict[Segment, dict[str, int]]:
+    """A trace's segments keyed by what each is at any depth: ``pre`` and ``post`` as they are, block
+    ``k`` of ``depth`` as ``("first", k)`` among the first ``period`` blocks from the input and as
+    ``("last", j)`` among the last ``period`` (both, in a model of ``period`` blocks); the others dropped."""
+    keyed: dict[Segment, dict[str, int]] = {}
+    for (kind, k), peak in segments.items():
+        if kind != "block":
+            keyed[(kind, k)] = peak
+            continue
+        if k < period:
+            keyed[("first", k)] = peak
+        if depth - 1 - k < period:
+            keyed[("last", depth - 1 - k)] = peak
+    return keyed
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:

@@ -21,7 +21,15 @@ from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
 from .depth import DepthPlan, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
-from .fake_model import build_fake_model, build_key, fake_batch, quant_counts, refuse_mixture_of_experts, traced_step
+from .fake_experts import experts_on_fake_tensors
+from .fake_model import (
+    blocks_or_empty,
+    build_fake_model,
+    build_key,
+    fake_batch,
+    quant_counts,
+    traced_step,
+)
 from .model_config import build_model
 from .weights_dtype import WeightsDtype, set_dtypes
 
@@ -67,10 +75,10 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     net = build_fake_model(config, job.task, job.peft_config, job.trust_remote_code, mode, job.weights)
-    refuse_mixture_of_experts(net, config)
+    experts = experts_on_fake_tensors(net, config)  # before the trace: a refusal says what to change
     if job.mode == "eval":
-        return _trace_eval(net, config, job, mode)
-    with mode, _quiet_prepare(training=True):
+        return _trace_eval(net, config, job, mode, experts)
+    with mode, experts, _quiet_prepare(training=True):
         net.train()
         prepare_model(net, job.policy)
         params = [p for p in net.parameters() if p.requires_grad]
@@ -93,16 +101,16 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
     return Traced(net=net, phases=phases, counts=counts)
 
 
-def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any) -> Traced:
+def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any, experts: Any) -> Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
 
-    with mode, _quiet_prepare(training=False):
+    with mode, experts, _quiet_prepare(training=False):
         net.eval()
         prepare_model(net, job.policy)
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
-            phases, outputs = trace_eval_forward(net, batch)
+            phases, outputs = trace_eval_forward(net, batch, blocks=blocks_or_empty(net))
     kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
     params = [p for p in net.parameters() if p.requires_grad]
     counts = {

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from .._unwrap import PeftWrapper
 from ..measure.memory import PhasePeaks, trace_training_step
-from ..record import record_of, unwrap_model
+from ..record import record_of
 from ..sizes import format_bytes
 from ..transforms.blocks import find_blocks
 from . import build_cache
@@ -37,19 +36,7 @@ def build_fake_model(
     first because ``Module.to()`` (which PEFT calls on its new adapters) cannot swap fake
     parameters; tied parameters stay tied. A model object's own per-parameter dtypes are kept."""
 
-    def build() -> nn.Module:
-        with torch.device("meta"):
-            net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
-            if weights.per_parameter:
-                set_dtypes(net, weights.per_parameter)
-            if peft_config is not None:
-                net = apply_peft(net, peft_config)
-                if weights.per_parameter:
-                    set_dtypes(net, weights.per_parameter)
-        return net
-
-    # Built once per config and job (PEFT's wrapping is most of a build), copied for each trace.
-    net = build_cache.model_copy((*build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
+    net = meta_model(config, task, peft_config, trust_remote_code, weights)
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(t: torch.Tensor, parameter: bool) -> torch.Tensor:
@@ -69,6 +56,31 @@ def build_fake_model(
     return net
 
 
+def meta_model(
+    config: PretrainedConfig,
+    task: str,
+    peft_config: PeftConfig | None,
+    trust_remote_code: bool,
+    weights: WeightsDtype,
+) -> nn.Module:
+    """The model built on the meta device in the weights' dtype, with its PEFT adapters (in the
+    dtype PEFT gives them): once per config and job (PEFT's wrapping is most of a build), a copy
+    for each caller, which may prepare and fake it in place."""
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            net = build_model(config, task, trust_remote_code=trust_remote_code, dtype=weights.dtype)
+            if weights.per_parameter:
+                set_dtypes(net, weights.per_parameter)
+            if peft_config is not None:
+                net = apply_peft(net, peft_config)
+                if weights.per_parameter:
+                    set_dtypes(net, weights.per_parameter)
+        return net
+
+    return build_cache.model_copy((*build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
+
+
 def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
     """Everything a model built on meta depends on besides its PEFT config."""
     per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
@@ -83,34 +95,14 @@ def traced_step(
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     try:
-        return trace_training_step(net, batch, opt)
+        # Each block's part of every phase is kept apart, for the depth extrapolation (measure/segments.py).
+        return trace_training_step(net, batch, opt, blocks=blocks_or_empty(net))
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise ValueError(
             f"the estimator cannot trace {type(net).__name__} ({type(config).__name__}, task={task!r}) without real data: its "
             f"forward depends on the values of the batch ({type(e).__name__}: {str(e).splitlines()[0][:120]}). Measure it "
             "instead: hf_memstack.measure_step or find_batch_size on the real model"
         ) from None
-
-
-def refuse_mixture_of_experts(net: nn.Module, config: PretrainedConfig) -> None:
-    """A mixture-of-experts model cannot be traced on fake tensors: its default experts kernel
-    (``torch._grouped_mm``) has no fake-tensor version for fp32 in this PyTorch, and its eager
-    experts path picks each expert's tokens by the router's values (``nonzero``: shapes that depend
-    on the data). Said as such, with what to do, instead of the kernel's raw error."""
-
-    inner = (
-        cast(PeftWrapper, net).get_base_model() if callable(getattr(net, "get_base_model", None)) else net
-    )  # a PEFT model's own
-    cls = type(unwrap_model(inner))
-    can_set = getattr(cls, "_can_set_experts_implementation", None)
-    if callable(can_set) and can_set():
-        raise ValueError(
-            f"the estimator cannot trace {cls.__name__} ({type(config).__name__}): it is a mixture-of-experts model, whose "
-            "experts route each token by the router's values (shapes that depend on the data, which a trace without "
-            "values cannot follow; torch._grouped_mm has no fake-tensor kernel for fp32 either). Measure it instead: "
-            "hf_memstack.measure_step(model, batch, optimizer) on the real model, or find_batch_size "
-            "(hf-memstack find-batch-size MODEL --policy ... --seq-len ... --budget ...)"
-        )
 
 
 def quant_counts(net: nn.Module) -> dict[str, int]:

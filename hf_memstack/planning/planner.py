@@ -7,9 +7,12 @@ import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..sizes import parse_bytes
+from ..transforms.blocks import Blocks, find_blocks
 from ..transforms.precision import resolve_precision
+from ..transforms.quant import quantizable
 from ..transforms.tiled_mlp import auto_tile_tokens
 from .estimate_checks import chunked_loss_problem
+from .fake_model import meta_model
 from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
 from .plan_advice import suggestions
@@ -17,7 +20,8 @@ from .plan_estimates import Estimates
 from .plan_screen import num_blocks
 from .plan_walk import walk_rungs
 from .rungs import Requirement, RungContext, rungs_for
-from .weights_dtype import parse_dtype, resolve_weights_dtype
+from .trainable import peft_config_from
+from .weights_dtype import WeightsDtype, parse_dtype, resolve_weights_dtype
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -97,7 +101,7 @@ def plan_policy(
         weights_dtype_source=weights.source,
         usable_bytes=int(usable),
     )
-    rungs = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward)
+    rungs = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
     shortfalls = walk_rungs(plan, est, rungs, batch_size, usable)
     if plan.fits:
         return plan
@@ -144,16 +148,20 @@ def _ladder(
     world_size: int,
     trainable: Any,
     step_in_backward: bool,
+    weights: WeightsDtype,
 ) -> list[Any]:
     """The memory rungs this model and job can take, cheapest first."""
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
+    # 4-bit base weights only where prepare_model would take them: not over GPT-2's Conv1D or a
+    # mixture-of-experts router (read on the LoRA model built on meta, which the traces reuse).
+    four_bit = torchao and not _trains_all(trainable) and quantizable(_meta_blocks(config, task, trainable, weights))
     tokens = seq_len * (1 if batch_size == "max" else int(batch_size))
     facts = {
         Requirement.CAUSAL_LM: chunked,
         Requirement.TORCHAO: torchao,
-        Requirement.LORA_WITH_TORCHAO: torchao and not _trains_all(trainable),
+        Requirement.LORA_WITH_TORCHAO: four_bit,
         Requirement.STEP_IN_BACKWARD: step_in_backward,
         Requirement.TOKENS_OVER_ONE_TILE: _tiles_help(config, tokens),
         Requirement.FULL_FINETUNE: _trains_all(trainable),
@@ -161,6 +169,14 @@ def _ladder(
     }
     satisfied = frozenset(r for r, holds in facts.items() if holds)
     return rungs_for(RungContext(precision, num_blocks(config), satisfied))
+
+
+def _meta_blocks(config: PretrainedConfig, task: str, trainable: Any, weights: WeightsDtype) -> Blocks | None:
+    net = meta_model(config, task, peft_config_from(trainable), False, weights)
+    try:
+        return find_blocks(net)
+    except ValueError:
+        return None
 
 
 def _trains_all(trainable: Any) -> bool:

@@ -239,16 +239,19 @@ def _to_nf4(weight: torch.Tensor, block_size: int, scaler_block_size: int) -> to
 
 
 def quantizable(blocks: Blocks | None) -> bool:
-    """Whether 4-bit base weights would shrink this model: its blocks hold frozen ``nn.Linear``
-    weights that are not 4-bit yet (a LoRA base), and torchao is installed."""
+    """Whether 4-bit base weights would shrink this model and ``prepare_model`` would take them: its
+    blocks hold frozen ``nn.Linear`` weights that are not 4-bit yet (a LoRA base) and no projection
+    of another kind (GPT-2's Conv1D, a mixture-of-experts router: refused by :func:`check_quant`),
+    and torchao is installed."""
     import importlib.util
 
-    frozen = any(
-        isinstance(m, nn.Linear) and not m.weight.requires_grad and not is_4bit(m.weight)
-        for block in (blocks.modules if blocks is not None else ())
-        for m in block.modules()
-    )
-    return frozen and importlib.util.find_spec("torchao") is not None
+    if blocks is None or importlib.util.find_spec("torchao") is None:
+        return False
+    try:
+        found = find_targets(blocks.root, QuantConfig(mode="nf4"), blocks)
+    except ValueError:
+        return False
+    return any(not m.weight.requires_grad and not is_4bit(m.weight) for _, m in found)
 
 
 # ---------------------------------------------------------------------------------------- the checks

@@ -253,40 +253,6 @@ def test_the_planner_counts_the_checkpoint_dtype(saved):
     assert plan.estimate.parameters == _measure(_load(saved["bf16"]), plan.policy, 1).parameters
 
 
-def _moe_configs():
-    from transformers import MixtralConfig, Qwen2MoeConfig
-
-    common = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 64,
-        "num_experts_per_tok": 2,
-    }
-    return {
-        "mixtral": MixtralConfig(num_local_experts=4, **common),
-        "qwen2-moe": Qwen2MoeConfig(
-            num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, **common
-        ),
-    }
-
-
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
-def test_a_mixture_of_experts_model_is_refused_with_what_to_do(arch):
-    config = _moe_configs()[arch]
-    for policy in ("fp32", "bf16+ckpt"):
-        with pytest.raises(
-            ValueError,
-            match=r"cannot trace (Mixtral|Qwen2Moe)ForCausalLM .*mixture-of-experts.*measure_step.*find_batch_size",
-        ):
-            estimate_memory(config, policy, batch_size=1, seq_len=16)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        plan_policy(config, budget="1GiB", seq_len=16)
-
-
 @pytest.mark.parametrize("index_dtype", [None, "float16"])
 def test_a_sharded_checkpoint_without_a_config_dtype_reads_what_from_pretrained_reads(tmp_path, index_dtype):
     """No dtype in config.json: from_pretrained takes the index's metadata dtype, else the first shard's header."""

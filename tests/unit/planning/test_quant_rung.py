@@ -105,3 +105,16 @@ def test_rungs_that_only_save_activations_are_not_traced_once_the_weights_alone_
     assert ">= " in plan.table() and "(weights + optimizer state)" in plan.table()
     skipped = estimate_memory(tmp_path, base[-1].policy, batch_size=1, seq_len=16, trainable=LORA)
     assert skipped.peak_bytes >= base[-1].peak_bytes  # the floor is a floor
+
+
+def test_the_rung_is_not_offered_where_prepare_model_refuses_4bit_weights():
+    # GPT-2's projections are Conv1D, which torchao's 4-bit weights (F.linear) cannot replace: a LoRA
+    # plan short of memory once stopped on that refusal instead of answering without the rung.
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=64, n_layer=8, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match="not nn.Linear"):
+        estimate_memory(config, "bf16+ckpt+quant:nf4", batch_size=1, seq_len=32, trainable="lora")
+    plan = plan_policy(config, budget="1MiB", seq_len=32, trainable="lora")
+    assert not plan.fits and plan.rows
+    assert not any("quant" in row.policy for row in plan.rows), plan.table()
