@@ -157,11 +157,13 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
 
     With the traces' segments (each part of a phase kept apart: before the blocks, in each block,
     after them; :mod:`hf_memstack.measure.segments`), each part that is there at every depth - the
-    first ``period`` blocks to run from the input, the last ``period``, the rest of the model before
-    and after - is extrapolated on its own and the phase's peak is the highest at the full depth: the
-    part that holds the peak can change with the depth (the head's backward in a shallow LoRA model,
-    its last block's backward in a deep one). The blocks between the first and the last add the same
-    bytes each, so none of them is above both ends. Without segments, each phase's peak is one line.
+    first blocks from the input, the last ``period`` blocks, the rest of the model before and after
+    (:func:`_by_position`) - is extrapolated on its own and the phase's peak is the highest at the
+    full depth: the part that holds the peak can change with the depth (the head's backward in a
+    shallow LoRA model, its last block's backward in a deep one). The blocks between add the same
+    bytes each, so none of them is above both ends. Without segments, or when the shallower trace
+    lacks a part (its last period is its first: ``ckpt:N`` and Gemma-2's pairs over a depth that
+    ``N`` divides), each phase's peak is one line.
     """
     if len(shallow.peaks) != len(deeper.peaks):
         raise RuntimeError("the two shallow traces ran different phases")
@@ -193,16 +195,22 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
 
 def _by_position(segments: dict[Segment, dict[str, int]], depth: int, period: int) -> dict[Segment, dict[str, int]]:
     """A trace's segments keyed by what each is at any depth: ``pre`` and ``post`` as they are, block
-    ``k`` of ``depth`` as ``("first", k)`` among the first ``period`` blocks from the input and as
-    ``("last", j)`` among the last ``period`` (both, in a model of ``period`` blocks); the others dropped."""
+    ``k`` of ``depth`` as ``("first", k)`` among the first ``period + 1`` blocks from the input and
+    as ``("last", j)`` among the last ``period`` but block 0; the blocks between dropped.
+
+    Block 0 is unlike the others (its input is the embeddings'; a GPT-OSS LoRA block 0's backward
+    held 18 KB less than the line through the rest): the blocks after it form the line whose ends
+    bound the ones between, so block ``period`` (the first after it of its kind) is keyed too, and
+    block 0 never stands for a last block. A trace of ``period`` blocks then lacks some keys, and
+    :func:`extrapolate_phases` reads each phase as one line instead."""
     keyed: dict[Segment, dict[str, int]] = {}
     for (kind, k), peak in segments.items():
         if kind != "block":
             keyed[(kind, k)] = peak
             continue
-        if k < period:
+        if k <= period:
             keyed[("first", k)] = peak
-        if depth - 1 - k < period:
+        if depth - 1 - k < period and k > 0:
             keyed[("last", depth - 1 - k)] = peak
     return keyed
 

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._unwrap import PeftWrapper
 from ..record import unwrap_model
+from .depth import text_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -50,6 +51,7 @@ def experts_on_fake_tensors(net: nn.Module, config: PretrainedConfig) -> context
     can_set = getattr(type(model), "_can_set_experts_implementation", None)
     if not (callable(can_set) and can_set()):
         return contextlib.nullcontext()
+    _check_routing(config)
     used = getattr(getattr(model, "config", None), "_experts_implementation", None) or "grouped_mm"
     if used not in TRACEABLE:
         raise ValueError(
@@ -67,6 +69,30 @@ def experts_on_fake_tensors(net: nn.Module, config: PretrainedConfig) -> context
             "hf_memstack.measure_step or find_batch_size"
         )
     return GroupedMMInAnyDtype()
+
+
+def _check_routing(config: PretrainedConfig) -> None:
+    """Experts per token between 1 and the experts there are: else the router's top-k fails inside
+    the trace with PyTorch's own words (a config typo, not a bug to report)."""
+    text = text_config(config)
+    experts_field = next((f for f in _EXPERTS_FIELDS if isinstance(getattr(text, f, None), int)), None)
+    k_field = next((f for f in _TOP_K_FIELDS if isinstance(getattr(text, f, None), int)), None)
+    if experts_field is None or k_field is None:
+        return
+    experts, k = getattr(text, experts_field), getattr(text, k_field)
+    if experts < 1 or not 1 <= k <= experts:
+        raise ValueError(
+            f"model= a {type(config).__name__} with {experts_field}={experts} and {k_field}={k}: each token is routed to "
+            f"{k_field} of the {experts_field} experts, so "
+            + (f"{experts_field} must be at least 1" if experts < 1 else f"{k_field} must be between 1 and {experts}")
+            + "; fix the config "
+            "(config.json's fields of those names)"
+        )
+
+
+# The config fields Transformers' mixtures of experts name their experts and experts per token by.
+_EXPERTS_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_k")
 
 
 class GroupedMMInAnyDtype(TorchDispatchMode):

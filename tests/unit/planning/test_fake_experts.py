@@ -133,3 +133,47 @@ def test_eager_experts_are_refused_naming_the_implementation_to_use():
         estimate_memory(model, "bf16", batch_size=BATCH, seq_len=SEQ)
     model.set_experts_implementation("grouped_mm")
     assert estimate_memory(model, "bf16", batch_size=BATCH, seq_len=SEQ).peak_bytes > 0
+
+
+def test_a_hybrid_model_with_the_chunked_loss_is_estimated_as_prepare_model_takes_it():
+    # Found by a new-user trial: the chunked loss is checked on a copy cut to one block, and Jamba's
+    # first block is a Mamba one - a model without an attention layer, which Transformers' cache
+    # refuses, read as a refusal of the loss. The copy now holds one block of every kind.
+    from transformers import JambaConfig, JambaForCausalLM
+
+    config = JambaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        num_experts=4,
+        num_experts_per_tok=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        mamba_d_state=8,
+        use_mamba_kernels=False,
+    )
+    assert config.layers_block_type[0] == "mamba"
+    est = estimate_memory(config, "fp32+loss:chunked", batch_size=BATCH, seq_len=SEQ)
+    torch.manual_seed(0)
+    model = prepare_model(JambaForCausalLM(config).train(), "fp32+loss:chunked")
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    real = measure_step(model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False)
+    assert (est.peak_bytes, est.parameters, est.optimizer) == (real.peak_bytes, real.parameters, real.optimizer)
+
+
+@pytest.mark.parametrize(
+    ("experts", "per_token", "field"),
+    [(4, 5, "num_experts_per_tok"), (4, 0, "num_experts_per_tok"), (0, 2, "num_local_experts")],
+)
+def test_a_config_routing_to_experts_it_does_not_have_is_refused_naming_the_fields(experts, per_token, field):
+    config = _config("mixtral")
+    config.num_local_experts, config.num_experts_per_tok = experts, per_token
+    with pytest.raises(
+        ValueError, match=rf"num_local_experts={experts} and num_experts_per_tok={per_token}.*{field} must be"
+    ):
+        estimate_memory(config, "bf16", batch_size=BATCH, seq_len=SEQ)
