@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DepthPlan",
+    "blocks_of_every_kind",
     "extrapolate_line",
     "extrapolate_phases",
     "num_layers",
@@ -213,6 +214,19 @@ def _by_position(segments: dict[Segment, dict[str, int]], depth: int, period: in
         if depth - 1 - k < period and k > 0:
             keyed[("last", depth - 1 - k)] = peak
     return keyed
+
+
+def blocks_of_every_kind(config: PretrainedConfig) -> int:
+    """The fewest first blocks that hold every kind of block the model has (``layer_types``, Jamba's
+    ``layers_block_type``; 1 when its blocks are alike): a copy cut to them holds every kind of layer
+    there is (a hybrid model cut to its first block, a Mamba or linear-attention one, has no attention
+    layer for the cache Transformers builds: Qwen3-Next, Jamba)."""
+    text = text_config(config)
+    for name in ("layer_types", "layers_block_type"):
+        kinds = getattr(text, name, None)
+        if isinstance(kinds, (list, tuple)) and kinds:
+            return next(d for d in range(1, len(kinds) + 1) if set(kinds[:d]) == set(kinds))
+    return 1
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:

@@ -10,7 +10,7 @@ import torch
 
 from ..policy import LossConfig
 from ..transforms.loss_head import check_loss_head
-from .depth import text_config, with_depth
+from .depth import blocks_of_every_kind, text_config, with_depth
 from .model_config import build_model
 from .weights_dtype import parse_dtype
 
@@ -94,7 +94,7 @@ def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: 
     # blocks that hold every kind of block the model has (one, unless its layers differ).
     layers = getattr(text_config(config), "num_hidden_layers", None)
     small = (
-        with_depth(config, _blocks_of_every_kind(config))
+        with_depth(config, blocks_of_every_kind(config))
         if isinstance(layers, int) and layers > 1
         else copy.deepcopy(config)
     )
@@ -117,15 +117,3 @@ def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: 
     except ValueError as e:
         return f"{e} (estimate_memory refuses what prepare_model refuses)", None
     return None, None
-
-
-def _blocks_of_every_kind(config: PretrainedConfig) -> int:
-    """The fewest first blocks that hold every kind of block the model has (``layer_types``, Jamba's
-    ``layers_block_type``): a hybrid model cut to its first block, a Mamba or linear-attention one, has
-    no attention layer for the cache Transformers builds (Qwen3-Next, Jamba), which is no refusal."""
-    text = text_config(config)
-    for name in ("layer_types", "layers_block_type"):
-        kinds = getattr(text, name, None)
-        if isinstance(kinds, (list, tuple)) and kinds:
-            return next(d for d in range(1, len(kinds) + 1) if set(kinds[:d]) == set(kinds))
-    return 1

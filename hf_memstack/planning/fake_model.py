@@ -62,10 +62,13 @@ def meta_model(
     peft_config: PeftConfig | None,
     trust_remote_code: bool,
     weights: WeightsDtype,
+    *,
+    copy: bool = True,
 ) -> nn.Module:
     """The model built on the meta device in the weights' dtype, with its PEFT adapters (in the
     dtype PEFT gives them): once per config and job (PEFT's wrapping is most of a build), a copy
-    for each caller, which may prepare and fake it in place."""
+    for each caller, which may prepare and fake it in place; ``copy=False``: the cached model itself,
+    for a caller that only reads it (a 7B's deep copy costs a trace's tenth)."""
 
     def build() -> nn.Module:
         with torch.device("meta"):
@@ -78,7 +81,8 @@ def meta_model(
                     set_dtypes(net, weights.per_parameter)
         return net
 
-    return build_cache.model_copy((*build_key(config, task, trust_remote_code, weights), repr(peft_config)), build)
+    key = (*build_key(config, task, trust_remote_code, weights), repr(peft_config))
+    return build_cache.model_copy(key, build) if copy else build_cache.cached("meta_models", key, build)
 
 
 def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
