@@ -57,6 +57,7 @@ from finetune_support.batching import choose_batch_size
 from finetune_support.checkpoint import (
     checkpoint_without_4bit_weights,
     commit_output,
+    finish_rotation,
     load_checkpoint,
     load_without_4bit_weights,
     save_checkpoint,
@@ -339,6 +340,7 @@ def _build(
     )
     if plan.resume is not None:
         load_checkpoint(job, plan.resume.path)
+        finish_rotation(job, plan.resume.path)
         if cfg.checkpoint.allow_config_change:
             _apply_requested_hparams(job)
         log(f"resumed from {plan.resume.path} at step {state.step}")

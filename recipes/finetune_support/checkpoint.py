@@ -128,12 +128,27 @@ def save_checkpoint(job: Job) -> Path:
         os.replace(tmp, final)
         fsync_dir(folder)
         test_hook(f"save-{state.step}:renamed")
-        # Keep the newest --keep-last by step number; the one just written always stays.
-        complete = [c for c in list_checkpoints(job.run_dir.path) if c.problem is None and c.path != final]
-        for old in complete[: max(0, len(complete) - (cfg.checkpoint.keep_last - 1))]:
-            remove_checkpoint(old.path, hook=f"save-{state.step}:rotating")
+        _rotate(job, final, hook=f"save-{state.step}:rotating")
     acc.wait_for_everyone()
     return final
+
+
+def _rotate(job: Job, kept: Path, *, hook: str = "") -> None:
+    """Keep the newest --keep-last complete checkpoints by step number; ``kept`` always stays."""
+    complete = [c for c in list_checkpoints(job.run_dir.path) if c.problem is None and c.path != kept]
+    for old in complete[: max(0, len(complete) - (job.cfg.checkpoint.keep_last - 1))]:
+        remove_checkpoint(old.path, hook=hook)
+
+
+def finish_rotation(job: Job, resumed: Path) -> None:
+    """A kill between a save's rename and its rotation leaves one checkpoint more than --keep-last;
+    a run resumed from its newest checkpoint finishes that rotation (the save at the last step has no
+    later save to do it: CI saw step 8 left beside 10 and 12). Resumed from an older one, nothing is
+    removed."""
+    complete = [c for c in list_checkpoints(job.run_dir.path) if c.problem is None]
+    if job.accelerator.is_main_process and complete and complete[-1].path.resolve() == resumed.resolve():
+        _rotate(job, resumed)
+    job.accelerator.wait_for_everyone()
 
 
 def load_checkpoint(job: Job, path: Path) -> None:

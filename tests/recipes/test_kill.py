@@ -31,6 +31,9 @@ KILL_POINTS = [
     "save-6:manifest-written",  # mid-save: complete, but still step-6.tmp (never resumed)
     "save-8:rotating",  # step 8 renamed in; step 4's manifest gone, its folder half-removed
     "step-11",  # mid-training, in the second epoch
+    # The last save renamed in, its rotation not begun: no later save rotates, the resumed run must
+    # (CI once left step 8 beside 10 and 12 after a timed kill landed there).
+    "save-12:renamed",
     "model:written",  # the final model in model.tmp, not yet swapped in
 ]
 
