@@ -72,6 +72,13 @@ class DepthPlan:
     depths: tuple[int, int]
     """The two depths traced, ``period`` apart, together at most 3/4 of ``layers``."""
 
+    def deeper(self) -> DepthPlan | None:
+        """The next two depths, a period further; None when they hold most of the model."""
+        depths = (self.depths[1], self.depths[1] + self.period)
+        if sum(depths) > _MOST_TRACED * self.layers:
+            return None
+        return DepthPlan(layers=self.layers, period=self.period, depths=depths)
+
     def note(self) -> str:
         repeat = "every block alike" if self.period == 1 else f"the stack repeats every {self.period} blocks"
         return (
@@ -153,8 +160,9 @@ def extrapolate_line(at: tuple[int, int], depths: tuple[int, int], layers: int) 
     return hi + (hi - lo) * (layers - b) // (b - a)
 
 
-def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan) -> PhasePeaks:
-    """Each phase's peak, category by category, at the model's full depth.
+def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan) -> PhasePeaks | None:
+    """Each phase's peak, category by category, at the model's full depth; None when the traces'
+    parts cannot be matched (then :meth:`DepthPlan.deeper`).
 
     With the traces' segments (each part of a phase kept apart: before the blocks, in each block,
     after them; :mod:`hf_memstack.measure.segments`), each part that is there at every depth - the
@@ -162,9 +170,8 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
     (:func:`_by_position`) - is extrapolated on its own and the phase's peak is the highest at the
     full depth: the part that holds the peak can change with the depth (the head's backward in a
     shallow LoRA model, its last block's backward in a deep one). The blocks between add the same
-    bytes each, so none of them is above both ends. Without segments, or when the shallower trace
-    lacks a part (its last period is its first: ``ckpt:N`` and Gemma-2's pairs over a depth that
-    ``N`` divides), each phase's peak is one line.
+    bytes each, so none of them is above both ends. Without segments (no blocks found), each phase's
+    peak is one line.
     """
     if len(shallow.peaks) != len(deeper.peaks):
         raise RuntimeError("the two shallow traces ran different phases")
@@ -178,42 +185,66 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
         peak["total"] = sum(v for k, v in peak.items() if k != "total")
         return peak
 
-    peaks = []
-    for i, (a, b) in enumerate(zip(shallow.peaks, deeper.peaks, strict=True)):
-        lo, hi = (
-            (_by_position(s.segments[i], d, plan.period) if len(s.segments) > i else {})
-            for s, d in zip((shallow, deeper), plan.depths, strict=True)
-        )
-        if lo and lo.keys() == hi.keys():
+    if not (shallow.segments and deeper.segments):
+        peaks = [extrapolated(a, b) for a, b in zip(shallow.peaks, deeper.peaks, strict=True)]
+    else:
+        # Block 0 may stand for the last block of its kind when it holds what the others do.
+        alike = all(_block0_alike(parts, plan.period) for parts in deeper.segments)
+        peaks = []
+        for low, high in zip(shallow.segments, deeper.segments, strict=True):
+            lo = _by_position(low, plan.depths[0], plan.period, block0_alike=alike)
+            hi = _by_position(high, plan.depths[1], plan.period, block0_alike=alike)
+            if lo.keys() != hi.keys():
+                return None  # the shallower trace's one period starts with an unlike block 0
             # The first part (in the order they ran) to reach the highest peak, as one tracker reads it.
             peaks.append(max((extrapolated(lo[k], hi[k]) for k in hi), key=lambda p: p["total"]))
-        else:
-            peaks.append(extrapolated(a, b))
     return PhasePeaks(
         peaks=tuple(peaks), forward_activations=line(shallow.forward_activations, deeper.forward_activations)
     )
 
 
-def _by_position(segments: dict[Segment, dict[str, int]], depth: int, period: int) -> dict[Segment, dict[str, int]]:
+def _by_position(
+    segments: dict[Segment, dict[str, int]], depth: int, period: int, *, block0_alike: bool
+) -> dict[Segment, dict[str, int]]:
     """A trace's segments keyed by what each is at any depth: ``pre`` and ``post`` as they are, block
-    ``k`` of ``depth`` as ``("first", k)`` among the first ``period + 1`` blocks from the input and
-    as ``("last", j)`` among the last ``period`` but block 0; the blocks between dropped.
+    ``k`` of ``depth`` as ``("first", k)`` among the first blocks from the input and as ``("last", j)``
+    among the last ``period``; the blocks between dropped.
 
-    Block 0 is unlike the others (its input is the embeddings'; a GPT-OSS LoRA block 0's backward
-    held 18 KB less than the line through the rest): the blocks after it form the line whose ends
-    bound the ones between, so block ``period`` (the first after it of its kind) is keyed too, and
-    block 0 never stands for a last block. A trace of ``period`` blocks then lacks some keys, and
-    :func:`extrapolate_phases` reads each phase as one line instead."""
+    Block 0 can be unlike the others (its input is the embeddings'; a GPT-OSS LoRA block 0's backward
+    held 18 KB less than the line through the rest). Then the blocks after it form the line whose
+    ends bound the ones between: block ``period`` (the first after it of its kind) is keyed too, and
+    block 0 never stands for a last block - a trace of one period (``ckpt:N`` or Gemma-2's pairs over
+    a depth ``N`` divides: 2 and 4 blocks) lacks keys, and is traced a period deeper. When block 0
+    holds what the others do (``block0_alike``), it is the first of its kind and may be a last one."""
     keyed: dict[Segment, dict[str, int]] = {}
+    first = period if block0_alike else period + 1
     for (kind, k), peak in segments.items():
         if kind != "block":
             keyed[(kind, k)] = peak
             continue
-        if k <= period:
+        if k < first:
             keyed[("first", k)] = peak
-        if depth - 1 - k < period and k > 0:
+        if depth - 1 - k < period and (k > 0 or block0_alike):
             keyed[("last", depth - 1 - k)] = peak
     return keyed
+
+
+def _block0_alike(parts: dict[Segment, dict[str, int]], period: int) -> bool:
+    """Whether block 0's part of a phase holds what a block of another kind does: a period on, every
+    block's part changes by the same bytes (one period's worth, in each category), so block 0 to
+    block ``period`` must change as block ``r`` to ``period + r`` does. Read on a trace of at least
+    two periods; with one kind of block (period 1) there is none to compare with: False. A phase
+    that runs no block: True."""
+    blocks = {k: peak for (kind, k), peak in parts.items() if kind == "block"}
+    if not blocks:
+        return True  # a phase without blocks (the optimizer step): nothing of block 0's to tell apart
+    if period < 2 or not all(k in blocks for k in range(2 * period)):
+        return False
+
+    def step(r: int) -> dict[str, int]:
+        return {c: blocks[period + r][c] - blocks[r][c] for c in blocks[r]}
+
+    return all(step(0) == step(r) for r in range(1, period))
 
 
 def blocks_of_every_kind(config: PretrainedConfig) -> int:

@@ -34,7 +34,7 @@ from ..policy import MemoryPolicy
 from .depth import extrapolate_line, extrapolate_phases, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
 from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
-from .estimate_trace import Job, depth_plan, trace
+from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
@@ -214,21 +214,31 @@ def _traced_step(
     """The step's memory, the traced model and its counts: one full trace, or two shallow ones
     extrapolated to the full depth (said in ``notes``)."""
     depth = depth_plan(config, job) if extrapolate else None
-    if depth is None:
-        full = trace(config, job)
-        return step_memory_of(full.phases), full.net, full.counts
-    # Two shallow traces, a period of blocks apart; every count on their line at the full depth.
-    with warnings.catch_warnings():
-        # A shallow stack of every_n blocks checkpoints only its block 0 on purpose (one period of the
-        # full depth's pattern): prepare_model's warning about that speaks of the traced copy, not the user's model.
-        warnings.filterwarnings(
-            "ignore", message=r"policy\.checkpointing\.every_n=\d+ with \d+ blocks", category=UserWarning
-        )
-        lo, hi = (trace(with_depth(config, d), job) for d in depth.depths)
-    m = step_memory_of(extrapolate_phases(lo.phases, hi.phases, depth))
-    counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
-    notes.append(depth.note())
-    return m, hi.net, counts
+    traced: dict[int, Traced] = {}
+
+    def at(d: int) -> Traced:
+        if d not in traced:
+            with warnings.catch_warnings():
+                # A shallow stack of every_n blocks checkpoints only its block 0 on purpose (one period of
+                # the full depth's pattern): prepare_model's warning speaks of the traced copy, not the user's model.
+                warnings.filterwarnings(
+                    "ignore", message=r"policy\.checkpointing\.every_n=\d+ with \d+ blocks", category=UserWarning
+                )
+                traced[d] = trace(with_depth(config, d), job)
+        return traced[d]
+
+    # Two shallow traces, a period of blocks apart; every count on their line at the full depth. When
+    # their parts cannot be matched (an unlike block 0 in a one-period trace), a period deeper.
+    while depth is not None:
+        lo, hi = at(depth.depths[0]), at(depth.depths[1])
+        phases = extrapolate_phases(lo.phases, hi.phases, depth)
+        if phases is not None:
+            counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
+            notes.append(depth.note())
+            return step_memory_of(phases), hi.net, counts
+        depth = depth.deeper()
+    full = trace(config, job)
+    return step_memory_of(full.phases), full.net, full.counts
 
 
 def _with_weights_dtype(

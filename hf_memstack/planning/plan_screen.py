@@ -16,7 +16,7 @@ __all__ = ["SCREEN", "SCREEN_BELOW", "every_n_between", "num_blocks"]
 
 
 # A ckpt:N rung whose interpolated peak is this far above the budget is not traced (a ckpt:N trace
-# holds 3N blocks, the others 3). On a 7B LoRA at 2,048 tokens the interpolation read 1.7-2.3% above
+# holds 3N blocks, the others 5). On a 7B LoRA at 2,048 tokens the interpolation read 1.7-2.3% above
 # the traced ckpt:2-4 peaks (bench/estimate_speed.py): 15% leaves a rung that could fit traced.
 SCREEN = 1.15
 # The reading with the states in place of full checkpointing's peak lies below the interpolation by

@@ -302,8 +302,8 @@ def _try_rung(
     instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). A ``ckpt:N`` rung is read
     between its neighbours first (:func:`every_n_between`) and not traced when that reading is far
     over the budget. ``trace_full``: when its states' floor does not rule it out, trace full
-    checkpointing for a closer reading - on the walk that rung comes later anyway, and its 3-block
-    trace costs less than the ``3N`` blocks of the ``ckpt:N`` one it may screen out; a search
+    checkpointing for a closer reading - on the walk that rung comes later anyway, and its 5-block
+    traces cost less than the ``3N`` blocks of the ``ckpt:N`` ones it may screen out; a search
     (:func:`_search`) traces the ``ckpt:N`` rung instead, as it would stop at full checkpointing
     only when every faster candidate missed."""
     key = _states_key(rung.policy)

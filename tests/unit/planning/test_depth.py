@@ -13,6 +13,7 @@ from transformers import Gemma2Config, GPT2Config, GptOssConfig, LlamaConfig, Mi
 
 from hf_memstack import estimate_memory
 from hf_memstack.planning import depth
+from hf_memstack.planning import estimate as estimate_module
 from hf_memstack.planning.depth import extrapolate_line
 
 
@@ -94,11 +95,11 @@ def _both(config, policy: str, **job):
         ("gpt2", 16, "fp32", "all"),
         ("qwen2", 8, "fp32", "lora"),
         ("qwen2", 16, "bf16+ckpt", "all"),
-        ("gemma2", 8, "bf16+ckpt", "all"),
+        ("gemma2", 14, "bf16+ckpt", "all"),
         ("gemma2", 16, "fp32", "lora"),
         # Found by a new-user trial: block 0 of a GPT-OSS LoRA model holds less in its backward than
         # the line through the others, and once stood for the last block at 2 blocks (+0.9%).
-        ("gpt-oss", 8, "bf16+ckpt", "lora"),
+        ("gpt-oss", 14, "bf16+ckpt", "lora"),
         ("gpt-oss", 11, "bf16+ckpt", "lora"),
     ],
 )
@@ -131,7 +132,7 @@ def test_a_shallow_model_is_traced_in_full(layers):
 )
 def test_every_rung_extrapolates_exactly(policy):
     world = 2 if "fsdp" in policy else 1
-    fast, full = _both(_config("llama", 12), policy, batch_size=2, seq_len=64, world_size=world)
+    fast, full = _both(_config("llama", 14), policy, batch_size=2, seq_len=64, world_size=world)
     assert _extrapolated(fast) is not None
     assert _fields(fast) == _fields(full)
 
@@ -174,8 +175,30 @@ def test_the_peak_moving_inside_a_phase_with_depth_is_extrapolated_part_by_part(
     fast, full = _both(config, "bf16+ckpt", **job)
     assert _extrapolated(fast) is not None
     assert _fields(fast) == _fields(full)
-    monkeypatch.setattr(depth, "_by_position", lambda *args: {})  # one line per phase, as before
+    # Without the parts (one line through each phase's peaks, as before), the same traces read low.
+    whole = depth.extrapolate_phases
+    monkeypatch.setattr(
+        estimate_module,
+        "extrapolate_phases",
+        lambda lo, hi, plan: whole(dataclasses.replace(lo, segments=()), dataclasses.replace(hi, segments=()), plan),
+    )
     assert estimate_memory(config, "bf16+ckpt", **job).forward_backward_peak < 0.99 * full.forward_backward_peak
+
+
+@pytest.mark.parametrize(
+    ("arch", "policy", "depths"), [("gemma2", "bf16+ckpt", "4 and 6"), ("llama", "bf16+ckpt:2", "2 and 4")]
+)
+def test_a_stack_repeating_every_2_blocks_over_a_depth_2_divides_is_read_part_by_part(arch, policy, depths):
+    # Found by a new-user trial: traced at 2 and 4 blocks, the shallower trace's last period is its
+    # first, block 0 among them, and each phase was read as one line: +14% on this Gemma-2's peak,
+    # -3.4% on the Llama's forward+backward peak. Now block 0 stands for a last block where it changes
+    # over a period as the others do (the Llama under ckpt:2); Gemma-2's does not, and it is traced a
+    # period deeper (4 and 6 blocks).
+    config = _config(arch, 16)
+    config.vocab_size = 4096
+    fast, full = _both(config, policy, batch_size=1, seq_len=4, trainable={"r": 64})
+    assert f"traced with {depths} of the model's 16 blocks" in _extrapolated(fast)
+    assert _fields(fast) == _fields(full)
 
 
 def test_blocks_that_do_not_repeat_are_traced_in_full():
@@ -212,9 +235,9 @@ def test_a_config_without_blocks_is_refused():
 
 
 def test_shallow_traces_do_not_warn_about_their_own_depth(recwarn):
-    # Tracing every_n=4 over a shallow copy of 4 blocks checkpoints its block 0 on purpose; the user's
-    # 16 blocks do not trigger prepare_model's "only block 0 is checkpointed" warning, so neither may the estimate.
-    est = estimate_memory(_config("llama", 16), "bf16+ckpt:4", batch_size=1, seq_len=32)
+    # Tracing every_n=4 over a shallow copy checkpoints few of its blocks on purpose; the user's 32 blocks
+    # do not trigger prepare_model's "only block 0 is checkpointed" warning, so neither may the estimate.
+    est = estimate_memory(_config("llama", 32), "bf16+ckpt:4", batch_size=1, seq_len=32)
     assert any("extrapolated" in n or "traced" in n for n in est.notes), est.notes  # the shallow path ran
     assert not [w for w in recwarn if "only block 0 is checkpointed" in str(w.message)]
 

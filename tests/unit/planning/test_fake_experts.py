@@ -103,7 +103,7 @@ def _fields(estimate) -> dict:
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2-moe"])
 @pytest.mark.parametrize(("policy", "trainable"), [("bf16+ckpt", {"r": 16}), ("bf16+ckpt:2+loss:chunked", "all")])
 def test_a_mixture_of_experts_estimate_extrapolates_to_the_full_trace(arch, policy, trainable):
-    config = _config(arch, layers=12)
+    config = _config(arch, layers=14)
     job = {"batch_size": 1, "seq_len": 64, "trainable": trainable}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
