@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DepthPlan",
+    "FULL_TRACE_ASKED",
+    "FullTrace",
     "blocks_of_every_kind",
     "extrapolate_line",
     "extrapolate_phases",
@@ -87,6 +89,19 @@ class DepthPlan:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class FullTrace:
+    """Why the estimate traces every block instead of extrapolating (said in its notes)."""
+
+    reason: str
+
+    def note(self) -> str:
+        return f"traced every block of the model: {self.reason}"
+
+
+FULL_TRACE_ASKED = FullTrace("extrapolate=False (--full-trace)")
+
+
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
     getter = getattr(config, "get_text_config", None)
     return getter() if callable(getter) else config
@@ -115,34 +130,41 @@ def plan_depths(
     *,
     every_n: int,
     peft_config: PeftConfig | None,
-) -> DepthPlan | None:
-    """The two shallow depths to trace for ``config``, or None when the model must be traced in full
-    (too shallow to gain, blocks that differ, a PEFT config that picks blocks by index).
+) -> DepthPlan | FullTrace:
+    """The two shallow depths to trace for ``config``, or why the model is traced in full (too
+    shallow to gain, blocks that differ, a PEFT config that picks blocks by index).
 
     Args:
         build: builds the model of a config on the meta device, in the estimate's dtypes.
         every_n: the policy's checkpointing period (``ckpt:N``: one block in N; 1 otherwise).
     """
     layers = num_layers(config)
-    if layers is None or _peft_picks_blocks(peft_config):
-        return None
+    if layers is None:
+        return FullTrace("its config names no number of blocks (num_hidden_layers)")
+    if _peft_picks_blocks(peft_config):
+        return FullTrace("the PEFT config picks blocks by index (layers_to_transform, a regex or rank_pattern)")
     deep = build(config)
     blocks = _blocks(deep)
     if blocks is None or len(blocks) != layers:
-        return None
+        return FullTrace(f"its {layers} blocks were not found as one stack")
     signatures = [_signature(b) for b in blocks]
     period = _period(signatures)
     if period is None:
-        return None
+        return FullTrace("its blocks do not repeat")
     period = math.lcm(period, every_n)
     shallow = _SHALLOW_PERIODS * period + layers % period
     if shallow < 2:
         shallow += period  # also: one block is no stack to find_blocks (the tiled MLP's)
     depths = (shallow, shallow + period)
-    if sum(depths) > _MOST_TRACED * layers:
+    plan = DepthPlan(layers=layers, period=period, depths=depths)
+    if sum(depths) > _MOST_TRACED * layers or (shallow == period and plan.deeper() is None):
         # Two traces about as deep as the model, plus its meta build: tracing it once is faster
-        # (Gemma-3's 26 blocks, a period of 6, traced 8 and 14 in 42 s against 28 s in full).
-        return None
+        # (Gemma-3's 26 blocks, a period of 6, traced 8 and 14 in 42 s against 28 s in full). A
+        # shallower trace of one period may need the next two depths (its block 0 is also its last
+        # period's first: :func:`_by_position`); where those are too deep, the two traces and then the
+        # full one cost more than the full one alone (Gemma-3's 24 blocks: 6, 12, then 24 - 9.0 s
+        # against 5.2 s, found by a new-user trial).
+        return FullTrace(f"{layers} blocks are too few for two shallower traces to be faster")
     model = build(with_depth(config, depths[1]))
     few = _blocks(model)
     if (
@@ -150,8 +172,8 @@ def plan_depths(
         or [_signature(b) for b in few] != signatures[: depths[1]]
         or _outside(model, few) != _outside(deep, blocks)
     ):
-        return None  # the shallow model is not the deep one's first blocks: trace in full
-    return DepthPlan(layers=layers, period=period, depths=depths)
+        return FullTrace("a shallower copy of the model is not its first blocks")
+    return plan
 
 
 def extrapolate_line(at: tuple[int, int], depths: tuple[int, int], layers: int) -> int:
@@ -247,17 +269,36 @@ def _block0_alike(parts: dict[Segment, dict[str, int]], period: int) -> bool:
     return all(step(0) == step(r) for r in range(1, period))
 
 
-def blocks_of_every_kind(config: PretrainedConfig) -> int:
-    """The fewest first blocks that hold every kind of block the model has (``layer_types``, Jamba's
-    ``layers_block_type``; 1 when its blocks are alike): a copy cut to them holds every kind of layer
-    there is (a hybrid model cut to its first block, a Mamba or linear-attention one, has no attention
-    layer for the cache Transformers builds: Qwen3-Next, Jamba)."""
+def blocks_of_every_kind(config: PretrainedConfig, model: nn.Module | None = None) -> int:
+    """The fewest first blocks that hold every kind of block the model has: a copy cut to them holds
+    every kind of layer there is (a hybrid model cut to its first block, a Mamba or linear-attention
+    one, has no attention layer for the cache Transformers builds: Qwen3-Next, Jamba; a Qwen3-MoE
+    whose block 0 is dense, ``mlp_only_layers=[0]``, has no router for its router loss).
+
+    Read from the config's ``layer_types`` (Jamba's ``layers_block_type``) and, given ``model`` (the
+    full-depth model, built on meta), from its blocks' signatures - classes, parameter shapes, plain
+    attributes: that also covers the dense and sparse blocks that configs place by their own fields
+    (``mlp_only_layers``, ``decoder_sparse_step``, ``first_k_dense_replace``, ...). 1 when all are alike."""
+    kinds: list[Any] = []
     text = text_config(config)
     for name in ("layer_types", "layers_block_type"):
-        kinds = getattr(text, name, None)
-        if isinstance(kinds, (list, tuple)) and kinds:
-            return next(d for d in range(1, len(kinds) + 1) if set(kinds[:d]) == set(kinds))
-    return 1
+        named = getattr(text, name, None)
+        if isinstance(named, (list, tuple)) and named:
+            kinds = list(named)
+            break
+    blocks = _blocks(model) if model is not None else None
+    if blocks is not None:
+        signatures = [_signature(b) for b in blocks]
+        kinds = [(k, s) for k, s in zip(kinds, signatures, strict=False)] if kinds else signatures
+    if not kinds:
+        return 1
+    distinct: list[Any] = []  # compared by equality: a signature's plain attributes may hold lists
+    newest = 0
+    for i, kind in enumerate(kinds):
+        if kind not in distinct:
+            distinct.append(kind)
+            newest = i
+    return newest + 1
 
 
 def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..measure.memory import StepMemory, step_memory_of
 from ..policy import MemoryPolicy
-from .depth import extrapolate_line, extrapolate_phases, with_depth
+from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
 from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
 from .estimate_trace import Job, Traced, depth_plan, trace
@@ -213,7 +213,8 @@ def _traced_step(
 ) -> tuple[StepMemory, nn.Module, dict[str, int]]:
     """The step's memory, the traced model and its counts: one full trace, or two shallow ones
     extrapolated to the full depth (said in ``notes``)."""
-    depth = depth_plan(config, job) if extrapolate else None
+    planned = depth_plan(config, job) if extrapolate else FULL_TRACE_ASKED
+    depth = planned if isinstance(planned, DepthPlan) else None
     traced: dict[int, Traced] = {}
 
     def at(d: int) -> Traced:
@@ -237,6 +238,10 @@ def _traced_step(
             notes.append(depth.note())
             return step_memory_of(phases), hi.net, counts
         depth = depth.deeper()
+        if depth is None:
+            planned = FullTrace("its block 0 differs from the others, and deeper traces would be slower")
+    if isinstance(planned, FullTrace):
+        notes.append(planned.note())
     full = trace(config, job)
     return step_memory_of(full.phases), full.net, full.counts
 

@@ -19,7 +19,7 @@ from ..prepare import prepare_model
 from ..transforms.optim import make_optimizer
 from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
-from .depth import DepthPlan, _peft_picks_blocks, plan_depths
+from .depth import DepthPlan, FullTrace, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
 from .fake_experts import experts_on_fake_tensors
 from .fake_model import (
@@ -135,8 +135,9 @@ def _quiet_prepare(*, training: bool) -> Iterator[None]:
         yield
 
 
-def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | None:
-    """Which shallow depths to trace for this job, or None to trace every block."""
+def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | FullTrace | None:
+    """Which shallow depths to trace for this job, or why every block is traced (None: the full
+    trace says what is wrong with the config)."""
 
     def build(cfg: Any) -> nn.Module:
         with torch.device("meta"):
@@ -148,7 +149,7 @@ def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | None:
     ck = job.policy.checkpointing
     every_n = ck.every_n if ck.mode == "every_n" else 1
 
-    def plan() -> DepthPlan | None:
+    def plan() -> DepthPlan | FullTrace | None:
         try:
             return plan_depths(config, build, every_n=every_n, peft_config=job.peft_config)
         except ValueError:

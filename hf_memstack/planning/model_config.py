@@ -155,6 +155,10 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
 
 
+# The dtype names a config.json may carry (torch's names of the floating-point dtypes weights load in).
+_CONFIG_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
+
+
 def _check_config_file(path: Path, *, trust_remote_code: bool) -> None:
     config = path / "config.json"
     if not config.is_file():
@@ -175,6 +179,15 @@ def _check_config_file(path: Path, *, trust_remote_code: bool) -> None:
             f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
             'add it (e.g. "model_type": "llama") or re-save the model with save_pretrained'
         )
+    for field in ("dtype", "torch_dtype"):
+        value = data.get(field)
+        if value is not None and value not in _CONFIG_DTYPES:
+            # Transformers would fail on it with torch's own words (no attribute 'float8', no Storage).
+            raise ValueError(
+                f"model={str(path)!r}: {config.name} has {field}={value!r}, which is not a dtype Transformers "
+                f"loads weights in; set it to the dtype the weights were saved in, one of {sorted(_CONFIG_DTYPES)}, "
+                "or remove the field"
+            )
     from transformers import CONFIG_MAPPING
 
     model_type = data["model_type"]

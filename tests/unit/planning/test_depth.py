@@ -116,6 +116,31 @@ def test_a_shallow_model_is_traced_in_full(layers):
     # Two shallow traces (2 and 3 blocks) would hold most of the model's: it is traced once, as it is.
     fast, full = _both(_config("llama", layers), "bf16+ckpt", batch_size=2, seq_len=64)
     assert _extrapolated(fast) is None and _fields(fast) == _fields(full)
+    # The notes say so, and why (found by a new-user trial: a full trace said nothing).
+    assert f"traced every block of the model: {layers} blocks are too few" in " ".join(fast.notes)
+    assert "traced every block of the model: extrapolate=False (--full-trace)" in full.notes
+
+
+def test_a_one_period_trace_whose_deeper_pair_would_be_too_deep_is_traced_in_full_at_once():
+    # Gemma-2 at 8 blocks: 2 and 4 blocks traced, its block 0 unlike the others, and 4 and 6 would
+    # hold more than 3/4 of the model: the two traces were made, then the full one (a Gemma-3 at 24
+    # blocks took 9.0 s where the full trace alone takes 5.2 s, found by a new-user trial). Now the
+    # full trace is chosen before any shallow one.
+    calls = []
+    real_trace = estimate_module.trace
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            estimate_module,
+            "trace",
+            lambda config, job: calls.append(config.num_hidden_layers) or real_trace(config, job),
+        )
+        fast = estimate_memory(_config("gemma2", 8), "bf16+ckpt", batch_size=1, seq_len=16, trainable={"r": 8})
+    assert calls == [8]
+    assert "8 blocks are too few for two shallower traces" in " ".join(fast.notes)
+    # At 14 blocks the pair a period deeper fits: traced there (block 0 unlike, the first pair is not enough).
+    assert "traced with 4 and 6" in _extrapolated(
+        estimate_memory(_config("gemma2", 14), "bf16+ckpt", batch_size=1, seq_len=16)
+    )
 
 
 @pytest.mark.parametrize(

@@ -158,9 +158,13 @@ def test_a_hybrid_model_with_the_chunked_loss_is_estimated_as_prepare_model_take
         use_mamba_kernels=False,
     )
     assert config.layers_block_type[0] == "mamba"
+    _assert_chunked_loss_estimate_is_the_meters(config, JambaForCausalLM)
+
+
+def _assert_chunked_loss_estimate_is_the_meters(config, cls) -> None:
     est = estimate_memory(config, "fp32+loss:chunked", batch_size=BATCH, seq_len=SEQ)
     torch.manual_seed(0)
-    model = prepare_model(JambaForCausalLM(config).train(), "fp32+loss:chunked")
+    model = prepare_model(cls(config).train(), "fp32+loss:chunked")
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     real = measure_step(model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False)
     assert (est.peak_bytes, est.parameters, est.optimizer) == (real.peak_bytes, real.parameters, real.optimizer)
@@ -177,3 +181,28 @@ def test_a_config_routing_to_experts_it_does_not_have_is_refused_naming_the_fiel
         ValueError, match=rf"num_local_experts={experts} and num_experts_per_tok={per_token}.*{field} must be"
     ):
         estimate_memory(config, "bf16", batch_size=BATCH, seq_len=SEQ)
+
+
+@pytest.mark.parametrize("placement", [{"mlp_only_layers": [0]}, {"decoder_sparse_step": 2}])
+def test_a_model_whose_first_block_is_dense_is_estimated_with_the_chunked_loss(placement):
+    # Found by a new-user trial: a Qwen3-MoE whose block 0 is dense (its config places the dense and
+    # sparse blocks by their own fields, not layer_types) was checked on a copy cut to that block,
+    # which has no router: Transformers' router loss failed on no router logits (exit 3 from the CLI,
+    # for the whole plan). The copy now holds a block of every kind read from the blocks themselves.
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        **placement,
+    )
+    _assert_chunked_loss_estimate_is_the_meters(config, Qwen3MoeForCausalLM)
