@@ -21,15 +21,19 @@ def print_estimates(
     estimates: list[MemoryEstimate], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool
 ) -> None:
     """Print one row per policy's estimate, with its verdict when there is a budget (JSON for scripts)."""
-    fits = any(verdicts)
     if as_json:
+        # Without a budget there is no verdict: null, not true (a script reading "fits" must not be told
+        # that a 135 GiB peak fits).
+        budgeted = budget is not None
         print(
             json.dumps(
                 {
-                    "estimates": [{**e.as_dict(), "fits": ok} for e, ok in zip(estimates, verdicts)],
+                    "estimates": [
+                        {**e.as_dict(), "fits": ok if budgeted else None} for e, ok in zip(estimates, verdicts)
+                    ],
                     "budget": budget,
-                    "fits": fits,
-                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok],
+                    "fits": any(verdicts) if budgeted else None,
+                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok] if budgeted else None,
                 },
                 indent=2,
             )

@@ -170,6 +170,12 @@ def test_several_policies_each_get_their_verdict(pretrained_dirs, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is True and data["fitting_policies"] == ["fp32+ckpt"]
     assert [e["fits"] for e in data["estimates"]] == [False, True]
+    # Without a budget there is no verdict (found by a new-user trial: "fits": true for a 135 GiB peak).
+    unbudgeted = argv[: argv.index("--budget")]
+    assert main([*unbudgeted, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is None and data["fitting_policies"] is None
+    assert [e["fits"] for e in data["estimates"]] == [None, None]
     below = [
         "estimate",
         d,

@@ -620,6 +620,16 @@ ESTIMATE = [
         "not a multiple of the number of attention heads",
     ),
     C(
+        # Found by a new-user trial: Transformers failed on it with torch's words ("module 'torch' has
+        # no attribute 'float8'"), naming neither the field nor what it may be.
+        "estimate-config-dtype",
+        lambda c: _est(c, model=_config_dir(c, "f8", json.dumps({**json.loads(BAD_HEADS), "dtype": "float8"}))),
+        ValueError,
+        "config.json has dtype='float8'",
+        "['bfloat16', 'float16', 'float32', 'float64']",
+        "or remove the field",
+    ),
+    C(
         "estimate-config-class",
         lambda c: _est(c, model=__import__("transformers").LlamaConfig),
         TypeError,
