@@ -24,7 +24,12 @@ __all__ = ["cached", "clear", "config_key", "model_copy"]
 T = TypeVar("T")
 
 _MOST = 16  # entries per cache: a plan holds two depths and the full model's plan per job
-_CACHES: dict[str, dict[tuple[Any, ...], Any]] = {"depth_plans": {}, "meta_models": {}, "parameter_counts": {}}
+_CACHES: dict[str, dict[tuple[Any, ...], Any]] = {
+    "block_kinds": {},
+    "depth_plans": {},
+    "meta_models": {},
+    "parameter_counts": {},
+}
 
 
 def config_key(config: PretrainedConfig) -> tuple[str, str]:

@@ -10,6 +10,7 @@ import torch
 
 from ..policy import LossConfig
 from ..transforms.loss_head import check_loss_head
+from . import build_cache
 from .depth import blocks_of_every_kind, text_config, with_depth
 from .model_config import build_model
 from .weights_dtype import parse_dtype
@@ -88,22 +89,30 @@ def chunked_loss_verdict(config: PretrainedConfig, task: str, trust_remote_code:
     return _LOSS_VERDICTS[key]
 
 
+def block_kinds(config: PretrainedConfig, task: str, trust_remote_code: bool = False) -> int:
+    """:func:`~.depth.blocks_of_every_kind` read from the full model's blocks, built on meta (no
+    bytes; 0.2 s at 70B), once per config and task: the chunked-loss check and the planner's 4-bit
+    check both cut their copies to it."""
+
+    def count() -> int:
+        with torch.device("meta"):
+            return blocks_of_every_kind(config, build_model(config, task, trust_remote_code=trust_remote_code))
+
+    return build_cache.cached("block_kinds", (*build_cache.config_key(config), task, trust_remote_code), count)
+
+
 def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: bool) -> tuple[str | None, str | None]:
 
     # What happens between the backbone and the output head does not depend on the depth: the fewest
     # blocks that hold every kind of block the model has (one, unless its layers differ).
-    # The kinds are read from the full model's blocks, built on meta (no bytes; 0.2 s at 70B).
     layers = getattr(text_config(config), "num_hidden_layers", None)
-    with torch.device("meta"):
-        try:
-            shape = build_model(config, task, trust_remote_code=trust_remote_code)
-            if isinstance(layers, int) and layers > 1:
-                small = with_depth(config, blocks_of_every_kind(config, shape))
-                shape = build_model(small, task, trust_remote_code=trust_remote_code)
-            else:
-                small = copy.deepcopy(config)
-        except ValueError:
-            return None, None  # the full model's build (next) says what is wrong with the config
+    try:
+        multi = isinstance(layers, int) and layers > 1
+        small = with_depth(config, block_kinds(config, task, trust_remote_code)) if multi else copy.deepcopy(config)
+        with torch.device("meta"):
+            shape = build_model(small, task, trust_remote_code=trust_remote_code)
+    except ValueError:
+        return None, None  # the full model's build (next) says what is wrong with the config
     if sum(p.numel() for p in shape.parameters()) > _LOSS_CHECK_MAX_PARAMETERS:
         return None, (
             "loss:chunked was not compared with the model's own loss here (too large to build for that check); "

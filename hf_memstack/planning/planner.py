@@ -6,17 +6,15 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from ..sizes import parse_bytes
 from ..transforms.blocks import Blocks, find_blocks
 from ..transforms.precision import resolve_precision
 from ..transforms.quant import quantizable
 from ..transforms.tiled_mlp import auto_tile_tokens
-from .depth import blocks_of_every_kind, num_layers, with_depth
-from .estimate_checks import chunked_loss_problem
+from .depth import num_layers, with_depth
+from .estimate_checks import block_kinds, chunked_loss_problem
 from .fake_model import meta_model
-from .model_config import build_model, infer_task, load_config
+from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
 from .plan_advice import suggestions
 from .plan_estimates import Estimates
@@ -178,13 +176,8 @@ def _meta_blocks(config: PretrainedConfig, task: str, trainable: Any, weights: W
     """The blocks of the LoRA model built on meta, cut to a block of each kind: what they hold is the
     deep model's (building the whole 7B with its adapters cost 0.8 s of a 4 s plan)."""
     layers = num_layers(config)
-    if layers and layers > 2:
-        with torch.device("meta"):  # the full model's blocks say which kinds there are (no bytes)
-            kinds = blocks_of_every_kind(config, build_model(config, task))
-        # At least 2: one block is no stack to find_blocks.
-        shallow = with_depth(config, max(2, kinds))
-    else:
-        shallow = config
+    # At least 2: one block is no stack to find_blocks.
+    shallow = with_depth(config, max(2, block_kinds(config, task))) if layers and layers > 2 else config
     net = meta_model(shallow, task, peft_config_from(trainable), False, weights, copy=False)  # only read
     try:
         return find_blocks(net)
