@@ -1,4 +1,13 @@
-"""Saved weights get the file mode every other saved file gets.
+"""Reading and writing the files a user may have received: bounded reads of regular files only,
+one JSON reader, and saved weights that get the file mode every other saved file gets.
+
+A received file can be anything its sender made it: a FIFO (a read blocks forever), a symlink to
+``/dev/zero`` (a read never ends), a directory, or JSON nested 100,000 deep (``json`` raises
+``RecursionError``, which no ``except ValueError`` catches). :func:`read_regular` and
+:func:`read_json` turn each of these into a :class:`FileContentError` (a ``ValueError``) that
+says what the file is, before anything else happens.
+
+Weight file modes:
 
 safetensors >= 0.8 writes each file through a temporary file (``tempfile::NamedTempFile``, always
 mode 0600) renamed into place (safetensors#764; open upstream: safetensors#782), so
@@ -11,11 +20,100 @@ mode an ordinary ``open()`` would have: ``0o666 & ~umask``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["current_umask", "weights_follow_umask"]
+__all__ = [
+    "FileContentError",
+    "current_umask",
+    "describe_kind",
+    "loads_json",
+    "read_json",
+    "read_regular",
+    "weights_follow_umask",
+]
+
+# Every JSON file the package or the recipe reads (config.json, trainer_state.json, checkpoint.json,
+# manifests, cache entries) is far below this; a larger one is not one of ours.
+DEFAULT_MAX_BYTES = 64 * 2**20
+
+
+class FileContentError(ValueError):
+    """A file that is not what its name promises: not a regular file (a FIFO, a directory, a
+    device), larger than any such file is, or JSON that cannot be read. The message names the
+    path and what it is."""
+
+
+def describe_kind(mode: int) -> str:
+    """What a file of this ``st_mode`` is, in words ("a directory", "a FIFO (named pipe)", ...)."""
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_regular(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The bytes of ``path``, which must be a regular file (a symlink to one is fine) of at most
+    ``max_bytes``. Opened non-blocking, so a FIFO is refused instead of waiting for a writer, and
+    read at most ``max_bytes + 1`` bytes, so ``/dev/zero`` is refused instead of filling memory.
+
+    Raises:
+        FileNotFoundError, PermissionError, ...: as ``open`` does (an OSError).
+        FileContentError: not a regular file, or larger than ``max_bytes``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileContentError(f"{os.fspath(path)} is {describe_kind(st.st_mode)}, not a regular file")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise FileContentError(f"{os.fspath(path)} is larger than {max_bytes:,} bytes, more than such a file holds")
+    return b"".join(chunks)
+
+
+def loads_json(text: str | bytes, *, where: str = "the JSON") -> Any:
+    """``json.loads`` whose every failure is a ``ValueError``: nesting too deep for Python's parser
+    (``RecursionError``) included.
+
+    Raises:
+        FileContentError: naming ``where`` and what is wrong.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise FileContentError(f"{where} is nested too deeply to read (thousands of [ or {{ levels)") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise FileContentError(f"{where} is not valid JSON ({e})") from None
+
+
+def read_json(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """The JSON value in ``path``: a regular file of at most ``max_bytes`` (:func:`read_regular`),
+    parsed by :func:`loads_json`.
+
+    Raises:
+        OSError: the file cannot be opened (missing, no permission).
+        FileContentError: it is not a regular file, too large, not JSON or nested too deeply.
+    """
+    return loads_json(read_regular(path, max_bytes=max_bytes), where=os.fspath(path))
+
 
 _WEIGHTS = ("*.safetensors",)
 

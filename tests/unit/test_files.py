@@ -58,3 +58,63 @@ def test_save_pretrained_full_weights_follow_the_umask(tmp_path):
 
     (modes,) = run_ranks(_save_full, str(tmp_path / "full"), configs()["llama"].to_dict(), world=1)
     assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+
+
+# --- read_regular / read_json: what a received file can be ---------------------------------------------
+
+
+def test_read_json_reads_a_regular_file_and_a_symlink_to_one(tmp_path):
+    from hf_memstack.files import read_json
+
+    (tmp_path / "a.json").write_text('{"x": [1, 2]}')
+    (tmp_path / "link.json").symlink_to(tmp_path / "a.json")
+    assert read_json(tmp_path / "a.json") == {"x": [1, 2]}
+    assert read_json(tmp_path / "link.json") == {"x": [1, 2]}
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    from hf_memstack.files import FileContentError, read_json
+
+    fifo = tmp_path / "entry.json"
+    os.mkfifo(fifo)
+    # Opened blocking, this read would wait for a writer forever; the test would hang, not fail.
+    with pytest.raises(FileContentError, match=r"is a FIFO \(named pipe\), not a regular file"):
+        read_json(fifo)
+
+
+def test_a_directory_and_a_device_are_named_for_what_they_are(tmp_path):
+    from hf_memstack.files import FileContentError, read_regular
+
+    with pytest.raises(FileContentError, match="is a directory, not a regular file"):
+        read_regular(tmp_path)
+    (tmp_path / "zero.json").symlink_to("/dev/zero")
+    with pytest.raises(FileContentError, match="is a character device"):
+        read_regular(tmp_path / "zero.json")
+
+
+def test_a_file_over_the_bound_is_refused_without_reading_it_all(tmp_path):
+    from hf_memstack.files import FileContentError, read_regular
+
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 5000)
+    assert len(read_regular(big, max_bytes=5000)) == 5000
+    with pytest.raises(FileContentError, match="larger than 4,999 bytes"):
+        read_regular(big, max_bytes=4999)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a":' * 100_000])
+def test_deeply_nested_json_is_a_value_error_not_a_recursion_error(tmp_path, text):
+    from hf_memstack.files import FileContentError, read_json
+
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    with pytest.raises(FileContentError, match="nested too deeply") as info:
+        read_json(path)
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_missing_file_is_still_an_os_error(tmp_path):
+    from hf_memstack.files import read_json
+
+    with pytest.raises(FileNotFoundError):
+        read_json(tmp_path / "none.json")
