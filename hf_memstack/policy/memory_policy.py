@@ -172,7 +172,13 @@ class MemoryPolicy:
           rounding), ``weights:fp32`` (fp32 master weights, the default).
 
         A ladder preset name (``fp32``, ``bf16``, ``bf16+compile``, ``bf16+compile+ckpt``, ``fsdp``)
-        is such a string.
+        is such a string. ``fsdp`` is the one whose name is not its tokens: alone it is the preset
+        ``bf16+ckpt+fsdp``; joined with other tokens it is the FSDP token only, read with the
+        precision the string names (``bf16+fsdp``, ``fp32+ckpt+fsdp``). A string joining it that
+        names no precision (``fsdp+loss:chunked``) is refused, naming both readings
+        (``bf16+ckpt+fsdp+loss:chunked``, the preset with the addition; ``fp32+fsdp+loss:chunked``,
+        the tokens as written): read either way silently, it trains in fp32 without the preset's
+        checkpointing, or with settings the string does not name.
         """
         if not isinstance(spec, str):
             raise TypeError(f"policy string must be a str, got {type(spec).__name__}")

@@ -141,8 +141,61 @@ def parse(spec: str) -> tuple[dict[str, Any], list[str]]:
             continue
         set_by.update({(field, k): token for k in keys})
         kwargs[field] = {**kwargs.get(field, {}), **fragment} if isinstance(fragment, dict) else fragment
+    problems += _preset_name_problems(original, [raw.strip() for raw in spec.split("+")], set_by)
     # Sub-config fragments become their dataclasses (validated when the policy is built).
     return {k: SUBCONFIGS[k](**v) if k in SUBCONFIGS else v for k, v in kwargs.items()}, problems
+
+
+def _preset_name_problems(original: str, words: list[str], set_by: Mapping[tuple[str, str], str]) -> list[str]:
+    """A preset whose name is a token of its own (``fsdp``: the preset ``bf16+ckpt+fsdp``, and the FSDP
+    token) joined with other tokens in a string that names no precision: the token's reading trains
+    in fp32 without the preset's checkpointing, the preset's in bf16 with it - refused, naming both
+    (a string naming its precision, as the planner and the README write them, is read token by token)."""
+    if len(words) < 2 or ("precision", "") in set_by:
+        return []
+    problems = []
+    for name, expansion in LADDER.items():
+        others = [w for w in words if w != name]
+        if (
+            name == expansion
+            or name not in words
+            or any(not _settings(w) or _settings(name) & _settings(w) for w in others)
+        ):
+            continue  # not such a preset, not in the string, or beside an unknown word or a conflict (said already)
+        field, fragment = _BY_SPELLING[name].field, _BY_SPELLING[name].fragment
+        sets = ", ".join(f"policy.{field}.{k}={v!r}" for k, v in fragment.items())
+        problems.append(
+            f"policy string {original!r}: {name!r} alone is the preset {expansion!r}, but joined with other tokens it "
+            f"is the token {name!r} only ({sets}), and this string names no precision: it would train in "
+            f"fp32 without the preset's other settings. Write {_with_preset(expansion, others)!r} for the preset "
+            f"with {'+'.join(others)!r}, or {'+'.join(['fp32', *words])!r} for the tokens as written, in fp32"
+        )
+    return problems
+
+
+def _with_preset(expansion: str, additions: list[str]) -> str:
+    """The preset's tokens and ``additions``, an addition taking the place of the preset's token that
+    sets the same settings (``ckpt:2`` for ``ckpt``); one it already holds is not written twice."""
+    words = expansion.split("+")
+    for word in additions:
+        at = next((i for i, w in enumerate(words) if _settings(w) & _settings(word)), None)
+        if at is None:
+            words.append(word)
+        else:
+            words[at] = word
+    return "+".join(dict.fromkeys(words))
+
+
+def _settings(word: str) -> set[tuple[str, str]]:
+    """What a word sets: (field, sub-field) pairs, ``("precision", "")`` for a precision; none for a
+    word that is no token."""
+    if word.partition(":")[0] in get_args(Precision):
+        return {("precision", "")}
+    found = _lookup(word)
+    if found is None:
+        return set()
+    field, fragment = found
+    return {(field, k) for k in fragment} if isinstance(fragment, dict) else {(field, "")}
 
 
 def _conflict(original: str, token: str, earlier: str) -> str:

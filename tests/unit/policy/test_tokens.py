@@ -97,3 +97,52 @@ def test_options_without_a_token_are_left_out_of_the_string():
         loss={"mode": "chunked", "chunk_tokens": 256},
     )
     assert policy.to_string() == "bf16+fsdp:shard_grad_op+loss:chunked"
+
+
+def test_a_preset_whose_name_is_a_token_is_refused_beside_tokens_without_a_precision():
+    # Issue 39: 'fsdp' alone is the preset bf16+ckpt+fsdp; 'fsdp+loss:chunked' parsed to fp32
+    # without checkpointing. Every preset whose name is not its own token string is checked.
+    from hf_memstack.policy import LADDER
+
+    named = {name: expansion for name, expansion in LADDER.items() if name != expansion}
+    assert named  # fsdp
+    for name, expansion in named.items():
+        assert MemoryPolicy.from_string(name) == MemoryPolicy.from_string(expansion)
+        for addition, preset_reading in (
+            ("loss:chunked", f"{expansion}+loss:chunked"),
+            ("ckpt", expansion),
+            ("ckpt:2", expansion.replace("ckpt", "ckpt:2")),
+            ("optim:8bit+optim:in_backward", f"{expansion}+optim:8bit+optim:in_backward"),
+        ):
+            spec = f"{name}+{addition}"
+            with pytest.raises(PolicyError) as caught:
+                MemoryPolicy.from_string(spec)
+            message = str(caught.value)
+            assert f"{name!r} alone is the preset {expansion!r}" in message, message
+            # Both readings are named, each a string that parses to what it says.
+            assert f"Write {preset_reading!r} for the preset" in message, message
+            assert f"or 'fp32+{spec}' for the tokens as written" in message, message
+            assert MemoryPolicy.from_string(preset_reading).precision == "bf16"
+            assert MemoryPolicy.from_string(f"fp32+{spec}").precision == "fp32"
+            # The same words after the preset's other name order: refused too.
+            with pytest.raises(PolicyError, match="alone is the preset"):
+                MemoryPolicy.from_string(f"{addition}+{name.upper()}")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("bf16+fsdp", "bf16+fsdp:full_shard"),
+        ("fsdp+fp32", "fp32+fsdp:full_shard"),
+        ("fp16+ckpt+fsdp", "fp16+ckpt+fsdp:full_shard"),
+    ],
+)
+def test_a_string_naming_its_precision_reads_fsdp_as_the_token(spec, expected):
+    # As the planner and the README write them: FSDP only, with the precision and checkpointing named.
+    assert MemoryPolicy.from_string(spec).to_string() == expected
+
+
+def test_a_conflict_beside_the_preset_name_is_said_once_as_a_conflict():
+    with pytest.raises(PolicyError) as caught:
+        MemoryPolicy.from_string("fsdp+fsdp:offload")
+    assert caught.value.problems == [caught.value.problems[0]] and "conflicts with 'fsdp'" in str(caught.value)
