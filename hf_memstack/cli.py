@@ -20,7 +20,8 @@ Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a
 --mode eval (estimate): one evaluation forward (no gradients, no optimizer) and the logits
 Trainer.evaluate() keeps for --eval-samples samples; --budget then checks the two together.
 With several policies (estimate --policy a,b): each gets its own verdict, and the status is 0 when
-at least one fits the budget (that one is usable), 1 when none does.
+at least one fits the budget (that one is usable), 1 when none does; one the model cannot take
+(quant:nf4 over a MoE router) prints as refused, with why (status 2 only when all are refused).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 import traceback
 from typing import Any
 
+from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
@@ -221,36 +223,29 @@ def _trainable(args: argparse.Namespace) -> Any:
 def _estimate(args: argparse.Namespace) -> int:
     from .planning.estimate import estimate_memory  # here, not at the top: --help stays fast
 
-    estimates = [
-        estimate_memory(
-            args.model,
-            policy.strip(),
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            world_size=args.world_size,
-            task=args.task,
-            trainable=_trainable(args),
-            dtype=args.dtype,
-            extrapolate=not args.full_trace,
-            mode=args.mode,
-            eval_samples=args.eval_samples,
-            device=args.device,
-        )
-        for policy in args.policy.split(",")
-    ]
-    # Evaluation holds the forward's peak and, on the device, the logits Trainer keeps so far.
-    verdicts = [args.budget is None or _needed(e) <= args.budget for e in estimates]
-    print_estimates(estimates, verdicts, budget=args.budget, mode=args.mode, as_json=args.json)
+    job = {
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "world_size": args.world_size,
+        "task": args.task,
+        "trainable": _trainable(args),
+        "dtype": args.dtype,
+        "extrapolate": not args.full_trace,
+        "mode": args.mode,
+        "eval_samples": args.eval_samples,
+        "device": args.device,
+    }
+    rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
+    if all(isinstance(r, Refused) for r in rows):  # nothing answered: an input error
+        print("\n".join(f"hf-memstack {args.command}: error: {line}" for line in refusal_lines(rows)), file=sys.stderr)
+        return USAGE
+    verdicts = [verdict(e, args.budget) for e in rows]
+    print_estimates(rows, verdicts, budget=args.budget, mode=args.mode, as_json=args.json)
     if args.plot:
-        plot_breakdown([(e.policy, e) for e in estimates], args.plot, args.budget)
-    # Several policies are alternatives: the run can use any that fits.
+        plot_breakdown([(e.policy, e) for e in rows if not isinstance(e, Refused)], args.plot, args.budget)
+    # Several policies are alternatives: the run can use any that fits (a refused one, like one that
+    # does not fit, takes nothing from the others).
     return FITS if any(verdicts) else DOES_NOT_FIT
-
-
-def _needed(e: Any) -> int:
-    """What an estimate needs of the device: the step's peak; evaluating, the forward's peak plus the
-    logits Trainer keeps there until the loop ends (eval_accumulation_steps moves them off it)."""
-    return e.peak_bytes + e.eval_logits_bytes if e.mode == "eval" else e.peak_bytes
 
 
 def _plan(args: argparse.Namespace) -> int:

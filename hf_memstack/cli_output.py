@@ -7,53 +7,65 @@ the layout of the results changes without touching how they are computed.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .cli_estimate import Refused, Row
 from .sizes import format_bytes
-
-if TYPE_CHECKING:
-    from .planning import MemoryEstimate
 
 __all__ = ["plot_breakdown", "print_estimates", "require_matplotlib"]
 
 
-def print_estimates(
-    estimates: list[MemoryEstimate], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool
-) -> None:
-    """Print one row per policy's estimate, with its verdict when there is a budget (JSON for scripts)."""
+def print_estimates(rows: list[Row], verdicts: list[bool], *, budget: int | None, mode: str, as_json: bool) -> None:
+    """Print one row per policy's estimate (or refusal), with its verdict when there is a budget (JSON for scripts)."""
     if as_json:
-        # Without a budget there is no verdict: null, not true (a script reading "fits" must not be told
-        # that a 135 GiB peak fits).
-        budgeted = budget is not None
-        print(
-            json.dumps(
-                {
-                    "estimates": [
-                        {**e.as_dict(), "fits": ok if budgeted else None} for e, ok in zip(estimates, verdicts)
-                    ],
-                    "budget": budget,
-                    "fits": any(verdicts) if budgeted else None,
-                    "fitting_policies": [e.policy for e, ok in zip(estimates, verdicts) if ok] if budgeted else None,
-                },
-                indent=2,
-            )
-        )
+        _print_json(rows, verdicts, budget)
         return
-    _print_table(estimates, verdicts, budgeted=budget is not None, kept=mode == "eval")
+    estimates = [e for e in rows if not isinstance(e, Refused)]
+    _print_table(rows, verdicts, budgeted=budget is not None, kept=mode == "eval")
     for note in dict.fromkeys(n for e in estimates for n in e.notes):
         print(f"note: {note}")
+    for r in rows:
+        if isinstance(r, Refused):
+            print(f"{r.policy}: refused: {r.reason}")
     if budget is not None:
-        _print_verdicts(estimates, verdicts, budget)
+        _print_verdicts(rows, verdicts, budget)
 
 
-def _print_table(estimates: list[MemoryEstimate], verdicts: list[bool], *, budgeted: bool, kept: bool) -> None:
+def _print_json(rows: list[Row], verdicts: list[bool], budget: int | None) -> None:
+    # Without a budget there is no verdict: null, not true (a script reading "fits" must not be told
+    # that a 135 GiB peak fits). A refused row has no estimate: its policy and the reason, and it
+    # does not fit (it cannot be used).
+    budgeted = budget is not None
+    print(
+        json.dumps(
+            {
+                "estimates": [
+                    {"policy": e.policy, "refused": e.reason, "fits": False if budgeted else None}
+                    if isinstance(e, Refused)
+                    else {**e.as_dict(), "refused": None, "fits": ok if budgeted else None}
+                    for e, ok in zip(rows, verdicts)
+                ],
+                "budget": budget,
+                "fits": any(verdicts) if budgeted else None,
+                "fitting_policies": [e.policy for e, ok in zip(rows, verdicts) if ok] if budgeted else None,
+                "refused_policies": [e.policy for e in rows if isinstance(e, Refused)],
+            },
+            indent=2,
+        )
+    )
+
+
+def _print_table(rows: list[Row], verdicts: list[bool], *, budgeted: bool, kept: bool) -> None:
     print(
         "| policy | weights | trainable | parameters | gradients | optimizer | activations | temporaries | peak | peak phase |"
         + (" kept logits |" if kept else "")
         + (" fits |" if budgeted else "")
     )
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if kept else "") + ("---|" if budgeted else ""))
-    for e, ok in zip(estimates, verdicts):
+    for e, ok in zip(rows, verdicts):
+        if isinstance(e, Refused):  # its reason is printed below the table: too long for a cell
+            print(f"| {e.policy} | refused |" + " - |" * (8 + kept) + (" refused |" if budgeted else ""))
+            continue
         # The load dtype, and the trainable weights' own when the policy changes it (fp32 master weights).
         weights = e.weights_dtype + (
             f" (trains {e.trainable_dtype})" if e.trainable_dtype not in (e.weights_dtype, "none") else ""
@@ -67,15 +79,20 @@ def _print_table(estimates: list[MemoryEstimate], verdicts: list[bool], *, budge
         )
 
 
-def _print_verdicts(estimates: list[MemoryEstimate], verdicts: list[bool], budget: int) -> None:
-    for e, ok in zip(estimates, verdicts):
+def _print_verdicts(rows: list[Row], verdicts: list[bool], budget: int) -> None:
+    refused = sum(isinstance(e, Refused) for e in rows)
+    for e, ok in zip(rows, verdicts):
+        if isinstance(e, Refused):
+            print(f"{e.policy}: refused (see above)")
+            continue
         what = f"peak {format_bytes(e.peak_bytes)}" + (
             f" + kept logits {format_bytes(e.eval_logits_bytes)}" if e.mode == "eval" else ""
         )
         print(f"{e.policy}: {'fits' if ok else 'does not fit'} in {format_bytes(budget)} ({what})")
-    if len(estimates) > 1:
+    if len(rows) > 1:
         print(
-            f"{sum(verdicts)} of {len(estimates)} policies fit"
+            f"{sum(verdicts)} of {len(rows)} policies fit"
+            + (f" ({refused} refused)" if refused else "")
             + (": exit 0" if any(verdicts) else ": none does, exit 1")
         )
 

@@ -356,3 +356,64 @@ def test_estimate_eval_mode_counts_the_kept_logits_against_the_budget(pretrained
     capsys.readouterr()
     assert main(["estimate", d, "--batch-size", "2", "--seq-len", "16", "--eval-samples", "500"]) == 2
     assert "eval_samples=500 is only used with mode='eval'" in capsys.readouterr().err
+
+
+def _tiny_moe_dir(path):
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        architectures=["MixtralForCausalLM"],
+    ).save_pretrained(path)
+    return str(path)
+
+
+def test_estimate_with_a_refused_policy_prints_it_as_refused_and_the_others(tmp_path, capsys):
+    # Issue 39: quant:nf4 over a mixture-of-experts router is refused; with another policy beside it
+    # the command exited 2 with no table for the other.
+    from hf_memstack import estimate_memory
+
+    d = _tiny_moe_dir(tmp_path)
+    job = {"batch_size": 1, "seq_len": 16, "trainable": {"r": 4}}
+    answered = estimate_memory(d, "bf16+ckpt", **job)
+    with pytest.raises((ValueError, ImportError)) as caught:  # ImportError: no torchao here
+        estimate_memory(d, "bf16+ckpt+quant:nf4", **job)
+    reason = str(caught.value)
+    args = ["estimate", d, "--policy", "bf16+ckpt,bf16+ckpt+quant:nf4", "--batch-size", "1", "--seq-len", "16"]
+    args += ["--lora-r", "4"]
+
+    assert main([*args, "--budget", "1GiB"]) == 0  # the answered policy fits: it is usable
+    out = capsys.readouterr().out
+    assert f"| {answered.policy} |" in out and f"| {format_bytes(answered.peak_bytes)} |" in out
+    assert "| bf16+ckpt+quant:nf4 | refused |" in out and f"bf16+ckpt+quant:nf4: refused: {reason}" in out
+    assert "1 of 2 policies fit (1 refused): exit 0" in out
+
+    assert main([*args, "--budget", "1GiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ok, refused = data["estimates"]
+    assert ok["peak_bytes"] == answered.peak_bytes and ok["refused"] is None and ok["fits"] is True
+    assert refused == {"policy": "bf16+ckpt+quant:nf4", "refused": reason, "fits": False}
+    assert data["refused_policies"] == ["bf16+ckpt+quant:nf4"] and data["fitting_policies"] == [answered.policy]
+
+    # Without a budget no verdict; with one the answered policy misses: 1, as for any row that misses.
+    assert main(args) == 0 and "refused: " in capsys.readouterr().out
+    assert main([*args, "--budget", "1KiB"]) == 1
+    assert "0 of 2 policies fit (1 refused): none does, exit 1" in capsys.readouterr().out
+
+
+def test_estimate_where_every_policy_is_refused_or_one_does_not_parse_exits_2(tmp_path, capsys):
+    d = _tiny_moe_dir(tmp_path)
+    common = ["--batch-size", "1", "--seq-len", "16", "--lora-r", "4"]
+    assert main(["estimate", d, "--policy", "bf16+quant:nf4,bf16+ckpt+quant:nf4", *common]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("hf-memstack estimate: error:") >= 1
+    # A typo is refused for the whole command, before any estimate.
+    assert main(["estimate", d, "--policy", "bf16+ckpt,bf16+ckppt", *common]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "unknown token 'ckppt'" in captured.err
