@@ -10,7 +10,7 @@ from ..sizes import format_bytes
 from .memory_estimate import MemoryEstimate
 from .plan_estimates import Estimates
 
-__all__ = ["optimizer_notes", "suggestions"]
+__all__ = ["more_ranks", "optimizer_notes", "suggestions"]
 
 
 def optimizer_notes(policy: MemoryPolicy) -> list[str]:
@@ -52,14 +52,16 @@ def suggestions(
     usable: float,
     *,
     trainable: str = "all",
+    sharded: str | None = None,
 ) -> list[str]:
-    """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for its
+    """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for the
     model states, adapters instead of a full fine-tune, a smaller batch, a shorter sequence - with
-    numbers from its batch-1 estimate. When the model states alone are over the budget, only what
-    shrinks them is said (a shorter sequence or a smaller batch cannot help)."""
+    numbers from batch-1 estimates, each of the rung it names. When the model states alone are over
+    the budget, only what shrinks them is said (a shorter sequence or a smaller batch cannot help).
+    More ranks are said with ``sharded`` (the planner gives the ladder's FSDP rung; default: ``closest``
+    sharded), estimated at the number of ranks advised."""
     base = est(closest, 1)
     states = base.parameters + base.gradients + base.optimizer
-    activations = base.peak_bytes - states
     out = []
     states_over = states > usable
     if states_over:
@@ -68,19 +70,7 @@ def suggestions(
             f"{format_bytes(usable)} usable: no activation rung, smaller batch or shorter sequence can fit; shrink "
             "the model states"
         )
-    ranks = max(2, world_size * 2)
-    while ranks <= 4096 and states / ranks + activations > usable:
-        ranks *= 2
-    if ranks <= 4096:
-        out.append(
-            f"more ranks: FSDP over about {ranks} devices shards the {format_bytes(states)} of parameters, gradients and "
-            f"optimizer state of {closest}"
-        )
-    else:  # what is not sharded (the activations) alone exceeds the budget: more ranks cannot help
-        out.append(
-            f"the activations alone ({format_bytes(activations)} at batch 1) exceed the budget: more ranks "
-            "do not shard them"
-        )
+    out.append(more_ranks(est, sharded or _sharded(closest), world_size, usable))
     if trainable == "all":
         out.append(
             "train LoRA adapters instead of every weight (trainable='lora', --trainable lora): the frozen base holds no "
@@ -101,6 +91,64 @@ def suggestions(
     else:
         out.append(f"a shorter sequence than {seq_len} (activations grow linearly with it)")
     return out
+
+
+_MAX_RANKS = 4096
+_TRIES = 3  # estimates at the number of ranks advised and its doublings, before saying none fits
+
+
+def more_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> str:
+    """More ranks for ``sharded`` (an FSDP policy), at batch 1: the number of ranks read off its
+    estimate at twice ``world_size`` (what it holds per rank of the model states shrinks with the
+    ranks, the rest does not), then confirmed by its estimate there - or why none is advised."""
+    ranks = start = max(2, world_size * 2)
+    try:
+        probe = _at_ranks(est, sharded, start)
+    except ValueError as refused:  # a shape the ranks do not divide (4-bit weights), ...
+        return f"more ranks: FSDP over {start} devices is refused for {sharded}: {refused}"
+    per_rank = probe.parameters + probe.gradients + probe.optimizer
+    rest = probe.peak_bytes - per_rank  # activations and scratch: each rank holds its own
+    if rest > usable:
+        return (
+            f"the activations of {sharded} alone ({format_bytes(rest)} at batch 1) exceed the budget: more ranks "
+            "do not shard them"
+        )
+    while ranks < _MAX_RANKS and per_rank * start / ranks + rest > usable:
+        ranks *= 2
+    last = probe
+    for _ in range(_TRIES):
+        if ranks > _MAX_RANKS:
+            break
+        try:
+            last = probe if ranks == start else _at_ranks(est, sharded, ranks)
+        except ValueError as refused:
+            return f"more ranks: FSDP over {ranks} devices is refused for {sharded}: {refused}"
+        if last.peak_bytes <= usable:
+            return (
+                f"more ranks: FSDP over {ranks} devices (--world-size {ranks}) with {sharded} holds "
+                f"{format_bytes(last.parameters + last.gradients + last.optimizer)} of parameters, gradients and "
+                f"optimizer state per rank, an estimated peak of {format_bytes(last.peak_bytes)} at batch 1"
+            )
+        ranks *= 2
+    return (
+        f"more ranks: FSDP over {last.world_size} devices with {sharded} is still estimated at "
+        f"{format_bytes(last.peak_bytes)} per rank at batch 1, over the {format_bytes(usable)} usable"
+    )
+
+
+def _at_ranks(est: Estimates, policy: str, ranks: int) -> MemoryEstimate:
+    return Estimates(est.config, **{**est.job, "world_size": ranks})(policy, 1)
+
+
+def _sharded(policy: str) -> str:
+    """``policy`` sharded with FSDP (full_shard), its checkpointing kept - offloaded checkpointing,
+    which FSDP refuses, as every block checkpointed."""
+    d = MemoryPolicy.coerce(policy).to_dict()
+    if d["checkpointing"]["mode"] == "offload":
+        d["checkpointing"]["mode"] = "full"
+    if d["fsdp"]["mode"] == "none":
+        d["fsdp"] = {**d["fsdp"], "mode": "full_shard"}
+    return MemoryPolicy.from_dict(d).to_string()
 
 
 def _shorter_sequence(

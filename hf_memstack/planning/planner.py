@@ -3,6 +3,7 @@ peak fits the budget with a margin - with the table of every rung considered."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -102,13 +103,20 @@ def plan_policy(
         weights_dtype_source=weights.source,
         usable_bytes=int(usable),
     )
-    rungs = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
-    shortfalls = walk_rungs(plan, est, rungs, batch_size, usable)
+    context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
+    shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
     if plan.fits:
         return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
     closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"
-    plan.suggestions = suggestions(est, closest, batch_size, seq_len, world_size, usable, trainable=trainable)
+    # More ranks are advised with the ladder's own FSDP rung (its heaviest activation rungs kept:
+    # the chunked loss, every block checkpointed), not the closest rung's activations - the rows
+    # bounded by their weights alone all read alike, and the first of them checkpoints nothing.
+    several = dataclasses.replace(context, satisfied=context.satisfied | {Requirement.SEVERAL_DEVICES})
+    sharded = next(r.policy for r in rungs_for(several) if r.step == "fsdp")
+    plan.suggestions = suggestions(
+        est, closest, batch_size, seq_len, world_size, usable, trainable=trainable, sharded=sharded
+    )
     return plan
 
 
@@ -150,8 +158,8 @@ def _ladder(
     trainable: Any,
     step_in_backward: bool,
     weights: WeightsDtype,
-) -> list[Any]:
-    """The memory rungs this model and job can take, cheapest first."""
+) -> RungContext:
+    """What the memory rungs this model and job can take depend on (:func:`rungs_for` lists them)."""
     # The chunked-loss rungs only where prepare_model would accept loss:chunked (not BERT's LM head).
     chunked = task == "causal-lm" and chunked_loss_problem(config, task) is None
     torchao = importlib.util.find_spec("torchao") is not None
@@ -169,7 +177,7 @@ def _ladder(
         Requirement.SEVERAL_DEVICES: world_size > 1,
     }
     satisfied = frozenset(r for r, holds in facts.items() if holds)
-    return rungs_for(RungContext(precision, num_blocks(config), satisfied))
+    return RungContext(precision, num_blocks(config), satisfied)
 
 
 def _meta_blocks(config: PretrainedConfig, task: str, trainable: Any, weights: WeightsDtype) -> Blocks | None:
