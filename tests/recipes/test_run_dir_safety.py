@@ -12,6 +12,7 @@ die on a raw FileNotFoundError when the other's save swept its ``.tmp``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,18 @@ import time
 from pathlib import Path
 
 import pytest
-from recipe_utils import RECIPE, ROOT, fails, lm_args, load_recipe, reset_accelerate, run, snapshot
+from recipe_utils import (
+    RECIPE,
+    ROOT,
+    fails,
+    lm_args,
+    load_recipe,
+    read_report,
+    reset_accelerate,
+    run,
+    snapshot,
+    torchrun,
+)
 
 # A run stopped at step 4 of 8, checkpoints at steps 2 and 4: resuming it saves at 6 and 8 (each
 # save sweeps stale folders first, then rotates: --keep-last 2 removes step 4 at the save of 8).
@@ -278,6 +290,54 @@ def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_blocks_no
     assert "recipe.lock" in manifest["files"]  # claimed: --overwrite keeps it, the foreign-file check knows it
     report = run(recipe, lm_args(tiny_lm, out, *STOPPED, "--overwrite"))
     assert report["steps"] == 8
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_rank_0_holds_the_lock_and_a_refusal_ends_both_ranks(tiny_lm, tmp_path):
+    """Only the main process (RANK 0) takes the lock; refused, it ends the whole run with its
+    message; a 2-process run killed (its whole process group) blocks nothing."""
+    from recipe_utils import TORCHRUN
+
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        [*TORCHRUN, str(RECIPE), *[str(a) for a in lm_args(tiny_lm, out, *STOPPED)]],
+        cwd=ROOT,
+        env={**env, "HF_MEMSTACK_RECIPE_TEST_HOOK": "hang@step-3"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(out / "checkpoints" / "step-0000002", first)
+        start = time.monotonic()
+        proc = torchrun(tiny_lm, out, *STOPPED, "--resume-from", "latest", check=False, timeout=300)
+        assert proc.returncode != 0 and time.monotonic() - start < 200
+        assert "is in use by another run of this recipe (pid " in proc.stderr, proc.stderr[-3000:]
+        holder = int(proc.stderr.split("of this recipe (pid ")[1].split(")")[0])
+        assert holder in _descendants(first.pid)  # the first run's rank 0
+        assert first.poll() is None
+        os.kill(holder, signal.SIGKILL)  # torchrun then stops rank 1 and ends
+        first.wait(timeout=120)
+    finally:
+        for pid in [first.pid, *_descendants(first.pid)]:  # torchrun's workers run in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    torchrun(tiny_lm, out, *STOPPED, "--resume-from", "latest")
+    assert read_report(out)["steps"] == 8 and read_report(out)["world_size"] == 2
 
 
 def test_a_run_planned_on_an_empty_directory_is_refused_if_another_took_it_meanwhile(recipe, tiny_lm, tmp_path):
