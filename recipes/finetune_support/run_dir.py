@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hf_memstack.files import read_json
+from hf_memstack.files import describe_kind, read_json
 
 from .checkpoint_dirs import (
     Checkpoint,
@@ -23,7 +23,7 @@ from .checkpoint_dirs import (
 )
 from .common import RecipeError
 from .flags import MAY_CHANGE_ON_RESUME, FinetuneConfig
-from .run_lock import LOCK, acquire, is_main_process
+from .run_lock import LOCK, acquire, is_main_process, is_recipe_lock
 from .safe_paths import fsync_dir, lstat_or_none, relative_inside, write_atomic
 
 __all__ = ["MANIFEST", "OutputPlan", "RunDir", "fsync_dir", "plan_output", "read_manifest", "write_atomic"]
@@ -173,6 +173,14 @@ def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
         if (path := _owned_path(out, name)) is not None and path.is_symlink()
     ]
     linked += [(f"checkpoints/{p.name}", p) for p in sorted(step_entries(out)) if p.is_symlink()]
+    for name in ("model", "checkpoints", "hf_memstack-finetune"):
+        st = lstat_or_none(out / name)
+        if st is not None and not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            kind = "a file" if stat.S_ISREG(st.st_mode) else describe_kind(st.st_mode)
+            raise RecipeError(
+                f"output_dir={str(out)!r}: {name} is {kind} of yours, where the recipe writes its "
+                f"{name}/ folder; nothing was loaded or written. Move it away or choose another --output-dir"
+            )
     if linked:
         name, path = linked[0]
         raise RecipeError(
@@ -202,8 +210,9 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise RecipeError(f"output_dir={out_dir!r}: {ancestor} is not writable; choose a directory you can write to")
-    # The lock file is the recipe's, whoever left it: a run killed before its first write leaves only that.
-    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
+    # A lock file as the recipe leaves one is the recipe's, whoever left it (a run killed before its
+    # first write leaves only that); any other file of that name is yours.
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK or not is_recipe_lock(p)) if out.is_dir() else []
     manifest = read_manifest(out) if entries else None
     plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out), entries=entries)
     foreign = (

@@ -27,6 +27,7 @@ from hf_memstack.files import describe_kind
 from .common import RecipeError
 
 LOCK = "recipe.lock"
+_RECORD_MAX = 256  # "pid N on HOST"
 _BUSY = "nothing was loaded or written"
 
 
@@ -83,12 +84,27 @@ def acquire(out: Path) -> RunLock:
     return _HELD[key]
 
 
+def is_recipe_lock(path: Path) -> bool:
+    """Whether ``path`` is a lock file as the recipe leaves one: a regular file of one name (not a
+    hard link to a file elsewhere), empty or holding the pid record."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size > _RECORD_MAX:
+            return False
+        with open(path, "rb") as f:
+            content = f.read(_RECORD_MAX)
+    except OSError:
+        return False
+    return not content or content.startswith(b"pid ")
+
+
 def _lock(out: Path, path: Path, fd: int) -> None:
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        what = describe_kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} names"
         raise RecipeError(
-            f"output_dir={str(out)!r}: {LOCK} is {describe_kind(st.st_mode)}, where the recipe keeps its lock file; "
-            f"{_BUSY}. Remove it or choose another --output-dir"
+            f"output_dir={str(out)!r}: {LOCK} is {what}, where the recipe keeps its lock file (a regular file of one "
+            f"name, never a hard link); {_BUSY}. Remove it or choose another --output-dir"
         )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,7 +133,7 @@ def _holder(fd: int, st: os.stat_result) -> str:
                         return f"pid {pid}"
     except OSError:
         pass
-    recorded = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+    recorded = os.pread(fd, _RECORD_MAX, 0).decode("utf-8", "replace").strip()
     return recorded if recorded.startswith("pid ") else "another process"
 
 
@@ -139,9 +155,10 @@ def lock_for_writing(out: Path, *, planned_on: list[str]) -> None:
             f"{', '.join(now[:5])}{', ...' if len(now) > 5 else ''}); nothing was written. Continue that run with "
             "--resume-from latest, or choose another --output-dir"
         )
-    record = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
-    os.ftruncate(lock.fd, 0)
-    os.pwrite(lock.fd, record, 0)
+    if is_recipe_lock(lock.path):  # never over a file of yours that happens to bear the name
+        record = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()[:_RECORD_MAX]
+        os.ftruncate(lock.fd, 0)
+        os.pwrite(lock.fd, record, 0)
 
 
 def release_run_locks() -> None:

@@ -386,3 +386,46 @@ def test_data_nested_too_deeply_is_a_clear_error(tmp_path, text):
     with pytest.raises(RecipeError) as e:
         read_rows(path)
     assert str(path) in str(e.value) and "nested too deeply" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- names the recipe writes, taken
+@pytest.mark.parametrize("name", ["model", "checkpoints"])
+def test_a_file_where_the_recipe_writes_a_folder_is_refused_up_front(recipe, tiny_lm, finished, tmp_path, capsys, name):
+    out = _copy(finished, tmp_path)
+    shutil.rmtree(out / name)
+    (out / name).write_text("mine")
+    before = snapshot(out)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *FINISHED, "--overwrite"),
+        capsys,
+        f"{name} is a file of yours, where the recipe writes its {name}/ folder",
+        "nothing was loaded or written",
+    )
+    assert snapshot(out) == before
+
+
+def test_a_lock_file_that_is_a_hard_link_is_refused_and_never_written(recipe, tiny_lm, finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the recipe's")
+    (out / "recipe.lock").unlink()
+    os.link(victim, out / "recipe.lock")
+    before = snapshot(out)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"),
+        capsys,
+        "recipe.lock is a file with 2 names",
+        "never a hard link",
+    )
+    assert victim.read_text() == "not the recipe's" and snapshot(out) == before
+
+
+def test_a_file_of_yours_named_like_the_lock_is_yours(recipe, tiny_lm, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "recipe.lock").write_text("my notes on locks")
+    before = snapshot(out)
+    fails(recipe, lm_args(tiny_lm, out, *FINISHED), capsys, "holds files this recipe did not write (recipe.lock)")
+    assert snapshot(out) == before
