@@ -191,6 +191,24 @@ def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
         )
 
 
+def _entries(out: Path, out_dir: str) -> list[str]:
+    """What the output directory holds (nothing yet: []), once it is one that can be written.
+    A lock file as the recipe leaves one is the recipe's, whoever left it (a run killed before its
+    first write leaves only that), and not listed; any other file of that name is yours."""
+    if out.exists() and not out.is_dir():
+        raise RecipeError(f"output_dir={out_dir!r} is a file, not a directory; choose another --output-dir")
+    ancestor = next(p for p in [out, *out.parents] if p.exists())
+    if not ancestor.is_dir():
+        raise RecipeError(
+            f"output_dir={out_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir"
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise RecipeError(f"output_dir={out_dir!r}: {ancestor} is not writable; choose a directory you can write to")
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name != LOCK or not is_recipe_lock(p))
+
+
 def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     """Read (never write) the output directory and the checkpoint to resume from; refuse anything
     that would mix two runs, lose a file or resume something broken. A run of this recipe found
@@ -201,18 +219,7 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     """
     out_dir = cfg.output.output_dir
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise RecipeError(f"output_dir={out_dir!r} is a file, not a directory; choose another --output-dir")
-    ancestor = next(p for p in [out, *out.parents] if p.exists())
-    if not ancestor.is_dir():
-        raise RecipeError(
-            f"output_dir={out_dir!r}: {ancestor} is a file, so no directory can be made there; choose another --output-dir"
-        )
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise RecipeError(f"output_dir={out_dir!r}: {ancestor} is not writable; choose a directory you can write to")
-    # A lock file as the recipe leaves one is the recipe's, whoever left it (a run killed before its
-    # first write leaves only that); any other file of that name is yours.
-    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK or not is_recipe_lock(p)) if out.is_dir() else []
+    entries = _entries(out, out_dir)
     manifest = read_manifest(out) if entries else None
     plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out), entries=entries)
     foreign = (
