@@ -79,6 +79,8 @@ from finetune_support.model import (
 )
 from finetune_support.report import loss_summary, plot_memory
 from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, run_record
+from finetune_support.run_lock import release_run_locks
+from finetune_support.safe_paths import remove_entry
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -643,8 +645,7 @@ def save_model(job: Job) -> Path:
         run_dir.claim("model.tmp", "trees")
         run_dir.claim("model.old", "trees")
         for stale in (tmp, old):
-            if stale.exists() and not stale.is_symlink():
-                shutil.rmtree(stale)
+            remove_entry(stale)  # a symlink planted there since setup is unlinked, never followed
     acc.wait_for_everyone()
     if job.policy.fsdp.mode != "none":
         # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
@@ -792,6 +793,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if job is not None:
             job.accelerator.end_training()
+        release_run_locks()  # the output directory's lock (run_lock.py), once the trackers are closed
 
 
 if __name__ == "__main__":

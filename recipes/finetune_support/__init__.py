@@ -14,7 +14,9 @@ library never does.
     model.py       the tokenizer, the model, the policy and the sharding route
     accelerator.py the run's Accelerator and the settings the recipe relies on
     batching.py    the micro-batch and the accumulation steps (flag, finder, or a resumed run's)
-    run_dir.py     the output directory: manifest, atomic writes, the output plan
+    run_dir.py     the output directory: manifest, the output plan
+    run_lock.py    one run at a time in an output directory (a flock on its recipe.lock)
+    safe_paths.py  writes and removals there that never go through a symlink; names checked before use
     checkpoint_dirs.py  the step-N checkpoint folders: which count, their removal, the state they hold
     checkpoint.py  save / load a resumable checkpoint (Accelerate's state + the run's), commit the output
     report.py      the closing line's loss summary and the memory picture

@@ -15,15 +15,17 @@ import yaml
 
 from .checkpoint_dirs import (
     CHECKPOINT_MANIFEST,
-    STEP_DIR,
     STEP_TMP,
+    check_resumed_step,
     inspect_checkpoint,
     list_checkpoints,
     remove_checkpoint,
+    step_entries,
 )
 from .common import RecipeError, agree
 from .faults import test_hook
 from .run_dir import MANIFEST, OutputPlan, RunDir, fsync_dir, manifest_entries, write_atomic
+from .run_lock import LOCK, lock_for_writing
 
 if TYPE_CHECKING:
     from finetune import Job  # the script's (for annotations only: it imports this module)
@@ -88,9 +90,11 @@ def save_checkpoint(job: Job) -> Path:
     if acc.is_main_process:
         job.run_dir.claim("checkpoints", "dirs")
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.iterdir():  # saves that never finished, and removals that were cut short
-            if STEP_TMP.fullmatch(stale.name) or (STEP_DIR.fullmatch(stale.name) and inspect_checkpoint(stale).problem):
-                remove_checkpoint(stale) if stale.is_dir() else stale.unlink()
+        # Saves that never finished, and removals that were cut short; a symlink among them (planted
+        # since plan_output refused those) is unlinked, never followed (remove_checkpoint).
+        for stale in step_entries(job.run_dir.path):
+            if STEP_TMP.fullmatch(stale.name) or stale.is_symlink() or inspect_checkpoint(stale).problem:
+                remove_checkpoint(stale)
     acc.wait_for_everyone()
     # safetensors writes mode 0600; the main process gives the weights the umask's mode, like the other files.
     with weights_follow_umask(tmp) if acc.is_main_process else contextlib.nullcontext():
@@ -123,8 +127,7 @@ def save_checkpoint(job: Job) -> Path:
         test_hook(f"save-{state.step}:files-written")
         write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps({"step": state.step, "files": files}, indent=1))
         test_hook(f"save-{state.step}:manifest-written")
-        if final.exists():
-            remove_checkpoint(final)
+        remove_checkpoint(final)  # one left there (or a link: unlinked, never followed)
         os.replace(tmp, final)
         fsync_dir(folder)
         test_hook(f"save-{state.step}:renamed")
@@ -170,6 +173,7 @@ def load_checkpoint(job: Job, path: Path) -> None:
         load_sharded_checkpoint,
     )
 
+    check_resumed_step(path, job.state.step, job.total_steps)  # every rank: each raises the same
     refused = None
     try:
         for metadata in sorted(path.rglob(".metadata")):
@@ -251,6 +255,13 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
     """The first writes, once setup has validated everything: --overwrite's removal, the abandoned
     branch's checkpoints, the manifest and run_config.yaml."""
     acc, run_dir = job.accelerator, plan.run_dir
+    error = None
+    if acc.is_main_process:
+        try:
+            lock_for_writing(run_dir.path, planned_on=plan.entries)
+        except RecipeError as e:
+            error = e
+    agree(acc, error)  # a refusal ends every rank with its message, before anything is written
     if acc.is_main_process:
         if plan.overwrite:
             kept = run_dir.remove_recipe_files()
@@ -265,6 +276,8 @@ def commit_output(job: Job, plan: OutputPlan) -> None:
         if plan.discard and (run_dir.path / "model").exists():
             _remove_model(run_dir)  # the abandoned branch's final model
         run_dir.manifest["run"] = job.record
+        if LOCK not in run_dir.manifest["files"]:
+            run_dir.manifest["files"].append(LOCK)  # the lock file is the recipe's (kept by --overwrite)
         run_dir.path.mkdir(parents=True, exist_ok=True)
         write_atomic(run_dir.path / MANIFEST, json.dumps(run_dir.manifest, indent=1))
         run_dir.write("run_config.yaml", yaml.safe_dump(job.cfg.flat(), sort_keys=False))

@@ -1,23 +1,32 @@
 """The checkpoints of a run: the step-N folders under checkpoints/, which of them count (a manifest,
 written last, listing files all present at their sizes), their removal (manifest first) and the
-run's state they hold. Read before anything is loaded, so a broken one is refused up front."""
+run's state they hold. Read before anything is loaded, so a broken one is refused up front.
+
+Everything here is read from a folder someone else may have written: a name in checkpoint.json is
+checked (relative, no '..', not through a symlink) before it is joined onto the folder, JSON is
+read bounded (hf_memstack.files.read_json: a FIFO, a device or JSON nested 100,000 deep is named
+for what it is), and a step-N entry that is a symlink is never listed, resumed or removed through."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
+import stat
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
+
+from hf_memstack.files import describe_kind, read_json
 
 from .common import RecipeError
 from .faults import test_hook
+from .safe_paths import lstat_or_none, relative_inside, remove_entry, symlink_inside
 
 CHECKPOINT_MANIFEST = "checkpoint.json"  # written last: a checkpoint without it does not count
+TRAINER_STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 STEP_TMP = re.compile(r"step-(\d+)\.tmp")
+_ALTERED = "the recipe never saves one, so it was altered; resume from a checkpoint this recipe wrote"
 
 
 @dataclass
@@ -31,86 +40,139 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     """A checkpoint counts once its manifest, written last, lists files that are all present at their sizes."""
     m = STEP_DIR.fullmatch(path.name)
     step = int(m.group(1)) if m else -1
-    manifest = path / CHECKPOINT_MANIFEST
     if not m:
         return Checkpoint(step, path, "its name is not step-N (a .tmp folder is a save that never finished)")
+    manifest = path / CHECKPOINT_MANIFEST
     if manifest.is_symlink():
+        return Checkpoint(step, path, f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: {_ALTERED}")
+    if lstat_or_none(manifest) is None:
+        return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
+    try:
+        content = read_json(manifest, max_bytes=2**24)
+        files = content["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not a mapping of names to sizes")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Checkpoint(step, path, f"its {CHECKPOINT_MANIFEST} is unreadable ({str(e)[:200]})")
+    if "step" in content and content["step"] != step:
         return Checkpoint(
             step,
             path,
-            f"{CHECKPOINT_MANIFEST} is a symlink, not a file of this checkpoint: the recipe never "
-            "saves one, so it was altered; resume from a checkpoint this recipe wrote",
+            f"its {CHECKPOINT_MANIFEST} says step={content['step']!r}, but the folder is {path.name}: the recipe "
+            "saves step N in step-N, so one of them was altered; resume from a checkpoint this recipe wrote",
         )
-    if not manifest.is_file():
-        return Checkpoint(step, path, f"no {CHECKPOINT_MANIFEST} (the save did not finish)")
-    try:
-        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return Checkpoint(step, path, f"its {CHECKPOINT_MANIFEST} is unreadable")
+    problem = _listed_files_problem(path, files) or _trainer_state_problem(path)
+    return Checkpoint(step, path, problem)
+
+
+def _listed_files_problem(path: Path, files: dict[str, Any]) -> str | None:
+    """What is wrong with the files checkpoint.json lists (None: all there, at their sizes). Each
+    name is checked before it is used: outside the folder, or through a symlink, nothing is looked at."""
     for name, size in files.items():
-        f = path / name
-        link = _symlink_inside(path, name)
+        if relative_inside(name) is None:
+            return f"its {CHECKPOINT_MANIFEST} lists {name!r}, not a file inside the checkpoint (a relative name without '..'): {_ALTERED}"
+        link = symlink_inside(path, name)
         if link is not None:
             # The sizes could still match: a symlink would resume from a file outside the checkpoint.
-            return Checkpoint(
-                step,
-                path,
+            return (
                 f"{link} is a symlink (to {os.readlink(path / link)}), not a file of this checkpoint: "
                 "the recipe never saves one, so it was altered; resume from a checkpoint this recipe "
-                "wrote, or replace the link by the file itself",
+                "wrote, or replace the link by the file itself"
             )
-        if not f.is_file():
-            return Checkpoint(step, path, f"{name} is missing")
-        if f.stat().st_size != size:
-            return Checkpoint(
-                step, path, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated or replaced)"
-            )
-    try:
-        json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return Checkpoint(step, path, f"trainer_state.json is not readable JSON ({e})")
-    return Checkpoint(step, path, None)
-
-
-def _symlink_inside(root: Path, name: str) -> str | None:
-    """The first of ``name``'s parts below ``root`` (its folders, then the file) that is a symlink,
-    as a relative name; None when there is none."""
-    relative = PurePosixPath(name)
-    for depth in range(1, len(relative.parts) + 1):
-        part = PurePosixPath(*relative.parts[:depth])
-        if (root / part).is_symlink():
-            return str(part)
+        st = lstat_or_none(path / name)
+        if st is None:
+            return f"{name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is {describe_kind(st.st_mode)}, not a regular file: {_ALTERED}"
+        if isinstance(size, bool) or not isinstance(size, int) or st.st_size != size:
+            return f"{name} has {st.st_size} bytes, the manifest says {size!r} (truncated or replaced)"
     return None
 
 
-def list_checkpoints(out: Path) -> list[Checkpoint]:
-    """The step-N folders under out/checkpoints, ordered by step number (never by name); .tmp folders are never listed."""
+def _trainer_state_problem(path: Path) -> str | None:
+    state = path / TRAINER_STATE
+    st = lstat_or_none(state)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        return f"{TRAINER_STATE} is a symlink, not a file of this checkpoint: {_ALTERED}"
+    try:
+        read_json(state, max_bytes=2**26)
+    except (OSError, ValueError) as e:
+        return f"{TRAINER_STATE} is not readable JSON ({e})"
+    return None
+
+
+def step_entries(out: Path) -> list[Path]:
+    """The entries of out/checkpoints named step-N or step-N.tmp, whatever they are (links included)."""
     folder = out / "checkpoints"
-    if not folder.is_dir():
+    if folder.is_symlink() or not folder.is_dir():
         return []
-    found = [inspect_checkpoint(p) for p in folder.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir()]
+    return [p for p in folder.iterdir() if STEP_DIR.fullmatch(p.name) or STEP_TMP.fullmatch(p.name)]
+
+
+def list_checkpoints(out: Path) -> list[Checkpoint]:
+    """The step-N folders under out/checkpoints, ordered by step number (never by name); .tmp folders
+    are never listed, nor a step-N that is a symlink (plan_output refuses those up front)."""
+    found = [
+        inspect_checkpoint(p)
+        for p in step_entries(out)
+        if STEP_DIR.fullmatch(p.name) and (st := lstat_or_none(p)) is not None and stat.S_ISDIR(st.st_mode)
+    ]
     return sorted(found, key=lambda c: c.step)
 
 
 def remove_checkpoint(path: Path, *, hook: str = "") -> None:
-    # The manifest goes first: from then on the folder no longer counts, however far the removal gets.
-    (path / CHECKPOINT_MANIFEST).unlink(missing_ok=True)
-    if hook:
-        test_hook(hook)
-    shutil.rmtree(path)
+    """Remove a checkpoint folder, its manifest first: from then on the folder no longer counts,
+    however far the removal gets. A symlink (or a file) at its name is unlinked, never followed."""
+    st = lstat_or_none(path)
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        (path / CHECKPOINT_MANIFEST).unlink(missing_ok=True)
+        if hook:
+            test_hook(hook)
+    remove_entry(path)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The run's state a checkpoint holds: its step agrees with the step-N folder it is in, and
+    its epoch is no later than its step (every epoch ends with an optimizer step)."""
     try:
-        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        state = read_json(path / TRAINER_STATE, max_bytes=2**26)
         if not isinstance(state, dict) or not isinstance(state.get("run"), dict):
             raise ValueError("no 'run' record")
         for key in ("step", "epoch", "batches_in_epoch"):
             if not isinstance(state.get(key), int) or state[key] < 0:
                 raise ValueError(f"{key}={state.get(key)!r} is not a step count")
-        return state
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise RecipeError(
-            f"resume_from={str(path)!r}: trainer_state.json is not a readable checkpoint state ({type(e).__name__}: "
+            f"resume_from={str(path)!r}: {TRAINER_STATE} is not a readable checkpoint state ({type(e).__name__}: "
             f"{str(e)[:120]}; truncated by a crash?); resume from an earlier checkpoint or start again"
         ) from None
+    m = STEP_DIR.fullmatch(path.name)
+    if m and state["step"] != int(m.group(1)):
+        raise RecipeError(
+            f"resume_from={str(path)!r}: {TRAINER_STATE} says step={state['step']}, but the folder is {path.name} "
+            f"(step {int(m.group(1))}); the recipe saves step N in step-N, so one of them was altered: resume from a "
+            "checkpoint this recipe wrote, or start again"
+        )
+    if state["epoch"] > state["step"]:
+        raise RecipeError(
+            f"resume_from={str(path)!r}: {TRAINER_STATE} says epoch={state['epoch']} after step={state['step']}; "
+            "every epoch ends with a step, so it was altered: resume from a checkpoint this recipe wrote, or start again"
+        )
+    return state
+
+
+def check_resumed_step(path: Path, step: int, total_steps: int) -> None:
+    """A checkpoint's step must lie within the run: past its last step nothing would train, and the
+    checkpoint's weights would be saved as the final model.
+
+    Raises:
+        RecipeError: naming the field, both values and the fix.
+    """
+    if step > total_steps:
+        raise RecipeError(
+            f"resume_from={str(path)!r}: {TRAINER_STATE} says step={step}, past this run's last step, {total_steps} "
+            "(from --max-steps, or --epochs over the data); nothing would be trained. Resume with the --max-steps or "
+            "--epochs the checkpoint was written with, or from a checkpoint this recipe wrote"
+        )

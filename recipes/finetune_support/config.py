@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import sys
 import types
 import typing
@@ -14,6 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from hf_memstack.files import FileContentError, loads_json, read_regular
 
 from .common import RecipeError, is_alias, looks_local
 from .flags import GROUP_OF, GROUPS, FinetuneConfig
@@ -98,14 +99,22 @@ def _peek_config_flag(argv: list[str]) -> str | None:
 
 def _read_config_file(path_str: str) -> dict[str, Any]:
     path = Path(path_str).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise RecipeError(
             f"--config {path_str!r}: no such file; pass a YAML or JSON file of FinetuneConfig fields (see --help)"
         )
+    try:  # bounded, regular files only: a FIFO or /dev/zero is named, never read forever
+        raw = read_regular(path, max_bytes=2**24)
+    except (OSError, FileContentError) as e:
+        raise RecipeError(f"--config {path_str!r}: cannot be read ({e}); pass a YAML or JSON file") from None
     try:
-        text = path.read_text(encoding="utf-8")
-        values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        text = raw.decode("utf-8")
+        values = loads_json(text, where=path_str) if path.suffix == ".json" else yaml.safe_load(text)
+    except RecursionError:  # YAML's parser (loads_json says it for JSON); RecursionError is no ValueError
+        raise RecipeError(
+            f"--config {path_str}: nested too deeply to read (thousands of [ or {{ levels); fix the file"
+        ) from None
+    except (UnicodeDecodeError, FileContentError, yaml.YAMLError) as e:
         raise RecipeError(
             f"--config {path_str}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
             f"({type(e).__name__}: {str(e)[:200]}); fix the file"

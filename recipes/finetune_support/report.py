@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 from typing import Any
+
+from .safe_paths import write_new
 
 
 def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
@@ -47,5 +50,7 @@ def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) 
     b.set_ylabel("peak memory MiB")
     fig.suptitle(f"{report['model']} [{report['policy']}] batch {report['batch_size']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    picture = io.BytesIO()
+    fig.savefig(picture, format="png", dpi=100)
     plt.close(fig)
+    write_new(path, picture.getvalue())  # a symlink planted at memory.png is replaced, never written through

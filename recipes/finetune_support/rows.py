@@ -117,6 +117,10 @@ def _json_rows(text: str, source: str) -> tuple[list[Any], list[str]]:
             raise RecipeError(
                 f"{source}, line {e.lineno}: not valid JSON ({e.msg} at column {e.colno}); fix the file"
             ) from None
+        except RecursionError:
+            raise RecipeError(
+                f"{source}: nested too deeply to read (thousands of [ or {{ levels); fix the file"
+            ) from None
         return rows, [f"item {i + 1}" for i in range(len(rows))]
     rows = []
     where: list[str] = []
@@ -129,6 +133,10 @@ def _json_rows(text: str, source: str) -> tuple[list[Any], list[str]]:
             raise RecipeError(
                 f"{source}, line {n}: not valid JSON ({e.msg} at column {e.colno}); "
                 'each line must be one JSON object such as {"text": "...", "label": 0}'
+            ) from None
+        except RecursionError:
+            raise RecipeError(
+                f"{source}, line {n}: nested too deeply to read (thousands of [ or {{ levels); fix the line"
             ) from None
         where.append(f"line {n}")
     return rows, where

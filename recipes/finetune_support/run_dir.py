@@ -6,42 +6,29 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 from typing import Any, Literal
 
+from hf_memstack.files import describe_kind, read_json
+
 from .checkpoint_dirs import (
-    STEP_DIR,
-    STEP_TMP,
     Checkpoint,
     inspect_checkpoint,
     list_checkpoints,
     read_trainer_state,
     remove_checkpoint,
+    step_entries,
 )
 from .common import RecipeError
 from .flags import MAY_CHANGE_ON_RESUME, FinetuneConfig
+from .run_lock import LOCK, acquire, is_main_process, is_recipe_lock
+from .safe_paths import fsync_dir, lstat_or_none, relative_inside, write_atomic
+
+__all__ = ["MANIFEST", "OutputPlan", "RunDir", "fsync_dir", "plan_output", "read_manifest", "write_atomic"]
 
 MANIFEST = "recipe_manifest.json"  # what this recipe wrote in the output directory (for --overwrite)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` so that it is either the old or the new content, never a truncated one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def read_manifest(out: Path) -> dict[str, Any] | None:
@@ -52,22 +39,30 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
             directory ('..', an absolute path) or not a relative path at all: --overwrite would remove it.
     """
     path = out / MANIFEST
-    if not path.is_file():
+    st = lstat_or_none(path)
+    if st is None:
         return None
+    if stat.S_ISLNK(st.st_mode):
+        # It decides what --overwrite removes: one read through a link is not this directory's.
+        raise RecipeError(
+            f"output_dir={str(out)!r}: {MANIFEST} is a symlink (to {os.readlink(path)}), and the recipe writes its "
+            "manifest itself, never as a link; nothing was loaded or written. Remove the link (its target is kept) "
+            "or choose another --output-dir"
+        )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = read_json(path, max_bytes=2**26)
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
             raise ValueError("no 'files' list")
-    except (ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise RecipeError(
-            f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({e}); the recipe cannot tell its files "
+            f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({str(e)[:300]}); the recipe cannot tell its files "
             "from yours: choose another --output-dir"
         ) from None
     outside = [
         f"{kind}: {name!r}"
         for kind in ("files", "dirs", "trees")
         for name in manifest_entries(manifest, kind)
-        if _relative_inside(name) is None
+        if relative_inside(name) is None
     ]
     if outside:
         raise RecipeError(
@@ -83,20 +78,10 @@ def manifest_entries(manifest: dict[str, Any], kind: str) -> list[Any]:
     return names if isinstance(names, list) else [names]
 
 
-def _relative_inside(name: Any) -> PurePosixPath | None:
-    """``name`` as a path below the output directory: relative, no '..', not empty; None otherwise."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        return None
-    path = PurePosixPath(name)
-    if path.is_absolute() or PureWindowsPath(name).drive or ".." in path.parts or path == PurePosixPath("."):
-        return None
-    return path
-
-
 def _owned_path(root: Path, name: str) -> Path | None:
     """``root / name`` when every folder between ``root`` and it is a real folder, not a symlink
     (through one, a removal would reach outside the output directory); None otherwise."""
-    relative = _relative_inside(name)
+    relative = relative_inside(name)
     if relative is None:
         return None
     folder = root
@@ -139,19 +124,19 @@ class RunDir:
             if path.is_symlink() or not path.exists():
                 continue
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        ckpts = self.path / "checkpoints"
-        if "checkpoints" in manifest_entries(self.manifest, "dirs") and ckpts.is_dir() and not ckpts.is_symlink():
-            for child in ckpts.iterdir():
-                if (STEP_DIR.fullmatch(child.name) or STEP_TMP.fullmatch(child.name)) and not child.is_symlink():
+        if "checkpoints" in manifest_entries(self.manifest, "dirs"):
+            for child in step_entries(self.path):
+                if not child.is_symlink():
                     remove_checkpoint(child)
         for path in self._owned("files"):
-            if path.is_file() and not path.is_symlink():
+            # The lock stays: this run holds it, and another may be waiting on this very file.
+            if path.is_file() and not path.is_symlink() and path != self.path / LOCK:
                 path.unlink()
         for path in sorted(self._owned("dirs"), key=lambda p: -len(p.parts)):
             if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
                 path.rmdir()
         (self.path / MANIFEST).unlink(missing_ok=True)
-        return sorted(p.name for p in self.path.iterdir()) if self.path.exists() else []
+        return sorted(p.name for p in self.path.iterdir() if p.name != LOCK) if self.path.exists() else []
 
     def _owned(self, kind: str) -> list[Path]:
         """The manifest's names of one kind that lie inside the directory, through real folders only."""
@@ -169,6 +154,7 @@ class OutputPlan:
     overwrite: bool = False  # remove the recipe's files first
     discard: list[Checkpoint] = field(default_factory=list)  # later checkpoints of an abandoned branch
     notes: list[str] = field(default_factory=list)
+    entries: list[str] = field(default_factory=list)  # what the directory held when it was read (its lock aside)
 
 
 # The folders the recipe writes in the output directory (save_model, save_checkpoint, the trackers).
@@ -176,29 +162,39 @@ _WRITTEN_FOLDERS = ("model", "model.tmp", "model.old", "checkpoints", "hf_memsta
 
 
 def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
-    """Refuse, before anything is loaded or trained, a folder the recipe will write that is a
-    symlink: its files would land in the linked folder, or the final rename of model.tmp fails
-    after the whole run (a file that is a symlink is fine: it is replaced, never followed)."""
+    """Refuse, before anything is loaded or trained, a folder the recipe will write or remove that
+    is a symlink: its files would land in the linked folder, a removal would delete files there (a
+    stale checkpoints/step-N.tmp, a rotated step-N), or the final rename of model.tmp fails after
+    the whole run. A file that is a symlink is fine: it is replaced, never followed (safe_paths)."""
     listed = [n for kind in ("dirs", "trees") for n in manifest_entries(manifest or {}, kind) if isinstance(n, str)]
-    for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed]):
-        path = _owned_path(out, name)
-        if path is not None and path.is_symlink():
+    linked = [
+        (name, path)
+        for name in dict.fromkeys([*_WRITTEN_FOLDERS, *listed])
+        if (path := _owned_path(out, name)) is not None and path.is_symlink()
+    ]
+    linked += [(f"checkpoints/{p.name}", p) for p in sorted(step_entries(out)) if p.is_symlink()]
+    for name in ("model", "checkpoints", "hf_memstack-finetune"):
+        st = lstat_or_none(out / name)
+        if st is not None and not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            kind = "a file" if stat.S_ISREG(st.st_mode) else describe_kind(st.st_mode)
             raise RecipeError(
-                f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
-                f"{name} itself, never through a link; nothing was loaded or written. Remove the link (the "
-                "folder it points to is kept) or choose another --output-dir"
+                f"output_dir={str(out)!r}: {name} is {kind} of yours, where the recipe writes its "
+                f"{name}/ folder; nothing was loaded or written. Move it away or choose another --output-dir"
             )
+    if linked:
+        name, path = linked[0]
+        raise RecipeError(
+            f"output_dir={str(out)!r}: {name} is a symlink (to {os.readlink(path)}), and the recipe writes "
+            f"{'and removes ' if name.startswith('checkpoints/') else ''}{name} itself, never through a link; "
+            "nothing was loaded or written. Remove the link (the folder it points to is kept) or choose another "
+            "--output-dir"
+        )
 
 
-def plan_output(cfg: FinetuneConfig) -> OutputPlan:
-    """Read (never write) the output directory and the checkpoint to resume from; refuse anything
-    that would mix two runs, lose a file or resume something broken.
-
-    Raises:
-        RecipeError: the directory, the checkpoint and the way out.
-    """
-    out_dir = cfg.output.output_dir
-    out = Path(out_dir)
+def _entries(out: Path, out_dir: str) -> list[str]:
+    """What the output directory holds (nothing yet: []), once it is one that can be written.
+    A lock file as the recipe leaves one is the recipe's, whoever left it (a run killed before its
+    first write leaves only that), and not listed; any other file of that name is yours."""
     if out.exists() and not out.is_dir():
         raise RecipeError(f"output_dir={out_dir!r} is a file, not a directory; choose another --output-dir")
     ancestor = next(p for p in [out, *out.parents] if p.exists())
@@ -208,9 +204,24 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise RecipeError(f"output_dir={out_dir!r}: {ancestor} is not writable; choose a directory you can write to")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir() if p.name != LOCK or not is_recipe_lock(p))
+
+
+def plan_output(cfg: FinetuneConfig) -> OutputPlan:
+    """Read (never write) the output directory and the checkpoint to resume from; refuse anything
+    that would mix two runs, lose a file or resume something broken. A run of this recipe found
+    there is locked first (run_lock.py: its lock file is the one thing created, where missing).
+
+    Raises:
+        RecipeError: the directory, the checkpoint and the way out.
+    """
+    out_dir = cfg.output.output_dir
+    out = Path(out_dir)
+    entries = _entries(out, out_dir)
     manifest = read_manifest(out) if entries else None
-    plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out))
+    plan = OutputPlan(run_dir=RunDir(out, manifest) if manifest else RunDir(out), entries=entries)
     foreign = (
         f"output_dir={out_dir!r} holds files this recipe did not write ({', '.join(entries[:5])}"
         f"{', ...' if len(entries) > 5 else ''}); choose an empty or new --output-dir (nothing was changed)"
@@ -225,6 +236,8 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
                 )
             )
         raise RecipeError(foreign)
+    if manifest is not None and is_main_process():
+        acquire(out)  # a run of this recipe: read (and later written) by one run at a time (run_lock.py)
     _refuse_linked_folders(out, manifest)
     checkpoints = list_checkpoints(out)
     complete = [c for c in checkpoints if c.problem is None]

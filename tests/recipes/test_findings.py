@@ -25,6 +25,15 @@ def _checkpoints(out):
     return sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
+def _restep(ckpt, step):
+    """Make a copied checkpoint's trainer_state.json and checkpoint.json say ``step`` (sizes to match)."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "step": step}))
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    files = {name: (ckpt / name).stat().st_size for name in manifest["files"]}
+    (ckpt / "checkpoint.json").write_text(json.dumps({**manifest, "step": step, "files": files}))
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -73,7 +82,9 @@ def test_checkpoints_are_ordered_by_step_not_by_name(recipe, tiny_lm, tmp_path):
     run(recipe, lm_args(tiny_lm, out, "--max-steps", "2", "--save-every", "2"))
     real = out / "checkpoints" / "step-0000002"
     for name in ("step-9999999", "step-10000000"):
-        shutil.copytree(real, out / "checkpoints" / name)
+        copy = out / "checkpoints" / name
+        shutil.copytree(real, copy)
+        _restep(copy, int(name.split("-")[1]))  # a copy says which step it is, as a saved one does
     steps = [c.step for c in list_checkpoints(out)]
     assert steps == [2, 9999999, 10000000]
     cfg = recipe.parse_config(lm_args(tiny_lm, out, "--max-steps", "2", "--resume-from", "latest"))
