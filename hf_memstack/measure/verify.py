@@ -110,7 +110,9 @@ def verify(
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
     shared = runs_collectives(model)
-    record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
+    # The checks of the model and the batch that each rank makes alone, agreed before any collective:
+    # a rank that raised here while the others went on into the forward would leave them waiting.
+    record = on_every_rank("verify: the model and the batch", lambda: _record(model, batch), shared=shared)
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
@@ -134,12 +136,14 @@ def verify(
     return report
 
 
-def _record(model: nn.Module) -> MemstackRecord:
+def _record(model: nn.Module, batch: Any) -> MemstackRecord:
+    """The model's record, once the model and the batch passed the checks this rank makes alone."""
     record = record_of(model)
     if record is None:
         raise ValueError(
             f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record"
         )
+    _refuse_empty(batch)
     return record
 
 
@@ -153,7 +157,6 @@ def _verify_into(
     *,
     shared: bool,
 ) -> None:
-    _refuse_empty(batch)
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
