@@ -20,6 +20,7 @@ from torch import nn
 from .._device import device_of, preserved_rng
 from ..data.boundaries import compare_packed_to_separate, is_packed
 from ..distributed._ranks import on_every_rank, reraise, runs_collectives, share_error
+from ..distributed._stalls import watching
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..transforms.checkpointing_verify import checkpointing_policy_problems, verify_checkpointing
 from ..transforms.compile import compile_policy_problems, verify_compile
@@ -302,9 +303,9 @@ def _check_compile(
     report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
 ) -> Check:
     def compiled_step() -> None:
-        on_every_rank(
-            "verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared
-        ).backward()
+        loss = on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+        with watching("verify: the compiled backward") if shared else contextlib.nullcontext():
+            loss.backward()
 
     ok, detail, report.compiled_calls = verify_compile(record.compile, compiled_step)
     return Check("compile", ok, detail)
