@@ -23,6 +23,7 @@ from torch import nn
 
 from .._device import device_of
 from ..distributed._ranks import reraise, share_error
+from ..distributed._stalls import watching
 from ..measure.simulated import LiveBytes, current_limit, untracked
 from ..measure.step import LossFn, backward, forward_loss, optimizer_step
 from .ranks import agree, agree_no_error
@@ -93,7 +94,8 @@ class StepRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
-            with tracker:
+            # A peer that never reaches one of the step's collectives is named, and where.
+            with tracker, watching(f"find_batch_size: the step at batch size {n}"):
                 self._step(n, tracker, marks)
         except Exception as e:  # noqa: BLE001 - out of memory is an outcome; anything else is agreed, then re-raised
             if is_out_of_memory(e):
@@ -199,7 +201,8 @@ def _agreed(step: str, fn: Callable[[], Any]) -> Any:
     error: BaseException | None = None
     result = None
     try:
-        result = fn()
+        with watching(step):
+            result = fn()
     except Exception as e:  # noqa: BLE001 - shared with the other ranks first
         error = e
     oom = error is not None and is_out_of_memory(error)

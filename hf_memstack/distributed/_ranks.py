@@ -12,6 +12,10 @@ failed rank(s) and their messages. :func:`on_every_rank` wraps a step that way.
 
 The all-reduce also carries a code for the step's name: ranks that reached different steps (one
 skipped a step the others ran) are told so on every rank, instead of reducing unrelated values.
+
+What no agreement can share - a rank held up inside its step, or one that raised while its peers were
+inside FSDP's collectives - ends at the group's timeout; :mod:`._stalls` then names that rank (and its
+error, posted before it left for the agreement) on every rank that waited.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import DistributedMismatchError
+from ._stalls import DistributedStallError, agreement_done, post_error, watching
 
 __all__ = [
     "RankFailure",
@@ -81,12 +86,24 @@ def share_error(
         ``error`` on the rank(s) where it happened; on every other rank ``peer_error(failures)``;
         :class:`DistributedMismatchError` on every rank when the ranks reached different steps.
     """
-    if world_size() == 1:
+    if world_size() == 1 or isinstance(error, DistributedStallError):  # the group is broken after a stall
         if error is not None:
             reraise(error)
         return list(values)
     if len(values) > _MAX_VALUES:
         raise ValueError(f"share_error carries at most {_MAX_VALUES} values, got {len(values)}")
+    if error is not None:
+        post_error(step, error)
+    with watching(step, error=error):
+        return _share(step, error, values, peer_error)
+
+
+def _share(
+    step: str,
+    error: BaseException | None,
+    values: Sequence[int],
+    peer_error: Callable[[list[RankFailure]], BaseException] | None,
+) -> list[int]:
     # One tensor of the same size on every rank, whatever each passed: ranks whose all-reduces
     # differ in size make gloo abort the process. The step's code and the count of values both go
     # in as (x, -x), so their minimum tells whether every rank sent the same.
@@ -94,6 +111,7 @@ def share_error(
     padded = [*values, *[0] * (_MAX_VALUES - len(values))]
     t = torch.tensor([code, -code, int(error is None), *padded], dtype=torch.int64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    agreement_done()
     same_step, none_failed = int(t[0]) == -int(t[1]), bool(t[2])
     if same_step and none_failed:
         return [int(v) for v in t[3 : 3 + len(values)]]
@@ -136,7 +154,9 @@ def same_arguments_on_every_rank(call: str, allowed: str = "", **arguments: obje
     if world_size() == 1:
         return
     everyone: list[dict[str, object] | None] = [None] * world_size()
-    dist.all_gather_object(everyone, arguments)
+    with watching(f"{call}: comparing the arguments"):
+        dist.all_gather_object(everyone, arguments)
+    agreement_done()
     reference = everyone[0] or {}
     differences = [
         (rank, f"rank {rank}: {key}={(theirs or {}).get(key)!r} where rank 0 has {reference[key]!r}")
@@ -163,7 +183,8 @@ def on_every_rank(step: str, fn: Callable[[], T], *, shared: bool = True) -> T:
     if not shared:
         return fn()
     try:
-        result = fn()
+        with watching(step):  # a collective inside fn that a peer never reaches names that peer
+            result = fn()
     except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised here
         share_error(step, e)
         raise AssertionError("unreachable: share_error re-raises") from None

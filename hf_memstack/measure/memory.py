@@ -8,6 +8,7 @@ peak is the caching allocator's own ``max_memory_allocated``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -22,6 +23,7 @@ from torch import nn
 from .._device import device_of, synchronize
 from ..data.guard import settle_packing_guard
 from ..distributed._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
+from ..distributed._stalls import watching
 from ..sizes import format_bytes
 from .accounting import model_state_bytes, tensor_bytes
 from .step import LossFn, backward, forward_loss, optimizer_step
@@ -154,10 +156,17 @@ def _train_step(
         return on_every_rank("measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
 
     def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
-        backward(forward(), grad_scaler=grad_scaler)
-        optimizer_step(o, grad_scaler=grad_scaler)
+        loss = forward()
+        with _watching("measure_step: the backward and the optimizer step", shared):
+            backward(loss, grad_scaler=grad_scaler)
+            optimizer_step(o, grad_scaler=grad_scaler)
 
-    return step_fn, _step_phases(forward, optimizer, grad_scaler)
+    return step_fn, _step_phases(forward, optimizer, grad_scaler, shared=shared)
+
+
+def _watching(step: str, shared: bool) -> contextlib.AbstractContextManager[None]:
+    """Under FSDP/DDP (``shared``), a peer that never reaches the step's collectives is named (:mod:`._stalls`)."""
+    return watching(step) if shared else contextlib.nullcontext()
 
 
 def _on_every_rank(users_step: StepFn) -> StepFn:
@@ -206,15 +215,22 @@ def _step_phases(
     forward: Callable[[], torch.Tensor],
     optimizer: torch.optim.Optimizer | None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    *,
+    shared: bool = False,
 ) -> list[Callable[[], Any]]:
     """A training step split in its phases (forward, backward, optimizer step), so the tracker can
     read what the forward left for the backward, and the forward+backward peak before the step."""
     held: dict[str, torch.Tensor] = {}
-    return [
-        lambda: held.update(loss=forward()),
-        lambda: backward(held.pop("loss"), grad_scaler=grad_scaler),
-        lambda: optimizer_step(optimizer, grad_scaler=grad_scaler),
-    ]
+
+    def backward_phase() -> None:
+        with _watching("measure_step: the backward", shared):
+            backward(held.pop("loss"), grad_scaler=grad_scaler)
+
+    def optimizer_phase() -> None:
+        with _watching("measure_step: the optimizer step", shared):
+            optimizer_step(optimizer, grad_scaler=grad_scaler)
+
+    return [lambda: held.update(loss=forward()), backward_phase, optimizer_phase]
 
 
 def _time_step(

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..distributed._ranks import on_every_rank, share_error
+from ..distributed._stalls import watching
 from ..record import MemstackRecord
 from ..transforms.checkpointing import SelectiveCheckpointingWarning
 from ..transforms.tiled_mlp import tiled_mlps
@@ -76,7 +77,8 @@ def observe_step(
                 else loss.requires_grad
             )
             if every_rank_needs_grad:
-                with counter:
+                # A peer that never reaches the backward's collectives is named (shared: under FSDP/DDP).
+                with counter, watching("verify: the backward") if shared else contextlib.nullcontext():
                     loss.backward()
                 observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
             elif loss.requires_grad:

@@ -20,6 +20,7 @@ from torch import nn
 from .._device import device_of, preserved_rng
 from ..data.boundaries import compare_packed_to_separate, is_packed
 from ..distributed._ranks import on_every_rank, reraise, runs_collectives, share_error
+from ..distributed._stalls import watching
 from ..record import MemstackRecord, record_of, unwrap_model
 from ..transforms.checkpointing_verify import checkpointing_policy_problems, verify_checkpointing
 from ..transforms.compile import compile_policy_problems, verify_compile
@@ -110,7 +111,9 @@ def verify(
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
     shared = runs_collectives(model)
-    record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
+    # The checks of the model and the batch that each rank makes alone, agreed before any collective:
+    # a rank that raised here while the others went on into the forward would leave them waiting.
+    record = on_every_rank("verify: the model and the batch", lambda: _record(model, batch), shared=shared)
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
@@ -134,12 +137,14 @@ def verify(
     return report
 
 
-def _record(model: nn.Module) -> MemstackRecord:
+def _record(model: nn.Module, batch: Any) -> MemstackRecord:
+    """The model's record, once the model and the batch passed the checks this rank makes alone."""
     record = record_of(model)
     if record is None:
         raise ValueError(
             f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record"
         )
+    _refuse_empty(batch)
     return record
 
 
@@ -153,7 +158,6 @@ def _verify_into(
     *,
     shared: bool,
 ) -> None:
-    _refuse_empty(batch)
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
@@ -299,9 +303,9 @@ def _check_compile(
     report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
 ) -> Check:
     def compiled_step() -> None:
-        on_every_rank(
-            "verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared
-        ).backward()
+        loss = on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+        with watching("verify: the compiled backward") if shared else contextlib.nullcontext():
+            loss.backward()
 
     ok, detail, report.compiled_calls = verify_compile(record.compile, compiled_step)
     return Check("compile", ok, detail)

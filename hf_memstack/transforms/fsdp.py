@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.mesh import device_mesh
 from ..distributed.preflight import local_world_size
 from ..distributed.weights import load_from_rank0
 from ..policy import FSDPConfig
@@ -118,10 +119,8 @@ def mixed_precision_policy(precision: ResolvedPrecision) -> MixedPrecisionPolicy
 
 
 def _mesh(cfg: FSDPConfig, device_type: str) -> DeviceMesh:
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     if cfg.mode == "hybrid_shard":
         local = local_world_size()
-        return init_device_mesh(device_type, (world // local, local), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+        return device_mesh(device_type, (world // local, local), ("replicate", "shard"))
+    return device_mesh(device_type, (world,), ("shard",))

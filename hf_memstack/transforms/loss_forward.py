@@ -62,9 +62,25 @@ class ChunkedLossForward(_ForwardWrapper):
         labelled = arguments.get("labels") is not None
         keeps_all = isinstance(arguments.get("logits_to_keep", 0), int) and arguments.get("logits_to_keep", 0) == 0
         chunked = torch.is_grad_enabled() or self._without_gradients
-        if not (labelled and keeps_all and chunked) or len(args) > len(self._positional):
+        own = not (labelled and keeps_all and chunked) or len(args) > len(self._positional)
+        # Under FSDP/DDP a rank that refused its ids would leave the others waiting in the backbone's
+        # first all-gather: the refusal is shared first, so every rank ends with it. On every call,
+        # whichever path this rank takes: the path depends on this rank's batch (a rank without
+        # labels takes the model's own forward), and an agreement that only some ranks reach leaves
+        # them waiting for the others until the group's timeout. (Looked up per call: the model is
+        # sharded after this wrapper is installed. One rank: no walk.)
+        shared = not torch.compiler.is_compiling() and runs_collectives(self.module)
+        if shared:
+            model = self.module
+            on_every_rank(
+                "loss:chunked: the batch's token ids",
+                lambda: _check_token_ids(
+                    arguments, model.get_output_embeddings(), model, arguments.get("ignore_index", -100)
+                ),
+            )
+        if own:
             return self.__wrapped__(*args, **kwargs)
-        return self.loss_from(arguments)
+        return self.loss_from(arguments, ids_checked=shared)
 
     @contextlib.contextmanager
     def without_gradients(self) -> Iterator[None]:
@@ -76,20 +92,15 @@ class ChunkedLossForward(_ForwardWrapper):
         finally:
             self._without_gradients = previous
 
-    def loss_from(self, arguments: dict[str, Any]) -> Any:
+    def loss_from(self, arguments: dict[str, Any], *, ids_checked: bool = False) -> Any:
         """The backbone, then the chunked head and loss (plus the routers' load-balancing loss, as the
-        model's forward adds it); ``arguments`` are the forward's, by name."""
+        model's forward adds it); ``arguments`` are the forward's, by name (``ids_checked``: the
+        token ids were checked already, on every rank)."""
         model = self.module
         head = model.get_output_embeddings()
         ignore_index = arguments.get("ignore_index", -100)
-        # Under FSDP/DDP a rank that refused its ids here would leave the others waiting in the
-        # backbone's first all-gather: the refusal is shared first, so every rank ends with it.
-        # (Looked up per call: the model is sharded after this wrapper is installed. One rank: no walk.)
-        on_every_rank(
-            "loss:chunked: the batch's token ids",
-            lambda: _check_token_ids(arguments, head, model, ignore_index),
-            shared=not torch.compiler.is_compiling() and runs_collectives(model),
-        )
+        if not ids_checked:
+            _check_token_ids(arguments, head, model, ignore_index)
         backbone_args = {k: v for k, v in arguments.items() if k not in ("labels", "logits_to_keep", "return_dict")}
         routed = _router_logits_on(model, arguments)
         if routed is not None:

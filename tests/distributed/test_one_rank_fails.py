@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # The group's timeout in dist_utils is 60 s: an error shared at once ends far below it.
 PROMPT = 20.0
 DISK = "the dataset's disk went away"
+# A batch without labels on one rank, under each policy: with loss:chunked rank 0's forward took the
+# chunked path (an agreement on the token ids) and rank 1's the model's own (FSDP's all-gathers), and
+# both waited out the group's timeout with no message (LoRA as in a fine-tuning run).
+POLICIES = ["fp32+fsdp", "bf16+ckpt+fsdp", "bf16+ckpt+fsdp+loss:chunked"]
 
 
 _make = batches("llama", seq=16)
@@ -27,6 +31,15 @@ _make = batches("llama", seq=16)
 
 def _model():
     return tiny_llama(vocab_size=256)  # out_of_vocabulary's id 999 lies outside it
+
+
+def _lora(policy):
+    from peft import LoraConfig, get_peft_model
+
+    from hf_memstack import prepare_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return prepare_model(get_peft_model(_model(), config), policy)
 
 
 class _RunsCommand:
@@ -120,10 +133,25 @@ def _scenarios(rank, world, directory):
 
     # Two ranks at different steps, carrying different numbers of values (was: gloo aborted the process).
     out["different_steps"] = timed(lambda: share_error(["step a", "step b"][rank], None, values=[(1, 2), ()][rank]))
+
+    def empty():
+        batch = _make(2)
+        return {k: v[:0] for k, v in batch.items()} if rank == 1 else batch
+
+    def prepared(policy):
+        return sharded() if policy == "fp32+fsdp" else (_lora(policy), None)
+
+    def verify_unlabelled(model, opt):
+        return timed(lambda: verify(model, unlabelled()).ok)
+
+    def measure_unlabelled(model, opt):
+        return timed(lambda: measure_step(model, unlabelled(), opt, timed=False).peak_bytes)
+
+    for policy in POLICIES:
+        out[f"verify {policy}"] = verify_unlabelled(*prepared(policy))
+        out[f"measure {policy}"] = measure_unlabelled(*prepared(policy))
     model, opt = sharded()
-    out["verify"] = timed(lambda: verify(model, unlabelled()).ok)
-    model, opt = sharded()
-    out["measure"] = timed(lambda: measure_step(model, unlabelled(), opt, timed=False).peak_bytes)
+    out["verify_empty"] = timed(lambda: verify(model, empty()).ok)
     model, opt = sharded()
     out["verify_ok"] = timed(lambda: verify(model, _make(2)).ok)  # every rank well: no error, the same verdict
     model, opt = sharded()
@@ -190,17 +218,30 @@ def test_out_of_memory_on_one_rank_is_an_outcome_on_every_rank(ranks):
     assert size0 == max(n for n, fits, _ in probes0 if fits) < 8
 
 
-def test_verify_without_labels_on_one_rank_ends_every_rank(ranks):
-    (kind0, msg0), (kind1, msg1) = _both(ranks, "verify")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_verify_without_labels_on_one_rank_ends_every_rank(ranks, policy):
+    (kind0, msg0), (kind1, msg1) = _both(ranks, f"verify {policy}")
     assert kind1 == "ValueError" and "returned no loss" in msg1
     assert kind0 == "DistributedMismatchError" and "rank 1: ValueError:" in msg0 and "returned no loss" in msg0
+
+
+def test_verify_on_every_rank_well_gives_the_same_verdict(ranks):
     assert _both(ranks, "verify_ok") == (("ok", True), ("ok", True))
 
 
-def test_the_meter_without_labels_on_one_rank_ends_every_rank(ranks):
-    (kind0, msg0), (kind1, msg1) = _both(ranks, "measure")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_meter_without_labels_on_one_rank_ends_every_rank(ranks, policy):
+    (kind0, msg0), (kind1, msg1) = _both(ranks, f"measure {policy}")
     assert kind1 == "ValueError" and "returned no loss" in msg1
     assert kind0 == "DistributedMismatchError" and "rank 1: ValueError:" in msg0 and "returned no loss" in msg0
+
+
+def test_an_empty_batch_on_one_rank_ends_every_rank_in_verify(ranks):
+    """Refused before any collective and agreed there (was: rank 1 refused it after the agreement on the
+    model, and went to share that while rank 0 went on into the forward's all-gather)."""
+    (kind0, msg0), (kind1, msg1) = _both(ranks, "verify_empty")
+    assert kind1 == "ValueError" and "batch['input_ids'] has shape (0, 16)" in msg1, msg1
+    assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: batch['input_ids'] has shape" in msg0, msg0
 
 
 def test_a_forged_checkpoint_on_one_rank_runs_no_code_and_ends_every_rank(ranks):
