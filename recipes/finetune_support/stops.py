@@ -241,9 +241,15 @@ def say_where_on_interrupt(describe: Callable[[int], str]) -> Iterator[None]:
         yield
         return
 
-    def handler(signum: int, _frame: Any) -> None:
+    owner = os.getpid()
+
+    def handler(signum: int, frame: Any) -> None:
+        before = previous[signum]
+        if os.getpid() != owner and callable(before):  # a forked DataLoader worker: as without this
+            before(signum, frame)  # (SIGINT: KeyboardInterrupt, which the worker expects)
+            return
         signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
-        if os.environ.get("RANK", "0") == "0":
+        if os.getpid() == owner and os.environ.get("RANK", "0") == "0":
             with contextlib.suppress(Exception):  # the process ends by the signal whatever happens here
                 # os.write, not print: the signal may land inside a write to sys.stderr (the progress bar).
                 os.write(2, f"\nfinetune.py: {describe(signum)}\n".encode())

@@ -174,15 +174,23 @@ def test_a_damaged_safetensors_file_is_named(recipe, tiny_lm, tmp_path, capsys, 
     assert snapshot(tmp_path) == before
 
 
-def test_a_chat_template_reaching_for_python_internals_is_refused(recipe, tiny_lm, tmp_path, capsys):
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_chat_template_reaching_for_python_internals_is_refused(recipe, tiny_lm, tmp_path, capsys, where):
     model = _model_copy(tiny_lm, tmp_path / "model")
-    (model / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    if where == "chat_template.jinja":
+        (model / where).write_text(template)
+        field = str(model / where)
+    else:  # where older tokenizers keep it
+        config = json.loads((model / where).read_text())
+        (model / where).write_text(json.dumps({**config, "chat_template": template}))
+        field = f"{model / where}'s chat_template"
     before = snapshot(tmp_path)
     fails(
         recipe,
         _args(tiny_lm, tmp_path / "out", "--prompt-field", "prompt", "--response-field", "response", model=model),
         capsys,
-        f"the chat template in {model / 'chat_template.jinja'} was refused by Jinja's sandbox",
+        f"the chat template in {field} was refused by Jinja's sandbox",
         "Python internals",
         "SecurityError",
     )
@@ -282,6 +290,28 @@ def test_a_full_disk_during_a_save_is_one_message_and_the_run_resumes(recipe, ti
     assert [(c.step, c.problem) for c in list_checkpoints(out)] == [(2, None), (4, None)]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000004"]
     # Intact: resumed on a disk with room, the run ends bitwise equal to the uninterrupted one.
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    run(recipe, _args(tiny_lm, moved, *common, "--resume-from", "latest"))
+    assert_same_weights(reference, moved)
+
+
+def test_a_full_disk_during_the_final_models_save(recipe, tiny_lm, tmp_path, capsys, small_disk):
+    """Room for the checkpoint of the last step, not for the final model: the message says so, no
+    model.tmp is left, and resuming from that checkpoint on a disk with room writes the same model."""
+    common = ("--max-steps", "4", "--save-every", "4")
+    reference = tmp_path / "reference"
+    run(recipe, _args(tiny_lm, reference, *common))
+    disk = small_disk(_disk_bytes(reference) - _disk_bytes(reference / "model") // 2)
+    out = disk / "out"
+    fails(
+        recipe,
+        _args(tiny_lm, out, *common),
+        capsys,
+        f"no space left on the disk holding {out} (mounted at {disk}) while writing the final model",
+        f"The newest checkpoint is {out / 'checkpoints' / 'step-0000004'} (step 4)",
+    )
+    assert not (out / "model").exists() and not (out / "model.tmp").exists()
     moved = tmp_path / "moved"
     shutil.copytree(out, moved)
     run(recipe, _args(tiny_lm, moved, *common, "--resume-from", "latest"))
