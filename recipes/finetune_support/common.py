@@ -38,6 +38,13 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix in FORMATS or Path(name).expanduser().exists()
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control and format characters (NUL, ESC, the
+    right-to-left override U+202E, ...) escaped as ``\\x00``, ``\\u202e``; line breaks kept.
+    Messages quote names from received files (a config.json's model_type), which may hold them."""
+    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def agree(accelerator: Any, error: RecipeError | None) -> None:
     """Every process learns whether any failed, so that one bad rank ends all of them with its message
     instead of leaving the others waiting in the next collective."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .common import RecipeError, looks_local
+from .common import RecipeError, looks_local, printable
 from .flags import FinetuneConfig
 from .rows import Rows, check_rows, read_rows
 
@@ -185,9 +185,7 @@ def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
             ids, labels = [], []
             for prompt, response in zip(rows[cfg.data.prompt_field], rows[cfg.data.response_field]):
                 if tokenizer.chat_template:
-                    p = tokenizer.apply_chat_template(
-                        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-                    )
+                    p = _chat_prompt(tokenizer, prompt)
                 else:
                     p = prompt + "\n"
                 p_ids = tokenizer(p, add_special_tokens=False)["input_ids"]
@@ -219,6 +217,39 @@ def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
             return out
 
     return enc
+
+
+def _chat_prompt(tokenizer: Any, prompt: str) -> str:
+    """The prompt as the tokenizer's chat template writes a user turn (Transformers renders it in
+    Jinja's sandbox, which refuses a template reaching for Python internals such as ``__class__``).
+
+    Raises:
+        RecipeError: the template fails or is refused, naming the file it came from.
+    """
+    from jinja2 import TemplateError
+    from jinja2.exceptions import SecurityError
+
+    try:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as e:
+        source = Path(tokenizer.name_or_path)
+        field = (
+            f"{source / 'chat_template.jinja'}"
+            if (source / "chat_template.jinja").is_file()
+            else f"{source / 'tokenizer_config.json'}'s chat_template"
+        )
+        why = (
+            "was refused by Jinja's sandbox for reaching for Python internals (a chat template only formats "
+            "messages; this one tried more, and nothing of it ran)"
+            if isinstance(e, SecurityError)
+            else "fails"
+        )
+        raise RecipeError(
+            f"the chat template in {printable(field)} {why} ({type(e).__name__}: {printable(str(e)[:200])}); "
+            "fix or remove that template, or pass --tokenizer with a tokenizer whose template works"
+        ) from None
 
 
 def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:

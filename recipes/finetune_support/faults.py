@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from .common import RecipeError
@@ -25,6 +26,8 @@ def test_hook(point: str, rank: int = 0) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "hang":
+        # Said first, so that a test knows the process got here before it signals it.
+        print(f"test hook: hanging at {point} on rank {rank}", file=sys.stderr, flush=True)
         time.sleep(10**6)
     elif action == "reject":
         raise RecipeError(f"test hook: bad input injected at {point} on rank {rank}")

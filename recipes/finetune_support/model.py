@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
-from .common import RecipeError, Route
+from .common import RecipeError, Route, printable
 from .flags import FinetuneConfig
+from .stops import nonfinite, nonfinite_in_files
 
 
 def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
@@ -60,6 +63,9 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
+        custom = None if cfg.model.trust_remote_code else _custom_code(source, "tokenizer_config.json")
+        if custom:
+            raise RecipeError(f"tokenizer={source!r} {custom}") from None
         raise RecipeError(
             f"no tokenizer could be loaded from {source!r} ({type(e).__name__}: {str(e)[:160]}); "
             "pass --tokenizer with a tokenizer id or directory"
@@ -75,6 +81,9 @@ def load_model_config(cfg: FinetuneConfig, model_path: str) -> Any:
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
+        custom = None if cfg.model.trust_remote_code else _custom_code(model_path, "config.json")
+        if custom:
+            raise RecipeError(f"model={cfg.model.model!r} {custom}") from None
         raise RecipeError(
             f"model={cfg.model.model!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}); "
             "pass a local directory or check the id and the network"
@@ -119,12 +128,86 @@ def load_model(
         kwargs["num_labels"] = num_labels
     try:
         if rank0_only:
-            return from_pretrained_for_fsdp(auto_class, model_path, **kwargs)
-        return auto_class.from_pretrained(model_path, **kwargs)
+            model = from_pretrained_for_fsdp(auto_class, model_path, **kwargs)
+        else:
+            model = auto_class.from_pretrained(model_path, **kwargs)
+    except SafetensorError as e:  # neither OSError nor ValueError: a damaged weights file
+        raise RecipeError(_damaged_weights(cfg.model.model, model_path, e)) from None
     except (OSError, ValueError) as e:
         raise RecipeError(
             f"model={cfg.model.model!r}: the weights could not be loaded ({type(e).__name__}: {str(e)[:200]})"
         ) from None
+    check_finite_weights(model, f"model={cfg.model.model!r}", Path(model_path))
+    return model
+
+
+def check_finite_weights(model: Any, where: str, folder: Path) -> None:
+    """Refuse weights holding NaN or inf (a damaged file, or one saved from a run that diverged):
+    training from them gives a NaN loss from the first step. One pass over the loaded tensors; only
+    when one is not finite are the folder's safetensors files read to name the file holding it.
+
+    Raises:
+        RecipeError: naming the tensor, the file (where it is a safetensors file of ``folder``) and the fix.
+    """
+    found = nonfinite(model.state_dict().items())
+    if found is None:
+        return
+    name, kind = found
+    in_file = nonfinite_in_files(sorted(folder.glob("*.safetensors"))) if folder.is_dir() else None
+    held = (
+        f"tensor {in_file[1]!r} of {in_file[0]}" if in_file else f"the model's tensor {name!r} (loaded from {folder})"
+    )
+    raise RecipeError(
+        f"{where}: the weights hold {kind} values ({held}): training from them gives a NaN loss and a NaN "
+        "model. The file is damaged or was saved from a run that diverged; use an intact copy of the weights "
+        "(download or save them again, or an earlier checkpoint)"
+    )
+
+
+def _damaged_weights(model: str, model_path: str, e: Exception) -> str:
+    """The message for a weights file safetensors cannot read: the first file of the folder that
+    does not open (header too large, shapes that do not match the byte ranges, overlapping offsets)."""
+    from safetensors import safe_open
+
+    folder, damaged, why = Path(model_path), None, f"{type(e).__name__}: {_first_line(e)}"
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (OSError, SafetensorError) as bad:
+            damaged, why = path, f"{type(bad).__name__}: {_first_line(bad)}"
+            break
+    return (
+        f"model={model!r}: {damaged or f'a weights file of {folder}'} is not a readable safetensors file ({why}): it is "
+        "damaged, truncated or not a weights file, and nothing in it was loaded or run. Download or save the "
+        "model again (save_pretrained writes model.safetensors)"
+    )
+
+
+def _first_line(e: BaseException) -> str:
+    return printable((str(e).splitlines() or ["no message"])[0][:200])
+
+
+def _custom_code(source: str, config_name: str) -> str | None:
+    """Why a local folder holding its own code was refused (config_name's ``auto_map``: Transformers
+    would import that folder's Python files), with the fix; None: not a local folder with code."""
+    from hf_memstack.files import read_json
+
+    path = Path(source).expanduser() / config_name
+    try:
+        found = read_json(path, max_bytes=2**20) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    auto_map = found.get("auto_map") if isinstance(found, dict) else None
+    if not isinstance(auto_map, dict) or not auto_map:
+        return None
+    names = sorted({printable(str(v)) for vs in auto_map.values() for v in (vs if isinstance(vs, list) else [vs]) if v})
+    return (
+        f"is a folder with its own code: {config_name}'s auto_map names {', '.join(names)} (the folder's .py files), "
+        "and Transformers cannot load it without running that code. Pass --trust-remote-code to run it, only if "
+        "you trust the code (it runs as Python, with your permissions: read the folder's .py files first); "
+        "nothing from the folder was run"
+    )
 
 
 def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int) -> tuple[Any, str]:
