@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from ._text import printable
 from .sizes import format_bytes
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def print_estimates(
         return
     _print_table(estimates, verdicts, budgeted=budget is not None, kept=mode == "eval")
     for note in dict.fromkeys(n for e in estimates for n in e.notes):
-        print(f"note: {note}")
+        print(f"note: {printable(note)}")  # notes may quote a received config's text
     if budget is not None:
         _print_verdicts(estimates, verdicts, budget)
 
