@@ -33,6 +33,7 @@ import sys
 import traceback
 from typing import Any
 
+from ._text import printable
 from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
@@ -189,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model = resolve_model_alias(args.model)
         return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
     except BudgetTooSmallError as e:
-        print(f"hf-memstack {args.command}: does not fit: {e}", file=sys.stderr)
+        print(f"hf-memstack {args.command}: does not fit: {printable(str(e))}", file=sys.stderr)
         return DOES_NOT_FIT
     except (ValueError, TypeError, OSError, ImportError) as e:
-        print(f"hf-memstack {args.command}: error: {e}", file=sys.stderr)
+        print(f"hf-memstack {args.command}: error: {printable(str(e))}", file=sys.stderr)  # may quote a received file
         return USAGE
     except Exception:  # noqa: BLE001 - not "does not fit", not bad input: a bug, said as such
         traceback.print_exc()
@@ -265,7 +266,7 @@ def _plan(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
     )
-    print(json.dumps(plan.as_dict(), indent=2) if args.json else plan.table())
+    print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))
     _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
@@ -323,7 +324,7 @@ def _find(args: argparse.Namespace) -> int:
         global_batch_size=args.global_batch_size,
         cache=not args.no_cache,
     )
-    print(json.dumps(result.as_dict(), indent=2, default=str) if args.json else result.summary())
+    print(json.dumps(result.as_dict(), indent=2, default=str) if args.json else printable(result.summary()))
     return FITS
 
 
@@ -333,7 +334,7 @@ def _print_task_note(args: argparse.Namespace) -> None:
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:
-        print(f"note: {note}")
+        print(f"note: {printable(note)}")
 
 
 def _positive_int(flag: str) -> Any:

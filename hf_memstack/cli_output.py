@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._text import printable
 from .cli_estimate import Refused, Row
 from .sizes import format_bytes
 
@@ -23,10 +24,10 @@ def print_estimates(rows: list[Row], verdicts: list[bool], *, budget: int | None
     estimates = [e for e in rows if not isinstance(e, Refused)]
     _print_table(rows, verdicts, budgeted=budget is not None, kept=mode == "eval")
     for note in dict.fromkeys(n for e in estimates for n in e.notes):
-        print(f"note: {note}")
+        print(f"note: {printable(note)}")  # notes may quote a received config's text
     for r in rows:
         if isinstance(r, Refused):
-            print(f"{r.policy}: refused: {r.reason}")
+            print(f"{printable(r.policy)}: refused: {printable(r.reason)}")
     if budget is not None:
         _print_verdicts(rows, verdicts, budget)
 

@@ -10,7 +10,10 @@ whether it was capped, and the search honours each call's cap.
 Files are written to a unique temporary file (``mkstemp``) and renamed over the entry, so two
 finders writing at once never read a partial file or each other's temporary file; the folder is
 private (0700). A file that cannot be read, parsed or validated is discarded with a warning, and
-a folder that cannot be written costs a warning, never the search's result.
+a folder that cannot be written costs a warning, never the search's result. ``cache_dir=`` can be
+any folder, so an entry is read only if it is a regular file, at most 64 KiB, without blocking
+(a FIFO, a symlink - to ``/dev/zero`` or anywhere -, a directory are named in a warning, never read,
+removed or written through).
 
 An entry is checked against itself and the budget before its size runs again: it records the
 steps its search ran (sizes, peaks, outcomes), and its size must be the largest of them that
@@ -37,6 +40,7 @@ from torch import nn
 
 from .._device import device_of
 from .._version import __version__
+from ..files import FileContentError, describe_kind, loads_json, read_regular
 from .ranks import agree, world_size
 
 __all__ = ["CacheEntry", "CachedStep", "agree_entry", "cache_key", "read_entry", "write_entry"]
@@ -46,6 +50,10 @@ DEFAULT_CACHE_DIR = Path("~/.cache/hf_memstack")
 
 # More steps than any search runs (its bound, the warm-up and a stale cache step): a longer list is not ours.
 MAX_RECORDED_STEPS = 32
+# The most bytes an entry is read for: one with MAX_RECORDED_STEPS steps and 13-digit sizes has
+# about 2.6 KB, so anything larger is not an entry (a link to /dev/zero would otherwise be read
+# until memory ran out).
+MAX_ENTRY_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,38 +127,68 @@ def cache_key(
 def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     """The entry at ``path``; None when there is none. A file that is unreadable, invalid, not
     consistent with the steps it records or over ``budget`` is removed (with a warning naming it
-    and why) and counts as none: nothing runs at its size."""
+    and why) and counts as none: nothing runs at its size. Something at ``path`` that is not a
+    regular file (a symlink, a FIFO, a directory, a device) was not written by the finder: it is
+    never read or removed, only named in a warning, and counts as none."""
     try:
-        text = path.read_bytes()
+        found = path.lstat()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        warnings.warn(
-            f"hf_memstack: cannot read the batch-size cache entry {path} ({e}); searching again", stacklevel=3
-        )
+        _warn(f"cannot read the batch-size cache entry {path} ({e}); searching again")
         return None
-    problem = None
-    try:
-        data = json.loads(text)
-        entry = _validate(data)
-        problem = _inconsistency(entry, budget)
-    except (ValueError, TypeError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        problem, entry = str(e), None
-    if entry is None:
-        warnings.warn(
-            f"hf_memstack: discarding the invalid batch-size cache entry {path} ({problem}); searching again",
-            stacklevel=3,
-        )
-        path.unlink(missing_ok=True)
-    elif problem is not None:
-        warnings.warn(
-            f"hf_memstack: discarding the batch-size cache entry {path}: {problem} - edited or damaged; "
-            "measuring again",
-            stacklevel=3,
-        )
-        path.unlink(missing_ok=True)
-        entry = None
+    if not stat.S_ISREG(found.st_mode):
+        _warn(f"{_not_ours(path, found.st_mode)}; searching again")
+        return None
+    entry, problem = _read_and_check(path, budget)
+    if problem is not None:
+        _warn(f"discarding {problem}")
+        _unlink_if_same(path, found)
     return entry
+
+
+def _read_and_check(path: Path, budget: int) -> tuple[CacheEntry | None, str | None]:
+    """The entry at ``path`` (a regular file when looked at), or None and why it is discarded."""
+    try:
+        # Bounded and non-blocking: a file swapped for a FIFO or a link to /dev/zero since the
+        # lstat above is refused by read_regular rather than read.
+        data = loads_json(read_regular(path, max_bytes=MAX_ENTRY_BYTES), where="its text")
+    except FileContentError as e:
+        return None, f"the invalid batch-size cache entry {path} ({e}); searching again"
+    except OSError as e:
+        return None, f"the unreadable batch-size cache entry {path} ({e}); searching again"
+    try:
+        entry = _validate(data)
+    except (ValueError, TypeError) as e:
+        return None, f"the invalid batch-size cache entry {path} ({e}); searching again"
+    problem = _inconsistency(entry, budget)
+    if problem is not None:
+        return None, f"the batch-size cache entry {path}: {problem} - edited or damaged; measuring again"
+    return entry, None
+
+
+def _not_ours(path: Path, mode: int) -> str:
+    return (
+        f"the batch-size cache entry {path} is {describe_kind(mode)}, not a file hf_memstack wrote "
+        "(the finder writes regular files only): not read, and left as it is - remove it yourself if it "
+        "is not yours; until then this job is not cached"
+    )
+
+
+def _unlink_if_same(path: Path, found: os.stat_result) -> None:
+    """Remove the entry found at ``path``, only if it is still that regular file (never a link or
+    FIFO put in its place since)."""
+    try:
+        now = path.lstat()
+        if stat.S_ISREG(now.st_mode) and (now.st_dev, now.st_ino) == (found.st_dev, found.st_ino):
+            path.unlink()
+    except OSError:
+        pass  # gone already, or the folder is read-only: the next search writes over it or warns
+
+
+def _warn(message: str) -> None:
+    # stacklevel: read_entry/write_entry -> the finder -> find_batch_size's caller.
+    warnings.warn(f"hf_memstack: {message}", stacklevel=4)
 
 
 def _validate(data: Any) -> CacheEntry:
@@ -225,20 +263,28 @@ def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
 
 
 def write_entry(path: Path, entry: CacheEntry) -> None:
-    """Write atomically (unique temporary file, then rename); on failure warn and go on."""
+    """Write atomically (unique temporary file, then rename); on failure warn and go on. The rename
+    replaces a directory entry and never writes through a link; something at ``path`` that is not a
+    regular file (a symlink, a FIFO) is not the finder's and is left as it is, with a warning."""
     tmp = None
     try:
         _private_dir(path.parent)
+        try:
+            mode = path.lstat().st_mode
+        except FileNotFoundError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            _warn(f"{_not_ours(path, mode)}; the result is returned but not cached")
+            return
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(asdict(entry), f)
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
-        warnings.warn(
-            f"hf_memstack: could not write the batch-size cache at {path.parent} ({e}); the result is "
-            "returned but not cached (pass cache=False or another cache_dir)",
-            stacklevel=3,
+        _warn(
+            f"could not write the batch-size cache at {path.parent} ({e}); the result is "
+            "returned but not cached (pass cache=False or another cache_dir)"
         )
     finally:
         if tmp is not None:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..files import read_json
 from ._ranks import on_every_rank
 from ._safe_dcp import UntrustedCheckpointError, plain_file_name, vet_checkpoint, weights_only_load
 
@@ -130,19 +131,17 @@ def _write_manifest(directory: Path) -> None:
 
 
 def _check_manifest(directory: Path) -> None:
-    import json
-
     path = directory / MANIFEST
     fix = (
         "a directory written by hf_memstack.save_sharded_checkpoint has it; a checkpoint written some other way "
         "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)"
     )
-    if not path.is_file():
+    if not os.path.lexists(path):  # anything else there (a FIFO, a directory) is named by read_json below
         raise ValueError(
             f"checkpoint {str(directory)!r} has no {MANIFEST} (incomplete, or not written by hf_memstack); {fix}"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = read_json(path)  # bounded, non-blocking; nesting too deep is a ValueError, not RecursionError
         files = dict(manifest["files"])
         odd = [name for name, size in files.items() if not plain_file_name(name) or not isinstance(size, int)]
         if odd:

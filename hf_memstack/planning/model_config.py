@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
+import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from .._text import printable
+from ..files import describe_kind
 from ..record import unwrap_model
+from .config_file import check_config_file, check_dict_keys, check_sizes, read_config_file
 from .trainable import apply_peft
 from .weights_dtype import cast_like_from_pretrained
 
@@ -37,7 +41,16 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
             its config.json (or the dict) is not valid JSON, has no ``model_type``, or describes an invalid model.
         TypeError: ``model`` is none of the above (e.g. a config class rather than a config).
     """
-    from transformers import AutoConfig, PretrainedConfig
+    config = _load(model, trust_remote_code)
+    # A config object, or one built from a file or dict (checked before it was built, again here):
+    # every block is built on meta, so a 20,000-block stack would take minutes before any answer.
+    if callable(getattr(config, "to_dict", None)):
+        check_sizes(config.to_dict(), f"model= a {type(config).__name__}")
+    return config
+
+
+def _load(model: str | Path | Any, trust_remote_code: bool) -> PretrainedConfig:
+    from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         return model
@@ -52,33 +65,73 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
             else type(model).__name__
         )
         raise TypeError(f"model={_short(model)} ({what}); pass {_ACCEPTED}")
-    path = Path(str(model)).expanduser()
-    if path.is_dir():
-        _check_config_file(path, trust_remote_code=trust_remote_code)
+    return _from_path_or_id(str(model), trust_remote_code)
+
+
+def _from_path_or_id(model: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The config of a local folder or config file (checked first) or of a hub id in the local cache."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    local = _local_config(model, path)
+    if local is not None:
+        check_config_file(local, f"model={model!r}", trust_remote_code=trust_remote_code)
+    else:
+        _check_cached_config(model)
     try:
         return AutoConfig.from_pretrained(
-            str(path) if path.is_dir() else str(model), local_files_only=True, trust_remote_code=trust_remote_code
+            str(path) if local is not None else model, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except Exception as e:  # noqa: BLE001 - any failure to build the config is an invalid model (huggingface_hub's
         # strict-dataclass validation raises its own error type), said with its cause
-        if path.is_dir():
+        if local is not None:
             raise ValueError(
-                f"model={str(model)!r}: {path / 'config.json'} is not a valid Transformers config "
-                f"({_reason(e)}); fix the file or pass another model"
+                f"model={model!r}: {local} is not a valid Transformers config ({_reason(e)}); fix the file or "
+                "pass another model"
             ) from None
-        if _looks_like_a_path(str(model)):
+        if _looks_like_a_path(model):
             # `hf download ./nope` would be no help: the user meant a folder on disk.
-            where = "not a directory" if path.exists() else "no such directory"
             raise ValueError(
-                f"model={str(model)!r}: {where} ({path.resolve()}); pass the directory holding the model's "
+                f"model={model!r}: no such directory ({path.resolve()}); pass the directory holding the model's "
                 "config.json (a save_pretrained folder) or a Hub model id in the local cache"
             ) from None
-        near = _near_local_folder(str(model))
+        near = _near_local_folder(model)
         fix = f"did you mean the folder {near!r}?" if near else f"download it first (`hf download {model} config.json`)"
         raise ValueError(
-            f"model={str(model)!r} is not a local directory with a config.json and not in the local Hugging Face cache "
+            f"model={model!r} is not a local directory with a config.json and not in the local Hugging Face cache "
             f"({type(e).__name__}); {fix} or pass a local directory"
         ) from None
+
+
+def _local_config(model: str, path: Path) -> Path | None:
+    """The config file ``model`` names on disk: a folder's config.json, or the file itself (Transformers
+    reads a config file given by its path); None when nothing is there (a hub id). Anything else -
+    a FIFO, a device, a socket - is refused, saying what it is, before anything opens it."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # nothing there (a hub id), or a name the OS refuses
+        return None
+    if stat.S_ISDIR(mode):
+        return path / "config.json"
+    if stat.S_ISREG(mode):
+        return path
+    raise ValueError(
+        f"model={model!r} is {describe_kind(mode)}, not a directory or a config file; pass the directory holding "
+        "the model's config.json (a save_pretrained folder) or a Hub model id in the local cache"
+    )
+
+
+def _check_cached_config(model: str) -> None:
+    """A hub id's cached config.json, read as a folder's is (bounded, a regular file, JSON an object,
+    a depth that builds) before Transformers reads it; nothing is downloaded."""
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(model, "config.json", local_files_only=True, _raise_exceptions_for_missing_entries=False)
+    except (OSError, ValueError):  # not in the cache, or not a hub id: Transformers says so below
+        return
+    if found:
+        check_sizes(read_config_file(Path(found), f"model={model!r}"), f"model={model!r}: config.json")
 
 
 def _near_local_folder(name: str) -> str | None:
@@ -115,7 +168,8 @@ def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
             "custom code? load its config with AutoConfig.from_pretrained(..., trust_remote_code=True) and pass that)"
         )
     cls = CONFIG_MAPPING[model_type]
-    _check_dict_keys(cls, data, "model= a config dict")
+    check_sizes(data, "model= a config dict")
+    check_dict_keys(cls, data, "model= a config dict")
     try:
         return cls.from_dict({k: v for k, v in data.items() if k != "model_type"})
     except Exception as e:  # noqa: BLE001 - a config class's own validation raises its own types
@@ -123,24 +177,6 @@ def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
             f"model= a config dict with model_type={model_type!r} is not a valid Transformers config ({_reason(e)}); "
             "fix its values"
         ) from None
-
-
-def _check_dict_keys(cls: type, data: dict[str, Any], what: str) -> None:
-    """A config keeps keys it does not define, and builds its defaults instead: ``"hiden_size": 64`` would
-    estimate a 4096-wide model. A key that is not the config's (nor a generation setting, which older
-    configs carry) but is close to one of its keys is refused as the typo it most likely is; other
-    extra keys are kept, as Transformers keeps them."""
-    from transformers import GenerationConfig
-
-    default = cls()
-    known = set(default.to_dict()) | set(getattr(cls, "attribute_map", {})) | set(GenerationConfig().to_dict())
-    for key in (str(k) for k in data if k not in known):
-        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.85)
-        if close:
-            raise ValueError(
-                f"{what} with {key!r}, which {cls.__name__} does not define (the model would be "
-                f"built with the default {close[0]}={getattr(default, close[0], None)!r}); did you mean {close[0]!r}?"
-            )
 
 
 def _short(value: Any) -> str:
@@ -152,55 +188,8 @@ def _reason(e: BaseException) -> str:
     """The innermost cause's type and first line (validation errors wrap the useful one)."""
     while e.__cause__ is not None:
         e = e.__cause__
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}"
-
-
-# The dtype names a config.json may carry (torch's names of the floating-point dtypes weights load in).
-_CONFIG_DTYPES = frozenset({"float32", "bfloat16", "float16", "float64"})
-
-
-def _check_config_file(path: Path, *, trust_remote_code: bool) -> None:
-    config = path / "config.json"
-    if not config.is_file():
-        raise ValueError(
-            f"model={str(path)!r} is a directory without a config.json; pass a directory written by save_pretrained"
-        )
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"model={str(path)!r}: {config} is not valid JSON ({e}); fix or re-download it") from None
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"model={str(path)!r}: {config} holds a JSON {type(data).__name__}, not an object of config fields; "
-            "re-save the model with save_pretrained"
-        )
-    if "model_type" not in data:
-        raise ValueError(
-            f"model={str(path)!r}: {config} has no 'model_type' (which architecture it is); "
-            'add it (e.g. "model_type": "llama") or re-save the model with save_pretrained'
-        )
-    for field in ("dtype", "torch_dtype"):
-        value = data.get(field)
-        if value is not None and value not in _CONFIG_DTYPES:
-            # Transformers would fail on it with torch's own words (no attribute 'float8', no Storage).
-            raise ValueError(
-                f"model={str(path)!r}: {config.name} has {field}={value!r}, which is not a dtype Transformers "
-                f"loads weights in; set it to the dtype the weights were saved in, one of {sorted(_CONFIG_DTYPES)}, "
-                "or remove the field"
-            )
-    from transformers import CONFIG_MAPPING
-
-    model_type = data["model_type"]
-    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
-        # A misspelled field would build the architecture's default for it, silently (a dict is checked alike).
-        _check_dict_keys(CONFIG_MAPPING[model_type], data, f"model={str(path)!r}: {config.name}")
-    elif data.get("auto_map") and not trust_remote_code:
-        raise ValueError(
-            f"model={str(path)!r}: {config} has model_type={model_type!r}, which this Transformers does not know, and an "
-            "auto_map: the model is defined by custom code in its folder, which hf_memstack does not run "
-            "(trust_remote_code is off). Read the code; if you trust it, pass trust_remote_code=True "
-            "(estimate_memory / plan_policy), or estimate a built-in architecture of the same shape"
-        )
+    # Escaped: Transformers' messages quote values from the file (a model_type holding U+202E or NUL).
+    return printable(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}")
 
 
 def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
@@ -247,7 +236,7 @@ def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
     if _is_encoder(config):
         # An encoder (BERT, RoBERTa...) is not a causal LM: building it as one makes a decoder it
         # never was (BertLMHeadModel, with an is_decoder warning per layer) and estimates its MLM-sized head.
-        what = names[0] if names else type(config).__name__
+        what = printable(names[0]) if names else type(config).__name__  # names: the config's architectures
         return "classification", (
             f"task: classification ({what} is an encoder, fine-tuned with a classification head as the "
             "recipe does); pass task='causal-lm' (--task causal-lm) to estimate it as a decoder"

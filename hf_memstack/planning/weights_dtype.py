@@ -13,7 +13,6 @@ counts at its parameters' own dtypes. The modules a model keeps in fp32
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from collections import Counter
@@ -23,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from ..files import read_json
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -174,7 +175,8 @@ def _checkpoint_dtype(folder: Path) -> tuple[torch.dtype, str] | None:
         index, first = folder / index_name, folder / single
         if index.is_file():
             try:
-                data = json.loads(index.read_text(encoding="utf-8"))
+                # Bounded, non-blocking, RecursionError as a ValueError: the index is a received file too.
+                data = read_json(index)
                 shards = sorted(set(data["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue

@@ -5,6 +5,7 @@ or a YAML file - each validated the same way (validate.py), the string through o
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from .config import (
     Precision,
     QuantConfig,
 )
+from .policy_file import read_policy_file
 from .presets import LADDER
 from .validate import (
     DTYPE_FIELDS,
@@ -218,25 +220,8 @@ class MemoryPolicy:
     @classmethod
     def from_yaml(cls, path: str | Path) -> MemoryPolicy:
         """Read a policy from a YAML file (the ``to_dict`` layout, optionally under a ``policy:`` key)."""
-        import yaml
-
         path = Path(path).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"policy file {str(path)!r} does not exist; pass an existing YAML file or a policy string"
-            )
-        try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
-        except UnicodeDecodeError as e:
-            raise PolicyError(
-                [f"policy file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]
-            ) from None
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            line = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            hint = " (indent with spaces, not tabs)" if "\\t" in str(problem) or "'\\t'" in str(e) else ""
-            raise PolicyError([f"policy file {str(path)!r} is not valid YAML{line}: {problem}{hint}"]) from None
+        data = read_policy_file(path)
         if data is None:
             raise PolicyError(
                 [
@@ -251,7 +236,7 @@ class MemoryPolicy:
         if not isinstance(data, dict):
             raise PolicyError(
                 [
-                    f"policy file {str(path)!r} holds {type(data).__name__} {data!r}, not a mapping; write a mapping of policy "
+                    f"policy file {str(path)!r} holds {type(data).__name__} {reprlib.repr(data)}, not a mapping; write a mapping of policy "
                     "fields (precision: bf16, checkpointing: full, ...) or a policy string"
                 ]
             )
@@ -276,24 +261,6 @@ class MemoryPolicy:
         self.validate()
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return tokens.to_string(values, {f.name: getattr(_DEFAULT, f.name) for f in dataclasses.fields(self)})
-
-
-def _unique_key_loader() -> type:
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        """YAML's safe loader, refusing a key given twice in one mapping (the last would win silently)."""
-
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen: set[Any] = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
 
 
 def _problems(policy: MemoryPolicy) -> list[str]:

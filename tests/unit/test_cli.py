@@ -417,3 +417,72 @@ def test_estimate_where_every_policy_is_refused_or_one_does_not_parse_exits_2(tm
     assert main(["estimate", d, "--policy", "bf16+ckpt,bf16+ckppt", *common]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "unknown token 'ckppt'" in captured.err
+
+
+def _received(tmp_path, kind):
+    """A model folder (and a policy file) as someone else could have made them."""
+    import os
+
+    from tiny import LLAMA
+
+    folder = tmp_path / kind
+    folder.mkdir()
+    config = folder / "config.json"
+    fields = {"model_type": "llama", **LLAMA}
+    if kind == "nested":
+        config.write_text("[" * 100_000)
+    elif kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "deep":
+        config.write_text(json.dumps({**fields, "num_hidden_layers": 10**9}))
+    elif kind == "model_type":
+        config.write_text(json.dumps({**fields, "model_type": "lla\u202ema\x00"}))
+    else:  # a valid model, with a FIFO for its policy file
+        config.write_text(json.dumps(fields))
+        os.mkfifo(tmp_path / "policy.yaml")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "command, kind, said",
+    [
+        ("estimate", "nested", "config.json is nested too deeply to read"),
+        ("estimate", "fifo", "config.json is a FIFO (named pipe), not a regular file"),
+        ("estimate", "deep", "num_hidden_layers=1000000000: a stack of more than"),
+        ("plan", "deep", "num_hidden_layers=1000000000: a stack of more than"),
+        ("estimate", "model_type", "model_type='lla\\u202ema\\x00', which Transformers"),
+        ("estimate", "policy_fifo", "policy.yaml is a FIFO (named pipe), not a regular file"),
+    ],
+)
+def test_a_received_config_or_policy_file_is_one_clear_error_through_the_installed_command(
+    tmp_path, command, kind, said
+):
+    """Each was a hang (a FIFO; 10^9 blocks built on meta), an internal error (RecursionError: exit 3),
+    "missing" for a file that is there, or a model_type echoed raw (U+202E turns the terminal's line
+    around). Now exit 2, one line naming the file and what it is, nothing raw."""
+    import shutil
+    import subprocess
+    import sys
+
+    folder = _received(tmp_path, kind)
+    policy = ["--policy", str(tmp_path / "policy.yaml")] if kind == "policy_fifo" else []
+    sizes = ["--batch-size", "1", "--seq-len", "16"] + (["--budget", "1GiB"] if command == "plan" else [])
+    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli"
+    done = subprocess.run(
+        [*script.split(), command, str(folder), *sizes, *policy], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert not any(c in done.stdout + done.stderr for c in "\u202e\x00"), done.stderr[-3000:]
+
+
+def test_an_encoders_architecture_name_is_escaped_in_the_note(pretrained_dirs, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "bert"
+    shutil.copytree(pretrained_dirs["bert"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Bert\u202eModel\x1b[2J"]}))
+    assert main(["estimate", str(folder), "--batch-size", "1", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "(Bert\\u202eModel\\x1b[2J is an encoder" in out and not any(c in out for c in "\u202e\x1b"), out

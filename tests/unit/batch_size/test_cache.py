@@ -2,6 +2,7 @@
 proves - a cap, the real parameter dtypes, a stale smaller size, a damaged file, a shared folder."""
 
 import json
+import os
 import stat
 import threading
 import warnings
@@ -234,3 +235,109 @@ def test_cache_folder_is_private(llama, tmp_path):
     find(model, opt, tmp_path / "fresh", max_batch_size=2)
     for folder in (tmp_path / "fresh", tmp_path / "fresh" / "batch_size"):
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+def _in_thread(fn, fifo=None, timeout=30):
+    """``fn()``'s value and the warnings it gave, run in a thread: a read blocked on a FIFO fails the
+    test after ``timeout`` seconds (the FIFO is then opened for writing once, so the reader ends)."""
+    out = {}
+
+    def run():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["value"] = fn()
+        out["warnings"] = [str(w.message) for w in caught]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the blocked open() returns, reads EOF
+        thread.join(10)
+        pytest.fail(f"blocked for {timeout} s (a FIFO read waits for a writer)")
+    return out["value"], out["warnings"]
+
+
+def _valid_entry_json():
+    return json.dumps(
+        {"batch_size": 12, "peak_bytes": 100, "bytes_per_sample": 1, "capped": False, **json.loads("{" + STEPS + "}")}
+    )
+
+
+@pytest.mark.parametrize("kind", ["symlink to an entry elsewhere", "FIFO", "directory"])
+def test_an_entry_that_is_not_a_regular_file_is_never_read_nor_removed(tmp_path, kind):
+    """cache_dir= can point anywhere: a link (to a valid entry elsewhere, or to /dev/zero), a FIFO
+    (a read blocked find_batch_size forever) or a directory at an entry's path is named and left
+    alone - not followed, not read, not deleted."""
+    path = tmp_path / "entry.json"
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(_valid_entry_json())
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(outside)
+    entry, said = _in_thread(lambda: read_entry(path, budget=1000), fifo=path if kind == "FIFO" else None)
+    assert entry is None
+    named = kind.split()[0].replace("FIFO", "a FIFO (named pipe)").replace("symlink", "a symlink")
+    named = named.replace("directory", "a directory")
+    assert len(said) == 1 and f"entry {path} is {named}, not a file hf_memstack wrote" in said[0], said
+    assert "left as it is" in said[0], said
+    assert os.path.lexists(path) and outside.read_text() == _valid_entry_json()
+
+
+def test_an_entry_linked_to_dev_zero_is_not_read(tmp_path):
+    """It was read until the kernel's OOM killer stopped the process (~20 GiB); here a 1 GiB address
+    space limit turns such a read into a MemoryError in a child process instead."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "entry.json"
+    path.symlink_to("/dev/zero")
+    code = (
+        "import resource, sys, warnings\n"
+        "from pathlib import Path\n"
+        "from hf_memstack.batch_size.cache import read_entry\n"
+        "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (vm + 2**30, resource.RLIM_INFINITY))\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(read_entry(Path(sys.argv[1]), budget=1000))\n"
+        "print([str(w.message) for w in caught])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("None\n") and f"entry {path} is a symlink, not a file" in done.stdout, done.stdout
+    assert path.is_symlink()
+
+
+def test_an_oversized_entry_is_discarded_unread(tmp_path):
+    path = tmp_path / "entry.json"
+    path.write_text(_valid_entry_json()[:-1] + ", " + '"pad": "' + "x" * 2**20 + '"}')
+    with pytest.warns(UserWarning, match=r"discarding the invalid batch-size cache entry .*larger than 65,536 bytes"):
+        assert read_entry(path, budget=1000) is None
+    assert not path.exists()  # a regular file in the cache folder: removed, as a damaged entry is
+
+
+@pytest.mark.parametrize("kind", ["symlink", "FIFO"])
+def test_find_batch_size_never_reads_removes_or_writes_through_a_planted_entry(llama, tmp_path, kind):
+    """The entry's file replaced by a link to a file elsewhere, or by a FIFO: the search runs again,
+    the thing planted stays as it was, and the file the link points to is untouched by the write."""
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not yours to read or write")
+    path.unlink()
+    if kind == "FIFO":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(outside)
+    again, said = _in_thread(lambda: find(model, opt, tmp_path), fifo=path if kind == "FIFO" else None)
+    assert again.cache == "miss" and again.batch_size == first.batch_size
+    assert any(f"entry {path} is a" in w and "not read" in w for w in said), said
+    assert any("the result is returned but not cached" in w for w in said), said
+    assert outside.read_text() == "not yours to read or write"
+    assert path.is_symlink() if kind == "symlink" else stat.S_ISFIFO(path.lstat().st_mode)

@@ -233,3 +233,21 @@ def test_trusted_still_loads_a_folder_without_a_manifest(trained, tmp_path):
         load_sharded_checkpoint(model, opt, str(tmp_path / "real"))
     load_sharded_checkpoint(model, opt, str(tmp_path / "real"), trusted=True)
     assert all(torch.equal(a, p) for a, p in zip(saved, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["nested 100,000 deep", "FIFO", "directory"])
+def test_a_manifest_that_cannot_be_read_is_a_clear_refusal(trained, tmp_path, kind):
+    """Was: RecursionError out of json.loads (no handler catches it), or "has no manifest" for a FIFO
+    or a directory standing in its place. Now one ValueError naming the file and what it is; a FIFO
+    is never waited on."""
+    model, opt, _ = trained
+    manifest = tmp_path / "real" / "hf_memstack_checkpoint.json"
+    manifest.unlink()
+    if kind == "FIFO":
+        os.mkfifo(manifest)
+    elif kind == "directory":
+        manifest.mkdir()
+    else:
+        manifest.write_text("[" * 100_000)
+    what = {"FIFO": "is a FIFO (named pipe)", "directory": "is a directory"}.get(kind, "nested too deeply")
+    _refused(model, opt, tmp_path / "real", "hf_memstack_checkpoint.json is unreadable", what)

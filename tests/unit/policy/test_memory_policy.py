@@ -202,3 +202,43 @@ def test_wrong_types():
         MemoryPolicy(compile=3)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         MemoryPolicy.coerce("missing-policy.yaml")
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory", "link to /dev/zero", "nested 100,000 deep"])
+def test_a_policy_file_that_cannot_be_read_is_named_for_what_it_is(tmp_path, kind):
+    """Was "does not exist" for a FIFO, a directory or a link to /dev/zero standing at the path, and a
+    RecursionError (exit 3 from hf-memstack) for YAML nested 100,000 deep. A FIFO is never waited on."""
+    import os
+    import threading
+
+    path = tmp_path / "policy.yaml"
+    if kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind.startswith("link"):
+        path.symlink_to("/dev/zero")
+    else:
+        path.write_text("[" * 100_000)
+    raised = []
+    reader = threading.Thread(target=lambda: raised.append(_error_of(MemoryPolicy.coerce, str(path))), daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # the blocked reader gets end-of-file
+        pytest.fail("reading a FIFO policy file blocked")
+    what = {
+        "FIFO": "is a FIFO (named pipe), not a regular file",
+        "directory": "is a directory, not a regular file",
+        "link to /dev/zero": "is a character device, not a regular file",
+    }.get(kind, "is nested too deeply to read")
+    assert isinstance(raised[0], PolicyError) and f"policy file {str(path)!r}" in str(raised[0]), repr(raised[0])
+    assert what in str(raised[0]) and "does not exist" not in str(raised[0]), str(raised[0])
+
+
+def _error_of(call, *args):
+    try:
+        call(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the test
+        return e
+    return None
