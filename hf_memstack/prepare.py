@@ -19,6 +19,7 @@ from ._model_checks import (
     check_not_prepared,
     check_not_set_by_hand,
     check_weights,
+    find_policy_blocks,
     warn_on_training_setup,
 )
 from .data.guard import install_packing_guard
@@ -26,7 +27,7 @@ from .distributed.accelerate import check_accelerate_fsdp
 from .distributed.preflight import agree_before_sharding, check_hybrid_shard, require_process_group
 from .policy import MemoryPolicy
 from .record import AutocastBy, MemstackRecord, record_of, unwrap_model
-from .transforms.blocks import Blocks, find_blocks
+from .transforms.blocks import Blocks
 from .transforms.checkpointing import (
     apply_checkpointing,
     check_checkpointing,
@@ -189,7 +190,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator 
         or policy.fsdp.mode != "none"
         or policy.mlp.mode != "default"
     )
-    blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
+    blocks = find_policy_blocks(model, policy, needed=needs_blocks)
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
@@ -387,10 +388,3 @@ def describe(model: nn.Module) -> str:
     if record is None:
         return f"{type(model).__name__}: not prepared by hf_memstack"
     return record.describe()
-
-
-def _find_blocks_or_none(model: nn.Module) -> Blocks | None:
-    try:
-        return find_blocks(model)
-    except ValueError:
-        return None

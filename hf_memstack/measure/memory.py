@@ -24,6 +24,7 @@ from ..data.guard import settle_packing_guard
 from ..distributed._ranks import on_every_rank, runs_collectives, same_arguments_on_every_rank
 from ..sizes import format_bytes
 from .accounting import model_state_bytes, tensor_bytes
+from .batch_checks import check_batch
 from .step import LossFn, backward, forward_loss, optimizer_step
 from .tracker import PhasePeaks, trace_phases
 
@@ -120,6 +121,8 @@ def measure_step(
             warmup=warmup if warmup is None else bool(warmup),
             timed=bool(timed),
         )
+    if step_fn is None:  # the batch goes to model(**batch): a bad one is named here, not deep in the model
+        on_every_rank("measure_step: the batch", lambda: check_batch(model, batch, where="measure_step"), shared=shared)
     if step_fn is None and not model.training:
         warnings.warn(
             f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "

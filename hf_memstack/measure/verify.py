@@ -28,6 +28,7 @@ from ..transforms.optim_verify import optimizer_paused
 from ..transforms.precision import precision_policy_problems, verify_precision
 from ..transforms.quant_verify import verify_quant
 from ..transforms.tiled_mlp import verify_tiled_mlp
+from .batch_checks import check_batch
 from .observe import Observed, observe_step
 from .step import LossFn, forward_loss
 
@@ -104,13 +105,21 @@ def verify(
     ``raise_on_failure`` - is then raised on every rank, naming that rank and its message.
 
     Raises:
-        ValueError: ``model`` was not prepared by :func:`prepare_model`; an empty ``batch`` (a
-            tensor with 0 rows or 0 tokens).
+        ValueError: ``model`` was not prepared by :func:`prepare_model`; a bad ``batch``, before any
+            forward (:func:`hf_memstack.measure.batch_checks.check_batch`): a tensor with 0 rows or 0
+            tokens, labels or an attention mask of another shape than ``input_ids``, ids outside the
+            vocabulary, or (without ``loss_fn``) every label -100, where the loss is nan.
+        TypeError: ``input_ids`` that are not integers.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
     shared = runs_collectives(model)
     record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
+    # Before any forward: a bad batch is named here, not in torch's words deep in the model. With
+    # every label -100 the loss is nan while the gradients (all 0) pass: refused rather than checked.
+    on_every_rank(
+        "verify: the batch", lambda: check_batch(model, batch, where="verify", labelled=loss_fn is None), shared=shared
+    )
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
@@ -153,7 +162,6 @@ def _verify_into(
     *,
     shared: bool,
 ) -> None:
-    _refuse_empty(batch)
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
@@ -194,25 +202,6 @@ def _verify_into(
         for p in params:
             p.grad = None
         report.checks.append(_check_compile(report, model, batch, loss_fn, record, shared=shared))
-
-
-def _refuse_empty(batch: Any) -> None:
-    """An empty batch (0 rows or 0 tokens) runs no step to check: the model's own forward fails
-    deep inside (a reshape), so say which field is empty instead."""
-    from collections.abc import Mapping
-
-    if isinstance(batch, Mapping):
-        fields = [(f"batch[{k!r}]", v) for k, v in batch.items()]
-    elif isinstance(batch, (list, tuple)):
-        fields = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
-    else:
-        fields = [("batch", batch)]
-    for name, value in fields:
-        if torch.is_tensor(value) and value.ndim > 0 and value.numel() == 0:
-            raise ValueError(
-                f"{name} has shape {tuple(value.shape)}: an empty batch (0 rows or 0 tokens) runs no step to "
-                "verify; pass a batch of at least one sample with at least one token"
-            )
 
 
 def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
@@ -283,7 +272,12 @@ def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: Memst
             detail += f". {_frozen_input_hint(record)}"
     if bad:
         detail += f"; non-finite: {bad[:5]}"
-    return Check("gradients", not missing and not bad, detail)
+    if not observed.loss_finite:  # its gradients can still be finite (all 0 when no token counts): no [ok] for them
+        detail += (
+            "; the loss is not finite (nan or inf), so no gradient of this step means anything: check the weights "
+            "(torch.isfinite on each parameter), the labels (a batch or rank whose labels are all -100) and loss_fn"
+        )
+    return Check("gradients", not missing and not bad and observed.loss_finite, detail)
 
 
 def _frozen_input_hint(record: MemstackRecord) -> str:
