@@ -109,7 +109,9 @@ def prepare_model(
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: the model was prepared already (also inside a DDP, compile or PEFT wrapper);
             the device, compile backend or launch (FSDP without a process group) cannot run the policy.
-        ValueError: blocks are needed and cannot be found; the accelerator's precision differs;
+        ValueError: blocks are needed and cannot be found, or the model has 0 blocks (a config with 0
+            layers) under a token that works per block (ckpt, mlp:tiled, compile:regional, ...); a
+            ``torch.compile`` wrapper around or inside the model; the accelerator's precision differs;
             the model has no weights (meta device), integer weights other than 4-bit ones, or
             4-bit weights that train; ``quant:nf4`` cannot quantize its targets (see
             :func:`hf_memstack.transforms.quant.check_quant`).

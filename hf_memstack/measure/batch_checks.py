@@ -19,20 +19,20 @@ from ..record import unwrap_model
 from ..transforms.chunked_loss import _check_ids_in_range, _vocab_size
 from ..transforms.loss_head import supports_chunked_loss
 
-__all__ = ["check_batch"]
+__all__ = ["check_batch", "no_labelled_token"]
 
 IGNORE_INDEX = -100
 """The label Transformers' losses skip (prompt tokens, padding)."""
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "image_token_id", "image_token_index", "video_token_id")
 
 
-def check_batch(model: nn.Module, batch: Any, *, where: str, labelled: bool = False) -> None:
+def check_batch(model: nn.Module, batch: Any, *, where: str) -> None:
     """Refuse a batch ``model`` cannot run a step on, naming the field, its shape or value, and the fix.
 
     Checks: no tensor is empty; in a dict batch, ``input_ids`` are integers within the input
     embedding's vocabulary, ``labels`` and ``attention_mask`` have its rows (a causal LM's labels and
-    a 2-D mask its shape), a causal LM's labels are within its head's vocabulary or -100; with
-    ``labelled``, some label is not -100 (else the mean loss is 0/0: nan).
+    a 2-D mask its shape), a causal LM's labels are within its head's vocabulary or -100. A batch
+    whose every label is -100 runs (and trains nothing): :func:`no_labelled_token` says so.
 
     Raises:
         TypeError: ``input_ids`` that are not integers.
@@ -63,8 +63,6 @@ def check_batch(model: nn.Module, batch: Any, *, where: str, labelled: bool = Fa
         vocab_out = _vocab_size(get_head() if callable(get_head) else None, config)
         ranges.append(("labels", labels, vocab_out, IGNORE_INDEX))
     _check_ids_in_range(ranges, model_name=type(target).__name__, where=where)
-    if labelled and torch.is_tensor(labels) and not labels.is_floating_point():
-        _check_labelled(labels, causal=causal, where=where)
 
 
 def _refuse_empty(batch: Any, *, where: str) -> None:
@@ -123,14 +121,20 @@ def _input_vocabulary(target: nn.Module) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def _check_labelled(labels: torch.Tensor, *, causal: bool, where: str) -> None:
-    """Some label is learnt: with every one -100 the mean loss is 0/0 (nan) and every gradient 0."""
+def no_labelled_token(model: nn.Module, batch: Any) -> str | None:
+    """Why ``batch`` trains nothing - every label is -100, so the mean loss is 0/0 (nan) and every
+    gradient 0 - or None (a label counts, or the batch has no integer ``labels``)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not torch.is_tensor(labels) or labels.is_floating_point() or labels.numel() == 0:
+        return None
+    causal = supports_chunked_loss(model)
     # A causal LM predicts token t+1 from token t: the first label of each row is never a target.
     targets = labels[..., 1:] if causal and labels.ndim == 2 else labels
-    if targets.numel() == 0 or bool((targets == IGNORE_INDEX).all()):
-        past_first = " past each row's first token (which a causal LM never predicts)" if causal else ""
-        raise ValueError(
-            f"{where}: every label in labels (shape {tuple(labels.shape)}) is {IGNORE_INDEX}{past_first}, so the batch "
-            f"has no labelled token: the loss is 0/0 = nan and every gradient 0, and the step shows nothing. Pass a "
-            "batch with labelled tokens (prompt masking or truncation can mask every response token of a sample)"
-        )
+    if targets.numel() and not bool((targets == IGNORE_INDEX).all()):
+        return None
+    past_first = " past each row's first token (which a causal LM never predicts)" if causal else ""
+    return (
+        f"every label in labels (shape {tuple(labels.shape)}) is {IGNORE_INDEX}{past_first}: the batch has no labelled "
+        "token, so its loss is 0/0 = nan and every gradient 0, and nothing trains on it. Pass a batch with labelled "
+        "tokens (prompt masking or truncation can mask every response token of a sample)"
+    )

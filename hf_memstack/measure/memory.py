@@ -107,6 +107,10 @@ def measure_step(
     Returns:
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
 
+    Without ``step_fn``, a batch the model cannot run (labels or an attention mask of another shape
+    than ``input_ids``, ids outside the vocabulary, an empty tensor) is refused before any step with
+    a ValueError naming the field (:func:`hf_memstack.measure.batch_checks.check_batch`).
+
     Under FSDP or DDP every rank must call it (the step holds collectives): an error on one rank
     in the forward (a batch without labels) or in ``step_fn`` is then raised on every rank, naming
     that rank and its message, instead of leaving the others waiting in the backward's collectives.

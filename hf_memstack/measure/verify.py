@@ -28,7 +28,7 @@ from ..transforms.optim_verify import optimizer_paused
 from ..transforms.precision import precision_policy_problems, verify_precision
 from ..transforms.quant_verify import verify_quant
 from ..transforms.tiled_mlp import verify_tiled_mlp
-from .batch_checks import check_batch
+from .batch_checks import check_batch, no_labelled_token
 from .observe import Observed, observe_step
 from .step import LossFn, forward_loss
 
@@ -108,18 +108,16 @@ def verify(
         ValueError: ``model`` was not prepared by :func:`prepare_model`; a bad ``batch``, before any
             forward (:func:`hf_memstack.measure.batch_checks.check_batch`): a tensor with 0 rows or 0
             tokens, labels or an attention mask of another shape than ``input_ids``, ids outside the
-            vocabulary, or (without ``loss_fn``) every label -100, where the loss is nan.
+            vocabulary. A batch whose every label is -100 runs, and fails the ``gradients`` check (its
+            loss is nan, its gradients 0: nothing trains on it), as any loss that is not finite does.
         TypeError: ``input_ids`` that are not integers.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
     shared = runs_collectives(model)
     record = on_every_rank("verify: the model's record", lambda: _record(model), shared=shared)
-    # Before any forward: a bad batch is named here, not in torch's words deep in the model. With
-    # every label -100 the loss is nan while the gradients (all 0) pass: refused rather than checked.
-    on_every_rank(
-        "verify: the batch", lambda: check_batch(model, batch, where="verify", labelled=loss_fn is None), shared=shared
-    )
+    # Before any forward: a bad batch is named here, not in torch's words deep in the model.
+    on_every_rank("verify: the batch", lambda: check_batch(model, batch, where="verify"), shared=shared)
     report = VerifyReport()
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
@@ -187,7 +185,9 @@ def _verify_into(
             "precision",
             *verify_precision(record.precision, record.autocast_by, observed.linear_dtypes, observed.loss_dtype),
         ),
-        _check_gradients(model, params, record, observed),
+        _check_gradients(
+            model, params, record, observed, None if loss_fn is not None else no_labelled_token(model, batch)
+        ),
         Check("quant", *verify_quant(model, record.quant))
         if record.quant.layers or record.policy.quant.mode != "none"
         else None,
@@ -248,7 +248,11 @@ def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shar
     return Check("packing", comparison.ok, comparison.describe())
 
 
-def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: Observed) -> Check:
+def _check_gradients(
+    model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: Observed, unlabelled: str | None
+) -> Check:
+    """Every trainable parameter got a finite gradient from a finite loss; ``unlabelled``: why the
+    batch trains nothing (every label -100), when it does not (its gradients, all 0, would pass)."""
     if not params:
         return Check(
             "gradients",
@@ -272,12 +276,14 @@ def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: Memst
             detail += f". {_frozen_input_hint(record)}"
     if bad:
         detail += f"; non-finite: {bad[:5]}"
-    if not observed.loss_finite:  # its gradients can still be finite (all 0 when no token counts): no [ok] for them
+    if unlabelled is not None:
+        detail += f"; {unlabelled}"
+    elif not observed.loss_finite:  # its gradients can still be finite (all 0 when no token counts): no [ok] for them
         detail += (
             "; the loss is not finite (nan or inf), so no gradient of this step means anything: check the weights "
             "(torch.isfinite on each parameter), the labels (a batch or rank whose labels are all -100) and loss_fn"
         )
-    return Check("gradients", not missing and not bad and observed.loss_finite, detail)
+    return Check("gradients", not missing and not bad and observed.loss_finite and unlabelled is None, detail)
 
 
 def _frozen_input_hint(record: MemstackRecord) -> str:
