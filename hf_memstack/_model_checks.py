@@ -12,7 +12,7 @@ from torch import nn
 
 from .policy import MemoryPolicy
 from .record import record_of
-from .transforms.blocks import Blocks
+from .transforms.blocks import Blocks, find_blocks, no_blocks_reason
 from .transforms.optim_in_backward import optimizer_in_backward_of
 from .transforms.quant import QuantPlan
 
@@ -21,6 +21,7 @@ __all__ = [
     "check_not_prepared",
     "check_not_set_by_hand",
     "check_weights",
+    "find_policy_blocks",
     "warn_on_training_setup",
 ]
 
@@ -54,6 +55,7 @@ def check_not_set_by_hand(model: nn.Module) -> None:
             f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
             "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
         )
+    _check_no_compile_wrapper(model)
     compiled = [
         n or "<the model>" for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None
     ]
@@ -62,6 +64,32 @@ def check_not_set_by_hand(model: nn.Module) -> None:
             f"{type(model).__name__} is already compiled in place (module.compile() on {compiled[:3]}): compile is set by the "
             "policy, after checkpointing. Load a fresh model and put it in the policy, e.g. 'bf16+compile:regional'"
         )
+
+
+def _check_no_compile_wrapper(model: nn.Module) -> None:
+    """A ``torch.compile`` wrapper (``OptimizedModule``) around the model, or inside it (a PEFT model over a
+    compiled base): it would trace the forward that checkpointing and the loss head change next, and
+    verify would find compile applied outside the policy only after the fact."""
+    wrappers = [(n, m) for n, m in model.named_modules() if type(m).__name__ == "OptimizedModule"]
+    if not wrappers:
+        return
+    name, wrapper = wrappers[0]
+    original = type(wrapper.__dict__.get("_modules", {}).get("_orig_mod")).__name__
+    where = (
+        f"this model is a torch.compile wrapper (OptimizedModule around {original})"
+        if not name
+        else f"this {type(model).__name__} holds a torch.compile wrapper at {name!r} (OptimizedModule around {original})"
+    )
+    fix = (
+        f"call prepare_model on the {original} itself (model._orig_mod)"
+        if not name
+        else f"build the {type(model).__name__} on the {original} itself (not compiled), then call prepare_model on it"
+    )
+    raise ValueError(
+        f"{where}: torch.compile was called before prepare_model, and compile must come after checkpointing and the "
+        f"loss head. {fix[0].upper()}{fix[1:]}, then put compile in the policy (e.g. 'bf16+ckpt+compile' or "
+        "'bf16+ckpt+compile:regional'), or call torch.compile on the model prepare_model returns"
+    )
 
 
 def check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
@@ -101,3 +129,50 @@ def warn_on_training_setup(model: nn.Module, policy: MemoryPolicy, blocks: Block
             "every_n (or 'ckpt' for every block)",
             stacklevel=4,
         )
+
+
+def find_policy_blocks(model: nn.Module, policy: MemoryPolicy, *, needed: bool) -> Blocks | None:
+    """The model's blocks (the override's, when the policy needs them), else None. A model with no
+    blocks at all (a config with 0 layers) is refused under a token that works per block, even one
+    applied through Transformers' API (``ckpt``): it would checkpoint nothing, and say nothing.
+
+    Raises:
+        ValueError: blocks are needed and cannot be found, or the model has none and a token needs them.
+    """
+    block_classes = policy.checkpointing.block_classes
+    try:
+        return find_blocks(model, block_classes if needed else None)
+    except ValueError:
+        reason = None if block_classes else no_blocks_reason(model)
+        per_block = _per_block_tokens(policy)
+        if reason is not None and per_block:
+            tokens = " and ".join(repr(t) for t, _ in per_block)
+            verbs = " or ".join(dict.fromkeys(v for _, v in per_block))
+            raise ValueError(
+                f"{type(model).__name__} has 0 blocks ({reason}), so the policy's {tokens} "
+                f"{'has' if len(per_block) == 1 else 'have'} no block to {verbs}: "
+                f"drop {tokens} from the policy {policy.to_string()!r}, or, if the model has repeated blocks hf_memstack "
+                "does not find, name their class: MemoryPolicy(checkpointing={'mode': 'full', 'block_classes': ['MyBlock']})"
+            ) from None
+        if needed:
+            raise
+        return None
+
+
+def _per_block_tokens(policy: MemoryPolicy) -> list[tuple[str, str]]:
+    """The policy's features that work block by block: (its token, or ``policy.<field>.mode`` for a
+    setting without one; what it does to each block)."""
+    on = {  # the token's head: (on, its field, what it does to a block)
+        "ckpt": (policy.checkpointing.mode != "none", "checkpointing", "checkpoint"),
+        "compile": (policy.compile.mode == "regional", "compile", "compile"),
+        "fsdp": (policy.fsdp.mode != "none", "fsdp", "shard"),
+        "mlp": (policy.mlp.mode != "default", "mlp", "tile"),
+        # without targets, nf4 quantizes the blocks' linear layers
+        "quant": (policy.quant.mode != "none" and policy.quant.targets is None, "quant", "quantize"),
+    }
+    tokens = {t.partition(":")[0]: t for t in policy.to_string().split("+")[1:]}
+    return [
+        (tokens.get(head) or f"policy.{field}.mode={getattr(policy, field).mode!r}", verb)
+        for head, (active, field, verb) in on.items()
+        if active
+    ]

@@ -65,6 +65,20 @@ def _inner(model: nn.Module) -> nn.Module | None:
     ):  # torch.compile(model)
         return modules["_orig_mod"]
     if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
-        base = cast(PeftWrapper, model).get_base_model()
+        base = _peft_base(model)
         return base if base is not model else None
     return None
+
+
+def _peft_base(model: nn.Module) -> nn.Module | None:
+    """``get_base_model()``; for a PEFT model whose active adapter was deleted (``delete_adapter``),
+    where it raises ``KeyError`` (it reads the active adapter's config), the model its tuner wraps."""
+    try:
+        return cast(PeftWrapper, model).get_base_model()
+    except KeyError:
+        tuner = model.__dict__.get("_modules", {}).get("base_model")
+        if not isinstance(tuner, nn.Module):
+            return None
+        inner = tuner.__dict__.get("_modules", {}).get("model")
+        # A LoRA-like tuner wraps the model as .model; a prompt-learning PeftModel's base_model is the model.
+        return inner if type(tuner).__module__.startswith("peft.") and isinstance(inner, nn.Module) else tuner

@@ -72,7 +72,8 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
 
     Raises:
         TypeError: ``model`` is not a PEFT model, or ``dtype`` is not a floating dtype.
-        ValueError: an adapter PEFT cannot express as a weight delta here (DoRA, a LoRA bias).
+        ValueError: the model has no adapter left, or none of its adapters is active (``delete_adapter``
+            removed the active one); an adapter PEFT cannot express as a weight delta here (DoRA, a LoRA bias).
     """
     _check_dtype(dtype)
     if not (type(model).__module__.startswith("peft.") and hasattr(model, "unload")):
@@ -80,6 +81,7 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
             f"merge_adapters needs a PEFT model (peft.get_peft_model or PeftModel.from_pretrained), got "
             f"{type(model).__name__}; for a model without adapters use hf_memstack.dequantize(model)"
         )
+    _check_active_adapters(model)
     record = record_of(model)
     for layer in [m for m in model.modules() if is_tuner_layer(m) and four_bit_weight(base_layer_of(m)) is not None]:
         _merge_into_base(layer, dtype)
@@ -93,6 +95,28 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
     if record is not None and record.attention.applied:  # and ran SDPA per sample on packed rows
         cast("PreTrainedModel", base).set_attn_implementation("sdpa")
     return base
+
+
+def _check_active_adapters(model: nn.Module) -> None:
+    """Adapters to merge: PEFT keeps a deleted adapter's name as the active one (and then fails on it
+    with ``KeyError``), and merging the adapters that are left but not active would merge nothing."""
+    adapters = list(getattr(model, "peft_config", None) or {})
+    try:
+        active = [a for a in getattr(model, "active_adapters", None) or () if a in adapters]
+    except (KeyError, AttributeError):  # the active adapter's config is gone
+        active = []
+    if not adapters:
+        raise ValueError(
+            f"merge_adapters: this {type(model).__name__} has no adapters left (peft_config lists none; delete_adapter "
+            "removed the last), so there is nothing to merge. Load the adapters to merge (model.load_adapter(path, "
+            "adapter_name='default')), or take the base model without them: base = model.unload(), then "
+            "hf_memstack.dequantize(base) for a 4-bit base"
+        )
+    if not active:
+        raise ValueError(
+            f"merge_adapters: none of this {type(model).__name__}'s adapters {adapters} is active (delete_adapter removed "
+            f"the active one), so nothing would be merged. Choose the adapter to merge: model.set_adapter({adapters[0]!r})"
+        )
 
 
 def _merge_into_base(layer: nn.Module, dtype: torch.dtype) -> None:

@@ -19,6 +19,7 @@ from ._model_checks import (
     check_not_prepared,
     check_not_set_by_hand,
     check_weights,
+    find_policy_blocks,
     warn_on_training_setup,
 )
 from .data.guard import install_packing_guard
@@ -26,7 +27,7 @@ from .distributed.accelerate import check_accelerate_fsdp
 from .distributed.preflight import agree_before_sharding, check_hybrid_shard, require_process_group
 from .policy import MemoryPolicy
 from .record import AutocastBy, MemstackRecord, record_of, unwrap_model
-from .transforms.blocks import Blocks, find_blocks
+from .transforms.blocks import Blocks
 from .transforms.checkpointing import (
     apply_checkpointing,
     check_checkpointing,
@@ -108,7 +109,9 @@ def prepare_model(
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: the model was prepared already (also inside a DDP, compile or PEFT wrapper);
             the device, compile backend or launch (FSDP without a process group) cannot run the policy.
-        ValueError: blocks are needed and cannot be found; the accelerator's precision differs;
+        ValueError: blocks are needed and cannot be found, or the model has 0 blocks (a config with 0
+            layers) under a token that works per block (ckpt, mlp:tiled, compile:regional, ...); a
+            ``torch.compile`` wrapper around or inside the model; the accelerator's precision differs;
             the model has no weights (meta device), integer weights other than 4-bit ones, or
             4-bit weights that train; ``quant:nf4`` cannot quantize its targets (see
             :func:`hf_memstack.transforms.quant.check_quant`).
@@ -189,7 +192,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator 
         or policy.fsdp.mode != "none"
         or policy.mlp.mode != "default"
     )
-    blocks = find_blocks(model, ck.block_classes) if needs_blocks else _find_blocks_or_none(model)
+    blocks = find_policy_blocks(model, policy, needed=needs_blocks)
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
@@ -387,10 +390,3 @@ def describe(model: nn.Module) -> str:
     if record is None:
         return f"{type(model).__name__}: not prepared by hf_memstack"
     return record.describe()
-
-
-def _find_blocks_or_none(model: nn.Module) -> Blocks | None:
-    try:
-        return find_blocks(model)
-    except ValueError:
-        return None

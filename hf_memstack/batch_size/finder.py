@@ -81,7 +81,9 @@ def find_batch_size(
         before the call (also when it raises).
 
     Raises:
-        ValueError: a bad argument; ``make_batch`` returned the wrong number of samples; no
+        ValueError: a bad argument; ``make_batch`` returned the wrong number of samples, or a sample
+            the model cannot run (labels or an attention mask of another shape than ``input_ids``, ids
+            outside the vocabulary: :func:`hf_memstack.measure.batch_checks.check_batch`); no
             trainable parameter in ``mode="train"``.
         TypeError: an argument of the wrong type.
         BudgetTooSmallError: the budget cannot hold the model or one step at batch size 1 (the

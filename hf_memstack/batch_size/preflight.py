@@ -13,6 +13,7 @@ from torch import nn
 from .._device import device_of
 from ..errors import BudgetTooSmallError
 from ..measure.accounting import model_state_bytes
+from ..measure.batch_checks import check_batch
 from ..measure.simulated import current_limit, untracked
 from ..planning.next_rung import next_rung
 from ..record import MemstackRecord, record_of
@@ -80,6 +81,7 @@ def _check_model_and_sample(
     with untracked():  # a look at the batch's shapes, not part of any step
         sample = make_batch(1)
         check_batch_size(sample, 1)
+        check_batch(model, sample, where="find_batch_size: make_batch(1)")
     return sample
 
 

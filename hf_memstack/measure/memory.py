@@ -26,6 +26,7 @@ from ..distributed._ranks import on_every_rank, runs_collectives, same_arguments
 from ..distributed._stalls import watching
 from ..sizes import format_bytes
 from .accounting import model_state_bytes, tensor_bytes
+from .batch_checks import check_batch
 from .step import LossFn, backward, forward_loss, optimizer_step
 from .tracker import PhasePeaks, trace_phases
 
@@ -108,6 +109,10 @@ def measure_step(
     Returns:
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
 
+    Without ``step_fn``, a batch the model cannot run (labels or an attention mask of another shape
+    than ``input_ids``, ids outside the vocabulary, an empty tensor) is refused before any step with
+    a ValueError naming the field (:func:`hf_memstack.measure.batch_checks.check_batch`).
+
     Under FSDP or DDP every rank must call it (the step holds collectives): an error on one rank
     in the forward (a batch without labels) or in ``step_fn`` is then raised on every rank, naming
     that rank and its message, instead of leaving the others waiting in the backward's collectives.
@@ -122,6 +127,8 @@ def measure_step(
             warmup=warmup if warmup is None else bool(warmup),
             timed=bool(timed),
         )
+    if step_fn is None:  # the batch goes to model(**batch): a bad one is named here, not deep in the model
+        on_every_rank("measure_step: the batch", lambda: check_batch(model, batch, where="measure_step"), shared=shared)
     if step_fn is None and not model.training:
         warnings.warn(
             f"measure_step: {type(model).__name__} is in eval mode, so this is not the training step it looks like "

@@ -40,6 +40,8 @@ class Observed:
     recomputed: list[int] = field(default_factory=list)
     linear_dtypes: set[torch.dtype] = field(default_factory=set)
     loss_dtype: torch.dtype | None = None
+    loss_finite: bool = True
+    """Every element of the loss is finite (a nan or inf loss trains nothing, whatever its gradients)."""
     selective_saved_nothing: bool = False
     """Selective checkpointing warned that no op of its save list ran in a checkpointed block."""
     backward_error: str | None = None
@@ -70,6 +72,7 @@ def observe_step(
                 loss = on_every_rank("verify: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
             observed.flops.forward = counter.get_total_flops()
             observed.loss_dtype = loss.dtype
+            observed.loss_finite = bool(torch.isfinite(loss.detach()).all())
             phase.backward = True
             every_rank_needs_grad = (
                 share_error("verify: the loss needs gradients", None, values=(int(loss.requires_grad),))[0]

@@ -29,6 +29,7 @@ from ..transforms.optim_verify import optimizer_paused
 from ..transforms.precision import precision_policy_problems, verify_precision
 from ..transforms.quant_verify import verify_quant
 from ..transforms.tiled_mlp import verify_tiled_mlp
+from .batch_checks import check_batch, no_labelled_token
 from .observe import Observed, observe_step
 from .step import LossFn, forward_loss
 
@@ -105,8 +106,12 @@ def verify(
     ``raise_on_failure`` - is then raised on every rank, naming that rank and its message.
 
     Raises:
-        ValueError: ``model`` was not prepared by :func:`prepare_model`; an empty ``batch`` (a
-            tensor with 0 rows or 0 tokens).
+        ValueError: ``model`` was not prepared by :func:`prepare_model`; a bad ``batch``, before any
+            forward (:func:`hf_memstack.measure.batch_checks.check_batch`): a tensor with 0 rows or 0
+            tokens, labels or an attention mask of another shape than ``input_ids``, ids outside the
+            vocabulary. A batch whose every label is -100 runs, and fails the ``gradients`` check (its
+            loss is nan, its gradients 0: nothing trains on it), as any loss that is not finite does.
+        TypeError: ``input_ids`` that are not integers.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
         DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
     """
@@ -144,7 +149,8 @@ def _record(model: nn.Module, batch: Any) -> MemstackRecord:
         raise ValueError(
             f"verify needs a model returned by prepare_model; this {type(model).__name__} has no model.memstack record"
         )
-    _refuse_empty(batch)
+    # Before any forward: a bad batch is named here, not in torch's words deep in the model.
+    check_batch(model, batch, where="verify")
     return record
 
 
@@ -183,7 +189,9 @@ def _verify_into(
             "precision",
             *verify_precision(record.precision, record.autocast_by, observed.linear_dtypes, observed.loss_dtype),
         ),
-        _check_gradients(model, params, record, observed),
+        _check_gradients(
+            model, params, record, observed, None if loss_fn is not None else no_labelled_token(model, batch)
+        ),
         Check("quant", *verify_quant(model, record.quant))
         if record.quant.layers or record.policy.quant.mode != "none"
         else None,
@@ -198,25 +206,6 @@ def _verify_into(
         for p in params:
             p.grad = None
         report.checks.append(_check_compile(report, model, batch, loss_fn, record, shared=shared))
-
-
-def _refuse_empty(batch: Any) -> None:
-    """An empty batch (0 rows or 0 tokens) runs no step to check: the model's own forward fails
-    deep inside (a reshape), so say which field is empty instead."""
-    from collections.abc import Mapping
-
-    if isinstance(batch, Mapping):
-        fields = [(f"batch[{k!r}]", v) for k, v in batch.items()]
-    elif isinstance(batch, (list, tuple)):
-        fields = [(f"batch[{i}]", v) for i, v in enumerate(batch)]
-    else:
-        fields = [("batch", batch)]
-    for name, value in fields:
-        if torch.is_tensor(value) and value.ndim > 0 and value.numel() == 0:
-            raise ValueError(
-                f"{name} has shape {tuple(value.shape)}: an empty batch (0 rows or 0 tokens) runs no step to "
-                "verify; pass a batch of at least one sample with at least one token"
-            )
 
 
 def _check_policy(model: nn.Module, record: MemstackRecord) -> Check:
@@ -263,7 +252,11 @@ def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shar
     return Check("packing", comparison.ok, comparison.describe())
 
 
-def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: Observed) -> Check:
+def _check_gradients(
+    model: nn.Module, params: list[nn.Parameter], record: MemstackRecord, observed: Observed, unlabelled: str | None
+) -> Check:
+    """Every trainable parameter got a finite gradient from a finite loss; ``unlabelled``: why the
+    batch trains nothing (every label -100), when it does not (its gradients, all 0, would pass)."""
     if not params:
         return Check(
             "gradients",
@@ -287,7 +280,14 @@ def _check_gradients(model: nn.Module, params: list[nn.Parameter], record: Memst
             detail += f". {_frozen_input_hint(record)}"
     if bad:
         detail += f"; non-finite: {bad[:5]}"
-    return Check("gradients", not missing and not bad, detail)
+    if unlabelled is not None:
+        detail += f"; {unlabelled}"
+    elif not observed.loss_finite:  # its gradients can still be finite (all 0 when no token counts): no [ok] for them
+        detail += (
+            "; the loss is not finite (nan or inf), so no gradient of this step means anything: check the weights "
+            "(torch.isfinite on each parameter), the labels (a batch or rank whose labels are all -100) and loss_fn"
+        )
+    return Check("gradients", not missing and not bad and observed.loss_finite and unlabelled is None, detail)
 
 
 def _frozen_input_hint(record: MemstackRecord) -> str:

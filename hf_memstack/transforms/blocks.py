@@ -15,7 +15,7 @@ from typing import Literal
 
 from torch import nn
 
-__all__ = ["Blocks", "find_blocks"]
+__all__ = ["Blocks", "find_blocks", "no_blocks_reason"]
 
 
 BlockSource = Literal["override", "_no_split_modules", "largest ModuleList"]
@@ -106,6 +106,20 @@ def find_blocks(model: nn.Module, block_classes: Sequence[str] | None = None) ->
         f"no ModuleList/Sequential of identical modules. Candidates: {_candidates(model)}. Pass the block "
         "class name: MemoryPolicy(checkpointing={'mode': 'full', 'block_classes': ['MyBlock']})"
     )
+
+
+def no_blocks_reason(model: nn.Module) -> str | None:
+    """Where ``model`` says it has no blocks at all: a config with 0 layers, or an empty
+    ``ModuleList`` (where the blocks would be); None when it says nothing of the kind (blocks that
+    exist but are not found are :func:`find_blocks`' error). Asked after ``find_blocks`` found none."""
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)  # a multimodal config's layers are its text model's
+    text = get_text_config() if callable(get_text_config) else config
+    layers = getattr(text, "num_hidden_layers", None)
+    if type(layers) is int and layers == 0:
+        return "config.num_hidden_layers=0"
+    empty = [n for n, m in model.named_modules() if type(m) is nn.ModuleList and len(m) == 0]
+    return f"its ModuleList {empty[0]!r} is empty" if empty else None
 
 
 def _outermost(hits: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:

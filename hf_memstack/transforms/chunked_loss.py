@@ -28,9 +28,12 @@ __all__ = ["auto_chunk_tokens", "chunked_lm_loss"]
 _AUTO_CHUNK_LOGITS = 2**24
 
 
-def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model_name: str) -> None:
+def _check_ids_in_range(
+    checks: list[tuple[str, Any, int, int | None]], *, model_name: str, where: str = "loss:chunked"
+) -> None:
     """``(name, ids, vocabulary size, ignored id)``: one host sync for all of them together (a min/max
-    per step, not per chunk); skipped while compiling, where it would break the graph."""
+    per step, not per chunk); skipped while compiling, where it would break the graph. ``where``
+    starts the message (who checked: the chunked loss, verify, measure_step)."""
     checks = [c for c in checks if torch.is_tensor(c[1]) and not c[1].is_floating_point() and c[1].numel()]
     # Fake and meta tensors (the estimator's trace) hold no values to check.
     if not checks or torch.compiler.is_compiling() or any(is_fake(t) or t.is_meta for _, t, _, _ in checks):
@@ -57,10 +60,10 @@ def _check_ids_in_range(checks: list[tuple[str, Any, int, int | None]], *, model
         else ""
     )
     raise ValueError(
-        f"loss:chunked: {name} holds id {int(offending.flatten()[0])} ({offending.numel()} id(s) in all) outside the "
+        f"{where}: {name} holds id {int(offending.flatten()[0])} ({offending.numel()} id(s) in all) outside the "
         f"vocabulary of {model_name} ({size} ids: 0-{size - 1}){hint}. The tokenizer and the model disagree (after adding "
         "tokens, call model.resize_token_embeddings(len(tokenizer)) before prepare_model), or make_batch/the collator "
-        f"builds ids >= {size}"
+        f"builds ids outside 0-{size - 1}"
     )
 
 

@@ -8,6 +8,7 @@ verify compares the two on one sample.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -41,15 +42,24 @@ def verify_loss_head(
     # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
     tolerance = 2e-2 if mixed else 1e-4
     ok = abs(a - b) <= tolerance * max(1.0, abs(b))
-    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample"
-    if not ok:
+    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample with a labelled token"
+    if not math.isfinite(b):  # nan against nan is no difference of the heads: the sample gives no loss to compare
+        detail += ": the model's own loss is not finite, so the heads cannot be compared; check the weights and labels"
+    elif not ok:
         detail += ": they differ; prepare the model without loss:chunked"
-    return ok, detail
+    return ok and math.isfinite(a), detail
 
 
 def _first_sample(batch: Any) -> Any:
+    """One sample of ``batch``: the first with a label other than -100 past its first token (a
+    sample without one has no loss, nan in both heads), else the first."""
+    row = 0
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    if torch.is_tensor(labels) and labels.dim() == 2 and not labels.is_floating_point():
+        labelled = (labels[:, 1:] != -100).any(dim=1).nonzero()
+        row = int(labelled[0]) if len(labelled) else 0
     if isinstance(batch, dict):
-        return {k: v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
+        return {k: v[row : row + 1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
         return type(batch)(v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for v in batch)
     return batch[:1] if torch.is_tensor(batch) else batch

@@ -274,14 +274,16 @@ def test_different_search_arguments_on_the_ranks_end_every_rank(ranks):
 
 
 def test_ids_outside_the_vocabulary_on_one_rank_end_every_rank_with_that_message(ranks):
-    """loss:chunked refuses such ids before the backbone; under FSDP the refusal is shared first
-    (was: the other rank waited in the backbone's all-gather, and rank 1's message was lost)."""
-    for case in ("vocab_verify", "vocab_measure"):
+    """verify and measure_step refuse such ids before the forward (as loss:chunked does in it); under
+    FSDP the refusal is shared first (was: the other rank waited in the backbone's all-gather, and
+    rank 1's message was lost)."""
+    for case, where in (("vocab_verify", "verify"), ("vocab_measure", "measure_step")):
         (kind0, msg0), (kind1, msg1) = _both(ranks, case)
         assert kind1 == "ValueError" and "input_ids holds id 999" in msg1 and "256 ids" in msg1, (case, msg1)
-        assert (
-            kind0 == "DistributedMismatchError" and "rank 1: ValueError: loss:chunked: input_ids holds id 999" in msg0
-        ), (case, msg0)
+        assert kind0 == "DistributedMismatchError" and f"rank 1: ValueError: {where}: input_ids holds id 999" in msg0, (
+            case,
+            msg0,
+        )
 
 
 def test_the_meter_given_an_optimizer_on_one_rank_only_ends_every_rank(ranks):

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import PlainStack, assert_untouched, make_batch, snapshot
+from tiny import VOCAB, PlainStack, assert_untouched, make_batch, snapshot, tiny_llama
 from torch import nn
 
 from hf_memstack import (
@@ -21,6 +21,8 @@ from hf_memstack import (
     MemoryPolicy,
     PolicyError,
     estimate_memory,
+    measure_step,
+    merge_adapters,
     parse_bytes,
     plan_policy,
     prepare_model,
@@ -369,6 +371,18 @@ def _prepared_peft(c: Any) -> nn.Module:
     return get_peft_model(prepare_model(c.load("llama"), "bf16"), LoraConfig(r=2, target_modules=["q_proj"]))
 
 
+def _lora(model: nn.Module, *, deleted: bool = False, other: bool = False) -> nn.Module:
+    """A LoRA model on q_proj; ``other``: a second adapter on v_proj; ``deleted``: its 'default' adapter deleted."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    if other:
+        model.add_adapter("other", LoraConfig(r=2, target_modules=["v_proj"]))
+    if deleted:
+        model.delete_adapter("default")
+    return model
+
+
 def _int8(c: Any) -> nn.Module:
     model = c.load("plain")
     model.head.weight = nn.Parameter(torch.zeros(1, 32, dtype=torch.int8), requires_grad=False)
@@ -507,6 +521,73 @@ PREPARE = [
         "bf16",
         RuntimeError,
         ("already prepared with policy 'fp32'",),
+    ),
+    # Issue 38: torch.compile before prepare_model was taken, and only verify said so afterwards.
+    (
+        "compiled-wrapper",
+        lambda c: torch.compile(c.load("llama"), backend="eager"),
+        "bf16+ckpt",
+        ValueError,
+        (
+            "this model is a torch.compile wrapper (OptimizedModule around LlamaForCausalLM)",
+            "Call prepare_model on the LlamaForCausalLM itself (model._orig_mod)",
+            "put compile in the policy (e.g. 'bf16+ckpt+compile'",
+        ),
+    ),
+    (
+        "compiled-wrapper-around-peft",
+        lambda c: torch.compile(_lora(c.load("llama")), backend="eager"),
+        "bf16+ckpt",
+        ValueError,
+        ("a torch.compile wrapper (OptimizedModule around PeftModel)", "Call prepare_model on the PeftModel itself"),
+    ),
+    (
+        "peft-over-compiled-base",
+        lambda c: _lora(torch.compile(c.load("llama"), backend="eager")),
+        "bf16+ckpt",
+        ValueError,
+        (
+            "this PeftModel holds a torch.compile wrapper at 'base_model.model' (OptimizedModule around LlamaForCausalLM)",
+            "Build the PeftModel on the LlamaForCausalLM itself (not compiled)",
+        ),
+    ),
+    # Issue 38: a model with 0 blocks under ckpt was taken; describe showed `blocks []`, nothing said why.
+    *[
+        (
+            f"zero-blocks-{token}",
+            lambda c: tiny_llama(num_hidden_layers=0),
+            f"bf16+{token}",
+            ValueError,
+            (
+                "LlamaForCausalLM has 0 blocks (config.num_hidden_layers=0)",
+                f"the policy's '{token}' has no block to {verb}",
+                f"drop '{token}' from the policy",
+                "'block_classes': ['MyBlock']",
+            ),
+        )
+        for token, verb in [
+            ("ckpt", "checkpoint"),
+            ("ckpt:2", "checkpoint"),
+            ("ckpt:selective", "checkpoint"),
+            ("ckpt:offload", "checkpoint"),
+            ("mlp:tiled", "tile"),
+            ("compile:regional", "compile"),
+            ("quant:nf4", "quantize"),
+        ]
+    ],
+    (
+        "zero-blocks-two-tokens",
+        lambda c: tiny_llama(num_hidden_layers=0),
+        "bf16+ckpt+mlp:tiled",
+        ValueError,
+        ("the policy's 'ckpt' and 'mlp:tiled' have no block to checkpoint or tile",),
+    ),
+    (
+        "zero-blocks-plain",
+        lambda c: PlainStack(depth=0),
+        "ckpt",
+        ValueError,
+        ("PlainStack has 0 blocks (its ModuleList 'layers' is empty)", "no block to checkpoint", "drop 'ckpt'"),
     ),
 ]
 PREPARE_TYPES = [
@@ -755,6 +836,115 @@ ESTIMATE = [
 ]
 
 
+def _with(**changes: Any) -> dict[str, torch.Tensor]:
+    """The tiny Llama's batch of 2 rows of 16 tokens, ``changes(batch)`` giving fields to replace."""
+    batch = make_batch("llama")
+    return {**batch, **{k: f(batch) for k, f in changes.items()}}
+
+
+def _set(t: torch.Tensor, index: tuple[int, int], value: int) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _verify(c: Any, batch: dict[str, Any], **kw: Any) -> Any:
+    return verify(prepare_model(c.load("llama"), "fp32"), batch, **kw)
+
+
+# Issue 38: each gave torch's own words from deep inside the model (an IndexError from the embedding,
+# "Expected input batch_size (32) to match target batch_size (26)"), or, for the mask, no error at all.
+# One check (measure/batch_checks.py) for verify, measure_step and the finder's first sample.
+BATCH = [
+    C(
+        "verify-labels-shorter",
+        lambda c: _verify(c, _with(labels=lambda b: b["labels"][:, :-3])),
+        ValueError,
+        "verify: labels has shape (2, 13) and input_ids (2, 16)",
+        "the same shape",
+        "pad them to the same length",
+    ),
+    C(
+        "verify-labels-rows",
+        lambda c: _verify(c, _with(labels=lambda b: b["labels"][:1])),
+        ValueError,
+        "verify: labels has shape (1, 16) and input_ids (2, 16)",
+    ),
+    C(
+        "verify-mask-length",
+        lambda c: _verify(c, _with(attention_mask=lambda b: torch.ones(2, 5, dtype=torch.long))),
+        ValueError,
+        "verify: attention_mask has shape (2, 5) and input_ids (2, 16)",
+        "the same shape as input_ids",
+    ),
+    C(
+        "verify-ids-above-vocab",
+        lambda c: _verify(c, _with(input_ids=lambda b: _set(b["input_ids"], (1, 3), VOCAB + 5))),
+        ValueError,
+        f"verify: input_ids holds id {VOCAB + 5} (1 id(s) in all) outside the vocabulary of LlamaForCausalLM",
+        f"({VOCAB} ids: 0-{VOCAB - 1})",
+        "resize_token_embeddings",
+    ),
+    C(
+        "verify-ids-negative",
+        lambda c: _verify(c, _with(input_ids=lambda b: _set(b["input_ids"], (0, 0), -1))),
+        ValueError,
+        "verify: input_ids holds id -1",
+        f"({VOCAB} ids: 0-{VOCAB - 1})",
+    ),
+    C(
+        "verify-labels-above-vocab",
+        lambda c: _verify(c, _with(labels=lambda b: _set(b["labels"], (0, 5), VOCAB))),
+        ValueError,
+        f"verify: labels holds id {VOCAB}",
+        "-100 (ignore_index) is the one label outside it",
+    ),
+    C(
+        "verify-ids-float",
+        lambda c: _verify(c, _with(input_ids=lambda b: b["input_ids"].float())),
+        TypeError,
+        "verify: input_ids has dtype torch.float32",
+        "integers",
+    ),
+    C(
+        "measure-labels-shorter",
+        lambda c: measure_step(c.load("llama"), _with(labels=lambda b: b["labels"][:, :-3]), timed=False),
+        ValueError,
+        "measure_step: labels has shape (2, 13) and input_ids (2, 16)",
+    ),
+    C(
+        "measure-ids-above-vocab",
+        lambda c: measure_step(
+            c.load("llama"), _with(input_ids=lambda b: _set(b["input_ids"], (0, 1), VOCAB)), timed=False
+        ),
+        ValueError,
+        f"measure_step: input_ids holds id {VOCAB}",
+    ),
+    C(
+        "finder-ids-above-vocab",
+        lambda c: _find(c, lambda n: {**make_batch("llama", batch_size=n), "input_ids": torch.full((n, 16), VOCAB)}),
+        ValueError,
+        f"find_batch_size: make_batch(1): input_ids holds id {VOCAB}",
+    ),
+    # Issue 38: KeyError: 'default' from PEFT (the deleted adapter's name is still the active one).
+    C(
+        "merge-no-adapters",
+        lambda c: merge_adapters(_lora(c.load("llama"), deleted=True)),
+        ValueError,
+        "merge_adapters: this PeftModel has no adapters left (peft_config lists none",
+        "model.load_adapter(path",
+        "base = model.unload()",
+    ),
+    C(
+        "merge-active-adapter-deleted",
+        lambda c: merge_adapters(_lora(c.load("llama"), deleted=True, other=True)),
+        ValueError,
+        "none of this PeftModel's adapters ['other'] is active",
+        "model.set_adapter('other')",
+    ),
+]
+
+
 def _empty(shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 64, shape), "labels": torch.randint(0, 64, shape)}
 
@@ -874,7 +1064,7 @@ def ctx(load_model: Any, pretrained_dirs: dict[str, Path], tmp_path: Path) -> Ct
     return Ctx(load_model, pretrained_dirs, tmp_path)
 
 
-@pytest.mark.parametrize("case", [*POLICY, *SIZES, *ESTIMATE])
+@pytest.mark.parametrize("case", [*POLICY, *SIZES, *ESTIMATE, *BATCH])
 def test_bad_input_is_a_clear_error(ctx: Ctx, case: Case) -> None:
     with pytest.raises(case.error) as raised:
         case.call(ctx)

@@ -109,3 +109,35 @@ def test_non_finite_gradients_are_named_as_a_plain_backward_gives_them(load_mode
     gradients = report.check("gradients")
     assert not gradients.ok and f"non-finite: {bad[:5]}" in gradients.detail, gradients.detail
     assert gradients.detail.startswith(f"{sum(1 for p in reference.parameters()) - len(bad)}/")
+
+
+def test_a_loss_that_is_not_finite_is_never_ok(load_model):
+    """Every label -100, with a loss_fn (the loss is then the caller's, so the batch is not refused):
+    the model's loss is 0/0 = nan while every gradient is a finite 0. The gradients check fails on
+    the loss (was: every check [ok])."""
+    batch = make_batch("llama")
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    reference = load_model("llama")
+    loss = reference(**batch).loss
+    loss.backward()
+    assert loss.isnan() and all(torch.isfinite(p.grad).all() for p in reference.parameters())
+    report = verify(prepare_model(load_model("llama"), "fp32"), batch, loss_fn=lambda outputs, b: outputs.loss)
+    gradients = report.check("gradients")
+    assert not report.ok and not gradients.ok
+    assert "the loss is not finite (nan or inf)" in gradients.detail and "all -100" in gradients.detail, (
+        gradients.detail
+    )
+
+
+def test_a_batch_without_labelled_tokens_fails_the_gradients_check(load_model):
+    """Every label -100 (past each row's first, which a causal LM never predicts): the loss is nan,
+    every gradient a finite 0, and nothing trains. verify runs it - in a Trainer's first batch that is
+    a warning, not a crash - and fails the gradients check naming why (was: every check [ok])."""
+    batch = make_batch("llama")
+    batch["labels"][:, 1:] = -100
+    report = verify(prepare_model(load_model("llama"), "fp32"), batch)
+    gradients = report.check("gradients")
+    assert not report.ok and not gradients.ok
+    assert "every label in labels (shape (2, 16)) is -100 past each row's first token" in gradients.detail
+    assert "no labelled token" in gradients.detail and "0/0 = nan" in gradients.detail, gradients.detail
+    assert all(c.ok for c in report.checks if c.name != "gradients")  # the rest of the step is as it should be

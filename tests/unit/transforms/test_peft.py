@@ -7,7 +7,16 @@ import pytest
 import torch
 from tiny import PlainStack, assert_untouched, make_batch, snapshot
 
-from hf_memstack import MemoryPolicy, estimate_memory, measure_step, prepare_model, record_of, train_step, verify
+from hf_memstack import (
+    MemoryPolicy,
+    describe,
+    estimate_memory,
+    measure_step,
+    prepare_model,
+    record_of,
+    train_step,
+    verify,
+)
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"], "plain": ["ff.0", "ff.2"]}
 
@@ -71,6 +80,21 @@ def test_wrapped_prepared_models_are_not_prepared_twice(load_model):
         with pytest.raises(RuntimeError, match="already prepared with policy 'bf16\\+ckpt'"):
             prepare_model(wrapper, "bf16")
     assert record_of(model).policy.to_string() == "bf16+ckpt"
+
+
+def test_a_peft_model_whose_adapter_was_deleted_is_described_and_prepared(load_model):
+    """PEFT keeps a deleted adapter's name as the active one, and its get_base_model() then raises
+    KeyError: 'default'; the wrapper walk takes the model the tuner wraps instead (was: that KeyError
+    from describe, prepare_model, verify and merge_adapters)."""
+    from peft import get_peft_model
+
+    model = get_peft_model(load_model("llama"), _lora("llama"))
+    model.delete_adapter("default")
+    assert describe(model) == "PeftModel: not prepared by hf_memstack"
+    with pytest.warns(UserWarning, match="no parameter of PeftModel requires grad"):
+        prepared = prepare_model(model, "ckpt")
+    assert record_of(prepared).policy.to_string() == "fp32+ckpt"
+    assert describe(prepared).startswith("hf_memstack policy: fp32+ckpt")
 
 
 def test_reentrant_on_the_torch_checkpoint_path_is_refused_before_touching(load_model):
