@@ -86,11 +86,11 @@ def is_collective_failure(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def watching(step: str, *, error: BaseException | None = None) -> Iterator[None]:
+def watching(step: str, *, error: BaseException | None = None, shared: bool = True) -> Iterator[None]:
     """Within: a collective that fails is reported as a :class:`DistributedStallError` naming the
     ranks that did not arrive or failed (or, on a rank whose own ``error`` is being shared, that error).
-    Alone (no process group, or one rank): nothing is added."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    Alone (no process group, one rank, or ``shared=False``: the model runs no collective): nothing is added."""
+    if not shared or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         yield
         return
     _introduce()

@@ -8,7 +8,6 @@ peak is the caching allocator's own ``max_memory_allocated``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import time
@@ -164,16 +163,11 @@ def _train_step(
 
     def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
         loss = forward()
-        with _watching("measure_step: the backward and the optimizer step", shared):
+        with watching("measure_step: the backward and the optimizer step", shared=shared):
             backward(loss, grad_scaler=grad_scaler)
             optimizer_step(o, grad_scaler=grad_scaler)
 
     return step_fn, _step_phases(forward, optimizer, grad_scaler, shared=shared)
-
-
-def _watching(step: str, shared: bool) -> contextlib.AbstractContextManager[None]:
-    """Under FSDP/DDP (``shared``), a peer that never reaches the step's collectives is named (:mod:`._stalls`)."""
-    return watching(step) if shared else contextlib.nullcontext()
 
 
 def _on_every_rank(users_step: StepFn) -> StepFn:
@@ -230,11 +224,11 @@ def _step_phases(
     held: dict[str, torch.Tensor] = {}
 
     def backward_phase() -> None:
-        with _watching("measure_step: the backward", shared):
+        with watching("measure_step: the backward", shared=shared):
             backward(held.pop("loss"), grad_scaler=grad_scaler)
 
     def optimizer_phase() -> None:
-        with _watching("measure_step: the optimizer step", shared):
+        with watching("measure_step: the optimizer step", shared=shared):
             optimizer_step(optimizer, grad_scaler=grad_scaler)
 
     return [lambda: held.update(loss=forward()), backward_phase, optimizer_phase]

@@ -81,7 +81,7 @@ def observe_step(
             )
             if every_rank_needs_grad:
                 # A peer that never reaches the backward's collectives is named (shared: under FSDP/DDP).
-                with counter, watching("verify: the backward") if shared else contextlib.nullcontext():
+                with counter, watching("verify: the backward", shared=shared):
                     loss.backward()
                 observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
             elif loss.requires_grad:

@@ -304,7 +304,7 @@ def _check_compile(
 ) -> Check:
     def compiled_step() -> None:
         loss = on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
-        with watching("verify: the compiled backward") if shared else contextlib.nullcontext():
+        with watching("verify: the compiled backward", shared=shared):
             loss.backward()
 
     ok, detail, report.compiled_calls = verify_compile(record.compile, compiled_step)

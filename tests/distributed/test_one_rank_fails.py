@@ -241,7 +241,9 @@ def test_an_empty_batch_on_one_rank_ends_every_rank_in_verify(ranks):
     model, and went to share that while rank 0 went on into the forward's all-gather)."""
     (kind0, msg0), (kind1, msg1) = _both(ranks, "verify_empty")
     assert kind1 == "ValueError" and "batch['input_ids'] has shape (0, 16)" in msg1, msg1
-    assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: batch['input_ids'] has shape" in msg0, msg0
+    assert kind0 == "DistributedMismatchError" and "rank 1: ValueError: verify: batch['input_ids'] has shape" in msg0, (
+        msg0
+    )
 
 
 def test_a_forged_checkpoint_on_one_rank_runs_no_code_and_ends_every_rank(ranks):
