@@ -31,6 +31,7 @@ __all__ = [
     "FileContentError",
     "current_umask",
     "describe_kind",
+    "load_yaml",
     "loads_json",
     "read_json",
     "read_regular",
@@ -102,6 +103,61 @@ def loads_json(text: str | bytes, *, where: str = "the JSON") -> Any:
         raise FileContentError(f"{where} is nested too deeply to read (thousands of [ or {{ levels)") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise FileContentError(f"{where} is not valid JSON ({e})") from None
+
+
+def load_yaml(text: str, *, where: str = "the YAML", unique_keys: bool = True) -> Any:
+    """``yaml.safe_load`` whose every failure is a :class:`FileContentError` naming ``where``.
+
+    Aliases (``*name``) are refused: nine nested anchors of nine aliases each (a 417-byte file)
+    expand to 9**9 strings, gigabytes of memory and minutes of work, and neither a policy nor a run
+    config ever needs one. Nesting too deep for Python's stack (``RecursionError``) and, with
+    ``unique_keys``, a key given twice in one mapping (the last would silently win) are refused too.
+
+    Raises:
+        FileContentError: naming ``where``, the line and column, and what is wrong.
+    """
+    import yaml
+
+    try:
+        return yaml.load(text, Loader=_safe_loader(unique_keys))  # noqa: S506 - a SafeLoader
+    except RecursionError:  # YAML's composer recurses once per level: 100,000 '[' exhaust Python's stack
+        raise FileContentError(f"{where} is nested too deeply to read (thousands of [ or {{ levels)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        hint = " (indent with spaces, not tabs)" if "\\t" in str(problem) or "'\\t'" in str(e) else ""
+        raise FileContentError(f"{where} is not valid YAML{line}: {problem}{hint}") from None
+
+
+def _safe_loader(unique_keys: bool) -> type:
+    import yaml
+
+    class SafeLoader(yaml.SafeLoader):
+        """YAML's safe loader without aliases (and, with ``unique_keys``, without repeated keys)."""
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None,
+                    None,
+                    f"an alias (*{event.anchor}) is not allowed here: aliases can expand a small file into "
+                    "billions of values; write each value out",
+                    event.start_mark,
+                )
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value if unique_keys else ():
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return SafeLoader
 
 
 def read_json(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:

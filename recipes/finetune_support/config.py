@@ -12,9 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from hf_memstack.files import FileContentError, loads_json, read_regular
+from hf_memstack.files import FileContentError, load_yaml, loads_json, read_regular
 
 from .common import RecipeError, is_alias, looks_local
 from .flags import GROUP_OF, GROUPS, FinetuneConfig
@@ -107,18 +105,14 @@ def _read_config_file(path_str: str) -> dict[str, Any]:
         raw = read_regular(path, max_bytes=2**24)
     except (OSError, FileContentError) as e:
         raise RecipeError(f"--config {path_str!r}: cannot be read ({e}); pass a YAML or JSON file") from None
-    try:
+    where = f"--config {path_str}"
+    try:  # no YAML aliases (a 417-byte alias bomb expands to 9**9 values), no nesting past the stack
         text = raw.decode("utf-8")
-        values = loads_json(text, where=path_str) if path.suffix == ".json" else yaml.safe_load(text)
-    except RecursionError:  # YAML's parser (loads_json says it for JSON); RecursionError is no ValueError
-        raise RecipeError(
-            f"--config {path_str}: nested too deeply to read (thousands of [ or {{ levels); fix the file"
-        ) from None
-    except (UnicodeDecodeError, FileContentError, yaml.YAMLError) as e:
-        raise RecipeError(
-            f"--config {path_str}: not valid {'JSON' if path.suffix == '.json' else 'YAML'} "
-            f"({type(e).__name__}: {str(e)[:200]}); fix the file"
-        ) from None
+        values = loads_json(text, where=where) if path.suffix == ".json" else load_yaml(text, where=where)
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except FileContentError as e:
+        raise RecipeError(f"{str(e)[:400]}; fix the file") from None
     if values is None:
         return {}
     if not isinstance(values, dict):

@@ -118,3 +118,60 @@ def test_a_missing_file_is_still_an_os_error(tmp_path):
 
     with pytest.raises(FileNotFoundError):
         read_json(tmp_path / "none.json")
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A YAML 'billion laughs': each anchor a list of nine aliases of the one before (417 bytes at 9
+    levels, 9**9 strings once expanded)."""
+    rows = ["&a0 [" + ", ".join(['"lol"'] * 9) + "]"]
+    rows += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "precision: [" + ", ".join(rows) + "]\n"
+
+
+# Run in a child with its address space capped after the imports: were aliases expanded again, the
+# child dies of MemoryError (or the timeout) instead of taking this machine's memory.
+_BOMB_CHILD = r"""
+import resource, sys
+from pathlib import Path
+from hf_memstack.errors import PolicyError
+from hf_memstack.policy import MemoryPolicy
+from recipes.finetune_support.common import RecipeError
+from recipes.finetune_support.config import _read_config_file
+resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+for read, error in ((MemoryPolicy.from_yaml, PolicyError), (_read_config_file, RecipeError)):
+    try:
+        read(sys.argv[1])
+    except error as e:
+        print("REFUSED", str(e).replace("\n", " "))
+    else:
+        print("READ")
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_by_the_policy_and_config_readers(tmp_path):
+    import subprocess
+    import sys
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb())
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-c", _BOMB_CHILD, str(bomb)], capture_output=True, text=True, timeout=120, env=env, cwd=repo
+    )
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refusals) == 2, done.stdout + done.stderr[-2000:]
+    for line in refusals:
+        assert str(bomb) in line and "alias (*a0)" in line and "line 1" in line
+
+
+def test_load_yaml_refuses_aliases_and_repeated_keys_and_reads_the_rest():
+    from hf_memstack.files import FileContentError, load_yaml
+
+    assert load_yaml("a: [1, 2]\nb: {c: x}\n", where="f.yaml") == {"a": [1, 2], "b": {"c": "x"}}
+    with pytest.raises(FileContentError, match=r"f\.yaml is not valid YAML at line 2.*alias \(\*x\)"):
+        load_yaml("a: &x 1\nb: *x\n", where="f.yaml")
+    with pytest.raises(FileContentError, match=r"f\.yaml .*duplicate key 'a'"):
+        load_yaml("a: 1\na: 2\n", where="f.yaml")
+    with pytest.raises(FileContentError, match=r"f\.yaml is nested too deeply"):
+        load_yaml("[" * 100_000, where="f.yaml")
