@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from hf_memstack.files import FileContentError, load_yaml, loads_json, read_regular
 
-from .common import RecipeError, is_alias, looks_local
+from .common import RecipeError, is_alias, looks_local, printable
 from .flags import GROUP_OF, GROUPS, FinetuneConfig
+from .safe_paths import name_max
 
 PATH_FIELDS = ("dataset", "validation_file", "model", "tokenizer", "output_dir", "resume_from", "policy")
 
@@ -73,7 +74,21 @@ def parse_config(argv: list[str] | None = None, *, description: str | None = Non
     problems = _type_problems(cfg, source=f"--config {config_path}" if config_path else None)
     if problems:
         raise RecipeError("invalid configuration (nothing was loaded or written):\n  - " + "\n  - ".join(problems))
+    _refuse_long_output_dir(cfg.output.output_dir)
     return _resolve_paths(_widen(cfg))
+
+
+def _refuse_long_output_dir(value: str) -> None:
+    """A folder name longer than a file name may be (255 bytes on most file systems) fails only when
+    the first file is written, as 'OSError: File name too long'."""
+    path = Path(value).expanduser()
+    limit = name_max(path)
+    long = [p for p in path.parts if len(p.encode("utf-8", "surrogateescape")) > limit]
+    if long:
+        raise RecipeError(
+            f"output_dir: the folder name {printable(long[0][:40])!r}... is {len(long[0].encode('utf-8', 'surrogateescape'))} "
+            f"bytes, longer than the {limit} bytes a file name may have there; choose a shorter --output-dir"
+        )
 
 
 def _bare_packing_flag(argv: list[str]) -> list[str]:

@@ -21,10 +21,10 @@ from .checkpoint_dirs import (
     remove_checkpoint,
     step_entries,
 )
-from .common import RecipeError
+from .common import RecipeError, printable
 from .flags import MAY_CHANGE_ON_RESUME, FinetuneConfig
 from .run_lock import LOCK, acquire, is_main_process, is_recipe_lock
-from .safe_paths import fsync_dir, lstat_or_none, relative_inside, write_atomic
+from .safe_paths import fsync_dir, lstat_or_none, name_max, relative_inside, write_atomic
 
 __all__ = ["MANIFEST", "OutputPlan", "RunDir", "fsync_dir", "plan_output", "read_manifest", "write_atomic"]
 
@@ -58,6 +58,7 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
             f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({str(e)[:300]}); the recipe cannot tell its files "
             "from yours: choose another --output-dir"
         ) from None
+    _refuse_long_names(out, manifest)
     outside = [
         f"{kind}: {name!r}"
         for kind in ("files", "dirs", "trees")
@@ -71,6 +72,24 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
             "entries (or the manifest, to keep every file) or choose another --output-dir"
         )
     return manifest
+
+
+def _refuse_long_names(out: Path, manifest: dict[str, Any]) -> None:
+    """A listed name with a part longer than the file system takes was never written by the recipe;
+    --overwrite would stop on 'File name too long' halfway through removing the run's files."""
+    limit = name_max(out)
+    long = [
+        f"{kind}: {printable(name[:60])!r}... ({max(len(p.encode('utf-8', 'surrogateescape')) for p in name.split('/'))} bytes)"
+        for kind in ("files", "dirs", "trees")
+        for name in manifest_entries(manifest, kind)
+        if isinstance(name, str) and any(len(p.encode("utf-8", "surrogateescape")) > limit for p in name.split("/"))
+    ]
+    if long:
+        raise RecipeError(
+            f"output_dir={str(out)!r}: its {MANIFEST} lists names longer than the {limit} bytes a file name may have "
+            f"here, which the recipe never writes ({', '.join(long[:3])}): it was edited, so nothing was removed or "
+            "written. Remove those entries (or the manifest, to keep every file) or choose another --output-dir"
+        )
 
 
 def manifest_entries(manifest: dict[str, Any], kind: str) -> list[Any]:
@@ -191,6 +210,27 @@ def _refuse_linked_folders(out: Path, manifest: dict[str, Any] | None) -> None:
         )
 
 
+# The files the recipe writes in the output directory (atomic ones through their .tmp sibling).
+_WRITTEN_FILES = tuple(n for name in (MANIFEST, "run_config.yaml", "report.json") for n in (name, name + ".tmp")) + (
+    "memory.png",
+)
+
+
+def _refuse_taken_file_names(out: Path) -> None:
+    """Refuse, before anything is loaded, trained or removed, a name the recipe writes as a file
+    where a directory (or a FIFO, a device...) stands: the write would fail after the whole run
+    (report.json), or after --overwrite removed the previous run (recipe_manifest.json.tmp). A
+    symlink is fine: it is replaced, never followed (safe_paths)."""
+    for name in _WRITTEN_FILES:
+        st = lstat_or_none(out / name)
+        if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise RecipeError(
+                f"output_dir={str(out)!r}: {name} is {describe_kind(st.st_mode)}, where the recipe writes a file of "
+                "its own; nothing was loaded, removed or written. Move it away (or remove it) or choose another "
+                "--output-dir"
+            )
+
+
 def _entries(out: Path, out_dir: str) -> list[str]:
     """What the output directory holds (nothing yet: []), once it is one that can be written.
     A lock file as the recipe leaves one is the recipe's, whoever left it (a run killed before its
@@ -239,6 +279,7 @@ def plan_output(cfg: FinetuneConfig) -> OutputPlan:
     if manifest is not None and is_main_process():
         acquire(out)  # a run of this recipe: read (and later written) by one run at a time (run_lock.py)
     _refuse_linked_folders(out, manifest)
+    _refuse_taken_file_names(out)
     checkpoints = list_checkpoints(out)
     complete = [c for c in checkpoints if c.problem is None]
 

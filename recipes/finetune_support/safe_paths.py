@@ -30,6 +30,15 @@ def relative_inside(name: Any) -> PurePosixPath | None:
     return path
 
 
+def name_max(folder: Path) -> int:
+    """The longest file name, in bytes, the file system at ``folder`` (or its nearest existing parent) takes."""
+    existing = next((p for p in [folder, *folder.parents] if os.path.isdir(p)), Path("/"))  # no ENAMETOOLONG
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def symlink_inside(root: Path, name: str) -> str | None:
     """The first of ``name``'s parts below ``root`` (its folders, then the file) that is a symlink,
     as a relative name; None when there is none. ``name`` must be relative_inside."""

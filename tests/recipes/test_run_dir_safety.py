@@ -429,3 +429,60 @@ def test_a_file_of_yours_named_like_the_lock_is_yours(recipe, tiny_lm, tmp_path,
     before = snapshot(out)
     fails(recipe, lm_args(tiny_lm, out, *FINISHED), capsys, "holds files this recipe did not write (recipe.lock)")
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("report.json", ["--resume-from", "latest"]),
+        ("run_config.yaml", ["--resume-from", "latest"]),
+        ("recipe_manifest.json.tmp", ["--overwrite"]),
+    ],
+)
+def test_a_folder_where_the_recipe_writes_a_file_is_refused_before_anything_is_removed(
+    recipe, tiny_lm, finished, tmp_path, capsys, name, args
+):
+    out = _copy(finished, tmp_path)
+    shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+    (out / name).mkdir()
+    (out / name / "mine.txt").write_text("mine")
+    before = snapshot(out)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *FINISHED, *args),
+        capsys,
+        f"{name} is a directory, where the recipe writes a file of its own",
+        "nothing was loaded, removed or written",
+    )
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("kind, args", [("dirs", ["--resume-from", "latest"]), ("files", ["--overwrite"])])
+def test_a_listed_name_too_long_for_a_file_name_is_refused_before_anything_is_removed(
+    recipe, tiny_lm, finished, tmp_path, capsys, kind, args
+):
+    out = _copy(finished, tmp_path)
+    manifest = json.loads((out / "recipe_manifest.json").read_text())
+    manifest[kind].append("x" * 300)
+    (out / "recipe_manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *FINISHED, *args),
+        capsys,
+        f"{kind}: 'xxx",
+        "(300 bytes)",
+        "nothing was removed or written",
+    )
+    assert snapshot(out) == before
+
+
+def test_an_output_dir_name_too_long_for_a_file_name_is_refused(recipe, tiny_lm, tmp_path, capsys):
+    fails(
+        recipe,
+        lm_args(tiny_lm, tmp_path / ("y" * 300), *FINISHED),
+        capsys,
+        "is 300 bytes, longer than the",
+        "choose a shorter --output-dir",
+    )
+    assert list(tmp_path.iterdir()) == []
