@@ -46,7 +46,6 @@ Each names the newest checkpoint and the command that resumes from it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -84,7 +83,7 @@ from finetune_support.model import (
     load_tokenizer,
     resolve_model_path,
 )
-from finetune_support.report import loss_summary, plot_memory
+from finetune_support.report import finite_json, loss_summary, plot_memory
 from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, run_record
 from finetune_support.run_lock import release_run_locks
 from finetune_support.safe_paths import remove_entry
@@ -154,7 +153,7 @@ class Job:
 
     @property
     def log(self) -> Any:
-        return self.accelerator.print
+        return printer(self.accelerator)
 
     def resume_command(self, changes: dict[str, str | None] | None = None) -> str:
         """This run's command with ``--resume-from latest`` (and ``changes``: stops.resume_command)."""
@@ -166,6 +165,17 @@ class Job:
     def trainable_parameters(self) -> int:
         """Parameters the optimizer updates (this rank's shards under FSDP)."""
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+
+def printer(accelerator: Any) -> Any:
+    """The main process's ``print``, every line through ``printable``: log lines quote names and
+    values from received files (a file of yours in the output directory, a checkpoint's step or
+    settings), which may hold terminal escapes that would retitle or recolor the terminal."""
+
+    def log(*parts: Any, **kwargs: Any) -> None:
+        accelerator.print(*(printable(str(p)) for p in parts), **kwargs)
+
+    return log
 
 
 def setup(cfg: FinetuneConfig) -> Job:
@@ -190,7 +200,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
     precision, route, fsdp_plugin = _precision_and_route(cfg, policy, model_path, task, device_type)
     accelerator = make_accelerator(cfg, precision, device_type, fsdp_plugin)
-    log = accelerator.print
+    log = printer(accelerator)
     for note in plan.notes:
         log(note)
     if plan_table:
@@ -275,7 +285,7 @@ def _run_record(
             allow=cfg.checkpoint.allow_config_change,
         )
         if diffs:
-            accelerator.print("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
+            printer(accelerator)("resuming with changed settings (--allow-config-change):\n  - " + "\n  - ".join(diffs))
     return record
 
 
@@ -320,7 +330,7 @@ def _build(
 ) -> Job:
     """The model under its policy, the optimizer, the batch size, the loaders and the schedule; the checkpoint loaded."""
 
-    log = accelerator.print
+    log = printer(accelerator)
     model = _model_under_policy(cfg, accelerator, route, policy, task, num_labels, model_path)
     optimizer = build_optimizer(cfg, model, policy)
     # The model and optimizer go through Accelerate now (together: under its FSDP2 it shards the
@@ -799,7 +809,12 @@ def save(job: Job) -> dict[str, Any]:
         else None,
     }
     if acc.is_main_process:
-        job.run_dir.write("report.json", json.dumps(report, indent=2))
+        text, non_finite = finite_json(report)
+        if non_finite:  # NaN/Infinity written bare would make report.json invalid JSON
+            report["non_finite_as_null"] = non_finite
+            text, _ = finite_json(report)
+            job.log(f"report.json: {', '.join(non_finite[:5])} not finite (NaN or infinity), written as null")
+        job.run_dir.write("report.json", text)
         if cfg.output.memory_plot:
             plot_memory(job.run_dir.claim("memory.png", atomic=False), job.first_step, history, report)
         losses = loss_summary(history, cfg.train.log_every)

@@ -4,11 +4,32 @@
 from __future__ import annotations
 
 import io
+import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from .safe_paths import write_new
+
+
+def finite_json(value: Any) -> tuple[str, list[str]]:
+    """``value`` as JSON text every reader accepts, and where it held a non-finite number.
+    ``json.dumps`` writes NaN and Infinity bare, which is not JSON (a resumed checkpoint's logged
+    loss can be NaN): those become null, and the places they were are returned (``history[0].loss``)."""
+    replaced: list[str] = []
+
+    def finite(v: Any, where: str) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            replaced.append(where)
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x, f"{where}.{k}" if where else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        return v
+
+    return json.dumps(finite(value, ""), indent=2, allow_nan=False), replaced
 
 
 def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:

@@ -486,3 +486,65 @@ def test_an_output_dir_name_too_long_for_a_file_name_is_refused(recipe, tiny_lm,
         "choose a shorter --output-dir",
     )
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- what the recipe prints and reports
+ESCAPES = "evil\x1b]0;PWNED\x07\x1b[31mRED"
+
+
+def _edit_trainer_state(out: Path, edit) -> None:
+    ckpt = sorted((out / "checkpoints").glob("step-*"))[-1]
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    edit(state)
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    _rewrite_checkpoint_manifest(ckpt)
+
+
+def test_a_file_name_with_terminal_escapes_is_printed_escaped(recipe, tiny_lm, finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    (out / ESCAPES).write_text("mine")
+    reset_accelerate()
+    capsys.readouterr()
+    recipe.main([str(a) for a in lm_args(tiny_lm, out, *FINISHED, "--overwrite")])
+    printed = "".join(capsys.readouterr())
+    assert "\x1b" not in printed and "\x07" not in printed
+    assert "kept yours: evil\\x1b]0;PWNED\\x07\\x1b[31mRED" in printed
+    assert (out / ESCAPES).read_text() == "mine"
+
+
+def test_a_logged_step_with_terminal_escapes_is_never_printed_raw(recipe, tiny_lm, finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    _edit_trainer_state(out, lambda s: s["log_history"][0].update(step=ESCAPES))
+    reset_accelerate()
+    capsys.readouterr()
+    with contextlib.suppress(SystemExit):  # refused as a bad checkpoint or resumed: either way, escaped
+        recipe.main([str(a) for a in lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest")])
+    printed = "".join(capsys.readouterr())
+    assert "\x1b" not in printed and "\x07" not in printed
+    assert "\\x1b]0;PWNED" in printed
+
+
+def test_a_logged_loss_that_is_nan_is_null_in_a_valid_report(recipe, tiny_lm, finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    _edit_trainer_state(out, lambda s: s["log_history"][0].update(loss=float("nan")))
+    reset_accelerate()
+    try:
+        recipe.main([str(a) for a in lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest")])
+    except SystemExit:  # a checkpoint check may refuse the NaN itself: then report.json is the old one
+        assert "nan" in capsys.readouterr().err.lower()
+    report = json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    if report["history"][0]["loss"] is None:
+        assert report["first_logged_loss"] is None
+        assert report["non_finite_as_null"] == ["first_logged_loss", "history[0].loss"]
+
+
+def test_finite_json_writes_non_finite_numbers_as_null_and_says_where():
+    from finetune_support.report import finite_json
+
+    text, where = finite_json({"a": [1.0, float("inf")], "b": {"c": float("nan")}, "d": "NaN"})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
+        "a": [1.0, None],
+        "b": {"c": None},
+        "d": "NaN",
+    }
+    assert where == ["a[1]", "b.c"]
