@@ -31,6 +31,7 @@ __all__ = [
     "FileContentError",
     "current_umask",
     "describe_kind",
+    "irregular_files",
     "load_yaml",
     "loads_json",
     "read_json",
@@ -60,6 +61,26 @@ def describe_kind(mode: int) -> str:
         (stat.S_ISLNK, "a symlink"),
     )
     return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def irregular_files(folder: str | os.PathLike[str]) -> list[str]:
+    """The entries of ``folder`` (a model or tokenizer folder) that are neither regular files nor
+    folders, each as "NAME is a FIFO (named pipe)": Transformers would open them, and a FIFO blocks
+    its reader forever (or is reported as a missing model.safetensors or a truncated tokenizer.json).
+    A symlink counts as what it points to (``stat`` never blocks, even on a FIFO); a dangling one is
+    skipped. Not a folder: []."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in sorted(root.iterdir()):
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            found.append(f"{entry.name} is {describe_kind(mode)}")
+    return found
 
 
 def read_regular(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:

@@ -98,6 +98,8 @@ from finetune_support.stops import (
     tensor_bytes,
 )
 
+from hf_memstack.files import irregular_files
+
 
 def _script() -> str:
     """This script's path as a command would name it: relative to the working directory when under it."""
@@ -167,6 +169,16 @@ class Job:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
 
+def _refuse_irregular_model_files(cfg: FinetuneConfig, model_path: str) -> None:
+    """A FIFO (or device, socket) in the model or tokenizer folder, named before Transformers opens it."""
+    for flag, folder in (("model", model_path), ("tokenizer", cfg.model.tokenizer or model_path)):
+        if found := irregular_files(folder):
+            raise RecipeError(
+                f"{flag}={folder!r}: {'; '.join(found[:5])}, not a regular file: reading it would hang or fail; "
+                "nothing was loaded or written. Replace it with the real file (or remove it)"
+            )
+
+
 def printer(accelerator: Any) -> Any:
     """The main process's ``print``, every line through ``printable``: log lines quote names and
     values from received files (a file of yours in the output directory, a checkpoint's step or
@@ -196,6 +208,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     model_path = resolve_model_path(cfg.model.model)
     train_raw, val_raw, task, data_digest = load_raw_data(cfg)
     _check_packing_task(cfg, task)
+    _refuse_irregular_model_files(cfg, model_path)
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
     precision, route, fsdp_plugin = _precision_and_route(cfg, policy, model_path, task, device_type)

@@ -548,3 +548,24 @@ def test_finite_json_writes_non_finite_numbers_as_null_and_says_where():
         "d": "NaN",
     }
     assert where == ["a[1]", "b.c"]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+def test_a_fifo_in_the_model_folder_is_named_before_anything_is_loaded(recipe, tiny_lm, tmp_path, capsys, name):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm["model"], model)
+    (model / name).unlink()
+    os.mkfifo(model / name)
+    out = tmp_path / "out"
+    timer = _fifo_unblocker(model / name, after_s=60)
+    try:
+        fails(
+            recipe,
+            [*lm_args(tiny_lm, out, *FINISHED), "--model", str(model)],
+            capsys,
+            f"{name} is a FIFO (named pipe), not a regular file",
+            "nothing was loaded or written",
+        )
+    finally:
+        timer.cancel()
+    assert not out.exists()
