@@ -40,4 +40,4 @@ def read_policy_file(path: Path) -> Any:
     try:
         return load_yaml(text, where=f"policy file {str(path)!r}")
     except FileContentError as e:
-        raise PolicyError([f"{e}; write a mapping of policy fields"]) from None
+        raise PolicyError([f"{e}; fix the file (a YAML mapping of policy fields)"]) from None
