@@ -8,7 +8,12 @@ the next save's sweep or the rotation delete ``checkpoint.json`` in the linked f
 was refused only after the outside file was stat'ed, and its size printed; JSON nested 100,000
 deep ended in a RecursionError; a ``trainer_state.json`` with ``step = 10**18`` trained zero steps
 and saved the checkpoint's weights as the final model; two runs at once in one directory had one
-die on a raw FileNotFoundError when the other's save swept its ``.tmp``."""
+die on a raw FileNotFoundError when the other's save swept its ``.tmp``. Round 2: a folder planted
+at ``report.json`` lost the report after the whole run (IsADirectoryError), one at
+``recipe_manifest.json.tmp`` was found only after --overwrite had removed the previous run; a
+manifest name over 255 bytes stopped --overwrite halfway with 'File name too long'; a file name or a
+checkpoint's logged step with terminal escapes was printed raw; a NaN logged loss made report.json
+invalid JSON; a FIFO at model.safetensors read as "no file named model.safetensors"."""
 
 from __future__ import annotations
 
