@@ -13,7 +13,9 @@ private (0700). A file that cannot be read, parsed or validated is discarded wit
 a folder that cannot be written costs a warning, never the search's result. ``cache_dir=`` can be
 any folder, so an entry is read only if it is a regular file, at most 64 KiB, without blocking
 (a FIFO, a symlink - to ``/dev/zero`` or anywhere -, a directory are named in a warning, never read,
-removed or written through).
+removed or written through). The same holds for the ``batch_size`` folder the finder makes inside
+``cache_dir``: a symlink or file planted in its place is named in a warning and the job runs
+uncached (nothing outside is read, written, removed or chmod-ed).
 
 An entry is checked against itself and the budget before its size runs again: it records the
 steps its search ran (sizes, peaks, outcomes), and its size must be the largest of them that
@@ -130,6 +132,10 @@ def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     and why) and counts as none: nothing runs at its size. Something at ``path`` that is not a
     regular file (a symlink, a FIFO, a directory, a device) was not written by the finder: it is
     never read or removed, only named in a warning, and counts as none."""
+    problem = _folder_problem(path.parent)
+    if problem is not None:
+        _warn(f"{problem}; searching again")
+        return None
     try:
         found = path.lstat()
     except (FileNotFoundError, NotADirectoryError):
@@ -172,6 +178,30 @@ def _not_ours(path: Path, mode: int) -> str:
         f"the batch-size cache entry {path} is {describe_kind(mode)}, not a file hf_memstack wrote "
         "(the finder writes regular files only): not read, and left as it is - remove it yourself if it "
         "is not yours; until then this job is not cached"
+    )
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why the ``batch_size`` folder the finder makes inside ``cache_dir`` cannot be used, or None
+    (a missing one is created). ``cache_dir`` is the user's choice and may be a link; this folder
+    is the finder's own, so a symlink or a file in its place was planted: reading, writing,
+    removing or chmod-ing through it would touch files elsewhere."""
+    try:
+        mode = folder.lstat().st_mode
+    except OSError:
+        return None  # missing (created later), or unreachable: the write warns with the error
+    if stat.S_ISDIR(mode):
+        return None
+    what = describe_kind(mode)
+    if stat.S_ISLNK(mode):
+        try:
+            what += f" to {os.readlink(folder)}"
+        except OSError:
+            pass
+    return (
+        f"the batch-size cache folder {folder} is {what}, not a folder hf_memstack made (the finder "
+        "makes a private directory): nothing is read, written, removed or chmod-ed through it - remove "
+        "it yourself if it is not yours, or pass another cache_dir; until then this job is not cached"
     )
 
 
@@ -267,6 +297,10 @@ def write_entry(path: Path, entry: CacheEntry) -> None:
     replaces a directory entry and never writes through a link; something at ``path`` that is not a
     regular file (a symlink, a FIFO) is not the finder's and is left as it is, with a warning."""
     tmp = None
+    problem = _folder_problem(path.parent)
+    if problem is not None:
+        _warn(f"{problem}; the result is returned but not cached")
+        return
     try:
         _private_dir(path.parent)
         try:
@@ -310,17 +344,27 @@ def agree_entry(entry: CacheEntry | None) -> CacheEntry | None:
 
 
 def _private_dir(folder: Path) -> None:
-    """Create ``folder`` (and missing parents) readable by this user only."""
+    """Create ``folder`` (and missing parents) readable by this user only. The folder itself is
+    opened without following a link and made private through that descriptor, so a symlink or
+    file put in its place raises (OSError) instead of having its target's mode changed."""
     missing = []
-    p = folder
+    p = folder.parent
     while not p.exists():
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
         d.mkdir(mode=0o700, exist_ok=True)
-    mode = stat.S_IMODE(folder.stat().st_mode)
-    if mode & 0o077 and folder.stat().st_uid == os.getuid():
-        folder.chmod(0o700)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass  # an existing folder (or something planted: the open below refuses it)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.getuid():
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def _plain(obj: Any) -> Any:
