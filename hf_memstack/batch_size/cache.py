@@ -21,8 +21,11 @@ An entry is checked against itself and the budget before its size runs again: it
 steps its search ran (sizes, peaks, outcomes), and its size must be the largest of them that
 fitted, with that step's peak, under this budget. A file edited by hand (``batch_size=60000``) or
 damaged in a way JSON does not notice is discarded before ``make_batch`` is asked for its size -
-a batch that large could exhaust the host's memory before any step measures it. (A file forged
-consistently in every field still passes: the folder is private to its user for that reason.)
+a batch that large could exhaust the host's memory before any step measures it. A file forged
+consistently in every field must still claim a peak of at least its size times what one sample
+surely costs (its batch's tensors and last hidden state, measured on the batch of one), which
+bounds the size the check step may run by the budget over that; the folder is private to its user
+for the rest.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def cache_key(
     return hashlib.sha256(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
+def read_entry(path: Path, *, budget: int, per_sample_floor: int = 0) -> CacheEntry | None:
     """The entry at ``path``; None when there is none. A file that is unreadable, invalid, not
     consistent with the steps it records or over ``budget`` is removed (with a warning naming it
     and why) and counts as none: nothing runs at its size. Something at ``path`` that is not a
@@ -146,14 +149,14 @@ def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     if not stat.S_ISREG(found.st_mode):
         _warn(f"{_not_ours(path, found.st_mode)}; searching again")
         return None
-    entry, problem = _read_and_check(path, budget)
+    entry, problem = _read_and_check(path, budget, per_sample_floor)
     if problem is not None:
         _warn(f"discarding {problem}")
         _unlink_if_same(path, found)
     return entry
 
 
-def _read_and_check(path: Path, budget: int) -> tuple[CacheEntry | None, str | None]:
+def _read_and_check(path: Path, budget: int, per_sample_floor: int) -> tuple[CacheEntry | None, str | None]:
     """The entry at ``path`` (a regular file when looked at), or None and why it is discarded."""
     try:
         # Bounded and non-blocking: a file swapped for a FIFO or a link to /dev/zero since the
@@ -167,7 +170,7 @@ def _read_and_check(path: Path, budget: int) -> tuple[CacheEntry | None, str | N
         entry = _validate(data)
     except (ValueError, TypeError) as e:
         return None, f"the invalid batch-size cache entry {path} ({e}); searching again"
-    problem = _inconsistency(entry, budget)
+    problem = _inconsistency(entry, budget) or _too_cheap(entry, per_sample_floor)
     if problem is not None:
         return None, f"the batch-size cache entry {path}: {problem} - edited or damaged; measuring again"
     return entry, None
@@ -290,6 +293,20 @@ def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
     if below:
         return f"batch size {below[0]} did not fit, yet the larger batch_size={entry.batch_size} did"
     return None
+
+
+def _too_cheap(entry: CacheEntry, per_sample_floor: int) -> str | None:
+    """Why ``entry``'s peak is below what its size surely costs (``per_sample_floor`` bytes a
+    sample, measured on this job's batch of one), or None. A forged entry consistent in every field
+    otherwise passes: running its size (60000 on a 20 MiB budget) would take gigabytes of host
+    memory before a step measures it."""
+    least = entry.batch_size * per_sample_floor
+    if least <= entry.peak_bytes:
+        return None
+    return (
+        f"batch_size={entry.batch_size} with peak_bytes={entry.peak_bytes}: this job's batch and hidden states "
+        f"alone need at least {per_sample_floor} bytes a sample ({least} at that size)"
+    )
 
 
 def write_entry(path: Path, entry: CacheEntry) -> None:

@@ -382,3 +382,26 @@ def test_a_planted_cache_folder_link_is_never_chmod_read_written_or_emptied(llam
     assert _snapshot(outside) == before
     assert any(f"cache folder {cache_dir / 'batch_size'} is a symlink to {outside}" in w for w in said), said
     assert (cache_dir / "batch_size").is_symlink()
+
+
+def test_a_forged_self_consistent_entry_never_runs_a_size_its_peak_cannot_hold(llama, tmp_path):
+    """An entry consistent in every field (one step at 60000 that 'fitted' just under the budget)
+    claims less than 12 MiB / 60000 = 210 bytes a sample - less than the batch's own token ids:
+    discarded before make_batch is asked for 60000 (the check step used to run it: 10.8 GB of
+    host memory on a 20 MiB budget), and the search finds the measured size again."""
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    peak = parse_bytes(BUDGET) - 1
+    forged = {"batch_size": 60000, "peak_bytes": peak, "bytes_per_sample": 1, "capped": False}
+    path.write_text(json.dumps({**forged, "steps": [{"batch_size": 60000, "peak_bytes": peak, "fits": True}]}))
+    asked = []
+
+    def make(n):
+        asked.append(n)
+        return batches()(n)
+
+    with pytest.warns(UserWarning, match=f"discarding the batch-size cache entry {path}: batch_size=60000 with"):
+        again = find(model, opt, tmp_path, make=make)
+    assert max(asked) < 60000 and again.cache == "miss" and again.batch_size == first.batch_size
+    assert json.loads(path.read_text())["batch_size"] == first.batch_size
