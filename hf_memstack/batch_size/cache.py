@@ -13,14 +13,19 @@ private (0700). A file that cannot be read, parsed or validated is discarded wit
 a folder that cannot be written costs a warning, never the search's result. ``cache_dir=`` can be
 any folder, so an entry is read only if it is a regular file, at most 64 KiB, without blocking
 (a FIFO, a symlink - to ``/dev/zero`` or anywhere -, a directory are named in a warning, never read,
-removed or written through).
+removed or written through). The same holds for the ``batch_size`` folder the finder makes inside
+``cache_dir``: a symlink or file planted in its place is named in a warning and the job runs
+uncached (nothing outside is read, written, removed or chmod-ed).
 
 An entry is checked against itself and the budget before its size runs again: it records the
 steps its search ran (sizes, peaks, outcomes), and its size must be the largest of them that
 fitted, with that step's peak, under this budget. A file edited by hand (``batch_size=60000``) or
 damaged in a way JSON does not notice is discarded before ``make_batch`` is asked for its size -
-a batch that large could exhaust the host's memory before any step measures it. (A file forged
-consistently in every field still passes: the folder is private to its user for that reason.)
+a batch that large could exhaust the host's memory before any step measures it. A file forged
+consistently in every field must still claim a peak of at least its size times what one sample
+surely costs (its batch's tensors and last hidden state, measured on the batch of one), which
+bounds the size the check step may run by the budget over that; the folder is private to its user
+for the rest.
 """
 
 from __future__ import annotations
@@ -124,12 +129,16 @@ def cache_key(
     return hashlib.sha256(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
+def read_entry(path: Path, *, budget: int, per_sample_floor: int = 0) -> CacheEntry | None:
     """The entry at ``path``; None when there is none. A file that is unreadable, invalid, not
     consistent with the steps it records or over ``budget`` is removed (with a warning naming it
     and why) and counts as none: nothing runs at its size. Something at ``path`` that is not a
     regular file (a symlink, a FIFO, a directory, a device) was not written by the finder: it is
     never read or removed, only named in a warning, and counts as none."""
+    problem = _folder_problem(path.parent)
+    if problem is not None:
+        _warn(f"{problem}; searching again")
+        return None
     try:
         found = path.lstat()
     except (FileNotFoundError, NotADirectoryError):
@@ -140,14 +149,14 @@ def read_entry(path: Path, *, budget: int) -> CacheEntry | None:
     if not stat.S_ISREG(found.st_mode):
         _warn(f"{_not_ours(path, found.st_mode)}; searching again")
         return None
-    entry, problem = _read_and_check(path, budget)
+    entry, problem = _read_and_check(path, budget, per_sample_floor)
     if problem is not None:
         _warn(f"discarding {problem}")
         _unlink_if_same(path, found)
     return entry
 
 
-def _read_and_check(path: Path, budget: int) -> tuple[CacheEntry | None, str | None]:
+def _read_and_check(path: Path, budget: int, per_sample_floor: int) -> tuple[CacheEntry | None, str | None]:
     """The entry at ``path`` (a regular file when looked at), or None and why it is discarded."""
     try:
         # Bounded and non-blocking: a file swapped for a FIFO or a link to /dev/zero since the
@@ -161,7 +170,7 @@ def _read_and_check(path: Path, budget: int) -> tuple[CacheEntry | None, str | N
         entry = _validate(data)
     except (ValueError, TypeError) as e:
         return None, f"the invalid batch-size cache entry {path} ({e}); searching again"
-    problem = _inconsistency(entry, budget)
+    problem = _inconsistency(entry, budget) or _too_cheap(entry, per_sample_floor)
     if problem is not None:
         return None, f"the batch-size cache entry {path}: {problem} - edited or damaged; measuring again"
     return entry, None
@@ -172,6 +181,30 @@ def _not_ours(path: Path, mode: int) -> str:
         f"the batch-size cache entry {path} is {describe_kind(mode)}, not a file hf_memstack wrote "
         "(the finder writes regular files only): not read, and left as it is - remove it yourself if it "
         "is not yours; until then this job is not cached"
+    )
+
+
+def _folder_problem(folder: Path) -> str | None:
+    """Why the ``batch_size`` folder the finder makes inside ``cache_dir`` cannot be used, or None
+    (a missing one is created). ``cache_dir`` is the user's choice and may be a link; this folder
+    is the finder's own, so a symlink or a file in its place was planted: reading, writing,
+    removing or chmod-ing through it would touch files elsewhere."""
+    try:
+        mode = folder.lstat().st_mode
+    except OSError:
+        return None  # missing (created later), or unreachable: the write warns with the error
+    if stat.S_ISDIR(mode):
+        return None
+    what = describe_kind(mode)
+    if stat.S_ISLNK(mode):
+        try:
+            what += f" to {os.readlink(folder)}"
+        except OSError:
+            pass
+    return (
+        f"the batch-size cache folder {folder} is {what}, not a folder hf_memstack made (the finder "
+        "makes a private directory): nothing is read, written, removed or chmod-ed through it - remove "
+        "it yourself if it is not yours, or pass another cache_dir; until then this job is not cached"
     )
 
 
@@ -262,11 +295,29 @@ def _inconsistency(entry: CacheEntry, budget: int) -> str | None:
     return None
 
 
+def _too_cheap(entry: CacheEntry, per_sample_floor: int) -> str | None:
+    """Why ``entry``'s peak is below what its size surely costs (``per_sample_floor`` bytes a
+    sample, measured on this job's batch of one), or None. A forged entry consistent in every field
+    otherwise passes: running its size (60000 on a 20 MiB budget) would take gigabytes of host
+    memory before a step measures it."""
+    least = entry.batch_size * per_sample_floor
+    if least <= entry.peak_bytes:
+        return None
+    return (
+        f"batch_size={entry.batch_size} with peak_bytes={entry.peak_bytes}: this job's batch and hidden states "
+        f"alone need at least {per_sample_floor} bytes a sample ({least} at that size)"
+    )
+
+
 def write_entry(path: Path, entry: CacheEntry) -> None:
     """Write atomically (unique temporary file, then rename); on failure warn and go on. The rename
     replaces a directory entry and never writes through a link; something at ``path`` that is not a
     regular file (a symlink, a FIFO) is not the finder's and is left as it is, with a warning."""
     tmp = None
+    problem = _folder_problem(path.parent)
+    if problem is not None:
+        _warn(f"{problem}; the result is returned but not cached")
+        return
     try:
         _private_dir(path.parent)
         try:
@@ -310,17 +361,27 @@ def agree_entry(entry: CacheEntry | None) -> CacheEntry | None:
 
 
 def _private_dir(folder: Path) -> None:
-    """Create ``folder`` (and missing parents) readable by this user only."""
+    """Create ``folder`` (and missing parents) readable by this user only. The folder itself is
+    opened without following a link and made private through that descriptor, so a symlink or
+    file put in its place raises (OSError) instead of having its target's mode changed."""
     missing = []
-    p = folder
+    p = folder.parent
     while not p.exists():
         missing.append(p)
         p = p.parent
     for d in reversed(missing):
         d.mkdir(mode=0o700, exist_ok=True)
-    mode = stat.S_IMODE(folder.stat().st_mode)
-    if mode & 0o077 and folder.stat().st_uid == os.getuid():
-        folder.chmod(0o700)
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass  # an existing folder (or something planted: the open below refuses it)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.getuid():
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def _plain(obj: Any) -> Any:

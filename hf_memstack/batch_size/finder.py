@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .._device import device_of, preserved_rng
 from ..distributed._ranks import on_every_rank
@@ -28,7 +29,7 @@ from ..measure.step import LossFn
 from ..record import MemstackRecord, record_of
 from .cache import agree_entry, cache_key, cache_path, read_entry, write_entry
 from .preflight import budget_too_small, preflight
-from .probe import StepRunner, batch_signature
+from .probe import StepRunner, batch_signature, seq_len_of
 from .ranks import agree_arguments, is_local_leader, world_size
 from .result import BatchSizeResult, CacheStatus, build_result
 from .search import Found, Search
@@ -123,13 +124,14 @@ def find_batch_size(
     )
     search = _new_search(runner, budget_bytes, max_batch_size, global_batch_size, mode=mode, record=record)
     path = _cache_file(cache_dir, model, optimizer, record, sample, mode, budget_bytes, loss_fn) if cache else None
+    floor = _per_sample_floor(model, sample)
     with ExitStack() as stack, preserved_rng(device):
         # A rank that cannot copy its training state (host memory) stops every rank before the first probe.
         state = on_every_rank(
             "find_batch_size: the snapshot of the training state",
             lambda: stack.enter_context(step_state_restored(model, optimizer, scheduler, grad_scaler)),
         )
-        found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size)
+        found, status = _run_search(model, runner, search, path, mode=mode, probe_size=probe_size, floor=floor)
     if path is not None and status != "hit" and is_local_leader():
         write_entry(path, search.entry(found))
     return build_result(
@@ -195,8 +197,29 @@ def _cache_file(
     )
 
 
+def _per_sample_floor(model: nn.Module, sample: Any) -> int:
+    """Bytes each sample surely adds to a step's peak: its own tensors (the batch lives through
+    the step; ``sample`` is the batch of one) and the last hidden state every forward computes
+    (seq_len x hidden_size values of at least 2 bytes). A cache entry whose peak is below its size
+    times this was not measured: it is discarded before its size runs."""
+    batch_bytes = sum(t.nbytes for t in tree_leaves(sample) if torch.is_tensor(t))
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    seq = seq_len_of(sample)
+    hidden_bytes = 2 * seq * hidden if isinstance(hidden, int) and hidden > 0 and seq is not None else 0
+    return batch_bytes + hidden_bytes
+
+
 def _run_search(
-    model: nn.Module, runner: StepRunner, search: Search, path: Path | None, *, mode: str, probe_size: int
+    model: nn.Module,
+    runner: StepRunner,
+    search: Search,
+    path: Path | None,
+    *,
+    mode: str,
+    probe_size: int,
+    floor: int,
 ) -> tuple[Found, CacheStatus]:
     """Inside the snapshot: start as a training loop does (no gradients held), create the
     optimizer state, try the cache, else search."""
@@ -210,7 +233,10 @@ def _run_search(
     status: CacheStatus = "off"
     if path is not None:
         entry = agree_entry(
-            on_every_rank("find_batch_size: reading the cache entry", lambda: read_entry(path, budget=search.budget))
+            on_every_rank(
+                "find_batch_size: reading the cache entry",
+                lambda: read_entry(path, budget=search.budget, per_sample_floor=floor),
+            )
         )
         status = "miss"
         if entry is not None:

@@ -142,7 +142,7 @@ def estimate_memory(
     policy = MemoryPolicy.coerce(policy)
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
-    check_seq_len(config, seq_len)
+    check_seq_len(config, seq_len, batch_size)
     check_depth(config)
     if policy.loss.mode == "chunked":
         problem, note = chunked_loss_verdict(config, task, trust_remote_code)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 import stat
 from pathlib import Path
@@ -192,8 +193,17 @@ def _reason(e: BaseException) -> str:
     return printable(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:240] if str(e).strip() else ''}")
 
 
-def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
-    """Raise ValueError when ``seq_len`` is not positive or above the model's position limit."""
+# The largest tensor one step may hold, in bytes: 1 PiB, thousands of times any device's memory.
+# Past it the sizes are a typo (or a config's max_position_embeddings=10**12), and torch's sizes
+# would overflow before any estimate: refused with the fix instead of an internal error.
+MAX_TENSOR_BYTES = 2**50
+# Bytes per value of the step's activations counted by the bound (fp32, the widest a step keeps).
+_VALUE_BYTES = 4
+
+
+def check_seq_len(config: PretrainedConfig, seq_len: int, batch_size: int = 1) -> None:
+    """Raise ValueError when ``seq_len`` is not positive, above the model's position limit, or
+    ``batch_size`` x ``seq_len`` tokens need a tensor above :data:`MAX_TENSOR_BYTES`."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
@@ -201,6 +211,36 @@ def check_seq_len(config: PretrainedConfig, seq_len: int) -> None:
         raise ValueError(
             f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less"
         )
+    _check_tensor_sizes(config, seq_len, batch_size)
+
+
+def _check_tensor_sizes(config: PretrainedConfig, seq_len: int, batch_size: int) -> None:
+    """The attention mask and scores hold batch x seq_len x seq_len values, the hidden states,
+    MLP and logits batch x seq_len x their width: any above the bound cannot exist on a device."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    widths = [getattr(text, n, None) for n in ("hidden_size", "intermediate_size", "vocab_size")]
+    width = max((w for w in widths if isinstance(w, int) and not isinstance(w, bool) and w > 0), default=1)
+    per_row = _VALUE_BYTES * seq_len * max(seq_len, width)
+    if batch_size * per_row <= MAX_TENSOR_BYTES:
+        return
+    what = (
+        "the attention scores, batch_size x seq_len x seq_len"
+        if seq_len >= width
+        else f"the activations, batch_size x seq_len x {width} (the model's widest layer)"
+    )
+    room = MAX_TENSOR_BYTES // (_VALUE_BYTES * batch_size)
+    longest = min(math.isqrt(room), room // width)
+    largest_batch = MAX_TENSOR_BYTES // per_row
+    fix = (
+        f"use seq_len={longest} or less at this batch size" if longest >= 1 else "no seq_len fits this batch size"
+    ) + (f", or batch_size={largest_batch} or less at this seq_len" if largest_batch >= 1 else "")
+    if per_row > MAX_TENSOR_BYTES:  # too long even for one sample: the position limit let it through
+        fix += " (a config whose max_position_embeddings allows it is wrong too: copy the model's config.json again)"
+    raise ValueError(
+        f"seq_len={seq_len} (--seq-len) with batch_size={batch_size} (--batch-size) needs a tensor of "
+        f"{batch_size * per_row:.3g} bytes ({what}, {_VALUE_BYTES} bytes each), above the limit of "
+        f"{MAX_TENSOR_BYTES:.3g} bytes (1 PiB) that no device comes near: {fix}"
+    )
 
 
 def infer_task(model: Any, config: PretrainedConfig) -> str:

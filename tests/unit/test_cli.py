@@ -486,3 +486,35 @@ def test_an_encoders_architecture_name_is_escaped_in_the_note(pretrained_dirs, t
     assert main(["estimate", str(folder), "--batch-size", "1", "--seq-len", "16"]) == 0
     out = capsys.readouterr().out
     assert "(Bert\\u202eModel\\x1b[2J is an encoder" in out and not any(c in out for c in "\u202e\x1b"), out
+
+
+@pytest.mark.parametrize(
+    ("command", "seq_len", "batch", "named"),
+    [
+        ("estimate", 10**12, "2", "use seq_len="),
+        ("plan", 10**12, None, "use seq_len="),
+        ("plan", 100_000, str(10**12), "or batch_size="),
+        ("estimate", 100_000, str(10**12), "or batch_size="),
+    ],
+)
+def test_absurd_token_counts_are_refused_before_tracing(tmp_path, capsys, command, seq_len, batch, named):
+    """A config allowing 10**12 positions and ``--seq-len 10**12`` (or a batch of 10**12) is exit 2
+    naming the flags and the largest size that would do, not torch's storage overflow (exit 3)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        max_position_embeddings=10**12,
+    ).save_pretrained(tmp_path)
+    argv = [command, str(tmp_path), "--seq-len", str(seq_len)]
+    argv += ["--budget", "20GiB"] if command == "plan" else ["--policy", "fp32"]
+    argv += ["--batch-size", batch] if batch else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"seq_len={seq_len} (--seq-len)" in err and "(--batch-size)" in err and named in err, err
+    assert "internal error" not in err

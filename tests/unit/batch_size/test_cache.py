@@ -341,3 +341,67 @@ def test_find_batch_size_never_reads_removes_or_writes_through_a_planted_entry(l
     assert any("the result is returned but not cached" in w for w in said), said
     assert outside.read_text() == "not yours to read or write"
     assert path.is_symlink() if kind == "symlink" else stat.S_ISFIFO(path.lstat().st_mode)
+
+
+def _snapshot(folder):
+    """The mode, listing, and each file's mode and bytes of ``folder`` (or of the file ``folder``)."""
+    if folder.is_file():
+        return stat.S_IMODE(folder.stat().st_mode), folder.read_bytes()
+    files = sorted(folder.iterdir())
+    return stat.S_IMODE(folder.stat().st_mode), [
+        (f.name, stat.S_IMODE(f.stat().st_mode), f.read_bytes()) for f in files
+    ]
+
+
+@pytest.mark.parametrize("target", ["folder", "file"])
+def test_a_planted_cache_folder_link_is_never_chmod_read_written_or_emptied(llama, tmp_path, target):
+    """``<cache_dir>/batch_size`` is the finder's own folder: a symlink planted there (to a folder
+    holding a junk entry under the job's name, or to a file) leaves its target as it was - mode,
+    listing, bytes - and the search still returns the right size, uncached."""
+    model, opt = llama
+    reference = find(model, opt, tmp_path / "clean")
+    name = reference.cache_file.rsplit("/", 1)[-1]
+    outside = tmp_path / "outside"
+    if target == "folder":
+        outside.mkdir(mode=0o755)
+        outside.chmod(0o755)
+        (outside / name).write_text("junk, not an entry")
+        (outside / "other.txt").write_text("someone's file")
+    else:
+        outside.write_text("someone's file")
+        outside.chmod(0o644)
+    before = _snapshot(outside)
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    (cache_dir / "batch_size").symlink_to(outside)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = find(model, opt, cache_dir)
+    said = [str(w.message) for w in caught]
+    assert result.batch_size == reference.batch_size and result.cache == "miss"
+    assert _snapshot(outside) == before
+    assert any(f"cache folder {cache_dir / 'batch_size'} is a symlink to {outside}" in w for w in said), said
+    assert (cache_dir / "batch_size").is_symlink()
+
+
+def test_a_forged_self_consistent_entry_never_runs_a_size_its_peak_cannot_hold(llama, tmp_path):
+    """An entry consistent in every field (one step at 60000 that 'fitted' just under the budget)
+    claims less than 12 MiB / 60000 = 210 bytes a sample - less than the batch's own token ids:
+    discarded before make_batch is asked for 60000 (the check step used to run it: 10.8 GB of
+    host memory on a 20 MiB budget), and the search finds the measured size again."""
+    model, opt = llama
+    first = find(model, opt, tmp_path)
+    path = tmp_path / "batch_size" / first.cache_file.rsplit("/", 1)[-1]
+    peak = parse_bytes(BUDGET) - 1
+    forged = {"batch_size": 60000, "peak_bytes": peak, "bytes_per_sample": 1, "capped": False}
+    path.write_text(json.dumps({**forged, "steps": [{"batch_size": 60000, "peak_bytes": peak, "fits": True}]}))
+    asked = []
+
+    def make(n):
+        asked.append(n)
+        return batches()(n)
+
+    with pytest.warns(UserWarning, match=f"discarding the batch-size cache entry {path}: batch_size=60000 with"):
+        again = find(model, opt, tmp_path, make=make)
+    assert max(asked) < 60000 and again.cache == "miss" and again.batch_size == first.batch_size
+    assert json.loads(path.read_text())["batch_size"] == first.batch_size
