@@ -27,6 +27,12 @@ TRAINER_STATE = "trainer_state.json"
 STEP_DIR = re.compile(r"step-(\d+)")
 STEP_TMP = re.compile(r"step-(\d+)\.tmp")
 _ALTERED = "the recipe never saves one, so it was altered; resume from a checkpoint this recipe wrote"
+# What every save writes (Accelerate's save_state: the weights, the main process's RNG state; then
+# the run's state): a checkpoint.json listing none of them, "files": {} included, lists nothing loadable.
+_ALWAYS_SAVED = (TRAINER_STATE, "run_config.yaml", "random_states_0.pkl")
+_WEIGHTS = re.compile(r"(pytorch_)?model.*|sharded/.+")
+_NAME_MAX, _PATH_MAX = 255, 4095  # bytes, as Linux's filesystems allow
+_MAX_ENTRIES = 100_000  # far above any checkpoint the recipe writes (a few files, or a DCP shard per rank)
 
 
 @dataclass
@@ -37,7 +43,9 @@ class Checkpoint:
 
 
 def inspect_checkpoint(path: Path) -> Checkpoint:
-    """A checkpoint counts once its manifest, written last, lists files that are all present at their sizes."""
+    """A checkpoint counts once its manifest, written last, lists what every save writes, each a regular
+    file present at its size, and the folder holds nothing else (at any depth): whatever its loaders
+    would open has been checked before anything is loaded, on every rank before any collective."""
     m = STEP_DIR.fullmatch(path.name)
     step = int(m.group(1)) if m else -1
     if not m:
@@ -61,16 +69,53 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
             f"its {CHECKPOINT_MANIFEST} says step={content['step']!r}, but the folder is {path.name}: the recipe "
             "saves step N in step-N, so one of them was altered; resume from a checkpoint this recipe wrote",
         )
-    problem = _listed_files_problem(path, files) or _trainer_state_problem(path)
+    try:
+        problem = (
+            _listed_files_problem(path, files)
+            or _unlisted_entry_problem(path, files)
+            or _missing_saved_file(files)
+            or _trainer_state_problem(path)
+        )
+    except OSError as e:  # a name the filesystem refuses, a folder that cannot be read
+        problem = f"it cannot be read ({type(e).__name__}: {str(e)[:200]}): {_ALTERED}"
     return Checkpoint(step, path, problem)
+
+
+def _missing_saved_file(files: dict[str, Any]) -> str | None:
+    """A checkpoint.json must list what every save writes: without them, nothing it lists is checked."""
+    missing = [name for name in _ALWAYS_SAVED if name not in files]
+    if not any(isinstance(name, str) and _WEIGHTS.fullmatch(name) for name in files):
+        missing.append("the model's weights (model.safetensors)")
+    if missing:
+        return (
+            f"its {CHECKPOINT_MANIFEST} does not list {', '.join(missing)}, which every checkpoint of this recipe "
+            f"holds: {_ALTERED}"
+        )
+    return None
+
+
+def _name_problem(name: Any) -> str | None:
+    """A listed name that is no file inside the checkpoint, or longer than a filesystem allows."""
+    if relative_inside(name) is None:
+        return f"its {CHECKPOINT_MANIFEST} lists {name!r}, not a file inside the checkpoint (a relative name without '..'): {_ALTERED}"
+    try:
+        encoded = os.fsencode(name)
+    except UnicodeError:
+        return f"its {CHECKPOINT_MANIFEST} lists {name[:80]!r}, not a valid file name: {_ALTERED}"
+    if len(encoded) > _PATH_MAX or any(len(part) > _NAME_MAX for part in encoded.split(b"/")):
+        return (
+            f"its {CHECKPOINT_MANIFEST} lists a name too long for a file ({name[:60]!r}..., {len(encoded)} bytes; "
+            f"at most {_NAME_MAX} bytes a name): {_ALTERED}"
+        )
+    return None
 
 
 def _listed_files_problem(path: Path, files: dict[str, Any]) -> str | None:
     """What is wrong with the files checkpoint.json lists (None: all there, at their sizes). Each
     name is checked before it is used: outside the folder, or through a symlink, nothing is looked at."""
     for name, size in files.items():
-        if relative_inside(name) is None:
-            return f"its {CHECKPOINT_MANIFEST} lists {name!r}, not a file inside the checkpoint (a relative name without '..'): {_ALTERED}"
+        if (bad := _name_problem(name)) is not None:
+            return bad
         link = symlink_inside(path, name)
         if link is not None:
             # The sizes could still match: a symlink would resume from a file outside the checkpoint.
@@ -86,6 +131,34 @@ def _listed_files_problem(path: Path, files: dict[str, Any]) -> str | None:
             return f"{name} is {describe_kind(st.st_mode)}, not a regular file: {_ALTERED}"
         if isinstance(size, bool) or not isinstance(size, int) or st.st_size != size:
             return f"{name} has {st.st_size} bytes, the manifest says {size!r} (truncated or replaced)"
+    return None
+
+
+def _unlisted_entry_problem(path: Path, files: dict[str, Any]) -> str | None:
+    """An entry of the folder (at any depth, never through a link) that checkpoint.json does not
+    list: its loaders would open it unchecked, and a FIFO there blocks the open forever, a symlink
+    loads weights from outside, a device reads without end. Folders only hold what they list."""
+    folders, seen = [path], 0
+    while folders:
+        folder = folders.pop()
+        with os.scandir(folder) as it:
+            for entry in it:
+                seen += 1
+                rel = Path(entry.path).relative_to(path).as_posix()
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                elif rel != CHECKPOINT_MANIFEST and rel not in files:
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    kind = "a regular file" if stat.S_ISREG(mode) else describe_kind(mode)
+                    if stat.S_ISLNK(mode):
+                        kind += f" (to {os.readlink(entry.path)})"
+                    return (
+                        f"{rel} is {kind} that its {CHECKPOINT_MANIFEST} does not list: every file the recipe saves is "
+                        "listed there, so it was added or the list altered; remove it, or resume from a checkpoint "
+                        "this recipe wrote"
+                    )
+                if seen > _MAX_ENTRIES:
+                    return f"it holds more than {_MAX_ENTRIES} entries: {_ALTERED}"
     return None
 
 
@@ -127,7 +200,8 @@ def remove_checkpoint(path: Path, *, hook: str = "") -> None:
     if st is None:
         return
     if stat.S_ISDIR(st.st_mode):
-        (path / CHECKPOINT_MANIFEST).unlink(missing_ok=True)
+        # Whatever stands at the manifest's name (a folder put there: removed with what it holds, never through a link).
+        remove_entry(path / CHECKPOINT_MANIFEST)
         if hook:
             test_hook(hook)
     remove_entry(path)

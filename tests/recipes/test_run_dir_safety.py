@@ -574,3 +574,98 @@ def test_a_fifo_in_the_model_folder_is_named_before_anything_is_loaded(recipe, t
     finally:
         timer.cancel()
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- entries checkpoint.json does not list
+def _checkpoint(root: Path) -> Path:
+    """A checkpoint folder as the recipe's saves lay it out (small files, a manifest listing each at its size)."""
+    ckpt = root / "checkpoints" / "step-0000004"
+    ckpt.mkdir(parents=True)
+    names = ["model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "run_config.yaml"]
+    for name in names:
+        (ckpt / name).write_bytes(name.encode() * 3)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    files = {p.name: p.stat().st_size for p in ckpt.iterdir()}
+    (ckpt / "checkpoint.json").write_text(json.dumps({"step": 4, "files": files}))
+    return ckpt
+
+
+def _unlist(ckpt: Path, name: str) -> None:
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    del manifest["files"][name]
+    (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("model.safetensors", "fifo"),  # was: resume blocked forever in safetensors' open (SIGTERM did not end it)
+        ("random_states_0.pkl", "fifo"),  # was: blocked in torch.load
+        ("model.safetensors", "outside"),  # was: the weights loaded from the file outside the checkpoint
+        ("optimizer.bin", "/dev/zero"),  # was: torch's "weights_only=False" advice, naming no file
+        ("sharded/extra.distcp", "file"),  # at any depth
+    ],
+)
+def test_an_entry_checkpoint_json_does_not_list_makes_the_checkpoint_incomplete(tmp_path, name, kind):
+    from finetune_support.checkpoint_dirs import inspect_checkpoint
+
+    ckpt = _checkpoint(tmp_path)
+    assert inspect_checkpoint(ckpt).problem is None
+    if kind == "file":
+        (ckpt / name).parent.mkdir()
+        (ckpt / name).write_bytes(b"x")
+        what = "a regular file"
+    else:
+        _unlist(ckpt, name)
+        (ckpt / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(ckpt / name)
+        what = "a FIFO (named pipe)"
+    elif kind != "file":
+        target = Path("/dev/zero") if kind == "/dev/zero" else tmp_path / "outside.safetensors"
+        target.touch()
+        (ckpt / name).symlink_to(target)
+        what = f"a symlink (to {target})"
+    problem = inspect_checkpoint(ckpt).problem
+    assert problem is not None and problem.startswith(f"{name} is {what} that its checkpoint.json does not list")
+    assert "remove it, or resume from a checkpoint this recipe wrote" in problem
+
+
+@pytest.mark.parametrize("change", ["empty", "no-trainer-state", "long-name"])
+def test_a_checkpoint_json_listing_too_little_or_a_name_too_long_is_incomplete(tmp_path, change):
+    from finetune_support.checkpoint_dirs import inspect_checkpoint
+
+    ckpt = _checkpoint(tmp_path)
+    manifest = json.loads((ckpt / "checkpoint.json").read_text())
+    if change == "empty":
+        for name in manifest["files"]:
+            (ckpt / name).unlink()  # nothing left to list: {} would check nothing
+        manifest["files"] = {}
+        expected = ["does not list trainer_state.json", "the model's weights"]
+    elif change == "no-trainer-state":
+        (ckpt / "trainer_state.json").unlink()
+        del manifest["files"]["trainer_state.json"]
+        expected = ["does not list trainer_state.json, which every checkpoint of this recipe holds"]
+    else:
+        manifest["files"]["x" * 300 + ".bin"] = 1  # was: OSError File name too long
+        expected = ["lists a name too long for a file", "304 bytes"]
+    (ckpt / "checkpoint.json").write_text(json.dumps(manifest))
+    problem = inspect_checkpoint(ckpt).problem
+    assert problem is not None
+    for fragment in expected:
+        assert fragment in problem
+
+
+def test_a_folder_at_a_checkpoints_manifest_name_is_removed_with_it_never_through_a_link(tmp_path):
+    """Was: IsADirectoryError from remove_checkpoint (the save at the next step lost, --overwrite died)."""
+    from finetune_support.checkpoint_dirs import inspect_checkpoint, remove_checkpoint
+
+    ckpt = _checkpoint(tmp_path)
+    (ckpt / "checkpoint.json").unlink()
+    (ckpt / "checkpoint.json").mkdir()
+    outside = tmp_path / "kept.txt"
+    outside.write_text("kept")
+    (ckpt / "checkpoint.json" / "link").symlink_to(outside)
+    assert "is a directory" in (inspect_checkpoint(ckpt).problem or "")
+    remove_checkpoint(ckpt)
+    assert not ckpt.exists() and outside.read_text() == "kept"
