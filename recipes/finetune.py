@@ -68,7 +68,7 @@ from finetune_support.checkpoint import (
     load_without_4bit_weights,
     save_checkpoint,
 )
-from finetune_support.checkpoint_dirs import read_trainer_state
+from finetune_support.checkpoint_dirs import check_resumed_position, read_trainer_state
 from finetune_support.checks import check_config
 from finetune_support.common import RecipeError, Route, agree, printable
 from finetune_support.data import collate, load_raw_data, packing_summary, tokenize
@@ -370,6 +370,8 @@ def _build(
     # The scheduler goes through Accelerate on every route, so that save_state/load_state carry it;
     # with step_scheduler_with_optimizer=False its step() is exactly one step of the schedule.
     train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
+    if plan.resume is not None:
+        _check_resumed_layout(cfg, plan, state, resolved, batch_size, grad_accum, len(train_dl))
 
     job = Job(
         cfg=cfg,
@@ -440,6 +442,34 @@ def _resumed_state(plan: OutputPlan) -> tuple[TrainerState, dict[str, Any] | Non
         log_history=saved.get("log_history", []),
     )
     return state, saved.get("resolved")
+
+
+def _check_resumed_layout(
+    cfg: FinetuneConfig,
+    plan: OutputPlan,
+    state: TrainerState,
+    resolved: dict[str, Any] | None,
+    batch_size: int,
+    grad_accum: int,
+    batches_per_epoch: int,
+) -> None:
+    """The checkpoint's place in the data, for the batch size it was saved with (a received
+    trainer_state.json could say any). A resolved batch size other than this run's is a changed
+    setting: refused unless --allow-config-change, which starts from another layout of the data."""
+    if resolved is None:  # a checkpoint from before the run recorded what it resolved
+        return
+    saved = {k: resolved.get(k) for k in ("batch_size", "grad_accum")}
+    now = {"batch_size": batch_size, "grad_accum": grad_accum}
+    if saved != now:
+        if not cfg.checkpoint.allow_config_change:
+            raise RecipeError(
+                f"resume_from={str(plan.resume.path)!r}: trainer_state.json resolved batch_size={saved['batch_size']!r}, "
+                f"grad_accum={saved['grad_accum']!r}; this run resolves batch_size={batch_size}, "
+                f"grad_accum={grad_accum}. Resume with the settings the checkpoint was written with, or pass "
+                "--allow-config-change to continue with this run's"
+            )
+        return
+    check_resumed_position(plan.resume.path, state, batches_per_epoch=batches_per_epoch, grad_accum=grad_accum)
 
 
 def _loaders(

@@ -36,6 +36,12 @@ def choose_batch_size(
         and plan.reference.get("world_size") == world
     ):
         batch_size = resolved["batch_size"]  # what the finder found when the run started
+        if batch_size > max(1, len(train_ds) // world):  # the finder's own ceiling: a received state could say any
+            raise RecipeError(
+                f"resume_from: trainer_state.json resolved batch_size={batch_size}, more than the finder ever picks "
+                f"here (one process's share of the {len(train_ds)} training rows); it was altered: resume from a "
+                "checkpoint this recipe wrote, or start again"
+            )
         grad_accum = grad_accum_steps(cfg.memory.global_batch_size, batch_size, world)
     elif cfg.memory.batch_size == "auto":
         make_batch = finder_batches(train_ds, batch_collate, accelerator.device)

@@ -9,6 +9,7 @@ for what it is), and a step-N entry that is a symlink is never listed, resumed o
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import stat
@@ -215,8 +216,10 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         if not isinstance(state, dict) or not isinstance(state.get("run"), dict):
             raise ValueError("no 'run' record")
         for key in ("step", "epoch", "batches_in_epoch"):
-            if not isinstance(state.get(key), int) or state[key] < 0:
+            if not _count(state.get(key)):
                 raise ValueError(f"{key}={state.get(key)!r} is not a step count")
+        _check_history(state.get("log_history", []), state["step"])
+        _check_resolved(state.get("resolved"))
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise RecipeError(
             f"resume_from={str(path)!r}: {TRAINER_STATE} is not a readable checkpoint state ({type(e).__name__}: "
@@ -235,6 +238,59 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
             "every epoch ends with a step, so it was altered: resume from a checkpoint this recipe wrote, or start again"
         )
     return state
+
+
+def _count(value: Any, *, positive: bool = False) -> bool:
+    """A JSON integer (not a bool) that is >= 0 (> 0 with ``positive``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if positive else 0)
+
+
+def _check_history(history: Any, step: int) -> None:
+    """The logged rows a resumed run carries into its report: a list of rows, each of a step no later
+    than the checkpoint's and numbers (a forged string or list fails mid-run or in save() otherwise)."""
+    if not isinstance(history, list):
+        raise ValueError(f"log_history={str(history)[:40]!r} is not a list of logged rows")
+    for i, row in enumerate(history):
+        if not isinstance(row, dict) or not _count(row.get("step")) or row["step"] > step:
+            raise ValueError(f"log_history[{i}]={str(row)[:60]!r} is not a logged row of a step <= {step}")
+        bad = [k for k, v in row.items() if not (isinstance(v, int | float) and not isinstance(v, bool))]
+        if bad:
+            raise ValueError(f"log_history[{i}][{bad[0]!r}]={str(row[bad[0]])[:40]!r} is not a number")
+
+
+def _check_resolved(resolved: Any) -> None:
+    """What the run resolved when it started (the finder's batch size): positive integers."""
+    if resolved is None:
+        return
+    if not isinstance(resolved, dict):
+        raise ValueError(f"resolved={str(resolved)[:40]!r} is not a record")
+    for key in ("batch_size", "grad_accum"):
+        if key in resolved and not _count(resolved[key], positive=True):
+            raise ValueError(f"resolved.{key}={str(resolved[key])[:40]!r} is not a positive integer")
+
+
+def check_resumed_position(path: Path, state: Any, *, batches_per_epoch: int, grad_accum: int) -> None:
+    """Where in the data a checkpoint of this run's batch size resumes must be a place the run could
+    have reached: a forged ``batches_in_epoch`` past the epoch would skip its rest, an ``epoch`` past
+    what the steps allow would skip whole epochs. (Only for the batch size it was saved with: a
+    resume that changes it, with --allow-config-change, starts from another layout of the data.)
+
+    Raises:
+        RecipeError: naming the field, its value, the bound and the fix.
+    """
+    steps_per_epoch = math.ceil(batches_per_epoch / grad_accum)
+    problems = []
+    if state.batches_in_epoch > batches_per_epoch:
+        problems.append(f"batches_in_epoch={state.batches_in_epoch}, past the {batches_per_epoch} batches of an epoch")
+    if state.epoch * steps_per_epoch > state.step:
+        problems.append(
+            f"epoch={state.epoch} after step={state.step}, where an epoch is {steps_per_epoch} step(s) of this run"
+        )
+    if problems:
+        raise RecipeError(
+            f"resume_from={str(path)!r}: {TRAINER_STATE} says {'; '.join(problems)}: it was altered, and the run would "
+            "skip data. Resume from a checkpoint this recipe wrote, or start again"
+        )
 
 
 def check_resumed_step(path: Path, step: int, total_steps: int) -> None:

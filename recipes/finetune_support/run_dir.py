@@ -53,6 +53,8 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
         manifest = read_json(path, max_bytes=2**26)
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
             raise ValueError("no 'files' list")
+        if not isinstance(manifest.get("run", {}), dict):
+            raise ValueError(f"its 'run' is {str(manifest['run'])[:40]!r}, not the run's record")
     except (OSError, ValueError) as e:
         raise RecipeError(
             f"output_dir={str(out)!r}: its {MANIFEST} is unreadable ({str(e)[:300]}); the recipe cannot tell its files "

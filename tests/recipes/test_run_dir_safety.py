@@ -669,3 +669,52 @@ def test_a_folder_at_a_checkpoints_manifest_name_is_removed_with_it_never_throug
     assert "is a directory" in (inspect_checkpoint(ckpt).problem or "")
     remove_checkpoint(ckpt)
     assert not ckpt.exists() and outside.read_text() == "kept"
+
+
+# ----------------------------------------------------------------------------- every field a received state holds
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("batches_in_epoch", 10**18, "batches_in_epoch=1000000000000000000, past the"),
+        ("epoch", 4, "epoch=4 after step=4, where an epoch is"),
+        ("log_history", "x", "log_history='x' is not a list"),
+        ("log_history", [1, 2], "log_history[0]='1' is not a logged row"),
+        ("log_history", [{"step": 1, "loss": "\x1b[31m"}], "log_history[0]['loss']"),
+        ("resolved.batch_size", "abc", "resolved.batch_size='abc' is not a positive integer"),
+        ("resolved.batch_size", -3, "resolved.batch_size='-3' is not a positive integer"),
+        ("resolved.batch_size", 3, "resolved batch_size=3, grad_accum=1; this run resolves batch_size=8"),
+    ],
+)
+def test_a_forged_field_of_the_received_state_is_refused_before_training(
+    recipe, tiny_lm, finished, tmp_path, capsys, field, value, expected
+):
+    """Each of these trained on with data skipped, or failed mid-run or in save() with a raw error."""
+    out = _copy(finished, tmp_path)
+    ckpt = out / "checkpoints" / "step-0000004"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["epoch"] == 0 and state["step"] == 4  # the fixture's run: 4 steps inside its first epoch
+    if field.startswith("resolved."):
+        state["resolved"][field.split(".")[1]] = value
+    else:
+        state[field] = value
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    _rewrite_checkpoint_manifest(ckpt)
+    before = snapshot(out)
+    fails(recipe, lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"), capsys, "trainer_state.json", expected)
+    assert snapshot(out) == before
+
+
+def test_a_manifest_whose_run_record_is_not_a_record_is_refused(recipe, tiny_lm, finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    manifest = json.loads((out / "recipe_manifest.json").read_text())
+    manifest["run"] = "x"
+    (out / "recipe_manifest.json").write_text(json.dumps(manifest))
+    before = snapshot(out)
+    fails(
+        recipe,
+        lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"),
+        capsys,
+        "recipe_manifest.json is unreadable",
+        "its 'run' is 'x'",
+    )
+    assert snapshot(out) == before
