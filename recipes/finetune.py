@@ -396,11 +396,14 @@ def _build(
         meter_first_step=_meter_first_step(policy, device_type, route, resuming=plan.resume is not None),
     )
     if plan.resume is not None:
+        built = _hparams(optimizer)  # what this run's settings build, before the checkpoint's replace them
         load_checkpoint(job, plan.resume.path)
         agree(accelerator, nonfinite_checkpoint(job, plan.resume.path))  # every rank: shards differ under FSDP
         finish_rotation(job, plan.resume.path)
         if cfg.checkpoint.allow_config_change:
             _apply_requested_hparams(job)
+        else:
+            _check_loaded_hparams(job, plan.resume.path, built)
         log(f"resumed from {plan.resume.path} at step {state.step}")
     return job
 
@@ -538,6 +541,36 @@ def _apply_requested_hparams(job: Job) -> None:
         group["initial_lr"] = job.cfg.train.lr
         group["lr"] = job.cfg.train.lr * lmbda(sched.last_epoch)
     job.optimizer.param_groups[0]["weight_decay"] = job.cfg.train.weight_decay  # group 0 decays; biases and norms never
+
+
+def _hparams(optimizer: Any) -> list[dict[str, Any]]:
+    """Each parameter group's settings but its parameters and its current lr (the schedule moves it)."""
+    return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+
+
+def _check_loaded_hparams(job: Job, path: Path, built: list[dict[str, Any]]) -> None:
+    """The optimizer and schedule a checkpoint loads carry their own settings (weight decay, betas,
+    the schedule's base lr): a received optimizer.bin or scheduler.bin could say any, and the run
+    record, compared before, does not see them. They must be what this run's settings build.
+
+    Raises:
+        RecipeError: naming the setting, both values and the fix.
+    """
+    loaded, lr = _hparams(job.optimizer), job.cfg.train.lr
+    base_lrs = list(job.scheduler.scheduler.base_lrs)
+    diffs = [
+        f"param_groups[{i}].{k}: {now.get(k)!r} there, {want[k]!r} by these settings"
+        for i, (want, now) in enumerate(zip(built, loaded))
+        for k in want
+        if now.get(k) != want[k]
+    ]
+    diffs += [f"scheduler base_lrs: {base_lrs} there, lr={lr} now" for b in base_lrs[:1] if not math.isclose(b, lr)]
+    if diffs:
+        raise RecipeError(
+            f"resume_from={str(path)!r}: the optimizer or schedule it holds has other settings than this run "
+            f"({'; '.join(diffs)}); it was made with other flags or altered. Resume with the settings it was "
+            "written with, pass --allow-config-change to apply this run's, or resume from a checkpoint this recipe wrote"
+        )
 
 
 # ============================================================================= train

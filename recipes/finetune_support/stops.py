@@ -186,7 +186,22 @@ def nonfinite_checkpoint(job: Job, path: Path) -> RecipeError | None:
     would train on to a NaN model: refused, naming the tensor and its file."""
     found = nonfinite(job.accelerator.unwrap_model(job.model).state_dict().items())
     if found is None:
-        return None
+        # The optimizer's moments too: a NaN second moment makes the first resumed step NaN, and the
+        # advice to resume this checkpoint with a lower lr would repeat it.
+        moments = (
+            (f"optimizer.state[{i}][{key!r}]", value)
+            for i, state in enumerate(job.optimizer.state_dict()["state"].values())
+            for key, value in state.items()
+            if torch.is_tensor(value) and value.is_floating_point()
+        )
+        if (found := nonfinite(moments)) is None:
+            return None
+        name, kind = found
+        return RecipeError(
+            f"resume_from={str(path)!r}: the checkpoint's optimizer state holds {kind} values ({name}, in "
+            "optimizer.bin): it was saved from a run that had diverged, or damaged, and its first step would be NaN. "
+            "Resume from an earlier checkpoint (--resume-from checkpoints/step-N), or start again"
+        )
     name, kind = found
     in_file = nonfinite_in_files(sorted(path.glob("*.safetensors")))
     held = f"tensor {in_file[1]!r} of {in_file[0]}" if in_file else f"the model's tensor {name!r}"

@@ -718,3 +718,43 @@ def test_a_manifest_whose_run_record_is_not_a_record_is_refused(recipe, tiny_lm,
         "its 'run' is 'x'",
     )
     assert snapshot(out) == before
+
+
+# ----------------------------------------------------------------------------- what optimizer.bin and scheduler.bin say
+def _forge(ckpt: Path, name: str, edit) -> None:
+    import torch
+
+    state = torch.load(ckpt / name, weights_only=True)
+    edit(state)
+    torch.save(state, ckpt / name)
+    _rewrite_checkpoint_manifest(ckpt)
+
+
+def _nan_second_moment(state) -> None:
+    moment = next(iter(state["state"].values()))["exp_avg_sq"]
+    moment.view(-1)[0] = float("nan")
+
+
+@pytest.mark.parametrize(
+    "name, edit, expected",
+    [
+        (
+            "optimizer.bin",
+            lambda s: s["param_groups"][0].update(weight_decay=300.0),
+            "param_groups[0].weight_decay: 300.0 there",
+        ),
+        ("scheduler.bin", lambda s: s.update(base_lrs=[-0.5, -0.5]), "scheduler base_lrs: [-0.5, -0.5] there"),
+        ("optimizer.bin", _nan_second_moment, "optimizer state holds nan values"),
+    ],
+    ids=["weight-decay", "base-lrs", "nan-moment"],
+)
+def test_a_forged_optimizer_or_schedule_is_refused_before_training(
+    recipe, tiny_lm, finished, tmp_path, capsys, name, edit, expected
+):
+    """Each of these trained on: a weight decay of 300, a negative learning rate, or a NaN first step
+    whose advice (resume this checkpoint with a lower lr) repeated it."""
+    out = _copy(finished, tmp_path)
+    _forge(out / "checkpoints" / "step-0000004", name, edit)
+    before = snapshot(out)
+    fails(recipe, lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"), capsys, expected)
+    assert snapshot(out) == before
