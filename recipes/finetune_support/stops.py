@@ -181,6 +181,20 @@ def diverged(job: Job, what: str) -> RecipeError:
     )
 
 
+def _float_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every floating-point tensor in a state dict, at any depth (the optimizer rungs nest theirs
+    differently: one optimizer per parameter under optim:in_backward), with its path."""
+    if torch.is_tensor(value):
+        if value.is_floating_point():
+            yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _float_tensors(item, f"{name}[{key!r}]")
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            yield from _float_tensors(item, f"{name}[{i}]")
+
+
 def nonfinite_checkpoint(job: Job, path: Path) -> RecipeError | None:
     """A checkpoint whose weights hold NaN or inf (saved from a run that had diverged, or damaged)
     would train on to a NaN model: refused, naming the tensor and its file."""
@@ -188,13 +202,7 @@ def nonfinite_checkpoint(job: Job, path: Path) -> RecipeError | None:
     if found is None:
         # The optimizer's moments too: a NaN second moment makes the first resumed step NaN, and the
         # advice to resume this checkpoint with a lower lr would repeat it.
-        moments = (
-            (f"optimizer.state[{i}][{key!r}]", value)
-            for i, state in enumerate(job.optimizer.state_dict()["state"].values())
-            for key, value in state.items()
-            if torch.is_tensor(value) and value.is_floating_point()
-        )
-        if (found := nonfinite(moments)) is None:
+        if (found := nonfinite(_float_tensors(job.optimizer.state_dict(), "optimizer"))) is None:
             return None
         name, kind = found
         return RecipeError(
