@@ -565,6 +565,14 @@ def _check_loaded_hparams(job: Job, path: Path, built: list[dict[str, Any]]) -> 
         if now.get(k) != want[k]
     ]
     diffs += [f"scheduler base_lrs: {base_lrs} there, lr={lr} now" for b in base_lrs[:1] if not math.isclose(b, lr)]
+    sched = job.scheduler.scheduler
+    # The schedule steps with every optimizer step; only fp16's GradScaler skips some (an overflow).
+    if job.accelerator.scaler is None and sched.last_epoch != job.state.step:
+        diffs.append(f"scheduler last_epoch: {sched.last_epoch} there, at step {job.state.step}")
+    for i, (group, lmbda) in enumerate(zip(job.optimizer.param_groups, sched.lr_lambdas)):
+        expected = lr * lmbda(sched.last_epoch)  # what the schedule gives at its position (NaN is never close)
+        if not math.isclose(group["lr"], expected, rel_tol=1e-6, abs_tol=1e-12):
+            diffs.append(f"param_groups[{i}].lr: {group['lr']!r} there, the schedule gives {expected!r}")
     if diffs:
         raise RecipeError(
             f"resume_from={str(path)!r}: the optimizer or schedule it holds has other settings than this run "

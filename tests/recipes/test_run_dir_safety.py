@@ -758,3 +758,22 @@ def test_a_forged_optimizer_or_schedule_is_refused_before_training(
     before = snapshot(out)
     fails(recipe, lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"), capsys, expected)
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize(
+    "name, edit, expected",
+    [
+        ("scheduler.bin", lambda s: s.update(last_epoch=1, _step_count=2), "scheduler last_epoch: 1 there, at step 4"),
+        ("optimizer.bin", lambda s: s["param_groups"][0].update(lr=float("nan")), "param_groups[0].lr: nan there"),
+    ],
+    ids=["schedule-position", "nan-lr"],
+)
+def test_a_schedule_out_of_step_with_its_checkpoint_is_refused(
+    recipe, tiny_lm, finished, tmp_path, capsys, name, edit, expected
+):
+    """A forged schedule position ran step 6 at 4x its learning rate; a NaN lr made the first step NaN."""
+    out = _copy(finished, tmp_path)
+    _forge(out / "checkpoints" / "step-0000004", name, edit)
+    before = snapshot(out)
+    fails(recipe, lm_args(tiny_lm, out, *FINISHED, "--resume-from", "latest"), capsys, expected)
+    assert snapshot(out) == before
