@@ -56,9 +56,11 @@ class Job:
     packed: bool
     mode: str = "train"
     packed_per_sample: bool = True
+    """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
     foreach: bool = False
     """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
-    """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
+    keep_outputs: bool = False
+    """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +94,11 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
                 group["foreach"] = True
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
-            phases = traced_step(net, batch, opt, config, job.task)
+            phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),
         "trainable": sum(p.numel() for p in params),
+        "kept_outputs": phases.kept,
         **quant_counts(net),
     }
     return Traced(net=net, phases=phases, counts=counts)

@@ -45,6 +45,7 @@ def plan_policy(
     step_in_backward: bool = True,
     dtype: Any = "auto",
     packed: bool = False,
+    keep_outputs: bool = False,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -71,6 +72,9 @@ def plan_policy(
         dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
             ``from_pretrained`` gives); every rung is estimated at it.
         packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
+        keep_outputs: the training loop keeps the model's outputs through the backward
+            (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
+            :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -94,6 +98,7 @@ def plan_policy(
         dtype=weights.dtype,
         packed=packed,
         device=device,
+        keep_outputs=keep_outputs,
     )
     plan = Plan(
         policy=None,
