@@ -68,3 +68,30 @@ def test_a_step_fn_is_its_own_loop_and_keep_outputs_with_it_is_refused(bf16_dir)
     assert measure_step(model, _batch(), step_fn=step_fn, timed=False).loop == "step_fn"
     with pytest.raises(ValueError, match="keep_outputs=True with a step_fn"):
         measure_step(model, _batch(), step_fn=step_fn, keep_outputs=True)
+
+
+def test_the_previous_steps_outputs_are_counted_through_the_next_forward(bf16_dir):
+    """``outputs = model(**batch)`` rebinds only once the forward returns: the previous step's outputs
+    are alive through all of it. The traced forward's peak counts them as MemTracker does when given them."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hf_memstack.measure.memory import trace_training_step
+
+    model = _prepared(bf16_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    outputs = model(**_batch())
+    outputs.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    batch = _batch()  # made before the step, as a data loader makes it
+    tracker = MemTracker()
+    tracker.track_external(model, opt, outputs.loss, outputs.logits)
+    with tracker:
+        outputs = model(**batch)
+    reference = sum(v for dev in tracker.get_tracker_snapshot("peak").values() for k, v in dev.items() if k == "Total")
+    del outputs
+    kept = trace_training_step(model, batch, opt, keep_outputs=True)
+    dropped = trace_training_step(model, batch, opt)
+    assert kept.peaks[0]["total"] == reference
+    assert kept.kept == BATCH * SEQ * VOCAB * torch.float32.itemsize + 4 and dropped.kept == 0  # the logits, the loss
+    assert kept.peaks[0]["total"] - dropped.peaks[0]["total"] == kept.kept
