@@ -15,7 +15,10 @@ def memtracker_peak(model: nn.Module, batch: dict[str, torch.Tensor], *, keep_ou
     through the backward, the optimizer step and the next forward, until it is rebound), or
     ``loss = model(**batch).loss; loss.backward()`` (the outputs dropped, as Trainer does). The
     steps before it create AdamW's state; the previous step's outputs, made before the tracker
-    existed, are given to it (``track_external``) so that it counts them while they are alive."""
+    existed, are given to it (``track_external``) so that it counts them while they are alive.
+    ``batch`` is made before the tracked step, as a data loader makes it: neither MemTracker nor the
+    meter nor the estimator counts it then (made inside the step, MemTracker would also count its
+    ``input_ids`` and ``labels``: 2 x batch x seq x 8 bytes, the one difference found)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
