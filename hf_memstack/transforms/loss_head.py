@@ -129,16 +129,18 @@ def _check_causal_lm(target: nn.Module) -> PreTrainedModel:
     backbone = getattr(target, "base_model", target)
     if not causal or head is None or backbone is target:
         why = (
-            "it is not a causal language model"
+            "it is not a causal language model (nor a decoder-only vision-language one): its loss has no "
+            "vocabulary-sized logits to chunk"
             if not causal
             else "it has no output head (get_output_embeddings() is None)"
             if head is None
-            else "its backbone cannot be run without the head (base_model is the model itself)"
+            else "its backbone cannot be run without the head (base_model is the model itself), and the chunked loss "
+            "runs the backbone, then the head a chunk of tokens at a time"
         )
         raise ValueError(
-            f"policy.loss.mode='chunked' needs a causal language model (a *ForCausalLM: backbone, output head over the "
-            f"vocabulary, next-token loss); {name} cannot use it: {why}. Its loss has no vocabulary-sized logits to chunk: "
-            "drop loss:chunked from the policy"
+            f"policy.loss.mode='chunked' needs a causal language model (a *ForCausalLM or a decoder-only vision-language "
+            f"model: backbone, output head over the vocabulary, next-token loss); {name} cannot use it: {why}; drop "
+            "loss:chunked from the policy"
         )
     return cast("PreTrainedModel", target)
 

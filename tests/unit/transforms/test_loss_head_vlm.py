@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from tiny import assert_untouched, snapshot
 from tiny_vlm import VLMS, tiny_vlm, vlm_batch
 
 from hf_memstack import MemoryPolicy, prepare_model, verify
@@ -65,3 +66,31 @@ def test_compiled_chunks_equal_the_vlms_own():
     model = prepare_model(copy.deepcopy(reference), policy)
     assert model.memstack.loss.compiled
     _assert_same_loss_and_gradients(model, reference, vlm_batch("qwen2_vl", 3))
+
+
+def _blip2() -> torch.nn.Module:
+    import transformers
+
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4}
+    qformer = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64}
+    text = {"model_type": "opt", "vocab_size": 128, "hidden_size": 64, "ffn_dim": 128, "num_hidden_layers": 1}
+    config = transformers.Blip2Config(
+        vision_config={**vision, "image_size": 28, "patch_size": 14},
+        qformer_config={**qformer, "encoder_hidden_size": 32},
+        text_config={**text, "num_attention_heads": 4, "word_embed_proj_dim": 64},
+        num_query_tokens=4,
+    )
+    torch.manual_seed(0)
+    return transformers.Blip2ForConditionalGeneration(config)
+
+
+def test_a_vlm_whose_backbone_is_the_whole_model_is_refused_untouched():
+    """BLIP-2's language model sits inside its forward (base_model is the model itself): its logits
+    are over the vocabulary, but no backbone can be run without the head, so it is refused, saying why."""
+    model = _blip2()
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        prepare_model(model, "fp32+loss:chunked")
+    for fragment in ("Blip2ForConditionalGeneration", "base_model is the model itself", "drop loss:chunked"):
+        assert fragment in str(info.value), str(info.value)
+    assert_untouched(model, before)
