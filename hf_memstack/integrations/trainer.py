@@ -13,7 +13,9 @@ TrainingArguments from the policy and the batch-size finder, and watch training 
 
 TRL's trainers (``SFTTrainer(..., callbacks=[MemstackCallback()])``) work the same way; their
 fused LM head replaces ``model.forward`` after the model was prepared, and the callback puts the
-policy's autocast back around it. Nothing here patches Trainer: the model is prepared before the
+policy's autocast back around it. Under trainers that compute the loss themselves (TRL's DPO, KTO and
+reward trainers) the first-batch check runs their ``compute_loss``; under those that generate their
+batches (GRPO) it steps aside, saying so (:mod:`.trainer_loss`). Nothing here patches Trainer: the model is prepared before the
 Trainer sees it (as TRL and Liger do), and what happens during training goes through Trainer's
 own callback events.
 
@@ -73,7 +75,8 @@ class MemstackCallback(TrainerCallback):
       runs :func:`hf_memstack.measure.verify` on the first training batch through the forward that
       trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
       forward + backward: one extra pass, its time in the log (weights, gradients and RNG are
-      left as they were); with ``raise_on_failure`` a failed check stops training;
+      left as they were); with ``raise_on_failure`` a failed check stops training, without it a
+      pass that cannot run is logged and skipped (``first_step.skipped`` says why);
     * before training that evaluates (``eval_strategy`` not ``"no"``): warns when the logits
       ``Trainer.evaluate()`` will keep on the device exceed ``eval_budget`` (default: the CUDA device's
       total memory; on the CPU only a given budget is checked), with the bytes and the fixes
