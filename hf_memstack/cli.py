@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from ._text import printable
-from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
+from .cli_estimate import Refused, device_option, dtype_option, estimate_each, image_options, refusal_lines, verdict
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
@@ -95,8 +95,9 @@ def _add_estimate(sub: Any) -> None:
         default=None,
         help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
     )
-    _device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
-    _dtype_option(e)
+    device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
+    dtype_option(e)
+    image_options(e)
 
 
 def _add_plan(sub: Any) -> None:
@@ -116,12 +117,9 @@ def _add_plan(sub: Any) -> None:
     )
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
-    _device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
-    _dtype_option(pl)
-
-
-def _device_option(parser: Any, what: str) -> None:
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help=f"{what}; default: this machine")
+    device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
+    dtype_option(pl)
+    image_options(pl)
 
 
 def _add_find_batch_size(sub: Any) -> None:
@@ -165,18 +163,6 @@ def _common(sp: argparse.ArgumentParser) -> None:
         "--lora-target", help="comma-separated module names for LoRA (default: every linear layer but the head)"
     )
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _dtype_option(sp: argparse.ArgumentParser) -> None:
-    from .planning.weights_dtype import DTYPE_CHOICES  # here, not at the top: --help stays fast
-
-    sp.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default="auto",
-        help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
-        "weights'; fp32 for a config naming none), or fp32, bf16, fp16 to estimate another load",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +221,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "eval_samples": args.eval_samples,
         "device": args.device,
+        **_images(args),
     }
     rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
     if all(isinstance(r, Refused) for r in rows):  # nothing answered: an input error
@@ -265,6 +252,7 @@ def _plan(args: argparse.Namespace) -> int:
         trainable=_trainable(args),
         dtype=args.dtype,
         device=args.device,
+        **_images(args),
     )
     print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))
     _print_task_note(args)
@@ -284,6 +272,7 @@ def _plan(args: argparse.Namespace) -> int:
                         trainable=_trainable(args),
                         dtype=args.dtype,
                         device=args.device,
+                        **_images(args),
                     ),
                 )
                 for r in plan.rows
@@ -292,6 +281,10 @@ def _plan(args: argparse.Namespace) -> int:
             plan.budget,
         )
     return FITS if plan.fits else DOES_NOT_FIT
+
+
+def _images(args: argparse.Namespace) -> dict[str, int | None]:
+    return {"image_size": args.image_size, "images_per_sample": args.images_per_sample}
 
 
 def _find(args: argparse.Namespace) -> int:

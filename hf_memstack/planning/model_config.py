@@ -20,6 +20,7 @@ from ..files import describe_kind
 from ..record import unwrap_model
 from .config_file import check_config_file, check_dict_keys, check_sizes, read_config_file
 from .trainable import apply_peft
+from .vision_inputs import is_vision_language
 from .weights_dtype import cast_like_from_pretrained
 
 if TYPE_CHECKING:
@@ -314,19 +315,34 @@ def build_model(
     return apply_peft(net, peft_config) if peft_config is not None else net
 
 
-def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def _auto_class(config: PretrainedConfig, task: str) -> Any:
+    """The Auto class that builds ``config``'s model for ``task``: a vision-language model (a config
+    with a ``vision_config``) is built whole, vision tower included, as ``from_pretrained`` on
+    ``AutoModelForImageTextToText`` builds it - its causal-LM class (Qwen2-VL has none) or one
+    without the tower (Mllama's) would be another model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    if not is_vision_language(config):
+        return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    if task != "causal-lm":
+        raise ValueError(
+            f"task={task!r} on {type(config).__name__} (model_type={config.model_type!r}), a vision-language model: "
+            "the estimator builds it as Transformers' image-text-to-text model (its language-model head); pass "
+            "task='causal-lm' (--task causal-lm) or leave task out"
+        )
+    return AutoModelForImageTextToText
+
+
+def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
+
+    auto = _auto_class(config, task)
     try:
         # A copy: from_config writes the dtype into the config it is given (the user's, or their model's).
         return auto.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code, dtype=dtype)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
-            raise ValueError(
-                f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
-                "or 'causal-lm' to match the model"
-            ) from None
+            other = "" if is_vision_language(config) else "; pass task='classification' or 'causal-lm' to match the model"
+            raise ValueError(f"{type(config).__name__} has no {auto.__name__} model in Transformers{other}") from None
         raise ValueError(
             f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config"
         ) from None
