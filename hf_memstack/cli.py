@@ -283,7 +283,7 @@ def _plan(args: argparse.Namespace) -> int:
     return FITS if plan.fits else DOES_NOT_FIT
 
 
-def _images(args: argparse.Namespace) -> dict[str, int | None]:
+def _images(args: argparse.Namespace) -> dict[str, Any]:
     return {"image_size": args.image_size, "images_per_sample": args.images_per_sample}
 
 

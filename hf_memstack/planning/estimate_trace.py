@@ -94,7 +94,9 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
             # whose step holds a copy of every second moment at once: traced as it will run.
             for group in opt.param_groups:
                 group["foreach"] = True
-        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode)
+        batch = fake_batch(
+            config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
+        )
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases = traced_step(net, batch, opt, config, job.task)
     counts = {
@@ -112,7 +114,9 @@ def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any, e
     with mode, experts, _quiet_prepare(training=False), values_kept(mode, job.images):
         net.eval()
         prepare_model(net, job.policy)
-        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode)
+        batch = fake_batch(
+            config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
+        )
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases, outputs = trace_eval_forward(net, batch, blocks=blocks_or_empty(net))
     kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))

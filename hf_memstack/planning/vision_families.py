@@ -107,7 +107,6 @@ class QwenVL(Family):
             {"pixel_values": (n * grid * grid, row)},
         )
 
-
     def traced_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # get_rope_index's [text, temporal, height, width] positions: its loops over the samples stack
         # fake scalars, which have no values; the text model takes them as given.

@@ -12,7 +12,6 @@ step's batch, but refused by the estimator: their forward reads the pixels' valu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -142,13 +141,19 @@ def image_batch(
     text = config.get_text_config()
     vocab = int(text.vocab_size)
     token = fam.image_token_id(config)
+    if token is None:
+        if spec.images_per_sample:
+            raise ValueError(
+                f"{type(config).__name__} has no image_token_id (nor image_token_index): the id its processor puts in "
+                "input_ids for each image token; set it in the config (config.json) or pass images_per_sample=0"
+            )
+        token = -1  # no image, so no image token placed
     gen = generator or torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(2, vocab - 1), (batch, seq), generator=gen)
-    if token is not None:
-        ids[ids == token] = 0
+    ids[ids == token] = 0
     labels = ids.clone()
     span = spec.tokens_per_image + 1
-    for image in range(spec.images_per_sample if token is not None else 0):
+    for image in range(spec.images_per_sample):
         ids[:, image * span : (image + 1) * span - 1] = token
         labels[:, image * span : (image + 1) * span] = -100
     sizes = _FAMILIES[spec.model_type](config, spec.image_size)
@@ -163,14 +168,17 @@ def pixel_tensors(shapes: dict[str, tuple[int, ...]], *, generator: torch.Genera
     return {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
 
 
-
 def images_for(
     config: PretrainedConfig, image_size: Any, images_per_sample: Any, seq_len: int, task: str = "causal-lm"
 ) -> ImageSpec | None:
     """The images of each sample of an estimate (None: ``config`` is a text model's), checked
     against ``seq_len`` and ``task``; ``images_per_sample`` None: one."""
     if not is_vision_language(config):
-        given = [f"{n}={v!r}" for n, v in (("image_size", image_size), ("images_per_sample", images_per_sample)) if v is not None]
+        given = [
+            f"{n}={v!r}"
+            for n, v in (("image_size", image_size), ("images_per_sample", images_per_sample))
+            if v is not None
+        ]
         if given:
             raise ValueError(
                 f"{' and '.join(given)} given for {type(config).__name__}, which has no vision tower (no vision_config): "
