@@ -341,10 +341,12 @@ def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: 
         return auto.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code, dtype=dtype)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
-            other = (
-                "" if is_vision_language(config) else "; pass task='classification' or 'causal-lm' to match the model"
-            )
-            raise ValueError(f"{type(config).__name__} has no {auto.__name__} model in Transformers{other}") from None
+            if is_vision_language(config):
+                raise ValueError(f"{type(config).__name__} has no image-text-to-text model in Transformers") from None
+            raise ValueError(
+                f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
+                "or 'causal-lm' to match the model"
+            ) from None
         raise ValueError(
             f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config"
         ) from None
