@@ -46,6 +46,11 @@ class Family:
         default, why = self.default_size()
         self.image_size = image_size or default
         self.source = why if image_size is None else "image_size="
+        self.check()
+
+    def check(self) -> None:
+        """Refuse a config whose vision fields do not fit together (Transformers' default configs of
+        some families are such: their forward fails inside torch)."""
 
     def read_tile(self) -> int:
         return _positive(self.vision, "image_size")
@@ -79,6 +84,16 @@ class QwenVL(Family):
 
     def default_size(self) -> tuple[int, str]:
         return 448, "default: the config sets no image size and the processor keeps the image's own"
+
+    def check(self) -> None:
+        out = getattr(self.vision, "out_hidden_size", None) or getattr(self.vision, "hidden_size", None)
+        hidden = self.config.get_text_config().hidden_size
+        if out != hidden:
+            field = "out_hidden_size" if hasattr(self.vision, "out_hidden_size") else "hidden_size"
+            raise ValueError(
+                f"{type(self.config).__name__}: vision_config.{field}={out} (the width of the image features) must equal "
+                f"text_config.hidden_size={hidden} (the language model's width); copy the model's config.json again"
+            )
 
     def side(self) -> int:
         factor = self.patch * _positive(self.vision, "spatial_merge_size")
@@ -179,6 +194,16 @@ class LlavaNext(Llava):
 class Gemma3(Llava):
     """Gemma-3: every image resized to the tower's size, pooled to ``mm_tokens_per_image`` tokens; its
     tokens attend to each other both ways (``token_type_ids`` 1 there)."""
+
+    def check(self) -> None:
+        tokens, patches = _positive(self.config, "mm_tokens_per_image"), self.tile // self.patch
+        side = math.isqrt(tokens)
+        if side * side != tokens or patches < side or patches % side:
+            raise ValueError(
+                f"{type(self.config).__name__}: mm_tokens_per_image={tokens} must be the square of a divisor of the "
+                f"{patches} patches a side (vision_config.image_size={self.tile} / patch_size={self.patch}): the "
+                "projector pools the patches to it; copy the model's config.json again"
+            )
 
     def tokens_per_image(self) -> int:
         return _positive(self.config, "mm_tokens_per_image")

@@ -171,3 +171,15 @@ def test_image_arguments_on_a_text_model_refused():
 def test_text_only_step_of_a_vlm():
     est = estimate_memory(vlm_config("llava"), "fp32", batch_size=1, seq_len=32, images_per_sample=0, device="cpu")
     assert any("images: none" in n for n in est.notes)
+
+
+def test_plan_advice_shorter_sequence_stops_at_the_image_tokens():
+    # Half of seq_len=24 cannot hold an image of 112 pixels (17 tokens): no shorter sequence is advised,
+    # where the advice's estimate at 12 tokens raised the image-tokens refusal out of plan_policy.
+    from hf_memstack.planning.plan_advice import _shorter_sequence
+    from hf_memstack.planning.plan_estimates import Estimates
+
+    job = {"seq_len": 24, "world_size": 1, "task": "causal-lm", "trainable": "all", "dtype": torch.float32}
+    est = Estimates(vlm_config("qwen2_vl"), **job, packed=False, device="cpu", image_size=112, images_per_sample=1)
+    full = est("fp32", 1)
+    assert _shorter_sequence(est, "fp32", full, 24, usable=full.peak_bytes / 2) is None
