@@ -14,6 +14,8 @@ pip install 'hf_memstack[plot]'; checked before any work).
 What trains: every parameter (--trainable all, the default), or LoRA adapters (--trainable lora,
 or --lora-r N [--lora-alpha A] [--lora-target q_proj,v_proj]); frozen weights get no gradient
 and no optimizer state.
+--image-size, --images-per-sample (estimate, plan): a vision-language model's images (Qwen2-VL, Qwen2.5-VL,
+LLaVA, LLaVA-NeXT, Gemma-3, Mllama), sized as its processor makes them; defaults from the config, said in the notes.
 --dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
 for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).

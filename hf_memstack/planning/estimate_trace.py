@@ -154,6 +154,9 @@ def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | FullTrace | No
                 set_dtypes(net, job.weights.per_parameter)
         return net
 
+    if job.images is not None:
+        # Two stacks (the vision tower's, the language model's), cut by the config's text depth alone: no line.
+        return FullTrace("a vision-language model: its vision tower's and language model's blocks are all traced")
     ck = job.policy.checkpointing
     every_n = ck.every_n if ck.mode == "every_n" else 1
 
