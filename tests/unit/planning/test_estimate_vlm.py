@@ -183,3 +183,17 @@ def test_plan_advice_shorter_sequence_stops_at_the_image_tokens():
     est = Estimates(vlm_config("qwen2_vl"), **job, packed=False, device="cpu", image_size=112, images_per_sample=1)
     full = est("fp32", 1)
     assert _shorter_sequence(est, "fp32", full, 24, usable=full.peak_bytes / 2) is None
+
+
+@pytest.mark.parametrize(
+    "family, match",
+    [
+        ("gemma3", r"mm_tokens_per_image=256 must be the square of a divisor of the 14 patches a side"),
+        ("qwen2_vl", r"vision_config.hidden_size=3584 .* must equal text_config.hidden_size=8192"),
+    ],
+)
+def test_inconsistent_vision_fields_refused_by_name(family, match):
+    # Transformers' default configs of these families do not build a working model: torch's error from
+    # inside the forward ("stride should not be zero") was an internal error (exit 3).
+    with pytest.raises(ValueError, match=match):
+        estimate_memory(CONFIG_MAPPING[family](), "fp32", batch_size=1, seq_len=4096, device="cpu")
