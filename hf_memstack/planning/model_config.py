@@ -207,7 +207,9 @@ def check_seq_len(config: PretrainedConfig, seq_len: int, batch_size: int = 1) -
     ``batch_size`` x ``seq_len`` tokens need a tensor above :data:`MAX_TENSOR_BYTES`."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    # A vision-language model's positions are its language model's (the composite config has none).
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if limit is not None and seq_len > limit:
         raise ValueError(
             f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less"

@@ -197,3 +197,9 @@ def test_inconsistent_vision_fields_refused_by_name(family, match):
     # inside the forward ("stride should not be zero") was an internal error (exit 3).
     with pytest.raises(ValueError, match=match):
         estimate_memory(CONFIG_MAPPING[family](), "fp32", batch_size=1, seq_len=4096, device="cpu")
+
+
+def test_seq_len_above_the_language_models_positions_refused():
+    # The composite config has no max_position_embeddings: its text_config's limit was never checked.
+    with pytest.raises(ValueError, match="seq_len=2048 is above the model's limit of 1024 positions"):
+        estimate_memory(vlm_config("gemma3"), "fp32", batch_size=1, seq_len=2048)
