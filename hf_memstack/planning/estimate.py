@@ -39,6 +39,7 @@ from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
+from .vision_inputs import images_for
 from .weights_dtype import WeightsDtype, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
@@ -76,6 +77,8 @@ def estimate_memory(
     eval_samples: int | None = None,
     device: str | None = None,
     keep_outputs: bool = False,
+    image_size: int | None = None,
+    images_per_sample: int | None = None,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
     evaluation forward's and the logits Trainer keeps).
@@ -126,6 +129,12 @@ def estimate_memory(
             backward and the optimizer step, and the previous step's through the next forward.
             Default False: the loop that drops them once the loss is taken (Trainer, the recipe).
             ``kept_outputs_bytes`` says what they add.
+        image_size: a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma-3, Idefics3,
+            SmolVLM, Mllama): pixels a side of each image given to its processor, which makes the pixel
+            tensors and image tokens from it as the family does (default: the family's, from the config:
+            the vision tower's ``image_size``; 448 for Qwen2-VL). Said in the notes.
+        images_per_sample: a vision-language model: images in each sample (default 1; 0: text only).
+            Their image tokens are part of ``seq_len``.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -152,6 +161,8 @@ def estimate_memory(
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
     traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
     check_seq_len(config, seq_len, batch_size)
+    images = images_for(config, image_size, images_per_sample, seq_len, task)
+    notes += [images.note()] if images is not None else []
     check_depth(config)
     if policy.loss.mode == "chunked":
         problem, note = chunked_loss_verdict(config, task, trust_remote_code)
@@ -168,12 +179,13 @@ def estimate_memory(
         optimizer=optimizer,
         batch_size=batch_size,
         seq_len=seq_len,
-        packed=packed and task == "causal-lm",
+        packed=packed and task == "causal-lm" and images is None,
         mode=mode,
         # A compiled run's attention cannot read the samples' lengths: its rows run whole.
         packed_per_sample=policy.compile.mode == "none",
         foreach=foreach,
         keep_outputs=keep_outputs,
+        images=images,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
     notes += quant_notes(counts, peft_config is not None)

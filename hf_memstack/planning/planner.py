@@ -23,6 +23,7 @@ from .plan_screen import num_blocks
 from .plan_walk import walk_rungs
 from .rungs import Requirement, RungContext, rungs_for
 from .trainable import peft_config_from
+from .vision_inputs import images_for
 from .weights_dtype import WeightsDtype, parse_dtype, resolve_weights_dtype
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ def plan_policy(
     dtype: Any = "auto",
     packed: bool = False,
     keep_outputs: bool = False,
+    image_size: int | None = None,
+    images_per_sample: int | None = None,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -75,6 +78,7 @@ def plan_policy(
         keep_outputs: the training loop keeps the model's outputs through the backward
             (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
             :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
+        image_size, images_per_sample: a vision-language model's images (see :func:`estimate_memory`).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -85,6 +89,7 @@ def plan_policy(
     parse_dtype(dtype)  # a bad dtype= is refused before any work
     config = load_config(model)
     task = task or infer_task(model, config)
+    images = images_for(config, image_size, images_per_sample, seq_len, task)  # refused before any rung is traced
     # Resolved once from what was given (the estimates below get its config, which no longer says
     # where its weights are): every rung counts the same weights.
     weights = resolve_weights_dtype(model, config, dtype)
@@ -99,6 +104,8 @@ def plan_policy(
         packed=packed,
         device=device,
         keep_outputs=keep_outputs,
+        image_size=image_size,
+        images_per_sample=images_per_sample,
     )
     plan = Plan(
         policy=None,
@@ -107,6 +114,7 @@ def plan_policy(
         weights_dtype=weights.name,
         weights_dtype_source=weights.source,
         usable_bytes=int(usable),
+        images=images.note() if images is not None else "",
     )
     context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
