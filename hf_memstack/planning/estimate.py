@@ -22,6 +22,7 @@ trace's, which ``extrapolate=False`` runs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
-from .weights_dtype import WeightsDtype, resolve_weights_dtype, short_name
+from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -141,7 +142,8 @@ def estimate_memory(
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
-    traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
+    four_bit = _four_bit_of(given, notes)
+    traced = _traced_policy(policy, four_bit)
     check_seq_len(config, seq_len, batch_size)
     check_depth(config)
     if policy.loss.mode == "chunked":
@@ -166,14 +168,45 @@ def estimate_memory(
         foreach=foreach,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
+    # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
+    four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0
+    if four_bit is not None:
+        counts = {**counts, "quant_bytes": four_bit.weights_bytes}
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = per_rank(
         m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model
     )
+    if four_bit_delta and (policy.fsdp.mode == "none" or world_size == 1):
+        est = dataclasses.replace(
+            est,
+            parameters=est.parameters + four_bit_delta,
+            peak_bytes=est.peak_bytes + four_bit_delta,
+            forward_backward_peak=est.forward_backward_peak + four_bit_delta,
+        )
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
+
+
+def _four_bit_of(given: Any, notes: list[str]) -> FourBitLayers | None:
+    """A model object's 4-bit layers, to be traced 4-bit (torchao's NF4 on fake tensors; needs torchao)."""
+    four_bit = four_bit_layers(given) if isinstance(given, nn.Module) else None
+    if four_bit is not None and importlib.util.find_spec("torchao") is None:
+        notes.append(
+            f"{four_bit.layers} 4-bit layers are counted at the weights' dtype: tracing them 4-bit needs torchao "
+            "(pip install 'hf_memstack[quant]')"
+        )
+        return None
+    return four_bit
+
+
+def _traced_policy(policy: MemoryPolicy, four_bit: FourBitLayers | None) -> MemoryPolicy:
+    """The policy as traced: no compile, no FSDP (accounted for after); a model's 4-bit layers 4-bit."""
+    fields = {**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}}
+    if four_bit is not None:
+        fields["quant"] = {**fields.get("quant", {}), "mode": "nf4", "targets": list(four_bit.targets)}
+    return MemoryPolicy.from_dict(fields)
 
 
 def _steps_foreach(device: str | None) -> bool:

@@ -57,12 +57,20 @@ class MasterWeightsLedger:
         """16-bit parameters made trainable later are cast to fp32 (fp32 master weights under autocast)."""
         self.sharded = sharded
         self.entries: list[tuple[nn.Parameter, torch.dtype]] = []
+        self.sharded_names: set[str] = set()
+        """Under FSDP, the cast parameters' names: ``fully_shard`` replaces the objects (holding those
+        would keep every unsharded weight alive)."""
         self.made_trainable = 0
         self.warned = False
 
     def record(self, params: tuple[nn.Parameter, ...]) -> None:
         """Before ``params`` are cast: their loaded dtypes (a parameter cast to what it was is not recorded)."""
-        self.entries += [(p, p.dtype) for p in params if p.dtype != self.dtype]
+        cast = [(p, p.dtype) for p in params if p.dtype != self.dtype]
+        if self.sharded:
+            ids = {id(p) for p, _ in cast}
+            self.sharded_names = {n for n, p in self.root.named_parameters(remove_duplicate=False) if id(p) in ids}
+        else:
+            self.entries += cast
 
     def planned(self) -> dict[int, torch.dtype]:
         """``id(parameter)`` -> the dtype a reconcile now would give it, for each one it would change."""
@@ -86,6 +94,9 @@ class MasterWeightsLedger:
         if self.sharded:
             self._warn_sharded()
             return 0
+        live = {id(p) for p in _floating(self.root)}
+        if any(id(p) not in live for p, _ in self.entries):  # replaced since (a merge): not held alive here
+            self.entries = [(p, d) for p, d in self.entries if id(p) in live]
         plan = self.planned()
         if not plan:
             return 0
@@ -104,13 +115,15 @@ class MasterWeightsLedger:
         return len(plan)
 
     def _warn_sharded(self) -> None:
-        frozen = [n for n, p in self.root.named_parameters() if not p.requires_grad and p.dtype == torch.float32]
-        if self.warned or not self.entries or not frozen:
+        if self.warned or not self.sharded_names:
+            return
+        frozen = [n for n, p in self.root.named_parameters() if not p.requires_grad and n in self.sharded_names]
+        if not frozen:
             return
         self.warned = True
         warnings.warn(
-            f"hf_memstack: {len(frozen)} parameter(s) of {type(self.root).__name__} are frozen in fp32 under FSDP (the first: "
-            f"{frozen[0]}): prepare_model cast the trainable ones to fp32 master weights before sharding, and a sharded "
+            f"hf_memstack: {len(frozen)} parameter(s) of {type(self.root).__name__} cast to {short_dtype(self.dtype)} are frozen under FSDP (the first: "
+            f"{frozen[0]}): prepare_model cast the trainable ones to master weights before sharding, and a sharded "
             "parameter's dtype cannot change after. Add the PEFT adapters (get_peft_model) before prepare_model, so that "
             "the frozen base stays in the dtype it was loaded in",
             stacklevel=4,
