@@ -136,7 +136,7 @@ class MasterWeightsLedger:
             if not p.requires_grad and p.dtype == loaded:
                 kept[loaded] = kept.get(loaded, 0) + 1
         parts = [
-            f"{n} frozen parameter(s) kept in {short_dtype(d)} (frozen after prepare_model: cast back from {short_dtype(self.dtype)})"
+            f"{n} parameter(s) frozen after prepare_model kept in {short_dtype(d)}, the dtype they were loaded in"
             for d, n in kept.items()
         ]
         if self.made_trainable:

@@ -60,7 +60,7 @@ class MasterWeightsResult:
             else "pure bf16 (BF16AdamW, stochastic rounding: make_optimizer)"
         )
         if self.cast:
-            kept += f"; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode}"
+            kept += f"; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode} by prepare_model"
         later = self.ledger.describe() if self.ledger is not None else ""
         return f"{kept}; {later}" if later else kept
 

@@ -95,7 +95,7 @@ def test_both_orders_train_with_the_same_dtypes_and_a_frozen_base_is_never_upcas
     frozen = {n: d for n, (d, trains) in _dtypes(after).items() if not trains}
     assert frozen and all(d == loaded[n.replace(".base_layer", "")] for n, d in frozen.items()), frozen
     assert {d for d, trains in _dtypes(after).values() if trains} == {torch.float32}  # the adapters: PEFT's fp32
-    assert "frozen parameter(s) kept in bf16" in describe(after)
+    assert "frozen after prepare_model kept in bf16" in describe(after)
     assert "kept in bf16" not in describe(before)
 
 
