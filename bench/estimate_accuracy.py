@@ -5,6 +5,7 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
     python bench/estimate_accuracy.py                 # small configs, a few minutes on 2 CPU cores
     python bench/estimate_accuracy.py --hidden 512 --seq 256
     python bench/estimate_accuracy.py --checkpoints   # a 125M Llama saved in fp32 and in bf16, batch 2 x 512
+    python bench/estimate_accuracy.py --orders        # PEFT / a 4-bit load before or after prepare_model vs MemTracker
 
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
@@ -389,12 +390,26 @@ def order_rows(
             model = order_model(tmp, four_bit, order)
             est = estimate_memory(model, "bf16+ckpt", batch_size=batch, seq_len=seq, device="cpu")
             dtypes = sorted({(str(p.dtype), p.requires_grad) for p in model.parameters()})
+            # A 16-bit checkpoint's estimate from its folder too (what a plan reads before anything is loaded).
+            from_folder = (
+                None
+                if four_bit
+                else estimate_memory(
+                    tmp,
+                    "bf16+ckpt",
+                    batch_size=batch,
+                    seq_len=seq,
+                    device="cpu",
+                    trainable=model.peft_config["default"],
+                ).peak_bytes
+            )
             real = memtracker_step(model, data, make_optimizer(model, lr=1e-4))
             row = {
                 "case": name,
                 "estimate": est.peak_bytes,
                 "memtracker": real["peak"],
                 "error": est.peak_bytes / real["peak"] - 1,
+                "estimate_from_folder": from_folder,
                 "fields": {k: [getattr(est, k), real[k]] for k in ("parameters", "gradients", "optimizer")},
                 "weights_dtype": est.weights_dtype,
                 "dtypes": [f"{d} {'trainable' if t else 'frozen'}" for d, t in dtypes],
@@ -402,7 +417,8 @@ def order_rows(
             rows.append(row)
             print(
                 f"{name:40s} estimate {est.peak_bytes / 2**20:8.3f} MiB  MemTracker {real['peak'] / 2**20:8.3f} MiB  "
-                f"error {row['error'] * 100:+.2f}%  parameters {row['fields']['parameters']}  "
+                f"error {row['error'] * 100:+.2f}%  from the folder {'-' if from_folder is None else f'{from_folder / 2**20:.3f} MiB'}  "
+                f"parameters {row['fields']['parameters']}  "
                 f"states equal: {all(a == b for a, b in row['fields'].values())}",
                 flush=True,
             )
