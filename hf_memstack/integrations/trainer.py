@@ -42,6 +42,7 @@ from ..measure.verify import VerifyReport
 from ..record import MemstackRecord, unwrap_model
 from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
+from ..transforms.master_reconcile import reconcile_master_weights
 from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from .trainer_args import training_arguments
 from .trainer_checks import _given_model, _record, check_optimizer, check_training_arguments
@@ -128,6 +129,9 @@ class MemstackCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         model = _given_model(model)
+        reconcile_master_weights(
+            model
+        )  # what trains is known now (PEFT or TRL's peft_config may come after prepare_model)
         check_training_arguments(model, args)
         check_optimizer(model, optimizer)
         record = _record(model)

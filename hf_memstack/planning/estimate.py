@@ -22,6 +22,7 @@ trace's, which ``extrapolate=False`` runs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
 from .vision_inputs import images_for
-from .weights_dtype import WeightsDtype, resolve_weights_dtype, short_name
+from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -159,7 +160,8 @@ def estimate_memory(
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
-    traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
+    four_bit = _four_bit_of(given, notes)
+    traced = _traced_policy(policy, four_bit)
     check_seq_len(config, seq_len, batch_size)
     images = images_for(config, image_size, images_per_sample, seq_len, task)
     notes += [images.note()] if images is not None else []
@@ -188,11 +190,22 @@ def estimate_memory(
         images=images,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
+    # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
+    four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0
+    if four_bit is not None:
+        counts = {**counts, "quant_bytes": four_bit.weights_bytes}
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = per_rank(
         m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model
     )
+    if four_bit_delta and (policy.fsdp.mode == "none" or world_size == 1):
+        est = dataclasses.replace(
+            est,
+            parameters=est.parameters + four_bit_delta,
+            peak_bytes=est.peak_bytes + four_bit_delta,
+            forward_backward_peak=est.forward_backward_peak + four_bit_delta,
+        )
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     est = dataclasses.replace(est, keep_outputs=keep_outputs, kept_outputs_bytes=counts.get("kept_outputs", 0))
@@ -207,6 +220,26 @@ def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
             f"keep_outputs=True with mode={mode!r}: it counts a training loop holding its outputs through the "
             "backward; evaluation counts the logits Trainer keeps (eval_logits_bytes): drop keep_outputs"
         )
+
+
+def _four_bit_of(given: Any, notes: list[str]) -> FourBitLayers | None:
+    """A model object's 4-bit layers, to be traced 4-bit (torchao's NF4 on fake tensors; needs torchao)."""
+    four_bit = four_bit_layers(given) if isinstance(given, nn.Module) else None
+    if four_bit is not None and importlib.util.find_spec("torchao") is None:
+        notes.append(
+            f"{four_bit.layers} 4-bit layers are counted at the weights' dtype: tracing them 4-bit needs torchao "
+            "(pip install 'hf_memstack[quant]')"
+        )
+        return None
+    return four_bit
+
+
+def _traced_policy(policy: MemoryPolicy, four_bit: FourBitLayers | None) -> MemoryPolicy:
+    """The policy as traced: no compile, no FSDP (accounted for after); a model's 4-bit layers 4-bit."""
+    fields = {**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}}
+    if four_bit is not None:
+        fields["quant"] = {**fields.get("quant", {}), "mode": "nf4", "targets": list(four_bit.targets)}
+    return MemoryPolicy.from_dict(fields)
 
 
 def _steps_foreach(device: str | None) -> bool:
