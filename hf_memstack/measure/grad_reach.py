@@ -93,7 +93,6 @@ class GradReach:
         unused = frozenset(id(p) for _, _, p in missing if id(p) in discarded and id(p) not in self.loss_params)
         return Unreached(unused=unused)
 
-
     def release(self) -> None:
         """Drop the graph nodes held (the discarded branches' buffers with them)."""
         self.outputs.clear()

@@ -86,7 +86,10 @@ def verify(
           keeps below full checkpointing's (else no op of its save list ran: a FAIL);
         * ``precision``: under mixed precision, Linear layers compute in the autocast dtype and
           the loss comes back in fp32;
-        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient;
+        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient - but one the
+          loss cannot give a gradient (its module's output leads to it, the loss's graph does not: LLaVA's
+          vision ``post_layernorm``) is a note to freeze it, not a failure
+          (:mod:`hf_memstack.measure.grad_reach`);
         * ``compile``: the compiled graphs were called in a compiled step (a second pass);
         * ``loss`` (chunked loss head): the chunked loss equals the model's own on the first sample;
         * ``quant`` (4-bit base weights): which parameters are 4-, 16- and 32-bit; the 4-bit layers
