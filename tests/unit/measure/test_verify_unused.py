@@ -104,3 +104,28 @@ def test_reentrant_checkpointing_with_frozen_inputs_keeps_its_failure_and_hint(l
     assert not gradients.ok and "no gradient: ['model.layers.0." in gradients.detail, gradients.detail
     assert "reentrant checkpointing with block inputs that do not require grad" in gradients.detail
     assert "note:" not in gradients.detail
+
+
+class _LinearDroppingWeightGrad(torch.autograd.Function):
+    """x @ w.T whose backward gives x its gradient and w none (a custom kernel's bug)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        return grad @ weight, None
+
+
+def test_a_weight_the_losss_graph_reaches_without_getting_a_gradient_still_fails(load_model):
+    """The loss's graph reaches down_proj's weight (it is an input of the custom function) and the
+    backward gives it nothing: "should have got one and did not", a FAIL, never a note."""
+    model = prepare_model(load_model("llama"), "fp32")
+    down = model.model.layers[0].mlp.down_proj
+    down.forward = lambda x: _LinearDroppingWeightGrad.apply(x, down.weight)
+    gradients = verify(model, make_batch("llama")).check("gradients")
+    assert not gradients.ok and "no gradient: ['model.layers.0.mlp.down_proj.weight']" in gradients.detail
+    assert "note:" not in gradients.detail, gradients.detail
