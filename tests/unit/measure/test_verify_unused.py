@@ -129,3 +129,13 @@ def test_a_weight_the_losss_graph_reaches_without_getting_a_gradient_still_fails
     gradients = verify(model, make_batch("llama")).check("gradients")
     assert not gradients.ok and "no gradient: ['model.layers.0.mlp.down_proj.weight']" in gradients.detail
     assert "note:" not in gradients.detail, gradients.detail
+
+
+def test_llava_under_regional_compile_keeps_the_note():
+    """Regional compile: verify observes the step eager (force_eager), so the graph it walks is the
+    eager one and the unused norm is a note there too; a graph dynamo traced records nothing."""
+    policy = MemoryPolicy.from_string("bf16+compile:regional+ckpt")
+    policy.compile.backend = "aot_eager"
+    report = verify(prepare_model(tiny_vlm("llava"), policy), vlm_batch("llava", 2))
+    gradients = report.check("gradients")
+    assert gradients.ok and "post_layernorm.weight" in gradients.detail.split("note:")[1], gradients.detail
