@@ -13,7 +13,7 @@ from test_loss_head import _assert_grads_close, _causal_lm, _chunked, _step
 from tiny import VOCAB, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memstack import prepare_model
+from hf_memstack import MemoryPolicy, prepare_model
 
 _HEAD_VOCAB = VOCAB + 3
 """The models' vocabulary here: an output width no other matmul of the tiny models has."""
@@ -139,3 +139,31 @@ def test_peft_heads_over_labelled_rows(how):
             assert rows == (2 if how == "lora-head" else 1) * _labelled(batch)
     finally:
         hook.remove()
+
+
+@pytest.mark.slow
+def test_compiled_chunks_take_a_varying_number_of_rows_without_recompiling():
+    """loss:chunked:compiled over labelled rows: the row count changes every step (random prompt
+    fractions), and the compiled chunk function is dynamic in it - a bounded number of graphs (the
+    general one, and at most one for a last chunk of a single row), not one per step."""
+    from torch._dynamo.utils import counters
+
+    reference = _model("llama")
+    policy = MemoryPolicy(precision="fp32", loss={"mode": "chunked", "chunk_tokens": 16, "compiled": True})
+    model = prepare_model(copy.deepcopy(reference), policy)
+    g = torch.Generator().manual_seed(0)
+    counters.clear()
+    seen: set[int] = set()
+    for step in range(12):
+        batch = make_batch("llama", batch_size=2, seq=64, seed=step)
+        prompts = (torch.rand(2, generator=g) * 60).long()
+        if step == 3:
+            prompts[:] = torch.tensor([47, 62])  # 16 + 1 labelled rows: a last chunk of one row
+        for row, prompt in enumerate(prompts.tolist()):
+            batch["labels"][row, : prompt + 1] = -100
+        seen.add(_labelled(batch))
+        want_loss, _ = _step(reference, batch)
+        got_loss, _ = _step(model, batch)
+        assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert len(seen) >= 10  # the row count did vary
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
