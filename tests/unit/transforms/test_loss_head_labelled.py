@@ -13,7 +13,7 @@ from test_loss_head import _assert_grads_close, _causal_lm, _chunked, _step
 from tiny import VOCAB, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_memstack import MemoryPolicy, prepare_model
+from hf_memstack import MemoryPolicy, prepare_model, verify
 
 _HEAD_VOCAB = VOCAB + 3
 """The models' vocabulary here: an output width no other matmul of the tiny models has."""
@@ -139,6 +139,16 @@ def test_peft_heads_over_labelled_rows(how):
             assert rows == (2 if how == "lora-head" else 1) * _labelled(batch)
     finally:
         hook.remove()
+
+
+def test_verify_says_how_many_positions_went_through_the_head():
+    model = prepare_model(_model("llama"), _chunked())
+    batch = _masked("half")
+    batch["labels"][0] = -100  # verify compares on the first sample with a label: the second
+    report = verify(model, batch)
+    check = report.check("loss")
+    labelled = int((batch["labels"][1, 1:] != -100).sum())
+    assert check.ok and f"the head ran over {labelled} of its 16 positions" in check.detail, check.detail
 
 
 @pytest.mark.slow
