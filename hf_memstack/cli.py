@@ -34,7 +34,7 @@ import traceback
 from typing import Any
 
 from ._text import printable
-from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
+from .cli_estimate import Refused, estimate_each, label_fraction_option, refusal_lines, verdict
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
@@ -97,6 +97,7 @@ def _add_estimate(sub: Any) -> None:
     )
     _device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
     _dtype_option(e)
+    label_fraction_option(e)
 
 
 def _add_plan(sub: Any) -> None:
@@ -118,6 +119,7 @@ def _add_plan(sub: Any) -> None:
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
     _device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
     _dtype_option(pl)
+    label_fraction_option(pl)
 
 
 def _device_option(parser: Any, what: str) -> None:
@@ -235,6 +237,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "eval_samples": args.eval_samples,
         "device": args.device,
+        "label_fraction": args.label_fraction,
     }
     rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
     if all(isinstance(r, Refused) for r in rows):  # nothing answered: an input error
@@ -265,6 +268,7 @@ def _plan(args: argparse.Namespace) -> int:
         trainable=_trainable(args),
         dtype=args.dtype,
         device=args.device,
+        label_fraction=args.label_fraction,
     )
     print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))
     _print_task_note(args)
@@ -284,6 +288,7 @@ def _plan(args: argparse.Namespace) -> int:
                         trainable=_trainable(args),
                         dtype=args.dtype,
                         device=args.device,
+                        label_fraction=args.label_fraction,
                     ),
                 )
                 for r in plan.rows

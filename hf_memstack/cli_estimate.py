@@ -4,6 +4,7 @@ leaves the others' answers standing."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
@@ -13,7 +14,7 @@ from .policy import MemoryPolicy
 if TYPE_CHECKING:
     from .planning import MemoryEstimate
 
-__all__ = ["Refused", "Row", "estimate_each", "refusal_lines", "verdict"]
+__all__ = ["Refused", "Row", "estimate_each", "label_fraction_option", "refusal_lines", "verdict"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,24 @@ def verdict(row: Row, budget: int | None) -> bool:
         return False
     needed = row.peak_bytes + row.eval_logits_bytes if row.mode == "eval" else row.peak_bytes
     return budget is None or needed <= budget
+
+
+def label_fraction_option(parser: argparse.ArgumentParser) -> None:
+    """``--label-fraction`` of ``estimate`` and ``plan``: the share of positions the chunked head runs over."""
+    parser.add_argument(
+        "--label-fraction",
+        type=_label_fraction,
+        default=1.0,
+        help="the share of token positions with a label (not -100), e.g. 0.4 when prompts take 60%% of the tokens: "
+        "loss:chunked runs its head over those only (default 1.0: every position)",
+    )
+
+
+def _label_fraction(value: str) -> float:
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"--label-fraction={value!r} must be a number in (0, 1], e.g. 0.5")
+    return fraction

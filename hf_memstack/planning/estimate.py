@@ -33,7 +33,14 @@ from ..measure.memory import StepMemory, step_memory_of
 from ..policy import MemoryPolicy
 from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
-from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
+from .estimate_checks import (
+    check_arguments,
+    check_depth,
+    check_label_fraction,
+    check_mode,
+    chunked_loss_problem,
+    chunked_loss_verdict,
+)
 from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
@@ -75,6 +82,7 @@ def estimate_memory(
     mode: str = "train",
     eval_samples: int | None = None,
     device: str | None = None,
+    label_fraction: float = 1.0,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
     evaluation forward's and the logits Trainer keeps).
@@ -118,6 +126,9 @@ def estimate_memory(
             has one). It decides how PyTorch's AdamW steps: on CUDA with its foreach kernels, which
             hold one more copy of the second moments (4 bytes per trainable fp32 parameter) while
             they step, on the CPU parameter by parameter.
+        label_fraction: the share of token positions with a label (not -100): ``loss:chunked`` runs
+            its head over those only, so a prompt-masked dataset's head holds that share of a full
+            one's. Default 1.0 (every position), so nothing is promised that the data does not give.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -130,6 +141,7 @@ def estimate_memory(
         batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
     )
     check_mode(mode, eval_samples)
+    check_label_fraction(label_fraction)
     foreach = _steps_foreach(device)
     given = model
     model, trainable = what_trains(model, trainable)
@@ -164,6 +176,7 @@ def estimate_memory(
         # A compiled run's attention cannot read the samples' lengths: its rows run whole.
         packed_per_sample=policy.compile.mode == "none",
         foreach=foreach,
+        label_fraction=float(label_fraction),
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
     notes += quant_notes(counts, peft_config is not None)
@@ -205,6 +218,8 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
         )
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
+        if policy.compile.mode == "full" and policy.loss.mode == "chunked":
+            notes.append("compile:full runs the chunked head over every position, whatever label_fraction says")
     return notes
 
 

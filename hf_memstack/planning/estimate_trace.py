@@ -16,6 +16,7 @@ from ..data.boundaries import packing_as_traced
 from ..measure.memory import PhasePeaks, trace_eval_forward
 from ..policy import MemoryPolicy
 from ..prepare import prepare_model
+from ..transforms.chunked_loss import labelled_as_traced
 from ..transforms.optim import make_optimizer
 from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
@@ -59,6 +60,8 @@ class Job:
     foreach: bool = False
     """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
     """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
+    label_fraction: float = 1.0
+    """The share of positions with a label: the chunked head's rows, as traced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +94,11 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
             for group in opt.param_groups:
                 group["foreach"] = True
         batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
-        with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
+        with (
+            packing_as_traced(job.packed),
+            per_sample_as_traced(job.packed_per_sample),
+            labelled_as_traced(job.label_fraction),
+        ):
             phases = traced_step(net, batch, opt, config, job.task)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),

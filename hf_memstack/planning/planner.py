@@ -13,7 +13,7 @@ from ..transforms.precision import resolve_precision
 from ..transforms.quant import quantizable
 from ..transforms.tiled_mlp import auto_tile_tokens
 from .depth import num_layers, with_depth
-from .estimate_checks import block_kinds, chunked_loss_problem
+from .estimate_checks import block_kinds, check_label_fraction, chunked_loss_problem
 from .fake_model import meta_model
 from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
@@ -45,6 +45,7 @@ def plan_policy(
     step_in_backward: bool = True,
     dtype: Any = "auto",
     packed: bool = False,
+    label_fraction: float = 1.0,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -71,6 +72,7 @@ def plan_policy(
         dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
             ``from_pretrained`` gives); every rung is estimated at it.
         packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
+        label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -79,6 +81,7 @@ def plan_policy(
     budget_bytes = _check_plan_args(budget, margin, batch_size)
     usable = budget_bytes * (1 - margin)
     parse_dtype(dtype)  # a bad dtype= is refused before any work
+    check_label_fraction(label_fraction)
     config = load_config(model)
     task = task or infer_task(model, config)
     # Resolved once from what was given (the estimates below get its config, which no longer says
@@ -94,6 +97,7 @@ def plan_policy(
         dtype=weights.dtype,
         packed=packed,
         device=device,
+        label_fraction=label_fraction,
     )
     plan = Plan(
         policy=None,
