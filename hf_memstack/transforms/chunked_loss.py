@@ -88,6 +88,8 @@ def chunked_lm_loss(
     """Next-token cross-entropy of ``head(hidden)`` without the full logits; equal to Transformers'
     ``ForCausalLMLoss`` (labels shifted left, ``ignore_index`` skipped, ``sum / num_items_in_batch``
     when given - gradient accumulation, as Trainer passes it - else the mean over counted tokens).
+    Only the positions whose target is not ``ignore_index`` go through the head (a prompt-masked
+    batch's head costs its labelled share; inside a compiled model every position does).
 
     Args:
         hidden: the backbone's last hidden states, ``[batch, seq, hidden]``.
