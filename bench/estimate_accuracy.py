@@ -5,6 +5,7 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
     python bench/estimate_accuracy.py                 # small configs, a few minutes on 2 CPU cores
     python bench/estimate_accuracy.py --hidden 512 --seq 256
     python bench/estimate_accuracy.py --checkpoints   # a 125M Llama saved in fp32 and in bf16, batch 2 x 512
+    python bench/estimate_accuracy.py --loops         # the kept-outputs and dropped-outputs loops vs MemTracker
 
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
@@ -91,7 +92,13 @@ def main() -> None:
         default=None,
         help="--checkpoints: the CHECKPOINT_CASES indices to run (e.g. 1,3), merged into the file",
     )
+    ap.add_argument(
+        "--loops", action="store_true", help="the kept-outputs and dropped-outputs loop rows (see loop_rows)"
+    )
     args = ap.parse_args()
+    if args.loops:
+        loop_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_loops.json"))
+        return
     if args.checkpoints:
         checkpoint_rows(
             Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_checkpoints.json"),
@@ -273,6 +280,117 @@ def checkpoint_rows(out: Path, batch: int = 2, seq: int = 512, cases: list[int] 
             f"\nmachine: {machine()}; batch {batch} x {seq}; worst |error| "
             f"{max(abs(r['error']) for r in rows) * 100:.2f}% over {len(rows)} rows"
         )
+
+
+# --- The loop style (issue 39 item 3): a loop that keeps `outputs` through the backward ----------------
+
+
+def loop_rows(
+    out: Path, *, hidden: int = 256, layers: int = 2, vocab: int = 4000, batch: int = 4, seq: int = 128
+) -> None:
+    """Two rows, "dropped-outputs loop" (``loss = model(**batch).loss; loss.backward()``, as Trainer and
+    the recipe run it) and "kept-outputs loop" (``outputs = model(**batch); outputs.loss.backward()``,
+    Transformers' docs): a Llama saved in bf16 and loaded the default way, ``bf16+ckpt``, full fine-tune.
+    For each, PyTorch's own MemTracker on the third step of the hand-written loop (AdamW's state
+    existing; the previous step's kept outputs given to it with ``track_external``) against
+    ``estimate_memory(keep_outputs=)``, ``measure_step(keep_outputs=)``, and - for the kept loop - the
+    estimate of the dropped loop (what was reported before ``keep_outputs``). On a GPU also the CUDA
+    allocator's peak of the same hand-written step (``max_memory_allocated``). Written to ``out``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    data = {"input_ids": ids, "labels": ids.clone()}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp)
+
+        def prepared():
+            model = AutoModelForCausalLM.from_pretrained(tmp).to(device).train()  # bf16, as saved
+            return prepare_model(model, "bf16+ckpt")
+
+        for keep in (False, True):
+            hand = _hand_loop_peaks(prepared(), data, keep_outputs=keep)
+            est = estimate_memory(tmp, "bf16+ckpt", batch_size=batch, seq_len=seq, device=device, keep_outputs=keep)
+            model = prepared()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            meter = measure_step(model, data, opt, timed=False, keep_outputs=keep)
+            row = {
+                "loop": "kept-outputs loop" if keep else "dropped-outputs loop",
+                "memtracker": hand["memtracker"],
+                "estimate": est.peak_bytes,
+                "estimate_error": est.peak_bytes / hand["memtracker"] - 1,
+                "measure_step": meter.peak_bytes,
+                "measure_step_loop": meter.loop,
+                "measure_step_error": meter.peak_bytes / hand["memtracker"] - 1,
+                "kept_outputs_bytes": est.kept_outputs_bytes,
+            }
+            if keep:  # what the estimate said of this loop before it could be told about it
+                dropped = estimate_memory(tmp, "bf16+ckpt", batch_size=batch, seq_len=seq, device=device)
+                row["estimate_of_dropped_loop_error"] = dropped.peak_bytes / hand["memtracker"] - 1
+            if "cuda_max_allocated" in hand:
+                row["cuda_max_allocated"] = hand["cuda_max_allocated"]
+                row["estimate_error_vs_cuda"] = est.peak_bytes / hand["cuda_max_allocated"] - 1
+            rows.append(row)
+            print(
+                f"{row['loop']:22s} MemTracker {row['memtracker']:>12,d} B  estimate {row['estimate']:>12,d} B "
+                f"({row['estimate_error'] * 100:+.2f}%)  measure_step [{meter.loop}] {row['measure_step']:>12,d} B "
+                f"({row['measure_step_error'] * 100:+.2f}%)"
+                + (f"  estimate assuming dropped: {row['estimate_of_dropped_loop_error'] * 100:+.2f}%" if keep else ""),
+                flush=True,
+            )
+    job = {"hidden": hidden, "layers": layers, "vocab": vocab, "batch": batch, "seq": seq, "policy": "bf16+ckpt"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine(), "saved": "bf16", **job, "rows": rows}, indent=2))
+
+
+def _hand_loop_peaks(model, data: dict, *, keep_outputs: bool, steps: int = 3) -> dict:
+    """The last of ``steps`` steps of the hand-written loop under PyTorch's MemTracker (and, on CUDA,
+    the allocator's peak of that step, from the bytes alive before it)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loop = {"outputs": None}
+
+    def step() -> None:
+        if keep_outputs:
+            loop["outputs"] = model(**data)  # the previous outputs live until this rebinding
+            loop["outputs"].loss.backward()
+        else:
+            loss = model(**data).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(steps - 1):
+        step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    if loop["outputs"] is not None:
+        tracker.track_external(*(t for t in loop["outputs"].values() if torch.is_tensor(t)))
+    cuda = next(model.parameters()).device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")
+    result = {"memtracker": sum(int(v) for dev in peak.values() for k, v in dev.items() if str(k) == "Total")}
+    if cuda:
+        torch.cuda.synchronize()
+        result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    return result
 
 
 if __name__ == "__main__":

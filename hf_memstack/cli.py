@@ -17,6 +17,9 @@ and no optimizer state.
 --dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
 for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).
+--keep-outputs (estimate, plan): the loop keeps `outputs` through the backward (outputs =
+model(**batch); outputs.loss.backward()): their fp32 logits are counted (default: dropped, as
+Trainer and the recipe do).
 --mode eval (estimate): one evaluation forward (no gradients, no optimizer) and the logits
 Trainer.evaluate() keeps for --eval-samples samples; --budget then checks the two together.
 With several policies (estimate --policy a,b): each gets its own verdict, and the status is 0 when
@@ -98,6 +101,7 @@ def _add_estimate(sub: Any) -> None:
     _device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
     _dtype_option(e)
     label_fraction_option(e)
+    _keep_outputs_option(e)
 
 
 def _add_plan(sub: Any) -> None:
@@ -120,6 +124,16 @@ def _add_plan(sub: Any) -> None:
     _device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
     _dtype_option(pl)
     label_fraction_option(pl)
+    _keep_outputs_option(pl)
+
+
+def _keep_outputs_option(parser: Any) -> None:
+    parser.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="the training loop keeps the model's outputs through the backward (outputs = model(**batch); "
+        "outputs.loss.backward()): count them (fp32 logits under bf16/fp16); default: dropped, as Trainer and the recipe do",
+    )
 
 
 def _device_option(parser: Any, what: str) -> None:
@@ -238,6 +252,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "eval_samples": args.eval_samples,
         "device": args.device,
         "label_fraction": args.label_fraction,
+        "keep_outputs": args.keep_outputs,
     }
     rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
     if all(isinstance(r, Refused) for r in rows):  # nothing answered: an input error
@@ -257,45 +272,24 @@ def _plan(args: argparse.Namespace) -> int:
     from .planning.estimate import estimate_memory
     from .planning.planner import plan_policy
 
-    plan = plan_policy(
-        args.model,
-        budget=args.budget,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        world_size=args.world_size,
-        margin=args.margin,
-        task=args.task,
-        trainable=_trainable(args),
-        dtype=args.dtype,
-        device=args.device,
-        label_fraction=args.label_fraction,
-    )
+    # What every rung shares, in the plan and in the plot's estimates.
+    job = {
+        "seq_len": args.seq_len,
+        "world_size": args.world_size,
+        "task": args.task,
+        "trainable": _trainable(args),
+        "dtype": args.dtype,
+        "device": args.device,
+        "keep_outputs": args.keep_outputs,
+        "label_fraction": args.label_fraction,
+    }
+    plan = plan_policy(args.model, budget=args.budget, batch_size=args.batch_size, margin=args.margin, **job)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))
     _print_task_note(args)
     if args.plot:
         b = plan.batch_size or 1
-        plot_breakdown(
-            [
-                (
-                    r.policy,
-                    estimate_memory(
-                        args.model,
-                        r.policy,
-                        batch_size=b,
-                        seq_len=args.seq_len,
-                        world_size=args.world_size,
-                        task=args.task,
-                        trainable=_trainable(args),
-                        dtype=args.dtype,
-                        device=args.device,
-                        label_fraction=args.label_fraction,
-                    ),
-                )
-                for r in plan.rows
-            ],
-            args.plot,
-            plan.budget,
-        )
+        estimates = [(r.policy, estimate_memory(args.model, r.policy, batch_size=b, **job)) for r in plan.rows]
+        plot_breakdown(estimates, args.plot, plan.budget)
     return FITS if plan.fits else DOES_NOT_FIT
 
 

@@ -26,10 +26,11 @@ from ..distributed._stalls import watching
 from ..sizes import format_bytes
 from .accounting import model_state_bytes, tensor_bytes
 from .batch_checks import check_batch
-from .step import LossFn, backward, forward_loss, optimizer_step
+from .step import LossFn, backward, forward_outputs, optimizer_step
+from .step_phases import Loop, StepPhases, loop_name, step_phases, trace_training_step
 from .tracker import PhasePeaks, trace_phases
 
-__all__ = ["StepMemory", "measure_eval_forward", "measure_step"]
+__all__ = ["StepMemory", "measure_eval_forward", "measure_step", "trace_training_step"]
 
 PeakPhase = Literal["forward+backward", "optimizer"]
 StepFn = Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any]
@@ -66,6 +67,11 @@ class StepMemory:
     checkpointing shrinks (0 when a custom ``step_fn`` hides the phases)."""
     peak_phase: PeakPhase = "forward+backward"
     """Where the step peaked: ``forward+backward`` or ``optimizer`` (the step's fixed cost)."""
+    loop: Loop | Literal["step_fn"] = "outputs dropped"
+    """Which loop was measured: ``outputs dropped`` (the outputs freed once the loss is taken, as
+    Trainer and the recipe do), ``outputs kept`` (``outputs = model(**batch); outputs.loss.backward()``:
+    the outputs, fp32 logits under a mixed precision, alive through the backward, the optimizer step
+    and the next forward), or ``step_fn`` (the caller's own)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +82,7 @@ class StepMemory:
             for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")
         ]
         time_s = f", step {self.step_seconds:.3f}s" if self.step_seconds is not None else ""
-        return f"peak {format_bytes(self.peak_bytes)} ({', '.join(parts)}){time_s} [{self.method}]"
+        return f"peak {format_bytes(self.peak_bytes)} ({', '.join(parts)}){time_s} [{self.method}, {self.loop}]"
 
 
 def measure_step(
@@ -89,6 +95,7 @@ def measure_step(
     warmup: bool | None = None,
     timed: bool = True,
     step_fn: Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any] | None = None,
+    keep_outputs: bool = False,
 ) -> StepMemory:
     """Run a real training step (it updates the model, like any step) and measure its memory.
 
@@ -104,6 +111,12 @@ def measure_step(
         timed: also time one untracked step (the tracker slows the tracked one down).
         step_fn: ``step_fn(model, batch, optimizer)`` replaces :func:`train_step` (e.g. to measure
             a hand-written loop the same way); ``loss_fn`` and ``grad_scaler`` are then unused.
+        keep_outputs: measure a loop that keeps the model's outputs through the backward
+            (``outputs = model(**batch); outputs.loss.backward()``, Transformers' docs): under a mixed
+            precision they hold the logits in fp32, alive through the backward and the optimizer
+            step, and the previous step's through this step's forward until ``outputs`` is rebound.
+            Default: the loop that drops them once the loss is taken (Trainer, the recipe).
+            ``StepMemory.loop`` says which was measured.
 
     Returns:
         :class:`StepMemory`; on CPU the same step twice gives the same bytes.
@@ -116,6 +129,11 @@ def measure_step(
     in the forward (a batch without labels) or in ``step_fn`` is then raised on every rank, naming
     that rank and its message, instead of leaving the others waiting in the backward's collectives.
     """
+    if keep_outputs and step_fn is not None:
+        raise ValueError(
+            "measure_step: keep_outputs=True with a step_fn: the step_fn is the loop measured, and it decides what "
+            "it keeps; keep the outputs in it, or drop step_fn to measure the default step keeping them"
+        )
     shared = runs_collectives(model)
     if shared:
         # A rank given no optimizer (or no warm-up) would run fewer collectives than its peers.
@@ -134,16 +152,17 @@ def measure_step(
             "(checkpointing and dropout are off); call model.train() first (from_pretrained returns models in eval mode)",
             stacklevel=2,
         )
-    phases: list[Callable[[], Any]] | None = None
+    phases: StepPhases | None = None
     if step_fn is None:
-        step_fn, phases = _train_step(model, batch, optimizer, loss_fn, grad_scaler, shared=shared)
+        step_fn, phases = _train_step(model, batch, optimizer, loss_fn, grad_scaler, shared=shared, keep=keep_outputs)
     elif shared:
         step_fn = _on_every_rank(step_fn)
     if warmup is None:
         warmup = optimizer is not None and not optimizer.state
     if warmup:
         step_fn(model, batch, optimizer)
-    return _measured(model, batch, optimizer, step_fn, phases, timed=timed)
+    memory = _measured(model, batch, optimizer, step_fn, phases, timed=timed)
+    return dataclasses.replace(memory, loop=loop_name(keep_outputs) if phases is not None else "step_fn")
 
 
 def _train_step(
@@ -154,20 +173,24 @@ def _train_step(
     grad_scaler: torch.amp.GradScaler | None,
     *,
     shared: bool,
-) -> tuple[StepFn, list[Callable[[], Any]]]:
-    """The default step (forward, backward, optimizer step) whole, and split in its phases."""
+    keep: bool = False,
+) -> tuple[StepFn, StepPhases]:
+    """The default step (forward, backward, optimizer step) whole, and split in its phases; ``keep``:
+    the outputs held to the step's end (the untimed, untracked warm-up and timed steps too)."""
 
-    def forward() -> torch.Tensor:
+    def forward() -> tuple[torch.Tensor, Any]:
         # Agreed before the backward, whose collectives a rank that failed here would never reach.
-        return on_every_rank("measure_step: the forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)
+        return on_every_rank("measure_step: the forward", lambda: forward_outputs(model, batch, loss_fn), shared=shared)
 
     def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
-        loss = forward()
+        loss, outputs = forward()
+        if not keep:
+            del outputs
         with watching("measure_step: the backward and the optimizer step", shared=shared):
             backward(loss, grad_scaler=grad_scaler)
             optimizer_step(o, grad_scaler=grad_scaler)
 
-    return step_fn, _step_phases(forward, optimizer, grad_scaler, shared=shared)
+    return step_fn, step_phases(forward, optimizer, grad_scaler, shared=shared, keep_outputs=keep)
 
 
 def _on_every_rank(users_step: StepFn) -> StepFn:
@@ -184,7 +207,7 @@ def _measured(
     batch: Any,
     optimizer: torch.optim.Optimizer | None,
     step_fn: StepFn,
-    phases: list[Callable[[], Any]] | None,
+    phases: StepPhases | None,
     *,
     timed: bool,
 ) -> StepMemory:
@@ -196,7 +219,7 @@ def _measured(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     settle_packing_guard(model, batch)  # its one-time probe runs outside the measured step
-    tracked = _track(model, optimizer, phases or [lambda: step_fn(model, batch, optimizer)])
+    tracked = _track(model, optimizer, phases or StepPhases([lambda: step_fn(model, batch, optimizer)], None))
     peak, method = tracked.peak_bytes, tracked.method
     if device.type == "cuda":
         synchronize(device)
@@ -210,28 +233,6 @@ def _measured(
         method=method,
         peak_phase="optimizer" if phases and peak > tracked.forward_backward_peak else "forward+backward",
     )
-
-
-def _step_phases(
-    forward: Callable[[], torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    grad_scaler: torch.amp.GradScaler | None = None,
-    *,
-    shared: bool = False,
-) -> list[Callable[[], Any]]:
-    """A training step split in its phases (forward, backward, optimizer step), so the tracker can
-    read what the forward left for the backward, and the forward+backward peak before the step."""
-    held: dict[str, torch.Tensor] = {}
-
-    def backward_phase() -> None:
-        with watching("measure_step: the backward", shared=shared):
-            backward(held.pop("loss"), grad_scaler=grad_scaler)
-
-    def optimizer_phase() -> None:
-        with watching("measure_step: the optimizer step", shared=shared):
-            optimizer_step(optimizer, grad_scaler=grad_scaler)
-
-    return [lambda: held.update(loss=forward()), backward_phase, optimizer_phase]
 
 
 def _time_step(
@@ -248,13 +249,13 @@ def _time_step(
     return time.perf_counter() - start
 
 
-def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
+def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: StepPhases) -> StepMemory:
     """Run the step's phases under PyTorch's MemTracker; a single phase is the whole step. The
     activations alive after the first phase (the forward) are the saved activations; the peak by
-    the end of the second (the backward) is the forward+backward peak."""
-    traced = trace_phases(model, optimizer, phases)
+    the end of the second (the backward) is the forward+backward peak. Kept outputs: see :func:`trace_phases`."""
+    traced = trace_phases(model, optimizer, step.phases, kept=step.kept)
     if traced is None:  # private API: it may move; fall back to counting what outlives the step
-        return _fallback(model, optimizer, phases)
+        return _fallback(model, optimizer, step.phases)
     memory = step_memory_of(traced)
     device = device_of(model)
     if device.type == "cuda":
@@ -262,21 +263,6 @@ def _track(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: li
         backward_peak = max(memory.forward_backward_peak, torch.cuda.max_memory_allocated(device))
         memory = dataclasses.replace(memory, forward_backward_peak=backward_peak)
     return memory
-
-
-@torch.no_grad()
-def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """The warm-up of a traced step: one optimizer step on zero gradients, so the optimizer's state
-    exists as after any real step (a whole forward and backward first would cost as much again).
-    An optimizer stepping in the backward holds one optimizer per parameter (``optimizers``)."""
-    inner = getattr(optimizer, "optimizers", None)
-    for opt in inner.values() if isinstance(inner, dict) else (optimizer,):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
 
 def step_memory_of(traced: PhasePeaks) -> StepMemory:
@@ -301,28 +287,6 @@ def step_memory_of(traced: PhasePeaks) -> StepMemory:
         method="memtracker",
         peak_phase="optimizer" if len(peaks) > 2 and cat["total"] > backward_peak else "forward+backward",
     )
-
-
-def trace_training_step(
-    model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer, *, blocks: Sequence[nn.Module] = ()
-) -> PhasePeaks:
-    """The optimizer's state created, then each phase's peak of one step (forward, backward, optimizer step):
-    what :func:`measure_step` reads, phase by phase, for the estimator on fake tensors. With the
-    model's ``blocks``, each phase's peak in each of its parts too (:mod:`.segments`).
-
-    Raises:
-        RuntimeError: this PyTorch has no MemTracker.
-    """
-    # No gc.collect() here (measure_step's costs ~0.5 s with Transformers loaded): stepping on zero
-    # gradients leaves no reference cycles holding tensors.
-    _create_optimizer_state(optimizer)
-    settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step
-    traced = trace_phases(model, optimizer, _step_phases(lambda: forward_loss(model, batch), optimizer), blocks=blocks)
-    if traced is None:
-        raise RuntimeError(
-            "this PyTorch has no torch.distributed._tools.mem_tracker.MemTracker, which the estimator traces with"
-        )
-    return traced
 
 
 def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Module] = ()) -> tuple[PhasePeaks, Any]:

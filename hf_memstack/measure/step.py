@@ -10,18 +10,30 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["LossFn", "backward", "forward_loss", "optimizer_step", "train_step"]
+__all__ = ["LossFn", "backward", "forward_loss", "forward_outputs", "optimizer_step", "train_step"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, batch) -> scalar loss``, for models that do not return ``outputs.loss``."""
 
 
 def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-    """Run the forward and return the scalar loss.
+    """Run the forward and return the scalar loss (the outputs are dropped: see :func:`forward_outputs`).
 
     A mapping batch is passed as keyword arguments (``model(**batch)``), a tuple/list as positional
     arguments, anything else as the single argument. Without ``loss_fn`` the model must return a
     ``loss`` (Transformers models do when the batch holds ``labels``).
+
+    Raises:
+        ValueError: no ``loss_fn`` and the outputs carry no loss.
+    """
+    return forward_outputs(model, batch, loss_fn)[0]
+
+
+def forward_outputs(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, Any]:
+    """Run the forward and return the scalar loss and the model's outputs, as :func:`forward_loss`
+    runs it. A loop that keeps the outputs (``outputs = model(**batch); outputs.loss.backward()``)
+    holds them - under a mixed precision, the logits in fp32 - through the backward and the
+    optimizer step, until the next forward rebinds ``outputs``; one that keeps only the loss frees them here.
 
     Raises:
         ValueError: no ``loss_fn`` and the outputs carry no loss.
@@ -33,14 +45,14 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) ->
     else:
         outputs = model(batch)
     if loss_fn is not None:
-        return loss_fn(outputs, batch)
+        return loss_fn(outputs, batch), outputs
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if loss is None:
         raise ValueError(
             f"{type(model).__name__} returned no loss for this batch: put `labels` in the batch for a "
             "Transformers model, or pass loss_fn=lambda outputs, batch: ... that returns a scalar"
         )
-    return loss
+    return loss, outputs
 
 
 def train_step(
@@ -50,13 +62,19 @@ def train_step(
     *,
     loss_fn: LossFn | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    keep_outputs: bool = False,
 ) -> float:
     """Forward, backward and (when ``optimizer`` is given) an optimizer step; returns the loss.
 
     With a ``grad_scaler`` (fp16) the loss is scaled, and the step skips on inf/nan gradients.
     Gradients are freed with ``zero_grad(set_to_none=True)`` after the step, as a training loop does.
+    The model's outputs are freed once the loss is taken from them (as Trainer and the recipe do),
+    or, with ``keep_outputs``, held through the backward and the optimizer step (as
+    ``outputs = model(**batch); outputs.loss.backward()`` holds them).
     """
-    loss = forward_loss(model, batch, loss_fn)
+    loss, outputs = forward_outputs(model, batch, loss_fn)
+    if not keep_outputs:
+        del outputs  # the logits (fp32 under a mixed precision) are freed before the backward
     backward(loss, grad_scaler=grad_scaler)
     optimizer_step(optimizer, grad_scaler=grad_scaler)
     if isinstance(loss, FakeTensor):  # traced by the estimator: shapes only, no value

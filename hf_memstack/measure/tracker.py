@@ -8,7 +8,7 @@ reads it, so the measured step (:mod:`.memory`) and the estimator's fake-tensor 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,9 @@ class PhasePeaks:
     segments: tuple[dict[Segment, dict[str, int]], ...] = field(default=())
     """Each phase's peak in each of its parts (:mod:`.segments`: before the blocks, in block ``k``,
     after them), in the order they first ran; empty unless the blocks were given."""
+    kept: int = 0
+    """Bytes the loop holds from one step to the next (the outputs of a loop that keeps them), as the
+    tracker counts them; already in every phase's peak (the first phase's: the previous step's)."""
 
 
 _CATEGORIES = ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")
@@ -45,14 +48,23 @@ def trace_phases(
     phases: list[Callable[[], Any]],
     *,
     blocks: Sequence[nn.Module] = (),
+    kept: Callable[[], Any] | None = None,
 ) -> PhasePeaks | None:
     """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
     reset to the current bytes as each phase starts, so each phase's own peak is read. With the
-    model's ``blocks``, also each phase's peak in each of its parts (``segments``)."""
+    model's ``blocks``, also each phase's peak in each of its parts (``segments``).
+
+    ``kept``: what a loop holds from one step to the next (the outputs of a loop that keeps
+    ``outputs``), read after the last phase. The phases hold this step's; the previous step's, of
+    the same shapes, were alive through this step's forward until ``outputs = model(...)`` rebound
+    them - tensors the tracker never saw made (they predate it), so they are added to the first
+    phase (its peak and each of its parts), in ``oth``: what MemTracker reads when given them with
+    ``track_external``."""
     tracker = _frozen_aware_tracker()
     if tracker is None:
         return None
     tracker.track_external(*(x for x in (model, optimizer) if x is not None))
+    previous = 0
     peaks: list[dict[str, int]] = []
     segments: list[dict[Segment, dict[str, int]]] = []
     forward_activations = 0
@@ -80,10 +92,46 @@ def trace_phases(
                             for s, snap in tracker.segment_peaks()
                         }
                     )
+            previous = _bytes_of(tracker, kept()) if kept is not None else 0
     finally:
         for handle in hooks:
             handle.remove()
-    return PhasePeaks(peaks=tuple(peaks), forward_activations=forward_activations, segments=tuple(segments))
+    if previous:
+        peaks[0] = _plus(peaks[0], previous)
+        if segments:
+            segments[0] = {s: _plus(c, previous) for s, c in segments[0].items()}
+    return PhasePeaks(
+        peaks=tuple(peaks), forward_activations=forward_activations, segments=tuple(segments), kept=previous
+    )
+
+
+def _bytes_of(tracker: Any, values: Any) -> int:
+    """The bytes ``tracker`` counts for the tensors in ``values`` (a model's outputs, nested): each
+    storage once, rounded as it rounds them (512-byte blocks on CUDA); 0 for any it never saw."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    seen: dict[int, int] = {}
+    for t in _tensors(values):
+        for st in get_untyped_storages(t):
+            winfo, _ = tracker._WINFO.get(st, (None, None))
+            seen[id(st)] = winfo.mem_consumed if winfo is not None else 0
+    return sum(seen.values())
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    """The tensors in a model's outputs: a tensor, a mapping (a ``ModelOutput``), a tuple or list of them, nested."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, Mapping):
+        values = list(values.values())
+    if isinstance(values, (tuple, list)):
+        return [t for v in values for t in _tensors(v)]
+    return []
+
+
+def _plus(categories: dict[str, int], other: int) -> dict[str, int]:
+    """A phase's (or part's) peak with ``other`` bytes more alive throughout, counted as ``oth``."""
+    return {**categories, "total": categories["total"] + other, "oth": categories["oth"] + other}
 
 
 def _frozen_aware_tracker() -> Any:

@@ -83,6 +83,7 @@ def estimate_memory(
     eval_samples: int | None = None,
     device: str | None = None,
     label_fraction: float = 1.0,
+    keep_outputs: bool = False,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
     evaluation forward's and the logits Trainer keeps).
@@ -129,6 +130,13 @@ def estimate_memory(
         label_fraction: the share of token positions with a label (not -100): ``loss:chunked`` runs
             its head over those only, so a prompt-masked dataset's head holds that share of a full
             one's. Default 1.0 (every position), so nothing is promised that the data does not give.
+        keep_outputs: the training loop keeps the model's outputs through the backward
+            (``outputs = model(**batch); outputs.loss.backward()``, Transformers' docs, or
+            ``out = model(x); loss = criterion(out, y); loss.backward()``): under a mixed precision
+            they hold the logits in fp32 (``batch x seq x vocab x 4`` bytes), alive through the
+            backward and the optimizer step, and the previous step's through the next forward.
+            Default False: the loop that drops them once the loss is taken (Trainer, the recipe).
+            ``kept_outputs_bytes`` says what they add.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -142,6 +150,7 @@ def estimate_memory(
     )
     check_mode(mode, eval_samples)
     check_label_fraction(label_fraction)
+    _check_keep_outputs(keep_outputs, mode)
     foreach = _steps_foreach(device)
     given = model
     model, trainable = what_trains(model, trainable)
@@ -177,6 +186,7 @@ def estimate_memory(
         packed_per_sample=policy.compile.mode == "none",
         foreach=foreach,
         label_fraction=float(label_fraction),
+        keep_outputs=keep_outputs,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
     notes += quant_notes(counts, peft_config is not None)
@@ -186,7 +196,18 @@ def estimate_memory(
     )
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
+    est = dataclasses.replace(est, keep_outputs=keep_outputs, kept_outputs_bytes=counts.get("kept_outputs", 0))
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
+
+
+def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"keep_outputs={keep_outputs!r} must be True or False (whether the loop keeps `outputs`)")
+    if keep_outputs and mode != "train":
+        raise ValueError(
+            f"keep_outputs=True with mode={mode!r}: it counts a training loop holding its outputs through the "
+            "backward; evaluation counts the logits Trainer keeps (eval_logits_bytes): drop keep_outputs"
+        )
 
 
 def _steps_foreach(device: str | None) -> bool:

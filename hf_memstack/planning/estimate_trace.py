@@ -57,11 +57,13 @@ class Job:
     packed: bool
     mode: str = "train"
     packed_per_sample: bool = True
+    """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
     foreach: bool = False
     """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
-    """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
     label_fraction: float = 1.0
     """The share of positions with a label: the chunked head's rows, as traced."""
+    keep_outputs: bool = False
+    """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +101,11 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
             per_sample_as_traced(job.packed_per_sample),
             labelled_as_traced(job.label_fraction),
         ):
-            phases = traced_step(net, batch, opt, config, job.task)
+            phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),
         "trainable": sum(p.numel() for p in params),
+        "kept_outputs": phases.kept,
         **quant_counts(net),
     }
     return Traced(net=net, phases=phases, counts=counts)

@@ -92,15 +92,22 @@ def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weig
 
 
 def traced_step(
-    net: nn.Module, batch: Any, opt: torch.optim.Optimizer, config: PretrainedConfig, task: str
+    net: nn.Module,
+    batch: Any,
+    opt: torch.optim.Optimizer,
+    config: PretrainedConfig,
+    task: str,
+    *,
+    keep_outputs: bool = False,
 ) -> PhasePeaks:
-    """The meter's step on fake tensors. A forward that needs the data's values (an output whose
-    shape depends on them, a ``.item()``) cannot run there: said as such, not as a trace error."""
+    """The meter's step on fake tensors (in the loop that drops or, ``keep_outputs``, keeps the model's
+    outputs). A forward that needs the data's values (an output whose shape depends on them, a
+    ``.item()``) cannot run there: said as such, not as a trace error."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     try:
         # Each block's part of every phase is kept apart, for the depth extrapolation (measure/segments.py).
-        return trace_training_step(net, batch, opt, blocks=blocks_or_empty(net))
+        return trace_training_step(net, batch, opt, blocks=blocks_or_empty(net), keep_outputs=keep_outputs)
     except (DynamicOutputShapeException, DataDependentOutputException) as e:
         raise ValueError(
             f"the estimator cannot trace {type(net).__name__} ({type(config).__name__}, task={task!r}) without real data: its "

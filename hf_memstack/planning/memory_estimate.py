@@ -76,6 +76,15 @@ class MemoryEstimate:
     """Eval mode: the same outputs as the numpy arrays ``compute_metrics`` / ``predict()`` receive, in host
     memory (bf16 ones become fp32 there)."""
 
+    keep_outputs: bool = False
+    """Train mode: the loop counted keeps the model's outputs through the backward
+    (``outputs = model(**batch); outputs.loss.backward()``); False: it drops them once the loss is
+    taken (Trainer, the recipe), as ``estimate_memory(keep_outputs=False)``, the default, counts."""
+    kept_outputs_bytes: int = 0
+    """With ``keep_outputs``: the outputs that loop holds (fp32 logits under a mixed precision): alive
+    when the forward ends, so in ``activations``, through the backward and the optimizer step; and the
+    previous step's through the forward, until ``outputs`` is rebound. 0 when they are dropped."""
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -91,7 +100,8 @@ class MemoryEstimate:
                 f"Trainer.evaluate for {self.eval_samples} samples {format_bytes(self.eval_logits_bytes)} on the device "
                 f"({format_bytes(self.eval_logits_host_bytes)} as numpy in host memory)"
             )
+        kept = f"; the loop keeps its outputs ({format_bytes(self.kept_outputs_bytes)})" if self.keep_outputs else ""
         return (
             f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
-            f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats})"
+            f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats}){kept}"
         )

@@ -46,6 +46,7 @@ def plan_policy(
     dtype: Any = "auto",
     packed: bool = False,
     label_fraction: float = 1.0,
+    keep_outputs: bool = False,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -73,6 +74,9 @@ def plan_policy(
             ``from_pretrained`` gives); every rung is estimated at it.
         packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
         label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0).
+        keep_outputs: the training loop keeps the model's outputs through the backward
+            (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
+            :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -98,6 +102,7 @@ def plan_policy(
         packed=packed,
         device=device,
         label_fraction=label_fraction,
+        keep_outputs=keep_outputs,
     )
     plan = Plan(
         policy=None,
