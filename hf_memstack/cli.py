@@ -46,6 +46,7 @@ from .cli_estimate import (
     estimate_each,
     image_options,
     keep_outputs_option,
+    label_fraction_option,
     refusal_lines,
     verdict,
 )
@@ -113,6 +114,7 @@ def _add_estimate(sub: Any) -> None:
     dtype_option(e)
     image_options(e)
     keep_outputs_option(e)
+    label_fraction_option(e)
 
 
 def _add_plan(sub: Any) -> None:
@@ -136,6 +138,7 @@ def _add_plan(sub: Any) -> None:
     dtype_option(pl)
     image_options(pl)
     keep_outputs_option(pl)
+    label_fraction_option(pl)
 
 
 def _add_find_batch_size(sub: Any) -> None:
@@ -237,6 +240,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "eval_samples": args.eval_samples,
         "device": args.device,
+        "label_fraction": args.label_fraction,
         "keep_outputs": args.keep_outputs,
         **_images(args),
     }
@@ -268,6 +272,7 @@ def _plan(args: argparse.Namespace) -> int:
         "device": args.device,
         "keep_outputs": args.keep_outputs,
         **_images(args),
+        "label_fraction": args.label_fraction,
     }
     plan = plan_policy(args.model, budget=args.budget, batch_size=args.batch_size, margin=args.margin, **job)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))

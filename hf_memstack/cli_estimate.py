@@ -5,6 +5,7 @@ vision-language model's --image-size and --images-per-sample)."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
@@ -21,6 +22,8 @@ __all__ = [
     "dtype_option",
     "estimate_each",
     "image_options",
+    "keep_outputs_option",
+    "label_fraction_option",
     "refusal_lines",
     "verdict",
 ]
@@ -122,3 +125,24 @@ def _count(flag: str, least: int) -> Any:
         return int(value)
 
     return parse
+
+
+def label_fraction_option(parser: argparse.ArgumentParser) -> None:
+    """``--label-fraction`` of ``estimate`` and ``plan``: the share of positions the chunked head runs over."""
+    parser.add_argument(
+        "--label-fraction",
+        type=_label_fraction,
+        default=1.0,
+        help="the share of token positions with a label (not -100), e.g. 0.4 when prompts take 60%% of the tokens: "
+        "loss:chunked runs its head over those only (default 1.0: every position)",
+    )
+
+
+def _label_fraction(value: str) -> float:
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"--label-fraction={value!r} must be a number in (0, 1], e.g. 0.5")
+    return fraction

@@ -16,6 +16,7 @@ from ..data.boundaries import packing_as_traced
 from ..measure.memory import PhasePeaks, trace_eval_forward
 from ..policy import MemoryPolicy
 from ..prepare import prepare_model
+from ..transforms.chunked_loss import labelled_as_traced
 from ..transforms.optim import make_optimizer
 from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
@@ -61,6 +62,8 @@ class Job:
     """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
     foreach: bool = False
     """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
+    label_fraction: float = 1.0
+    """The share of positions with a label: the chunked head's rows, as traced."""
     keep_outputs: bool = False
     """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
     images: ImageSpec | None = None
@@ -99,7 +102,11 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
         batch = fake_batch(
             config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
         )
-        with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
+        with (
+            packing_as_traced(job.packed),
+            per_sample_as_traced(job.packed_per_sample),
+            labelled_as_traced(job.label_fraction),
+        ):
             phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),

@@ -19,6 +19,7 @@ from .._unwrap import unwrap_model
 from ..distributed._ranks import on_every_rank
 from ..measure.step import LossFn, forward_loss
 from ._wrappers import forward_wrapper
+from .chunked_loss import head_rows
 from .loss_forward import ChunkedLossForward
 
 __all__ = ["verify_loss_head"]
@@ -48,7 +49,18 @@ def verify_loss_head(
         detail += ": the model's own loss is not finite, so the heads cannot be compared; check the weights and labels"
     elif not ok:
         detail += ": they differ; prepare the model without loss:chunked"
-    return ok and math.isfinite(a), detail
+    return ok and math.isfinite(a), detail + _head_rows_detail(model, one)
+
+
+def _head_rows_detail(model: nn.Module, sample: Any) -> str:
+    """How many of the sample's positions went through the head (those with a label to predict)."""
+    if not isinstance(sample, dict) or not torch.is_tensor(sample.get("labels")):
+        return ""
+    rows, positions = head_rows(sample["labels"], sample.get("shift_labels"), sample.get("ignore_index", -100))
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, unwrap_model(model))):
+        # compile:full traces the loss into the model's graph, where a data-dependent row count would break it.
+        return f"; the head runs over all {positions} positions under compile:full (verify ran it eagerly over {rows})"
+    return f"; the head ran over {rows} of its {positions} positions (those with a label)"
 
 
 def _first_sample(batch: Any) -> Any:
