@@ -283,6 +283,12 @@ def peft_lora(model: nn.Module, arch: Arch) -> nn.Module:
 peft_lora.config = _lora_config  # type: ignore[attr-defined]
 
 
+def image_size(arch: Arch) -> int:
+    """Pixels a side of the batch's images: Qwen's 4 x 4 patches of 14 (merged 2 x 2 into 4 tokens),
+    the others' 2 x 2 patches of 14."""
+    return 56 if arch.model_type.startswith("qwen") else 28
+
+
 def _vlm_batch(arch: Arch, ids: torch.Tensor, g: torch.Generator) -> dict[str, torch.Tensor]:
     """One 28 x 28 image per sample, its IMAGE_TOKENS placeholders after the first token, as the
     family's processor lays them out (Qwen: patch-major pixels with ``image_grid_thw``)."""

@@ -4,7 +4,8 @@ A parameter without a gradient is not always a bug: LLaVA reads a hidden layer f
 tower's ``post_layernorm``, so that norm runs and nothing it computes reaches the loss - the unprepared
 model gives it no gradient either. verify tells that apart from a gradient that was lost, with no
 unprepared copy: a parameter is *unused by the loss* only on positive evidence, i.e. the graph of a
-forward output of a module holding it reaches the parameter while the loss's graph does not. Anything
+forward output of a module holding it reaches the parameter while the loss's graph does not, or it
+sits inside a module that ran and none of whose outputs the loss's graph reaches. Anything
 else without a gradient stays a failure: a module that never ran, a parameter used outside autograd
 (``torch.no_grad``, ``.data``, ``.detach()``), one inside a module whose output was cut from the graph
 (a hook that detached it), one the loss's graph reaches (a gradient dropped in the backward), and the
@@ -43,7 +44,7 @@ class GradReach:
     """Forward hooks recording the graph of each module's outputs, and the walk of the loss's graph."""
 
     outputs: dict[int, list[Any]] = field(default_factory=dict)
-    """Per module holding a trainable parameter itself: the ``grad_fn`` of its forward's outputs."""
+    """Per module holding trainable parameters: the ``grad_fn`` of its forward's outputs."""
     cut: dict[int, str] = field(default_factory=dict)
     """Modules holding trainable parameters whose output, under grad mode, needed no gradient."""
     loss_nodes: set[Any] = field(default_factory=set)
@@ -53,20 +54,19 @@ class GradReach:
         """Hooks on every module holding trainable parameters, after any the model has (they see
         the output those hooks left); they record only the forward (not a checkpoint's recompute)."""
 
-        def hook(name: str, owns: bool) -> Any:
+        def hook(name: str) -> Any:
             def record(module: nn.Module, args: Any, output: Any) -> None:
                 if in_backward() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
                     return
                 tensors = list(_float_tensors(output, _MAX_DEPTH))
-                if owns:
-                    self.outputs.setdefault(id(module), []).extend(t.grad_fn for t in tensors if t.grad_fn is not None)
+                self.outputs.setdefault(id(module), []).extend(t.grad_fn for t in tensors if t.grad_fn is not None)
                 if tensors and not any(t.requires_grad for t in tensors):
                     self.cut[id(module)] = name
 
             return record
 
         return [
-            module.register_forward_hook(hook(name, any(p.requires_grad for p in module.parameters(recurse=False))))
+            module.register_forward_hook(hook(name))
             for name, module in model.named_modules()
             if any(p.requires_grad for p in module.parameters())
         ]
@@ -90,13 +90,32 @@ class GradReach:
         starts = [node for _, m, _ in missing for node in self.outputs.get(id(m), ())]
         # Pruned at the loss's nodes: only the branches the loss does not use are walked.
         discarded = _walk(starts, set(), stop=self.loss_nodes)
-        unused = frozenset(id(p) for _, _, p in missing if id(p) in discarded and id(p) not in self.loss_params)
+        silent = self._silent(model)
+        unused = frozenset(
+            id(p)
+            for n, _, p in missing
+            if id(p) not in self.loss_params and (id(p) in discarded or any(_within(n, s) for s in silent))
+        )
         return Unreached(unused=unused)
+
+    def _silent(self, model: nn.Module) -> list[str]:
+        """Modules that ran with a graph and none of whose outputs the loss's graph reaches: nothing
+        inside them can reach the loss, whether it ran or not (SigLIP's pooling head, whose
+        ``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``)."""
+        return [
+            name
+            for name, module in model.named_modules()
+            if self.outputs.get(id(module)) and not any(node in self.loss_nodes for node in self.outputs[id(module)])
+        ]
 
     def release(self) -> None:
         """Drop the graph nodes held (the discarded branches' buffers with them)."""
         self.outputs.clear()
         self.loss_nodes.clear()
+
+
+def _within(name: str, module: str) -> bool:
+    return not module or name == module or name.startswith(f"{module}.")
 
 
 def _missing(p: nn.Parameter) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zoo import SEQ, ZOO, Arch, build, make_batch, peft_lora
+from zoo import SEQ, ZOO, Arch, build, image_size, make_batch, peft_lora
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model, verify
 
@@ -63,13 +63,9 @@ def test_any_model(saved, arch: Arch, policy: str) -> None:
     verify(model, batch, raise_on_failure=True)
     real = measure_step(model, batch, make_optimizer(model, lr=1e-4), timed=False)
     assert all(torch.isfinite(p).all() for p in model.parameters() if p.requires_grad)
-    est = estimate_memory(
-        folder,
-        base,
-        batch_size=2,
-        seq_len=batch["input_ids"].shape[1],
-        trainable=peft_lora.config(arch) if lora else "all",
-    )
+    images = {"image_size": image_size(arch), "images_per_sample": 1} if arch.kind == "vlm" else {}
+    trainable = peft_lora.config(arch) if lora else "all"
+    est = estimate_memory(folder, base, batch_size=2, seq_len=SEQ, trainable=trainable, **images)
     tolerance = TOLERANCE.get(arch.kind, DEFAULT_TOLERANCE)
     assert est.parameters == real.parameters, (est, real)
     assert abs(est.peak_bytes / real.peak_bytes - 1) <= tolerance, (est.peak_bytes, real.peak_bytes)
