@@ -137,14 +137,16 @@ def _chunked_lm_loss(
     logit_multiplier: float,
     compiled: bool = False,
 ) -> torch.Tensor:
+    unlabelled = 0  # positions that carry no loss whatever the labels: each row's last, when shifted here
     if shift_labels is None:
         if labels is None:  # a TypeError, as F.pad(None) raised before this check
             raise TypeError("chunked_lm_loss: pass labels or shift_labels (the targets of the loss)")
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        unlabelled = labels.shape[:-1].numel()
     targets = shift_labels.reshape(-1).to(hidden.device)
     counted = (targets != ignore_index).sum()
-    flat, targets = _labelled_rows(hidden.reshape(-1, hidden.shape[-1]), targets, ignore_index)
+    flat, targets = _labelled_rows(hidden.reshape(-1, hidden.shape[-1]), targets, ignore_index, unlabelled)
     linear = _plain_linear(head)
     if linear is not None:
         weight, bias = _full(linear.weight), _full(linear.bias) if linear.bias is not None else None
@@ -170,7 +172,9 @@ def _chunked_lm_loss(
     return total / num_items_in_batch
 
 
-def _labelled_rows(flat: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _labelled_rows(
+    flat: torch.Tensor, targets: torch.Tensor, ignore_index: int, unlabelled: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows whose target carries loss, and their targets: only they go through the head (a masked
     row adds nothing to the loss nor to any gradient, so nothing is scattered back; the backward of
     the gather gives the masked rows their zero gradient). All rows when all count (no copy), and
@@ -180,8 +184,9 @@ def _labelled_rows(flat: torch.Tensor, targets: torch.Tensor, ignore_index: int)
     if torch.compiler.is_compiling():
         return flat, targets
     if is_fake(targets) or targets.is_meta:
-        # The estimator's trace holds no label values: it runs the fraction it was told is labelled.
-        rows = max(1, math.ceil(targets.shape[0] * _TRACED_LABEL_FRACTION.get()))
+        # The estimator's trace holds no label values: it runs the fraction it was told is labelled
+        # of the positions that can carry loss (``unlabelled``: each row's last, which never does).
+        rows = max(1, math.ceil((targets.shape[0] - unlabelled) * _TRACED_LABEL_FRACTION.get()))
         if rows >= targets.shape[0]:
             return flat, targets
         keep = torch.arange(rows, device=flat.device)
