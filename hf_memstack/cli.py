@@ -36,6 +36,7 @@ import sys
 import traceback
 from typing import Any
 
+from ._quiet import quiet_imports
 from ._text import printable
 from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
@@ -181,9 +182,12 @@ def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _dtype_option(sp: argparse.ArgumentParser) -> None:
-    from .planning.weights_dtype import DTYPE_CHOICES  # here, not at the top: --help stays fast
+# planning.weights_dtype.DTYPE_CHOICES, spelled here: importing it imports torch, and --help must not
+# (tests/unit/test_import.py keeps the two equal).
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 
+
+def _dtype_option(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "plot", None):
             require_matplotlib()  # before the estimate: not a table first and the failure after it
         args.model = resolve_model_alias(args.model)
-        return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
+        with quiet_imports():  # the first Transformers import loads torchao, bitsandbytes: only their noise is dropped
+            return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
     except BudgetTooSmallError as e:
         print(f"hf-memstack {args.command}: does not fit: {printable(str(e))}", file=sys.stderr)
         return DOES_NOT_FIT
