@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 import hf_memstack
-from hf_memstack._quiet import quiet_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 OPTIONAL = ("torchao", "bitsandbytes", "trl", "peft", "matplotlib")
@@ -115,6 +114,8 @@ def _emit(logger: str, msg: str, *args: object) -> list[str]:
 
 def test_quiet_drops_only_the_named_noise() -> None:
     import enum
+
+    from hf_memstack._quiet import quiet_imports
 
     class TorchaoEnum(enum.Enum):
         A = 1
