@@ -23,6 +23,7 @@ import enum
 import logging
 import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 
 # torchao's kernels for hardware and formats memstack does not use (see the module docstring).
@@ -89,3 +90,18 @@ def quiet_imports() -> Iterator[None]:
             if _depth == 0:
                 for name, drop in _FILTERS.items():
                     logging.getLogger(name).removeFilter(drop)
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap() -> Iterator[None]:
+    """Around a ``get_peft_model`` call of ours (the estimator's, on a model it built): drop the
+    ``is_gradient_checkpointing is deprecated`` FutureWarning that PEFT's own call into Transformers
+    raises. It is PEFT's to fix and names nothing the user wrote; every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"`is_gradient_checkpointing` is deprecated",
+            category=FutureWarning,
+            module=r"transformers\.modeling_utils",
+        )
+        yield

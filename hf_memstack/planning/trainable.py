@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from .._quiet import quiet_imports
+from .._quiet import quiet_imports, quiet_peft_wrap
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -83,6 +83,7 @@ DEFAULT_LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "
 
 
 @quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
+@quiet_peft_wrap()  # PEFT's own deprecated call into Transformers, not the user's
 def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
     from peft import get_peft_model  # optional: only when a PEFT config is given
 

@@ -146,3 +146,17 @@ def test_cli_dtype_choices_are_the_estimators() -> None:
     from hf_memstack.planning.weights_dtype import DTYPE_CHOICES as ESTIMATOR_CHOICES
 
     assert DTYPE_CHOICES == ESTIMATOR_CHOICES
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="quant:nf4 needs torchao")
+def test_cli_estimate_prints_only_its_answer(tmp_path: Path) -> None:
+    # The estimate builds the model (Transformers loads torchao), quantizes it (torchao) and wraps it
+    # in LoRA (PEFT loads bitsandbytes): none of their import lines or PEFT's deprecation shows.
+    from tiny import llama_config
+
+    llama_config().save_pretrained(tmp_path)
+    argv = ["estimate", str(tmp_path), "--policy", "bf16+quant:nf4", "--batch-size", "2", "--seq-len", "32"]
+    done = _python(f"from hf_memstack.cli import main\nraise SystemExit(main({[*argv, '--lora-r', '4']!r}))")
+    assert done.returncode == 0, done.stderr
+    assert "| bf16+quant:nf4 |" in done.stdout
+    assert done.stderr == ""
