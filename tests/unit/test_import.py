@@ -45,7 +45,7 @@ def test_import_prints_nothing() -> None:
 
 def test_import_loads_no_backend() -> None:
     # Not torch nor Transformers either: the package's names load their modules on first use.
-    assert _loaded_after("import hf_memstack", (*OPTIONAL, "torch", "transformers")) == []
+    assert _loaded_after("import hf_memstack", (*OPTIONAL, "accelerate", "torch", "transformers")) == []
 
 
 @pytest.mark.parametrize(
