@@ -70,6 +70,7 @@ def test_every_public_name_imports() -> None:
     done = _python(code)
     assert done.returncode == 0, done.stderr
     assert not [n for n in NOISE if n in done.stderr], done.stderr
+    assert sorted({*hf_memstack._LAZY, "__version__"}) == sorted(hf_memstack.__all__)  # one list, no orphan
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         _ = hf_memstack.no_such_name
 
