@@ -6,6 +6,7 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
     python bench/estimate_accuracy.py --hidden 512 --seq 256
     python bench/estimate_accuracy.py --checkpoints   # a 125M Llama saved in fp32 and in bf16, batch 2 x 512
     python bench/estimate_accuracy.py --loops         # the kept-outputs and dropped-outputs loops vs MemTracker
+    python bench/estimate_accuracy.py --orders        # PEFT / a 4-bit load before or after prepare_model vs MemTracker
 
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
@@ -95,9 +96,15 @@ def main() -> None:
     ap.add_argument(
         "--loops", action="store_true", help="the kept-outputs and dropped-outputs loop rows (see loop_rows)"
     )
+    ap.add_argument(
+        "--orders", action="store_true", help="PEFT / 4-bit load before and after prepare_model vs MemTracker"
+    )
     args = ap.parse_args()
     if args.loops:
         loop_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_loops.json"))
+        return
+    if args.orders:
+        order_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_orders.json"))
         return
     if args.checkpoints:
         checkpoint_rows(
@@ -391,6 +398,152 @@ def _hand_loop_peaks(model, data: dict, *, keep_outputs: bool, steps: int = 3) -
         torch.cuda.synchronize()
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orders: PEFT (or a 4-bit load) before or after prepare_model, against PyTorch's own MemTracker on a
+# steady-state step (the third: the optimizer's state exists). Self-contained: callable as
+# order_rows() from another script, or `python bench/estimate_accuracy.py --orders`.
+
+ORDER_CASES = [
+    ("bf16 checkpoint, PEFT after prepare", False, "prepare-peft"),
+    ("bf16 checkpoint, PEFT before prepare", False, "peft-prepare"),
+    ("QLoRA (bnb 4-bit), prepare then PEFT", True, "prepare-peft"),
+    ("QLoRA (bnb 4-bit), PEFT then prepare", True, "peft-prepare"),
+]
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def memtracker_step(model, batch, optimizer, steps: int = 3) -> dict[str, int]:
+    """PyTorch's MemTracker over the last of ``steps`` training steps (forward, ``loss.backward()``,
+    ``step()``, ``zero_grad()``; the outputs dropped after ``.loss``): the categories at its peak.
+    Plain MemTracker, but for two things it cannot do alone: frozen parameters get no gradient hook
+    (PyTorch refuses one), and a bitsandbytes weight's quantization state (tensors beside it, no
+    module's parameter or buffer) is given to it, counted with the parameters."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def step() -> None:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    for _ in range(steps - 1):
+        step()
+    states = []
+    for p in model.parameters():
+        q = p.__dict__.get("quant_state")
+        while q is not None and hasattr(q, "absmax"):
+            states += [t for t in (q.absmax, q.code, getattr(q, "offset", None)) if torch.is_tensor(t)]
+            q = getattr(q, "state2", None)
+    tracker = Tracker()
+    tracker.track_external(model, optimizer, *states)
+    with tracker:
+        step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return {
+        "peak": snap[_TOTAL_KEY],
+        "parameters": snap[_MemRefType.PARAM] + snap[_MemRefType.BUFFER] + snap[_MemRefType.OTH],
+        "gradients": snap[_MemRefType.GRAD],
+        "optimizer": snap[_MemRefType.OPT],
+    }
+
+
+def order_model(folder, four_bit: bool, order: str, policy: str = "bf16+ckpt", lora=None):
+    """The checkpoint in ``folder`` loaded the default way (``dtype="auto"``; 4-bit with bitsandbytes when
+    ``four_bit``), then ``prepare_model`` and ``get_peft_model`` in ``order``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs = {}
+    if four_bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    lora = lora or LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    if order == "prepare-peft":
+        return get_peft_model(prepare_model(model, policy), lora)
+    model = get_peft_model(model, lora)
+    prepare_model(model, policy)
+    return model
+
+
+def order_rows(
+    out: Path | None = None, *, hidden: int = 256, layers: int = 2, vocab: int = 4096, batch: int = 4, seq: int = 128
+) -> list[dict]:
+    """The four order rows: estimate_memory(model) on the prepared model vs MemTracker on its third step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=hidden * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=vocab,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp)  # a bf16 checkpoint, as real ones are
+        ids = torch.randint(3, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+        data = {"input_ids": ids, "labels": ids.clone()}
+        for name, four_bit, order in ORDER_CASES:
+            model = order_model(tmp, four_bit, order)
+            est = estimate_memory(model, "bf16+ckpt", batch_size=batch, seq_len=seq, device="cpu")
+            dtypes = sorted({(str(p.dtype), p.requires_grad) for p in model.parameters()})
+            # A 16-bit checkpoint's estimate from its folder too (what a plan reads before anything is loaded).
+            from_folder = (
+                None
+                if four_bit
+                else estimate_memory(
+                    tmp,
+                    "bf16+ckpt",
+                    batch_size=batch,
+                    seq_len=seq,
+                    device="cpu",
+                    trainable=model.peft_config["default"],
+                ).peak_bytes
+            )
+            real = memtracker_step(model, data, make_optimizer(model, lr=1e-4))
+            row = {
+                "case": name,
+                "estimate": est.peak_bytes,
+                "memtracker": real["peak"],
+                "error": est.peak_bytes / real["peak"] - 1,
+                "estimate_from_folder": from_folder,
+                "fields": {k: [getattr(est, k), real[k]] for k in ("parameters", "gradients", "optimizer")},
+                "weights_dtype": est.weights_dtype,
+                "dtypes": [f"{d} {'trainable' if t else 'frozen'}" for d, t in dtypes],
+            }
+            rows.append(row)
+            print(
+                f"{name:40s} estimate {est.peak_bytes / 2**20:8.3f} MiB  MemTracker {real['peak'] / 2**20:8.3f} MiB  "
+                f"error {row['error'] * 100:+.2f}%  from the folder {'-' if from_folder is None else f'{from_folder / 2**20:.3f} MiB'}  "
+                f"parameters {row['fields']['parameters']}  "
+                f"states equal: {all(a == b for a, b in row['fields'].values())}",
+                flush=True,
+            )
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows}, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

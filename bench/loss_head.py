@@ -3,17 +3,23 @@ hidden states and the head's weight) out, forward + backward, interleaved runs i
 
     python bench/loss_head.py                        # 2,048 tokens, hidden 1024, vocabularies 32k and 128k
     python bench/loss_head.py --vocab 32000 --runs 9 --dtype fp32
+    python bench/loss_head.py --masked 0 0.5 0.8     # the default: 0%, 50%, 80% of the targets -100 (prompt masking)
 
 Implementations (each where it installs; the table says which ran):
 * Transformers' way: the head's logits, then the cross-entropy on their fp32 copy;
 * PyTorch's ``F.linear_cross_entropy`` (chunked, in PyTorch 2.13);
 * torchtune's ``CEWithChunkedOutputLoss`` over 8 chunks of the head's output, its
   ``compute_cross_entropy`` compiled as torchtune's recipes do;
-* TRL's ``ChunkedLogProbFunction`` (its torch path, the one that runs on a CPU);
+* TRL's ``ChunkedLogProbFunction`` (its torch path, the one that runs on a CPU; with masked targets
+  over the labelled rows only, gathered first as its GPU kernel's caller does: it has no ignore index);
 * cut-cross-entropy's ``torch_compile`` implementation (its 5 lines: the logits and the fp32
   cross-entropy under one ``torch.compile``); the package imports Triton at import time, so on a
   machine without Triton its function is copied here, not imported;
-* hf_memstack's fused chunks, eager and with the per-chunk work compiled (``compiled=True``).
+* hf_memstack's fused chunks, eager and with the per-chunk work compiled (``compiled=True``): over
+  the labelled targets only (the masked ones never reach the head).
+
+Masked cases (``--masked``): the first fraction of the tokens has target -100, as a prompt has;
+every implementation computes the mean over the rest.
 
 Peaks: the process's resident high-water mark over one forward + backward (what compiled kernels
 allocate too; glibc returns freed buffers at once with MALLOC_MMAP_THRESHOLD_, which the script
@@ -79,10 +85,13 @@ def implementations(head: torch.nn.Linear, target: torch.Tensor, dtype: torch.dt
 
     trl_fn = _trl_chunked_logprob()
     if trl_fn is not None:
+        keep = (target != -100).nonzero().squeeze(1)
+        rows = None if keep.numel() == n else keep  # no ignore index: masked targets are left out first
 
         def trl_chunked(x):
+            xs, ts = (x, target) if rows is None else (x.index_select(0, rows), target.index_select(0, rows))
             with cast():
-                logprobs = trl_fn.apply(x, head.weight, None, target, 1.0, 4096, None, 1.0, ())[0]
+                logprobs = trl_fn.apply(xs, head.weight, None, ts, 1.0, 4096, None, 1.0, ())[0]
             return -logprobs.float().mean()
 
         fns["TRL ChunkedLogProbFunction (torch path)"] = trl_chunked
@@ -142,13 +151,18 @@ class _Call(torch.nn.Module):
         return self.fn(x)
 
 
-def measure(vocab: int, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
+def measure(vocab: int, masked: float, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
     torch.manual_seed(0)
     head = torch.nn.Linear(args.hidden, vocab, bias=False)
     head.weight.data.mul_(0.02)
     hidden0 = torch.randn(args.tokens, args.hidden)
     target = torch.randint(0, vocab, (args.tokens,))
-    fns = implementations(head, target, dtype)
+    target[: int(args.tokens * masked)] = -100  # the prompt: no loss on it
+    fns = {
+        name: fn
+        for name, fn in implementations(head, target, dtype).items()
+        if not args.only or name.startswith("Transformers") or any(o in name for o in args.only)
+    }
     out: dict[str, Any] = {}
     for name, fn in fns.items():
         x = hidden0.clone().requires_grad_(True)
@@ -167,7 +181,7 @@ def measure(vocab: int, args: argparse.Namespace, dtype: torch.dtype) -> dict[st
             x = hidden0.clone().requires_grad_(True)
             head.weight.grad = None
             out[name]["times"].append(timed(lambda fn=fn, x=x: fn(x).backward(), "cpu"))
-    return {"vocab": vocab, "chunk_tokens": auto_chunk_tokens(vocab), "results": out}
+    return {"vocab": vocab, "masked": masked, "chunk_tokens": auto_chunk_tokens(vocab), "results": out}
 
 
 def _tracked_peak(fn: Any, hidden0: torch.Tensor, head: torch.nn.Linear) -> int:
@@ -211,7 +225,7 @@ def report(run: dict[str, Any], args: argparse.Namespace) -> None:
     ref = res["Transformers (logits + fp32 CE)"]
     t_ref = statistics.median(ref["times"])
     print(
-        f"\nvocabulary {run['vocab']}: {args.tokens} tokens, hidden {args.hidden}, {args.dtype}, chunks of {run['chunk_tokens']} "
+        f"\nvocabulary {run['vocab']}, {run['masked']:.0%} of the targets masked: {args.tokens} tokens, hidden {args.hidden}, {args.dtype}, chunks of {run['chunk_tokens']} "
         f"tokens (ours); {args.runs} interleaved runs; peaks: the resident growth over one forward + backward (the weight's gradient included)\n"
     )
     print(
@@ -233,7 +247,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    ap.add_argument("--masked", type=float, nargs="+", default=[0.0, 0.5, 0.8], help="fractions of targets -100")
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument(
+        "--only", nargs="+", help="run only the implementations whose names contain one of these (and Transformers')"
+    )
     ap.add_argument("--dtype", choices=["bf16", "fp32", "auto"], default="auto")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "loss_head.json"))
     args = ap.parse_args()
@@ -246,7 +264,7 @@ def main() -> None:
         args.dtype = "bf16" if native else "fp32"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     print(f"machine: {machine()}; native bf16: {'yes' if native else 'no (bf16 emulated)'}")
-    runs = [measure(v, args, dtype) for v in args.vocab]
+    runs = [measure(v, m, args, dtype) for v in args.vocab for m in args.masked]
     for run in runs:
         report(run, args)
     Path(args.out).write_text(

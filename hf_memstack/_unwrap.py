@@ -52,8 +52,15 @@ def record_of(model: nn.Module) -> RecordBase | None:
     return record if isinstance(record, RecordBase) else None
 
 
-# Wrappers that hold the model as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine).
-_MODULE_WRAPPERS = {"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"}
+# Wrappers that hold the model as ``.module`` (DDP, DataParallel, FSDP1, DeepSpeed's engine, and
+# hf_memstack.integrations.trainer_loss.TrainerLoss: a trainer's compute_loss as a module).
+_MODULE_WRAPPERS = {
+    "DistributedDataParallel",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "DeepSpeedEngine",
+    "TrainerLoss",
+}
 
 
 def _inner(model: nn.Module) -> nn.Module | None:

@@ -14,6 +14,8 @@ pip install 'hf_memstack[plot]'; checked before any work).
 What trains: every parameter (--trainable all, the default), or LoRA adapters (--trainable lora,
 or --lora-r N [--lora-alpha A] [--lora-target q_proj,v_proj]); frozen weights get no gradient
 and no optimizer state.
+--image-size, --images-per-sample (estimate, plan): a vision-language model's images (Qwen2-VL, Qwen2.5-VL,
+LLaVA, LLaVA-NeXT, Gemma-3, Mllama), sized as its processor makes them; defaults from the config, said in the notes.
 --dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
 for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
 Exit status: 0 fits, 1 does not fit, 2 usage or input error, 3 internal error (a bug: please report it).
@@ -38,7 +40,17 @@ from typing import Any
 
 from ._quiet import quiet_imports
 from ._text import printable
-from .cli_estimate import Refused, estimate_each, refusal_lines, verdict
+from .cli_estimate import (
+    Refused,
+    device_option,
+    dtype_option,
+    estimate_each,
+    image_options,
+    keep_outputs_option,
+    label_fraction_option,
+    refusal_lines,
+    verdict,
+)
 from .cli_output import plot_breakdown, print_estimates, require_matplotlib
 from .errors import BudgetTooSmallError
 from .models import resolve_model_alias
@@ -99,9 +111,11 @@ def _add_estimate(sub: Any) -> None:
         default=None,
         help="with --mode eval: the evaluation set's size, for the logits Trainer keeps (default: one batch)",
     )
-    _device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
-    _dtype_option(e)
-    _keep_outputs_option(e)
+    device_option(e, "where the step will run: on cuda AdamW steps with foreach kernels (a copy of the moments)")
+    dtype_option(e)
+    image_options(e)
+    keep_outputs_option(e)
+    label_fraction_option(e)
 
 
 def _add_plan(sub: Any) -> None:
@@ -121,22 +135,11 @@ def _add_plan(sub: Any) -> None:
     )
     pl.add_argument("--margin", type=_margin, default=0.1, help="fraction of the budget kept free (default 0.1)")
     pl.add_argument("--plot", help="write the breakdown of every rung considered to this PNG")
-    _device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
-    _dtype_option(pl)
-    _keep_outputs_option(pl)
-
-
-def _keep_outputs_option(parser: Any) -> None:
-    parser.add_argument(
-        "--keep-outputs",
-        action="store_true",
-        help="the training loop keeps the model's outputs through the backward (outputs = model(**batch); "
-        "outputs.loss.backward()): count them (fp32 logits under bf16/fp16); default: dropped, as Trainer and the recipe do",
-    )
-
-
-def _device_option(parser: Any, what: str) -> None:
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help=f"{what}; default: this machine")
+    device_option(pl, "where it will train: the precision (bf16/fp16 on cuda) and how AdamW steps (foreach on cuda)")
+    dtype_option(pl)
+    image_options(pl)
+    keep_outputs_option(pl)
+    label_fraction_option(pl)
 
 
 def _add_find_batch_size(sub: Any) -> None:
@@ -180,21 +183,6 @@ def _common(sp: argparse.ArgumentParser) -> None:
         "--lora-target", help="comma-separated module names for LoRA (default: every linear layer but the head)"
     )
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-# planning.weights_dtype.DTYPE_CHOICES, spelled here: importing it imports torch, and --help must not
-# (tests/unit/test_import.py keeps the two equal).
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
-
-
-def _dtype_option(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument(
-        "--dtype",
-        choices=DTYPE_CHOICES,
-        default="auto",
-        help="the weights' dtype: auto (default: what from_pretrained gives - the config's dtype, else the saved "
-        "weights'; fp32 for a config naming none), or fp32, bf16, fp16 to estimate another load",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +242,9 @@ def _estimate(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "eval_samples": args.eval_samples,
         "device": args.device,
+        "label_fraction": args.label_fraction,
         "keep_outputs": args.keep_outputs,
+        **_images(args),
     }
     rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
     if all(isinstance(r, Refused) for r in rows):  # nothing answered: an input error
@@ -283,6 +273,8 @@ def _plan(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "device": args.device,
         "keep_outputs": args.keep_outputs,
+        **_images(args),
+        "label_fraction": args.label_fraction,
     }
     plan = plan_policy(args.model, budget=args.budget, batch_size=args.batch_size, margin=args.margin, **job)
     print(json.dumps(plan.as_dict(), indent=2) if args.json else printable(plan.table()))
@@ -292,6 +284,10 @@ def _plan(args: argparse.Namespace) -> int:
         estimates = [(r.policy, estimate_memory(args.model, r.policy, batch_size=b, **job)) for r in plan.rows]
         plot_breakdown(estimates, args.plot, plan.budget)
     return FITS if plan.fits else DOES_NOT_FIT
+
+
+def _images(args: argparse.Namespace) -> dict[str, Any]:
+    return {"image_size": args.image_size, "images_per_sample": args.images_per_sample}
 
 
 def _find(args: argparse.Namespace) -> int:

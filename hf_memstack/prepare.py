@@ -243,7 +243,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
     # 0b. the trainable parameters in the master weights' dtype (fp32 under mixed precision, or pure
     #     bf16), before anything wraps them: FSDP2 then shards and all-gathers them in that dtype.
     assert plan.master is not None
-    master = apply_master_weights(plan.master)
+    master = apply_master_weights(plan.master, model, sharded=policy.fsdp.mode != "none" or plan.sharded_by_accelerate)
     # 1. checkpointing first, so compile and FSDP wrap the checkpointed blocks: a recompute then
     #    re-runs the compiled block, and FSDP's all-gather stays outside the checkpoint (else every
     #    recompute gathers the parameters again).

@@ -245,14 +245,57 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+# A dict batch's fields with one row per sample whatever else it holds: they count its samples. Its
+# other tensors may be laid out otherwise (Qwen2-VL's pixel_values hold the patches of every image,
+# [patches, values]; image_grid_thw one row per image): make_batch(n) builds n samples, nothing is sliced.
+_SAMPLE_ROWS = ("input_ids", "inputs_embeds", "labels", "attention_mask")
+
+
 def check_batch_size(batch: Any, n: int) -> None:
     """``make_batch(n)`` must return a dict of tensors (or a tensor, or a tuple of tensors passed
-    positionally) whose first dimension is ``n``.
+    positionally) of ``n`` samples: the first dimension of its ``input_ids``, ``inputs_embeds``,
+    ``labels`` and ``attention_mask`` is ``n`` (its other tensors' may be anything: patch-major
+    pixels); a batch with none of them has ``n`` rows in every tensor.
 
     Raises:
         TypeError: another type (a list of dicts is a collator's input, not a batch).
-        ValueError: no tensors, or tensors of another sample count.
+        ValueError: no tensors, or tensors of another sample count (each named).
     """
+    _check_batch_type(batch, n)
+    named = _named_tensors(batch)
+    if not named:
+        raise ValueError(
+            f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "
+            "such as a collator does"
+        )
+    counted = (
+        [(f"batch[{k!r}]", batch[k]) for k in _SAMPLE_ROWS if torch.is_tensor(batch.get(k))]
+        if isinstance(batch, Mapping)
+        else []
+    )
+    wrong = [(k, tuple(t.shape)) for k, t in (counted or named) if t.ndim == 0 or t.shape[0] != n]
+    if wrong:
+        raise ValueError(
+            f"make_batch({n}) returned tensors of shapes {[s for _, s in wrong]} "
+            f"({', '.join(f'{k} {s}' for k, s in wrong)}): their first dimension must be exactly {n}. "
+            "Build the batch from n samples (and pad to the longest sequence of the run)"
+            + (
+                ""
+                if counted or not isinstance(batch, Mapping)
+                else ". Fields laid out otherwise (patch-major pixel_values) are fine beside input_ids, labels or "
+                "attention_mask, which count the samples: the finder asks make_batch(n) for n samples and never "
+                "slices a batch, so return those too"
+            )
+        )
+    scalars = [k for k, t in named if t.ndim == 0]
+    if scalars:
+        raise ValueError(
+            f"make_batch({n}) returned {', '.join(scalars)} as a 0-dimensional tensor: a batch holds one row per sample "
+            "(or per patch or image); pass constants to the model another way (loss_fn=, the model's config)"
+        )
+
+
+def _check_batch_type(batch: Any, n: int) -> None:
     positional = isinstance(batch, (list, tuple)) and all(torch.is_tensor(t) for t in batch)
     if not (isinstance(batch, Mapping) or torch.is_tensor(batch) or positional):
         inner = (
@@ -266,25 +309,30 @@ def check_batch_size(batch: Any, n: int) -> None:
             "BatchEncoding a collator returns), which the model is called with as model(**batch): e.g. "
             f"return collator(rows) rather than [collator(rows)]"
         )
-    tensors = _tensors(batch)
-    if not tensors:
-        raise ValueError(
-            f"make_batch({n}) returned {type(batch).__name__} with no tensors; return a dict of tensors "
-            "such as a collator does"
-        )
-    wrong = [tuple(t.shape) for t in tensors if t.ndim == 0 or t.shape[0] != n]
-    if wrong:
-        raise ValueError(
-            f"make_batch({n}) returned tensors of shapes {wrong}: their first dimension must be exactly {n}. "
-            "Build the batch from n samples (and pad to the longest sequence of the run)"
-        )
+
+
+def _named_tensors(batch: Any, name: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``batch`` with its place (``batch['pixel_values']``, ``batch[0]``)."""
+    if torch.is_tensor(batch):
+        return [(name, batch)]
+    if isinstance(batch, Mapping):
+        return [t for k, v in batch.items() for t in _named_tensors(v, f"{name}[{k!r}]")]
+    if isinstance(batch, (list, tuple)):
+        return [t for i, v in enumerate(batch) for t in _named_tensors(v, f"{name}[{i}]")]
+    return []
 
 
 def batch_signature(batch: Any) -> list[list[Any]]:
-    """What identifies the batches of a job: each tensor's dtype and shape past the batch dimension."""
+    """What identifies the batches of a job, from its batch of one: each tensor's dtype and shape
+    past the batch dimension; the whole shape of a tensor not laid out one row per sample (a
+    sample's patches: a larger image is another job)."""
+
+    def shape(t: torch.Tensor) -> list[Any]:
+        return [*t.shape[1:]] if t.ndim and t.shape[0] == 1 else ["rows", *t.shape]
+
     if isinstance(batch, Mapping):
-        return [[str(k), str(t.dtype), *t.shape[1:]] for k, v in sorted(batch.items()) for t in _tensors(v)]
-    return [[str(t.dtype), *t.shape[1:]] for t in _tensors(batch)]
+        return [[str(k), str(t.dtype), *shape(t)] for k, v in sorted(batch.items()) for t in _tensors(v)]
+    return [[str(t.dtype), *shape(t)] for t in _tensors(batch)]
 
 
 def seq_len_of(batch: Any) -> int | None:

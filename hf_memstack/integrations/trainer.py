@@ -13,7 +13,9 @@ TrainingArguments from the policy and the batch-size finder, and watch training 
 
 TRL's trainers (``SFTTrainer(..., callbacks=[MemstackCallback()])``) work the same way; their
 fused LM head replaces ``model.forward`` after the model was prepared, and the callback puts the
-policy's autocast back around it. Nothing here patches Trainer: the model is prepared before the
+policy's autocast back around it. Under trainers that compute the loss themselves (TRL's DPO, KTO and
+reward trainers) the first-batch check runs their ``compute_loss``; under those that generate their
+batches (GRPO) it steps aside, saying so (:mod:`.trainer_loss`). Nothing here patches Trainer: the model is prepared before the
 Trainer sees it (as TRL and Liger do), and what happens during training goes through Trainer's
 own callback events.
 
@@ -40,11 +42,13 @@ from ..measure.verify import VerifyReport
 from ..record import MemstackRecord, unwrap_model
 from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
+from ..transforms.master_reconcile import reconcile_master_weights
 from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from .trainer_args import training_arguments
 from .trainer_checks import _given_model, _record, check_optimizer, check_training_arguments
 from .trainer_eval import check_eval_logits
 from .trainer_first_step import FirstStepReport, _first_batch, _verify_and_measure
+from .trainer_loss import loss_target, tell_reference_model
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -72,7 +76,8 @@ class MemstackCallback(TrainerCallback):
       runs :func:`hf_memstack.measure.verify` on the first training batch through the forward that
       trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
       forward + backward: one extra pass, its time in the log (weights, gradients and RNG are
-      left as they were); with ``raise_on_failure`` a failed check stops training;
+      left as they were); with ``raise_on_failure`` a failed check stops training, without it a
+      pass that cannot run is logged and skipped (``first_step.skipped`` says why);
     * before training that evaluates (``eval_strategy`` not ``"no"``): warns when the logits
       ``Trainer.evaluate()`` will keep on the device exceed ``eval_budget`` (default: the CUDA device's
       total memory; on the CPU only a given budget is checked), with the bytes and the fixes
@@ -124,6 +129,9 @@ class MemstackCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         model = _given_model(model)
+        reconcile_master_weights(
+            model
+        )  # what trains is known now (PEFT or TRL's peft_config may come after prepare_model)
         check_training_arguments(model, args)
         check_optimizer(model, optimizer)
         record = _record(model)
@@ -137,21 +145,49 @@ class MemstackCallback(TrainerCallback):
         fused = fused_lm_head_installed(unwrap_model(model))
         if fused and record.loss.mode == "chunked":
             _tell_chunked_once(model, record)
-        batch = _first_batch(train_dataloader, model)
-        if fused and isinstance(batch, dict):
-            batch = {**batch, "fused_lm_head": True, "use_cache": False}  # the forward TRL's compute_loss runs
-        report = memory = seconds = None
-        if batch is not None and (self.run_verify or self.measure):
-            start = time.perf_counter()
-            with module_mode(
-                model, training=True
-            ):  # as Trainer's steps will run (from_pretrained leaves models in eval mode)
-                report, memory = _verify_and_measure(model, batch, run_verify=self.run_verify, measure=self.measure)
-            seconds = time.perf_counter() - start
-            self._log_first_batch(report, memory, seconds)
-        self.first_step = FirstStepReport(verify=report, memory=memory, seconds=seconds)
+        trainer = _dispatching_trainer()
+        tell_reference_model(trainer, record)
+        self.first_step = (
+            self._first_step(trainer, model, train_dataloader, fused)
+            if self.run_verify or self.measure
+            else FirstStepReport(verify=None, memory=None)
+        )
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+
+    def _first_step(self, trainer: Trainer | None, model: nn.Module, dataloader: Any, fused: bool) -> FirstStepReport:
+        """verify and the meter on the first batch, through the loss the trainer computes
+        (:func:`.trainer_loss.loss_target`), or skipped with one log line saying why: the callback
+        never stops a run that would train (unless ``raise_on_failure`` asks it to)."""
+        batch = _first_batch(dataloader, model)
+        if batch is None:
+            return FirstStepReport(verify=None, memory=None, skipped="no indexable training dataset")
+        try:
+            target = loss_target(trainer, model, batch)
+            if isinstance(target, str):
+                logger.info("hf_memstack: verify and the memory meter on the first batch are skipped: %s", target)
+                return FirstStepReport(verify=None, memory=None, skipped=target)
+            module, batch = target
+            if fused and module is model and isinstance(batch, dict):
+                batch = {**batch, "fused_lm_head": True, "use_cache": False}  # the forward TRL's compute_loss runs
+            start = time.perf_counter()
+            # In training mode, as Trainer's steps will run (from_pretrained leaves models in eval mode).
+            with module_mode(module, training=True):
+                report, memory = _verify_and_measure(module, batch, run_verify=self.run_verify, measure=self.measure)
+        except Exception as e:
+            if self.raise_on_failure:
+                raise
+            reason = f"the pass raised {type(e).__name__}: {e}"
+            logger.warning(
+                "hf_memstack: verify and the memory meter on the first batch are skipped (%s); training goes on "
+                "without them",
+                reason,
+                exc_info=logger.isEnabledFor(logging.DEBUG),
+            )
+            return FirstStepReport(verify=None, memory=None, skipped=reason)
+        seconds = time.perf_counter() - start
+        self._log_first_batch(report, memory, seconds)
+        return FirstStepReport(verify=report, memory=memory, seconds=seconds)
 
     def _check_eval_logits(self, args: TrainingArguments) -> None:
         """Before hours of training, whether its evaluations will keep more logits than the budget."""

@@ -37,6 +37,8 @@ class FirstStepReport:
     """The meter on the same forward + backward (None when measuring is off)."""
     seconds: float | None = None
     """Wall time of that extra forward + backward (verify and the meter together)."""
+    skipped: str | None = None
+    """Why the pass did not run (a trainer that generates its batches, an error in the pass), or None."""
 
 
 def _verify_and_measure(

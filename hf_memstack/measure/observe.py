@@ -24,6 +24,7 @@ from ..distributed._stalls import watching
 from ..record import MemstackRecord
 from ..transforms.checkpointing import SelectiveCheckpointingWarning
 from ..transforms.tiled_mlp import tiled_mlps
+from .grad_reach import GradReach, Unreached
 from .step import LossFn, forward_loss
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class Observed:
     flops: _Flops = field(default_factory=lambda: _Flops())
     tiles: dict[int, list[int]] = field(default_factory=dict)
     """Per tiled MLP (block index): the calls of its first submodule in the forward and in the backward."""
+    unreached: Unreached = field(default_factory=Unreached)
+    """The trainable parameters without a gradient that the loss does not use (read from the graph)."""
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """The saved-tensors hook: counts what the forward saves for the backward (outside checkpoints)."""
@@ -63,6 +66,8 @@ def observe_step(
     phase = _Phase()
     counter = FlopCounterMode(display=False)
     handles, backward_calls = _watch(model, record, observed, counter, phase)
+    reach = GradReach()
+    handles += reach.watch(model, lambda: phase.backward)
     try:
         # Selective checkpointing says, when a block's contexts are done with (after its forward if it
         # kept nothing, else after its backward), whether the block kept anything: listen throughout.
@@ -80,10 +85,12 @@ def observe_step(
                 else loss.requires_grad
             )
             if every_rank_needs_grad:
+                reach.walk_loss(loss)  # before the backward frees the graph
                 # A peer that never reaches the backward's collectives is named (shared: under FSDP/DDP).
                 with counter, watching("verify: the backward", shared=shared):
                     loss.backward()
                 observed.flops.backward = counter.get_total_flops()  # entering the counter again reset it
+                observed.unreached = reach.unreached(model)
             elif loss.requires_grad:
                 observed.backward_error = (
                     "the loss does not require grad on another rank, so no rank runs the backward "
@@ -91,6 +98,7 @@ def observe_step(
                 )
             else:
                 observed.backward_error = "the loss does not require grad: no trainable parameter contributes to it"
+            reach.release()  # the graph of the branches the loss does not use
             del loss  # the checkpoints' frames sit in reference cycles: free them while listening
             gc.collect()
         observed.selective_saved_nothing = bool(caught)

@@ -86,7 +86,10 @@ def verify(
           keeps below full checkpointing's (else no op of its save list ran: a FAIL);
         * ``precision``: under mixed precision, Linear layers compute in the autocast dtype and
           the loss comes back in fp32;
-        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient;
+        * ``gradients``: every parameter with ``requires_grad`` received a finite gradient - but one the
+          loss cannot give a gradient (its module's output leads to it, the loss's graph does not: LLaVA's
+          vision ``post_layernorm``) is a note to freeze it, not a failure
+          (:mod:`hf_memstack.measure.grad_reach`);
         * ``compile``: the compiled graphs were called in a compiled step (a second pass);
         * ``loss`` (chunked loss head): the chunked loss equals the model's own on the first sample;
         * ``quant`` (4-bit base weights): which parameters are 4-, 16- and 32-bit; the 4-bit layers
@@ -267,19 +270,29 @@ def _check_gradients(
     if observed.backward_error is not None:
         return Check("gradients", False, f"{observed.backward_error}. {_frozen_input_hint(record)}")
     names = {id(p): n for n, p in model.named_parameters()}
-    missing = [names.get(id(p), "?") for p in params if p.grad is None]
+    unreached = observed.unreached
+    unused = [names.get(id(p), "?") for p in params if p.grad is None and id(p) in unreached.unused]
+    missing = [names.get(id(p), "?") for p in params if p.grad is None and id(p) not in unreached.unused]
     bad = [
         names.get(id(p), "?")
         for p in params
         if p.grad is not None and not torch.isfinite(p.grad.detach().float()).all()
     ]
-    detail = f"{len(params) - len(missing) - len(bad)}/{len(params)} trainable parameters got finite gradients"
+    got = len(params) - len(unused) - len(missing) - len(bad)
+    detail = f"{got}/{len(params)} trainable parameters got finite gradients"
     if missing:
         detail += f"; no gradient: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-        if len(missing) == len(params) or record.policy.checkpointing.use_reentrant:
+        if unreached.cut:
+            detail += (
+                f". The output of {list(unreached.cut)[:3]} needs no gradient although it holds trainable parameters: "
+                "a hook or its forward detached it (or ran it under torch.no_grad), so nothing before it trains"
+            )
+        if len(missing) + len(unused) == len(params) or record.policy.checkpointing.use_reentrant:
             detail += f". {_frozen_input_hint(record)}"
     if bad:
         detail += f"; non-finite: {bad[:5]}"
+    if unused:
+        detail += f"; {_unused_note(unused)}"
     if unlabelled is not None:
         detail += f"; {unlabelled}"
     elif not observed.loss_finite:  # its gradients can still be finite (all 0 when no token counts): no [ok] for them
@@ -288,6 +301,15 @@ def _check_gradients(
             "(torch.isfinite on each parameter), the labels (a batch or rank whose labels are all -100) and loss_fn"
         )
     return Check("gradients", not missing and not bad and observed.loss_finite and unlabelled is None, detail)
+
+
+def _unused_note(unused: list[str]) -> str:
+    """Not a failure: the unprepared model gives these no gradient either (LLaVA's vision post_layernorm)."""
+    return (
+        f"note: {len(unused)} trainable parameter(s) the loss does not use: {unused[:5]}{' ...' if len(unused) > 5 else ''}"
+        " - the model's forward computes nothing from them that reaches the loss; freeze them "
+        "(requires_grad_(False)) to save their optimizer state"
+    )
 
 
 def _frozen_input_hint(record: MemstackRecord) -> str:

@@ -22,6 +22,7 @@ trace's, which ``extrapolate=False`` runs.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +34,21 @@ from ..measure.memory import StepMemory, step_memory_of
 from ..policy import MemoryPolicy
 from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
-from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
+from .estimate_checks import (
+    check_arguments,
+    check_depth,
+    check_label_fraction,
+    check_mode,
+    chunked_loss_problem,
+    chunked_loss_verdict,
+)
 from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
-from .weights_dtype import WeightsDtype, resolve_weights_dtype, short_name
+from .vision_inputs import images_for
+from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -75,7 +84,10 @@ def estimate_memory(
     mode: str = "train",
     eval_samples: int | None = None,
     device: str | None = None,
+    label_fraction: float = 1.0,
     keep_outputs: bool = False,
+    image_size: int | None = None,
+    images_per_sample: int | None = None,
 ) -> MemoryEstimate:
     """Estimate one training step's peak memory per rank, by category (or, with ``mode="eval"``, one
     evaluation forward's and the logits Trainer keeps).
@@ -119,6 +131,9 @@ def estimate_memory(
             has one). It decides how PyTorch's AdamW steps: on CUDA with its foreach kernels, which
             hold one more copy of the second moments (4 bytes per trainable fp32 parameter) while
             they step, on the CPU parameter by parameter.
+        label_fraction: the share of token positions with a label (not -100): ``loss:chunked`` runs
+            its head over those only, so a prompt-masked dataset's head holds that share of a full
+            one's. Default 1.0 (every position), so nothing is promised that the data does not give.
         keep_outputs: the training loop keeps the model's outputs through the backward
             (``outputs = model(**batch); outputs.loss.backward()``, Transformers' docs, or
             ``out = model(x); loss = criterion(out, y); loss.backward()``): under a mixed precision
@@ -126,6 +141,12 @@ def estimate_memory(
             backward and the optimizer step, and the previous step's through the next forward.
             Default False: the loop that drops them once the loss is taken (Trainer, the recipe).
             ``kept_outputs_bytes`` says what they add.
+        image_size: a vision-language model (Qwen2-VL, Qwen2.5-VL, LLaVA, LLaVA-NeXT, Gemma-3, Idefics3,
+            SmolVLM, Mllama): pixels a side of each image given to its processor, which makes the pixel
+            tensors and image tokens from it as the family does (default: the family's, from the config:
+            the vision tower's ``image_size``; 448 for Qwen2-VL). Said in the notes.
+        images_per_sample: a vision-language model: images in each sample (default 1; 0: text only).
+            Their image tokens are part of ``seq_len``.
 
     Raises:
         ValueError: bad sizes, an unknown model, a PEFT config that matches no module, or a
@@ -138,6 +159,7 @@ def estimate_memory(
         batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
     )
     check_mode(mode, eval_samples)
+    check_label_fraction(label_fraction)
     _check_keep_outputs(keep_outputs, mode)
     foreach = _steps_foreach(device)
     given = model
@@ -150,15 +172,13 @@ def estimate_memory(
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy)
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
-    traced = MemoryPolicy.from_dict({**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}})
+    four_bit = _four_bit_of(given, notes)
+    traced = _traced_policy(policy, four_bit)
     check_seq_len(config, seq_len, batch_size)
+    images = images_for(config, image_size, images_per_sample, seq_len, task)
+    notes += [images.note()] if images is not None else []
     check_depth(config)
-    if policy.loss.mode == "chunked":
-        problem, note = chunked_loss_verdict(config, task, trust_remote_code)
-        if problem is not None:
-            raise ValueError(problem)
-        notes += [note] if note else []
-
+    notes += _chunked_loss_notes(policy, config, task, trust_remote_code)
     job = Job(
         task=task,
         peft_config=peft_config,
@@ -168,23 +188,50 @@ def estimate_memory(
         optimizer=optimizer,
         batch_size=batch_size,
         seq_len=seq_len,
-        packed=packed and task == "causal-lm",
+        packed=packed and task == "causal-lm" and images is None,
         mode=mode,
         # A compiled run's attention cannot read the samples' lengths: its rows run whole.
         packed_per_sample=policy.compile.mode == "none",
         foreach=foreach,
+        label_fraction=float(label_fraction),
         keep_outputs=keep_outputs,
+        images=images,
     )
     m, net, counts = _traced_step(config, job, extrapolate, notes)
+    # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
+    four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0
+    counts = {**counts, "quant_bytes": four_bit.weights_bytes} if four_bit is not None else counts
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = per_rank(
         m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model
     )
+    if four_bit_delta and (policy.fsdp.mode == "none" or world_size == 1):
+        est = _plus_parameters(est, four_bit_delta)
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     est = dataclasses.replace(est, keep_outputs=keep_outputs, kept_outputs_bytes=counts.get("kept_outputs", 0))
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
+
+
+def _chunked_loss_notes(policy: MemoryPolicy, config: Any, task: str, trust_remote_code: bool) -> list[str]:
+    """``loss:chunked`` refused where ``prepare_model`` would refuse it; else what was checked, as notes."""
+    if policy.loss.mode != "chunked":
+        return []
+    problem, note = chunked_loss_verdict(config, task, trust_remote_code)
+    if problem is not None:
+        raise ValueError(problem)
+    return [note] if note else []
+
+
+def _plus_parameters(est: MemoryEstimate, extra: int) -> MemoryEstimate:
+    """``est`` with ``extra`` bytes of parameters, alive through the whole step."""
+    return dataclasses.replace(
+        est,
+        parameters=est.parameters + extra,
+        peak_bytes=est.peak_bytes + extra,
+        forward_backward_peak=est.forward_backward_peak + extra,
+    )
 
 
 def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
@@ -195,6 +242,26 @@ def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
             f"keep_outputs=True with mode={mode!r}: it counts a training loop holding its outputs through the "
             "backward; evaluation counts the logits Trainer keeps (eval_logits_bytes): drop keep_outputs"
         )
+
+
+def _four_bit_of(given: Any, notes: list[str]) -> FourBitLayers | None:
+    """A model object's 4-bit layers, to be traced 4-bit (torchao's NF4 on fake tensors; needs torchao)."""
+    four_bit = four_bit_layers(given) if isinstance(given, nn.Module) else None
+    if four_bit is not None and importlib.util.find_spec("torchao") is None:
+        notes.append(
+            f"{four_bit.layers} 4-bit layers are counted at the weights' dtype: tracing them 4-bit needs torchao "
+            "(pip install 'hf_memstack[quant]')"
+        )
+        return None
+    return four_bit
+
+
+def _traced_policy(policy: MemoryPolicy, four_bit: FourBitLayers | None) -> MemoryPolicy:
+    """The policy as traced: no compile, no FSDP (accounted for after); a model's 4-bit layers 4-bit."""
+    fields = {**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}}
+    if four_bit is not None:
+        fields["quant"] = {**fields.get("quant", {}), "mode": "nf4", "targets": list(four_bit.targets)}
+    return MemoryPolicy.from_dict(fields)
 
 
 def _steps_foreach(device: str | None) -> bool:
@@ -226,6 +293,8 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
         )
     if policy.compile.mode != "none":
         notes.append("compile is estimated as eager: its fused kernels usually lower the peak a little")
+        if policy.compile.mode == "full" and policy.loss.mode == "chunked":
+            notes.append("compile:full runs the chunked head over every position, whatever label_fraction says")
     return notes
 
 

@@ -31,6 +31,15 @@ def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer
     parse_dtype(dtype)
 
 
+def check_label_fraction(label_fraction: Any) -> None:
+    """``label_fraction``: the share of positions with a label (a prompt-masked dataset's), in (0, 1]."""
+    if not isinstance(label_fraction, (int, float)) or isinstance(label_fraction, bool) or not 0 < label_fraction <= 1:
+        raise ValueError(
+            f"label_fraction={label_fraction!r} must be a number in (0, 1]: the share of token positions with a label "
+            "other than -100 (1.0, the default, when every position carries loss; 0.5 when prompts take half the tokens)"
+        )
+
+
 def check_mode(mode: Any, eval_samples: Any) -> None:
     if mode not in ("train", "eval"):
         raise ValueError(

@@ -16,6 +16,7 @@ from ..data.boundaries import packing_as_traced
 from ..measure.memory import PhasePeaks, trace_eval_forward
 from ..policy import MemoryPolicy
 from ..prepare import prepare_model
+from ..transforms.chunked_loss import labelled_as_traced
 from ..transforms.optim import make_optimizer
 from ..transforms.packed_attention import per_sample_as_traced
 from . import build_cache
@@ -29,8 +30,10 @@ from .fake_model import (
     fake_batch,
     quant_counts,
     traced_step,
+    values_kept,
 )
 from .model_config import build_model
+from .vision_inputs import ImageSpec
 from .weights_dtype import WeightsDtype, set_dtypes
 
 if TYPE_CHECKING:
@@ -59,8 +62,12 @@ class Job:
     """Packed rows' SDPA runs per sample (``hf_memstack_sdpa``): not under the policy's compile, which runs rows whole."""
     foreach: bool = False
     """PyTorch's AdamW steps with its foreach kernels (its default on CUDA), as traced."""
+    label_fraction: float = 1.0
+    """The share of positions with a label: the chunked head's rows, as traced."""
     keep_outputs: bool = False
     """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
+    images: ImageSpec | None = None
+    """A vision-language model's images per sample (None: a text model's batch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +87,7 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
     experts = experts_on_fake_tensors(net, config)  # before the trace: a refusal says what to change
     if job.mode == "eval":
         return _trace_eval(net, config, job, mode, experts)
-    with mode, experts, _quiet_prepare(training=True):
+    with mode, experts, _quiet_prepare(training=True), values_kept(mode, job.images):
         net.train()
         prepare_model(net, job.policy)
         params = [p for p in net.parameters() if p.requires_grad]
@@ -92,8 +99,14 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
             # whose step holds a copy of every second moment at once: traced as it will run.
             for group in opt.param_groups:
                 group["foreach"] = True
-        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
-        with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
+        batch = fake_batch(
+            config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
+        )
+        with (
+            packing_as_traced(job.packed),
+            per_sample_as_traced(job.packed_per_sample),
+            labelled_as_traced(job.label_fraction),
+        ):
             phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {
         "total": sum(p.numel() for p in net.parameters()),
@@ -108,10 +121,12 @@ def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any, e
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
 
-    with mode, experts, _quiet_prepare(training=False):
+    with mode, experts, _quiet_prepare(training=False), values_kept(mode, job.images):
         net.eval()
         prepare_model(net, job.policy)
-        batch = fake_batch(config, job.task, job.batch_size, job.seq_len, packed=job.packed)
+        batch = fake_batch(
+            config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
+        )
         with packing_as_traced(job.packed), per_sample_as_traced(job.packed_per_sample):
             phases, outputs = trace_eval_forward(net, batch, blocks=blocks_or_empty(net))
     kept = kept_outputs(outputs, getattr(config, "keys_to_ignore_at_inference", ["cache"]))
@@ -149,6 +164,9 @@ def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | FullTrace | No
                 set_dtypes(net, job.weights.per_parameter)
         return net
 
+    if job.images is not None:
+        # Two stacks (the vision tower's, the language model's), cut by the config's text depth alone: no line.
+        return FullTrace("a vision-language model: its vision tower's and language model's blocks are all traced")
     ck = job.policy.checkpointing
     every_n = ck.every_n if ck.mode == "every_n" else 1
 

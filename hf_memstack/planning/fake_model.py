@@ -4,6 +4,8 @@ it with a fake batch."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -16,7 +18,12 @@ from ..transforms.blocks import find_blocks
 from . import build_cache
 from .model_config import build_model
 from .trainable import apply_peft
+from .vision_inputs import ImageSpec, image_batch
 from .weights_dtype import WeightsDtype, set_dtypes
+
+# The most values an integer tensor of a vision-language batch keeps (its ids, masks, grids: a batch of
+# 64 x 32k tokens is 2M) - each one computed for real, on the CPU.
+_MOST_KEPT = 2**24
 
 if TYPE_CHECKING:
     from peft import PeftConfig
@@ -140,9 +147,20 @@ def blocks_or_empty(net: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def fake_batch(
-    config: PretrainedConfig, task: str, batch: int, seq: int, *, packed: bool = False
+    config: PretrainedConfig,
+    task: str,
+    batch: int,
+    seq: int,
+    *,
+    packed: bool = False,
+    images: ImageSpec | None = None,
+    mode: Any = None,
 ) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, max(2, config.vocab_size - 1), (batch, seq))
+    """One step's batch on fake tensors (built under ``mode``, the trace's FakeTensorMode); with
+    ``images``, a vision-language model's (:func:`fake_image_batch`)."""
+    if images is not None:
+        return fake_image_batch(config, images, batch, seq, mode)
+    ids = torch.randint(0, max(2, config.get_text_config().vocab_size - 1), (batch, seq))
     if task == "classification":
         return {
             "input_ids": ids,
@@ -154,6 +172,46 @@ def fake_batch(
         positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, seq)
         return {"input_ids": ids, "labels": ids, "position_ids": positions}
     return {"input_ids": ids, "labels": ids}
+
+
+def fake_image_batch(
+    config: PretrainedConfig, images: ImageSpec, batch: int, seq: int, mode: Any
+) -> dict[str, torch.Tensor]:
+    """A vision-language model's batch: its integer inputs (ids, grids, masks) are fake tensors that
+    keep their values, as the model's forward reads them (where the image tokens are, how many
+    patches each image has: Qwen2-VL's rope index and vision attention split by them); its pixels
+    are plain fake tensors (no values, no storage)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        ints, floats = image_batch(config, images, batch, seq, traced_inputs=True)
+    convert = mode.fake_tensor_converter.from_real_tensor
+    pixels = {k: torch.empty(shape, dtype=torch.float32) for k, shape in floats.items()}
+    return {**{k: convert(mode, t, make_constant=True) for k, t in ints.items()}, **pixels}
+
+
+@contextlib.contextmanager
+def values_kept(mode: Any, images: ImageSpec | None) -> Iterator[None]:
+    """Under ``mode``, integer and boolean results computed from such kept values keep theirs too
+    (FakeTensorMode keeps only one-element results), so the forward's reads of them (``.tolist()``,
+    a check of the image tokens' count) answer; floating-point results never do (the model's
+    activations stay fake). Only for a vision-language model's batch (``images``)."""
+    if images is None:
+        yield
+        return
+    keeps = mode.may_turn_const
+
+    def may_turn_const(t: torch.Tensor) -> bool:
+        if keeps(t):
+            return True
+        plain = t.layout == torch.strided and t.device.type == "cpu" and not mode.is_our_fake(t)
+        return plain and t.numel() <= _MOST_KEPT and not (t.is_floating_point() or t.is_complex())
+
+    mode.may_turn_const = may_turn_const
+    try:
+        yield
+    finally:
+        del mode.may_turn_const  # the class's own again
 
 
 def quant_notes(counts: dict[str, int], lora: bool) -> list[str]:

@@ -20,6 +20,7 @@ from ..files import describe_kind
 from ..record import unwrap_model
 from .config_file import check_config_file, check_dict_keys, check_sizes, read_config_file
 from .trainable import apply_peft
+from .vision_inputs import is_vision_language
 from .weights_dtype import cast_like_from_pretrained
 
 if TYPE_CHECKING:
@@ -206,7 +207,9 @@ def check_seq_len(config: PretrainedConfig, seq_len: int, batch_size: int = 1) -
     ``batch_size`` x ``seq_len`` tokens need a tensor above :data:`MAX_TENSOR_BYTES`."""
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer")
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    # A vision-language model's positions are its language model's (the composite config has none).
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if limit is not None and seq_len > limit:
         raise ValueError(
             f"seq_len={seq_len} is above the model's limit of {limit} positions; use seq_len={limit} or less"
@@ -314,15 +317,34 @@ def build_model(
     return apply_peft(net, peft_config) if peft_config is not None else net
 
 
-def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def _auto_class(config: PretrainedConfig, task: str) -> Any:
+    """The Auto class that builds ``config``'s model for ``task``: a vision-language model (a config
+    with a ``vision_config``) is built whole, vision tower included, as ``from_pretrained`` on
+    ``AutoModelForImageTextToText`` builds it - its causal-LM class (Qwen2-VL has none) or one
+    without the tower (Mllama's) would be another model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    if not is_vision_language(config):
+        return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    if task != "causal-lm":
+        raise ValueError(
+            f"task={task!r} on {type(config).__name__} (model_type={config.model_type!r}), a vision-language model: "
+            "the estimator builds it as Transformers' image-text-to-text model (its language-model head); pass "
+            "task='causal-lm' (--task causal-lm) or leave task out"
+        )
+    return AutoModelForImageTextToText
+
+
+def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: torch.dtype) -> nn.Module:
+
+    auto = _auto_class(config, task)
     try:
         # A copy: from_config writes the dtype into the config it is given (the user's, or their model's).
         return auto.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code, dtype=dtype)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
+            if is_vision_language(config):
+                raise ValueError(f"{type(config).__name__} has no image-text-to-text model in Transformers") from None
             raise ValueError(
                 f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
                 "or 'causal-lm' to match the model"

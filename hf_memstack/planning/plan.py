@@ -65,6 +65,8 @@ class Plan:
     weights_dtype_source: str = ""
     usable_bytes: int = 0
     """The budget minus the margin: what a rung's estimated peak must fit in (``fits``)."""
+    images: str = ""
+    """A vision-language model: the images each sample was planned with (sizes, tokens, where from)."""
 
     @property
     def fits(self) -> bool:
@@ -97,6 +99,7 @@ class Plan:
         lines.append(
             f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
         )
+        lines += [self.images] if self.images else []
         budget = format_bytes(self.budget) + (
             f", {format_bytes(self.usable_bytes)} usable after the margin" if self.usable_bytes < self.budget else ""
         )
@@ -123,5 +126,6 @@ class Plan:
             "suggestions": self.suggestions,
             "weights_dtype": self.weights_dtype,
             "weights_dtype_source": self.weights_dtype_source,
+            "images": self.images,
             "estimate": self.estimate.as_dict() if self.estimate else None,
         }

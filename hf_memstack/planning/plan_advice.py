@@ -160,7 +160,10 @@ def _shorter_sequence(
     None when the line finds none or three tries do not fit."""
     if seq_len < 16:
         return None
-    half = Estimates(est.config, **{**est.job, "seq_len": seq_len // 2})(policy, 1)
+    try:
+        half = Estimates(est.config, **{**est.job, "seq_len": seq_len // 2})(policy, 1)
+    except ValueError:  # a vision-language model's image tokens alone take more than half the sequence
+        return None
     slope = (full.forward_backward_peak - half.forward_backward_peak) / (seq_len - seq_len // 2)
     if slope <= 0:
         return None
@@ -170,7 +173,10 @@ def _shorter_sequence(
         tokens = tokens // 64 * 64 if tokens >= 256 else tokens // 8 * 8
         if tokens < 8:
             return None
-        guess = Estimates(est.config, **{**est.job, "seq_len": tokens})(policy, 1)
+        try:
+            guess = Estimates(est.config, **{**est.job, "seq_len": tokens})(policy, 1)
+        except ValueError:  # shorter than the image tokens of a sample
+            return None
         if guess.peak_bytes <= usable:
             return guess
         tokens = int(tokens * 0.9)

@@ -13,7 +13,7 @@ from ..transforms.precision import resolve_precision
 from ..transforms.quant import quantizable
 from ..transforms.tiled_mlp import auto_tile_tokens
 from .depth import num_layers, with_depth
-from .estimate_checks import block_kinds, chunked_loss_problem
+from .estimate_checks import block_kinds, check_label_fraction, chunked_loss_problem
 from .fake_model import meta_model
 from .model_config import infer_task, load_config
 from .plan import Plan, PlanRow
@@ -23,6 +23,7 @@ from .plan_screen import num_blocks
 from .plan_walk import walk_rungs
 from .rungs import Requirement, RungContext, rungs_for
 from .trainable import peft_config_from
+from .vision_inputs import images_for
 from .weights_dtype import WeightsDtype, parse_dtype, resolve_weights_dtype
 
 if TYPE_CHECKING:
@@ -45,7 +46,10 @@ def plan_policy(
     step_in_backward: bool = True,
     dtype: Any = "auto",
     packed: bool = False,
+    label_fraction: float = 1.0,
     keep_outputs: bool = False,
+    image_size: int | None = None,
+    images_per_sample: int | None = None,
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
@@ -72,9 +76,11 @@ def plan_policy(
         dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
             ``from_pretrained`` gives); every rung is estimated at it.
         packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
+        label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0).
         keep_outputs: the training loop keeps the model's outputs through the backward
             (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
             :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
+        image_size, images_per_sample: a vision-language model's images (see :func:`estimate_memory`).
 
     Returns:
         :class:`Plan`. When nothing fits: the shortfall, and what would (more ranks, shorter
@@ -83,8 +89,10 @@ def plan_policy(
     budget_bytes = _check_plan_args(budget, margin, batch_size)
     usable = budget_bytes * (1 - margin)
     parse_dtype(dtype)  # a bad dtype= is refused before any work
+    check_label_fraction(label_fraction)
     config = load_config(model)
     task = task or infer_task(model, config)
+    images = images_for(config, image_size, images_per_sample, seq_len, task)  # refused before any rung is traced
     # Resolved once from what was given (the estimates below get its config, which no longer says
     # where its weights are): every rung counts the same weights.
     weights = resolve_weights_dtype(model, config, dtype)
@@ -98,7 +106,10 @@ def plan_policy(
         dtype=weights.dtype,
         packed=packed,
         device=device,
+        label_fraction=label_fraction,
         keep_outputs=keep_outputs,
+        image_size=image_size,
+        images_per_sample=images_per_sample,
     )
     plan = Plan(
         policy=None,
@@ -107,6 +118,7 @@ def plan_policy(
         weights_dtype=weights.name,
         weights_dtype_source=weights.source,
         usable_bytes=int(usable),
+        images=images.note() if images is not None else "",
     )
     context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)

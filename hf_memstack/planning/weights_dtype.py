@@ -7,7 +7,10 @@ bf16. This mirrors ``from_pretrained``'s own resolution of ``"auto"`` for a loca
 entry is read into it by the config class), else the ``dtype`` in a sharded checkpoint's index,
 else the first floating tensor of the first weights file (its header only, nothing is
 unpickled); a config with none of these gives fp32, as ``from_pretrained`` does. A model object
-counts at its parameters' own dtypes. The modules a model keeps in fp32
+counts at its parameters' own dtypes - a prepared one at the dtypes training gives them (a base
+frozen after ``prepare_model`` goes back to its loaded dtype: :mod:`hf_memstack.transforms.master_reconcile`),
+and its 4-bit layers (bitsandbytes' ``Params4bit``, torchao's ``NF4Tensor``) at their own bytes
+(:func:`four_bit_layers`). The modules a model keeps in fp32
 (``_keep_in_fp32_modules``) stay fp32, as ``from_pretrained`` keeps them.
 """
 
@@ -24,6 +27,11 @@ import torch
 from torch import nn
 
 from ..files import read_json
+from ..measure.accounting import tensor_bytes
+from ..transforms._peft import logical_name
+from ..transforms.blocks import find_blocks
+from ..transforms.master_reconcile import planned_dtypes
+from ..transforms.quant import four_bit_weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -31,7 +39,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DTYPE_CHOICES",
     "WeightsDtype",
+    "FourBitLayers",
     "cast_like_from_pretrained",
+    "four_bit_layers",
     "parse_dtype",
     "resolve_weights_dtype",
     "set_dtypes",
@@ -123,13 +133,20 @@ def resolve_weights_dtype(model: Any, config: PretrainedConfig, dtype: Any = "au
 
 
 def _of_module(model: nn.Module) -> WeightsDtype:
-    per = {name: p.dtype for name, p in model.named_parameters(remove_duplicate=False) if p.is_floating_point()}
+    # A prepared model's dtypes as training will hold them (its first training forward, make_optimizer
+    # or the Trainer reconciles its master weights with what trains), the model left untouched.
+    planned = planned_dtypes(model)
+    per = {
+        name: planned.get(id(p), p.dtype)
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if p.is_floating_point()
+    }
     if not per:
         return WeightsDtype(torch.float32, "fp32: the model has no floating parameters")
     counts: Counter[torch.dtype] = Counter()
     for p in model.parameters():
         if p.is_floating_point():
-            counts[p.dtype] += p.numel()
+            counts[planned.get(id(p), p.dtype)] += p.numel()
     main = counts.most_common(1)[0][0]
     return WeightsDtype(main, "the model's parameters", per_parameter=per)
 
@@ -229,3 +246,35 @@ def set_dtypes(net: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
             if id(p) not in done:
                 done[id(p)] = nn.Parameter(p.detach().to(want), requires_grad=p.requires_grad)
             module._parameters[name] = done[id(p)]
+
+
+@dataclass(frozen=True, slots=True)
+class FourBitLayers:
+    """A model object's 4-bit linear layers: what the estimate traces as 4-bit, and their real bytes."""
+
+    targets: tuple[str, ...]
+    """Their names, inside a block without the block's own (``self_attn.q_proj``): the same layers at any traced depth."""
+    layers: int
+    weights_bytes: int
+    """Their bytes as the model holds them (codes and quantization state; bitsandbytes' or torchao's layout)."""
+
+
+def four_bit_layers(model: nn.Module) -> FourBitLayers | None:
+    """The 4-bit layers of ``model`` (loaded with bitsandbytes, or quantized by ``prepare_model``), or None."""
+    found = [(logical_name(n), w) for n, m in model.named_modules() if (w := four_bit_weight(m)) is not None]
+    if not found:
+        return None
+    try:
+        blocks = find_blocks(model)
+        prefixes = sorted({logical_name(b) for b in blocks.names}, key=len, reverse=True)
+    except ValueError:
+        prefixes = []
+    targets = set()
+    for name, _ in found:
+        block = next((b for b in prefixes if name.startswith(b + ".")), None)
+        targets.add(name[len(block) + 1 :] if block else name)
+    return FourBitLayers(
+        targets=tuple(sorted(targets)),
+        layers=len(found),
+        weights_bytes=sum(tensor_bytes(w) for _, w in {id(w): (n, w) for n, w in found}.values()),
+    )

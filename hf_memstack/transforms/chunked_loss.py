@@ -5,6 +5,10 @@ that names the bad id before an index error would."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -19,7 +23,7 @@ if TYPE_CHECKING:
     from peft.utils import ModulesToSaveWrapper
     from transformers import PretrainedConfig
 
-__all__ = ["auto_chunk_tokens", "chunked_lm_loss"]
+__all__ = ["auto_chunk_tokens", "chunked_lm_loss", "head_rows", "labelled_as_traced"]
 
 # Logits per chunk when chunk_tokens is None: about 16M (a 64 MiB fp32 chunk; with the
 # compute-dtype copies about 130 MiB in flight, 4 bytes per logit more with a soft-cap): a few
@@ -84,6 +88,8 @@ def chunked_lm_loss(
     """Next-token cross-entropy of ``head(hidden)`` without the full logits; equal to Transformers'
     ``ForCausalLMLoss`` (labels shifted left, ``ignore_index`` skipped, ``sum / num_items_in_batch``
     when given - gradient accumulation, as Trainer passes it - else the mean over counted tokens).
+    Only the positions whose target is not ``ignore_index`` go through the head (a prompt-masked
+    batch's head costs its labelled share; inside a compiled model every position does).
 
     Args:
         hidden: the backbone's last hidden states, ``[batch, seq, hidden]``.
@@ -137,7 +143,8 @@ def _chunked_lm_loss(
         # As ForCausalLMLoss: position i predicts labels[i + 1]; the last position predicts nothing.
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
-    flat = hidden.reshape(-1, hidden.shape[-1])
+    counted = (targets != ignore_index).sum()
+    flat, targets = _labelled_rows(hidden.reshape(-1, hidden.shape[-1]), targets, ignore_index)
     linear = _plain_linear(head)
     if linear is not None:
         weight, bias = _full(linear.weight), _full(linear.bias) if linear.bias is not None else None
@@ -156,10 +163,63 @@ def _chunked_lm_loss(
     else:
         total = _checkpointed_chunks(flat, head, targets, chunk_tokens, logit_multiplier, softcap, ignore_index)
     if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
+        # Over zero counted items, as ForCausalLMLoss's mean: a nan loss whose gradients are 0 (not nan).
+        return torch.where(counted > 0, total / counted.clamp(min=1), torch.nan)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def _labelled_rows(flat: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows whose target carries loss, and their targets: only they go through the head (a masked
+    row adds nothing to the loss nor to any gradient, so nothing is scattered back; the backward of
+    the gather gives the masked rows their zero gradient). All rows when all count (no copy), and
+    inside a compiled model (a data-dependent row count would break its graph). A batch without a
+    counted row keeps its first row (ignored: it adds 0), so the loss still has its graph and its
+    model's answer (nan over zero items, 0 with ``num_items_in_batch``)."""
+    if torch.compiler.is_compiling():
+        return flat, targets
+    if is_fake(targets) or targets.is_meta:
+        # The estimator's trace holds no label values: it runs the fraction it was told is labelled.
+        rows = max(1, math.ceil(targets.shape[0] * _TRACED_LABEL_FRACTION.get()))
+        if rows >= targets.shape[0]:
+            return flat, targets
+        keep = torch.arange(rows, device=flat.device)
+    else:
+        keep = (targets != ignore_index).nonzero().squeeze(1)
+        if keep.numel() == targets.shape[0]:
+            return flat, targets
+        if keep.numel() == 0:
+            keep = keep.new_zeros(1)
+    return flat.index_select(0, keep), targets.index_select(0, keep)
+
+
+def head_rows(
+    labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int = -100
+) -> tuple[int, int]:
+    """``(rows through the head, positions)`` for a batch's labels, as the chunked loss gathers them."""
+    if shift_labels is None:
+        if labels is None:
+            return 0, 0
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    counted = int((shift_labels != ignore_index).sum())
+    return max(1, counted), shift_labels.numel()
+
+
+@contextlib.contextmanager
+def labelled_as_traced(fraction: float) -> Iterator[None]:
+    """Within: on fake tensors (the estimator's, whose labels have no values) the chunked loss runs
+    the head over ``fraction`` of the positions, as it runs over the labelled ones on real data."""
+    token = _TRACED_LABEL_FRACTION.set(fraction)
+    try:
+        yield
+    finally:
+        _TRACED_LABEL_FRACTION.reset(token)
+
+
+_TRACED_LABEL_FRACTION: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "hf_memstack_traced_label_fraction", default=1.0
+)
 
 
 def _checkpointed_chunks(

@@ -122,27 +122,47 @@ def supports_chunked_loss(model: nn.Module) -> bool:
 
 def _check_causal_lm(target: nn.Module) -> PreTrainedModel:
     """``target``, seen as the causal LM (a Transformers ``*ForCausalLM``) it was checked to be."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     name = type(target).__name__
-    causal = name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith("ForCausalLM")
+    causal = _next_token_lm(target)
     get_head = getattr(target, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     backbone = getattr(target, "base_model", target)
     if not causal or head is None or backbone is target:
         why = (
-            "it is not a causal language model"
+            "it is not a causal language model (nor a decoder-only vision-language one): its loss has no "
+            "vocabulary-sized logits to chunk"
             if not causal
             else "it has no output head (get_output_embeddings() is None)"
             if head is None
-            else "its backbone cannot be run without the head (base_model is the model itself)"
+            else "its backbone cannot be run without the head (base_model is the model itself), and the chunked loss "
+            "runs the backbone, then the head a chunk of tokens at a time"
         )
         raise ValueError(
-            f"policy.loss.mode='chunked' needs a causal language model (a *ForCausalLM: backbone, output head over the "
-            f"vocabulary, next-token loss); {name} cannot use it: {why}. Its loss has no vocabulary-sized logits to chunk: "
-            "drop loss:chunked from the policy"
+            f"policy.loss.mode='chunked' needs a causal language model (a *ForCausalLM or a decoder-only vision-language "
+            f"model: backbone, output head over the vocabulary, next-token loss); {name} cannot use it: {why}; drop "
+            "loss:chunked from the policy"
         )
     return cast("PreTrainedModel", target)
+
+
+def _next_token_lm(target: nn.Module) -> bool:
+    """Whether ``target``'s loss is the next-token cross-entropy of its head over its backbone's last
+    hidden states: a causal LM, or a decoder-only vision- or audio-language model (Qwen2-VL, LLaVA,
+    Idefics3, Mllama, ...: the backbone takes the pixels, the head's logits are over the vocabulary).
+    Encoder-decoders (Florence-2, Pix2Struct) are not: their decoder is not the backbone's last stage.
+    ``check_loss_head`` then compares the losses on real weights, so an architecture that only looks
+    like one is refused, not trained wrongly."""
+    from transformers.models.auto import modeling_auto as auto
+
+    name = type(target).__name__
+    if name in set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith("ForCausalLM"):
+        return True
+    config = getattr(target, "config", None)
+    multimodal = {
+        *auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values(),
+        *auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.values(),
+    }
+    return name in multimodal and not getattr(config, "is_encoder_decoder", False)
 
 
 def _check_matches_model(plan: _HeadPlan) -> None:
@@ -166,11 +186,19 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
     if "output_router_logits" in inspect.signature(type(target).forward).parameters:
         arguments["output_router_logits"] = True
-    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False), _hooks_restored(target):
-        expected = target(**arguments)
-        got = probe.loss_from(dict(arguments))
-    tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
     name = type(target).__name__
+    with torch.no_grad(), preserved_rng(device), module_mode(target, training=False), _hooks_restored(target):
+        try:
+            expected = target(**arguments)
+            got = probe.loss_from(dict(arguments))
+        except (TypeError, ValueError, RuntimeError, IndexError, AttributeError) as e:
+            # A multimodal model whose forward needs its images (BLIP-2): nothing to compare on text alone.
+            raise ValueError(
+                f"policy.loss.mode='chunked': {name} could not be run on 8 text tokens to compare the chunked loss "
+                f"with its own ({type(e).__name__}: {e}), so hf_memstack cannot tell that it computes the same loss. "
+                "Drop loss:chunked for this model"
+            ) from e
+    tolerance = 1e-4 if next(target.parameters()).dtype == torch.float32 else 2e-2
     for what, ours, theirs in (
         ("loss", got.loss, expected.loss),
         ("aux_loss", getattr(got, "aux_loss", None), getattr(expected, "aux_loss", None)),

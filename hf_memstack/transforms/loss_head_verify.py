@@ -19,6 +19,7 @@ from .._unwrap import unwrap_model
 from ..distributed._ranks import on_every_rank
 from ..measure.step import LossFn, forward_loss
 from ._wrappers import forward_wrapper
+from .chunked_loss import head_rows
 from .loss_forward import ChunkedLossForward
 
 __all__ = ["verify_loss_head"]
@@ -42,19 +43,35 @@ def verify_loss_head(
     # fp32: the same sums in another order; bf16/fp16: the head's matmul rounds differently per chunk.
     tolerance = 2e-2 if mixed else 1e-4
     ok = abs(a - b) <= tolerance * max(1.0, abs(b))
-    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on the first sample with a labelled token"
+    where = "the first sample with a labelled token" if one is not batch else "the whole batch (not batch-major)"
+    detail = f"chunked loss {a:.5f}, the model's own {b:.5f} on {where}"
     if not math.isfinite(b):  # nan against nan is no difference of the heads: the sample gives no loss to compare
         detail += ": the model's own loss is not finite, so the heads cannot be compared; check the weights and labels"
     elif not ok:
         detail += ": they differ; prepare the model without loss:chunked"
-    return ok and math.isfinite(a), detail
+    return ok and math.isfinite(a), detail + _head_rows_detail(model, one)
+
+
+def _head_rows_detail(model: nn.Module, sample: Any) -> str:
+    """How many of the sample's positions went through the head (those with a label to predict)."""
+    if not isinstance(sample, dict) or not torch.is_tensor(sample.get("labels")):
+        return ""
+    rows, positions = head_rows(sample["labels"], sample.get("shift_labels"), sample.get("ignore_index", -100))
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in (model, unwrap_model(model))):
+        # compile:full traces the loss into the model's graph, where a data-dependent row count would break it.
+        return f"; the head runs over all {positions} positions under compile:full (verify ran it eagerly over {rows})"
+    return f"; the head ran over {rows} of its {positions} positions (those with a label)"
 
 
 def _first_sample(batch: Any) -> Any:
     """One sample of ``batch``: the first with a label other than -100 past its first token (a
-    sample without one has no loss, nan in both heads), else the first."""
+    sample without one has no loss, nan in both heads), else the first. A batch that is not
+    batch-major (Qwen2-VL's ``pixel_values`` are ``[patches of all images, values]``, its
+    ``image_grid_thw`` one row per image) cannot be cut by rows: it is compared whole."""
     row = 0
     labels = batch.get("labels") if isinstance(batch, dict) else None
+    if isinstance(batch, dict) and not _batch_major(batch):
+        return batch
     if torch.is_tensor(labels) and labels.dim() == 2 and not labels.is_floating_point():
         labelled = (labels[:, 1:] != -100).any(dim=1).nonzero()
         row = int(labelled[0]) if len(labelled) else 0
@@ -63,3 +80,13 @@ def _first_sample(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)):
         return type(batch)(v[:1] if torch.is_tensor(v) and v.dim() > 0 else v for v in batch)
     return batch[:1] if torch.is_tensor(batch) else batch
+
+
+def _batch_major(batch: dict[str, Any]) -> bool:
+    """Whether every tensor of ``batch`` has one row per sample (as many as its ``input_ids``, or
+    ``labels``, have)."""
+    anchor = next((batch[k] for k in ("input_ids", "labels") if torch.is_tensor(batch.get(k))), None)
+    if anchor is None or anchor.dim() == 0:
+        return True
+    rows = anchor.shape[0]
+    return all(v.shape[0] == rows for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)

@@ -16,20 +16,24 @@ back bf16, and AdamW over bf16 weights rounds away every update smaller than hal
   proportion, so that it survives in expectation.
 
 Each cast keeps the ``nn.Parameter`` object (tied weights stay tied) and runs before checkpointing,
-compile and FSDP wrap the model.
+compile and FSDP wrap the model. What trains may be decided after ``prepare_model`` (PEFT, TRL's
+``peft_config``): the casts are recorded and reconciled with it where training starts, so that a
+frozen parameter is never held upcast (:mod:`hf_memstack.transforms.master_reconcile`).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .._unwrap import unwrap_model
 from ..policy import MemoryPolicy
 from .bf16_adamw import warn_on_plain_steps_over_pure_bf16
+from .master_reconcile import MasterWeightsLedger, ReconcileOnTrainingForward
 
 __all__ = ["MasterWeightsPlan", "MasterWeightsResult", "apply_master_weights", "check_master_weights", "mark_pure_bf16"]
 
@@ -46,6 +50,8 @@ class MasterWeightsResult:
     """Trainable parameters cast (0: they were in the master dtype already, or were left as loaded)."""
     cast_from: tuple[str, ...] = ()
     """The dtypes they had before."""
+    ledger: MasterWeightsLedger | None = field(default=None, compare=False, repr=False)
+    """The casts, reconciled with what trains when training starts (None: an unprepared model's default)."""
 
     def describe(self) -> str:
         kept = (
@@ -53,9 +59,10 @@ class MasterWeightsResult:
             if self.mode == "fp32"
             else "pure bf16 (BF16AdamW, stochastic rounding: make_optimizer)"
         )
-        if not self.cast:
-            return kept
-        return f"{kept}; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode}"
+        if self.cast:
+            kept += f"; {self.cast} trainable parameter(s) cast from {'/'.join(self.cast_from)} to {self.mode} by prepare_model"
+        later = self.ledger.describe() if self.ledger is not None else ""
+        return f"{kept}; {later}" if later else kept
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,6 +74,8 @@ class MasterWeightsPlan:
     params: tuple[nn.Parameter, ...] = ()
     trainable: tuple[nn.Parameter, ...] = ()
     """Every trainable parameter (pure bf16 marks them for the optimizer step check)."""
+    cast_new: bool = False
+    """16-bit parameters made trainable after prepare_model go to fp32 too (fp32 master weights under autocast)."""
 
 
 def check_master_weights(
@@ -89,9 +98,9 @@ def check_master_weights(
         )
     sixteen = [p for p in trainable if p.dtype in _SIXTEEN_BIT]
     if not sixteen or before_adapters:
-        return MasterWeightsPlan(mode="fp32", dtype=torch.float32)
+        return MasterWeightsPlan(mode="fp32", dtype=torch.float32, cast_new=mixed)
     if mixed:
-        return MasterWeightsPlan(mode="fp32", dtype=torch.float32, params=tuple(sixteen))
+        return MasterWeightsPlan(mode="fp32", dtype=torch.float32, params=tuple(sixteen), cast_new=True)
     # Without autocast, fp32 master weights beside 16-bit frozen ones would meet in one matmul in two dtypes.
     warnings.warn(
         f"policy.precision={policy.precision!r}"
@@ -114,12 +123,26 @@ def mark_pure_bf16(params: Iterable[nn.Parameter]) -> None:
     warn_on_plain_steps_over_pure_bf16()
 
 
-def apply_master_weights(plan: MasterWeightsPlan) -> MasterWeightsResult:
-    """Cast the planned parameters in place (the same ``nn.Parameter`` objects, so ties hold)."""
+def apply_master_weights(
+    plan: MasterWeightsPlan, model: nn.Module | None = None, *, sharded: bool = False
+) -> MasterWeightsResult:
+    """Cast the planned parameters in place (the same ``nn.Parameter`` objects, so ties hold). With
+    ``model``: record the casts, to be reconciled with what trains (``sharded``: FSDP will shard it,
+    after which they stay), first at its first training forward."""
     before = tuple(sorted({str(p.dtype).removeprefix("torch.") for p in plan.params}))
+    ledger = None
+    if model is not None:
+        ledger = MasterWeightsLedger(model, dtype=plan.dtype, cast_new=plan.cast_new, sharded=sharded)
+        ledger.record(plan.params)
+        # The innermost model's backbone (a Transformers model's ``base_model``): PEFT's wrappers and TRL's
+        # fused head call the models around it by their forward, past their hooks, but this one by __call__.
+        inner = unwrap_model(model)
+        backbone = getattr(inner, "base_model", None)
+        target = backbone if isinstance(backbone, nn.Module) and backbone is not inner else inner
+        target.register_forward_pre_hook(ReconcileOnTrainingForward(ledger))
     with torch.no_grad():
         for p in plan.params:
             p.data = p.data.to(plan.dtype)
     if plan.mode == "bf16":
         mark_pure_bf16(plan.trainable)
-    return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before)
+    return MasterWeightsResult(mode=plan.mode, cast=len(plan.params), cast_from=before, ledger=ledger)

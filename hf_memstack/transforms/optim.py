@@ -26,6 +26,7 @@ from torch import nn
 from ..policy import MemoryPolicy, OptimizerConfig
 from ..record import record_of, unwrap_model
 from .bf16_adamw import BF16AdamW
+from .master_reconcile import reconcile_master_weights
 from .optim_8bit import _torchao_adamw
 from .optim_groups import _check_hyperparameters, _param_groups, _tensor_of
 from .optim_in_backward import Factory, OptimizerInBackward, optimizer_in_backward_of
@@ -175,6 +176,8 @@ def make_optimizer(
         grad_scaler=grad_scaler,
     )
     check_optimizer_policy(cfg)
+    # What trains is known now: the master weights follow it (a base frozen after prepare_model goes back to its dtype).
+    reconcile_master_weights(model)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     groups = _param_groups(model, param_groups, defaults)
     params = [_tensor_of(item) for g in groups for item in g["params"]]

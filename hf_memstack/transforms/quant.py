@@ -31,6 +31,7 @@ from .._quiet import quiet_imports
 from ..measure.accounting import tensor_bytes
 from ..policy import QuantConfig
 from .blocks import Blocks
+from .quant_forward import LinearForward, linear_forward_classes
 from .quant_targets import BNB_LOAD, find_targets, refuse_trainable_targets, scaler_block_size
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class _Target:
     scaler_block_size: int
     """Scales per second-level scale factor: 256 (QLoRA's), or the largest divisor of the layer's
     (per-shard) number of blocks below it, for layers too small for 256."""
+    linear_forward: bool = False
+    """Its class's forward computes F.linear in a form a 4-bit weight cannot run (Falcon's
+    ``input @ weight.T``): ``F.linear`` is installed as its forward (:mod:`.quant_forward`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,11 +169,18 @@ def check_quant(
     plan = QuantPlan(cfg=cfg, dtype=dtype, loaded=tuple(loaded), loaded_backend=loaded_backend)
     if cfg.mode == "none" or loaded:  # a model loaded 4-bit is the 4-bit base: nothing more is quantized
         return plan
-    _nf4_module()  # torchao is there (RuntimeError otherwise)
+    nf4 = _nf4_module()  # torchao is there (RuntimeError otherwise)
     found = find_targets(model, cfg, blocks)
     refuse_trainable_targets(model, found)
+    rerouted = linear_forward_classes(found, to_nf4=nf4.to_nf4, block_size=cfg.block_size)
     targets = tuple(
-        _Target(name=n, module=m, scaler_block_size=scaler_block_size(n, m, cfg.block_size, shards)) for n, m in found
+        _Target(
+            name=n,
+            module=m,
+            scaler_block_size=scaler_block_size(n, m, cfg.block_size, shards),
+            linear_forward=type(m) in rerouted,
+        )
+        for n, m in found
     )
     return QuantPlan(cfg=cfg, dtype=dtype, targets=targets, loaded_backend=loaded_backend)
 
@@ -184,6 +195,8 @@ def apply_quant(model: nn.Module, plan: QuantPlan) -> QuantResult:
         with torch.no_grad():
             nf4 = _to_nf4(weight.detach().to(plan.dtype).contiguous(), plan.cfg.block_size, target.scaler_block_size)
         target.module.weight = nn.Parameter(nf4, requires_grad=False)
+        if target.linear_forward:
+            target.module.forward = LinearForward(target.module)  # type: ignore[method-assign]
         del weight, nf4
     # A model loaded 4-bit holds its 4-bit weights in linear layers (bitsandbytes' Linear4bit is an nn.Linear).
     layers = [t.module for t in plan.targets] or [cast(nn.Linear, m) for _, m in plan.loaded]

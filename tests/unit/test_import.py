@@ -143,7 +143,7 @@ def test_quiet_drops_only_the_named_noise() -> None:
 
 
 def test_cli_dtype_choices_are_the_estimators() -> None:
-    from hf_memstack.cli import DTYPE_CHOICES
+    from hf_memstack.cli_estimate import DTYPE_CHOICES
     from hf_memstack.planning.weights_dtype import DTYPE_CHOICES as ESTIMATOR_CHOICES
 
     assert DTYPE_CHOICES == ESTIMATOR_CHOICES

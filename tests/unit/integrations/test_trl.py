@@ -4,6 +4,7 @@ is reported, and the callback measures the step that runs. Tiny Llama, in-memory
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -210,3 +211,90 @@ def test_packed_sft_trainer_runs_with_the_callback_and_verify_checks_the_rows(lo
     checks = {c.name: c for c in callback.first_step.verify.checks}
     assert "packing" in checks and checks["packing"].ok, callback.first_step.verify
     assert len(_losses(trainer)) == 2
+
+
+# ----------------------------------------------------------------------------- a vision-language model
+
+
+def _tiny_llava(tokenizer):
+    """A tiny LLaVA (CLIP vision tower of 2 blocks, 2 Llama blocks) and its processor over the word
+    tokenizer plus an <image> token: 28x28 images, 4 patches each. (Qwen2-VL's processor needs a
+    video processor, which needs torchvision: not installed here.)"""
+    from tiny import llama_config
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+    config = LlavaConfig(
+        text_config=llama_config(pad_token_id=0),
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(config).train(), processor
+
+
+def _image_dataset():
+    import datasets
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return datasets.Dataset.from_dict(
+        {
+            "text": [f"{WORDS[i]} <image> {WORDS[i + 1]} {WORDS[i + 2]}" for i in range(8)],
+            "images": [[Image.fromarray(rng.integers(0, 255, (28, 28, 3), dtype=np.uint8))] for _ in range(8)],
+        }
+    )
+
+
+def test_sft_trainer_on_a_vlm_with_a_processor_trains_with_the_callback(word_tokenizer, tmp_path):
+    """SFTTrainer with a processor (TRL's vision collator: pixel_values built per batch) on a prepared
+    LLaVA: the callback's pass runs TRL's forward on the pixel batch, in bf16, and the losses are the
+    unprepared trainer's."""
+
+    def run(prepared):
+        model, processor = _tiny_llava(word_tokenizer)
+        callback = MemstackCallback() if prepared else None
+        trainer = trl.SFTTrainer(
+            model=prepare_model(model, "bf16") if prepared else model,
+            args=_config(
+                tmp_path, gradient_checkpointing=False, per_device_train_batch_size=2, remove_unused_columns=False
+            ),
+            train_dataset=_image_dataset(),
+            processing_class=processor,
+            callbacks=[callback] if callback else None,
+        )
+        trainer.train()
+        return _losses(trainer), callback
+
+    ours, callback = run(prepared=True)
+    reference, _ = run(prepared=False)
+    assert len(ours) == 2 and ours == pytest.approx(reference, abs=2e-3), (ours, reference)
+    report = callback.first_step.verify
+    assert report.check("policy").ok and report.check("precision").ok, report
+    assert "bfloat16" in report.check("precision").detail and callback.first_step.memory.peak_bytes > 0

@@ -312,3 +312,112 @@ def test_a_weights_file_that_cannot_be_read_is_refused_naming_it(tmp_path, damag
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     # The way out the message names works.
     assert estimate_memory(folder, "bf16", batch_size=1, seq_len=8, dtype="bf16").weights_dtype == "bf16"
+
+
+# ------------------------------------------------------------- PEFT / 4-bit load before or after prepare_model
+class _NoHook:
+    def remove(self):
+        pass
+
+
+def _memtracker_step(model, batch, opt):
+    """PyTorch's own MemTracker (an independent reference: not the meter's subclass) on the third
+    step, the optimizer's state existing: the categories at its peak. Two things it cannot do alone:
+    frozen parameters get no gradient hook (PyTorch refuses one), and a bitsandbytes weight's
+    quantization state (tensors beside it) is handed to it and counted with the parameters."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            for p in module.parameters():
+                if not p.requires_grad:
+                    self._param_to_grad_hook_handles.setdefault(p, (_NoHook(), _NoHook()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def step():
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    states = []
+    for p in model.parameters():
+        q = p.__dict__.get("quant_state")
+        while q is not None and hasattr(q, "absmax"):
+            states += [t for t in (q.absmax, q.code, getattr(q, "offset", None)) if torch.is_tensor(t)]
+            q = getattr(q, "state2", None)
+    tracker = Tracker()
+    tracker.track_external(model, opt, *states)
+    with tracker:
+        step()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    return {
+        "peak": snap[_TOTAL_KEY],
+        "parameters": snap[_MemRefType.PARAM] + snap[_MemRefType.BUFFER] + snap[_MemRefType.OTH],
+        "gradients": snap[_MemRefType.GRAD],
+        "optimizer": snap[_MemRefType.OPT],
+    }
+
+
+def _in_order(path, order, four_bit):
+    from peft import LoraConfig, get_peft_model
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    quant = (
+        {
+            "quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            )
+        }
+        if four_bit
+        else {}
+    )
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = LlamaForCausalLM.from_pretrained(path, **quant).train()
+        if order == "prepare-peft":
+            return get_peft_model(prepare_model(model, "bf16+ckpt"), lora)
+        model = get_peft_model(model, lora)
+        prepare_model(model, "bf16+ckpt")
+    return model
+
+
+@pytest.mark.parametrize("four_bit", [False, True], ids=["bf16", "qlora"])
+def test_both_orders_give_the_same_dtypes_and_estimate_and_it_equals_memtracker(saved, four_bit):
+    """Issue 39: a bf16 checkpoint (or its bnb 4-bit load) with PEFT after prepare_model held its
+    frozen base in fp32, and the estimate of a 4-bit model counted its 4-bit layers' storage as fp32
+    (or bf16). Both orders now train with the same dtypes, estimate the same, and the estimate (made
+    before any step) equals PyTorch's MemTracker on a steady-state step, field by field, and its peak
+    too in bf16. 4-bit: the traced layers are torchao's NF4, whose dequantization temporaries exceed
+    bitsandbytes' by tens of KiB at hidden 64 (a few % of this tiny step's peak, none on the bench's
+    hidden-256 rows, where activations hold the peak): the peak is held to a 6% bound above."""
+    if four_bit:
+        pytest.importorskip("bitsandbytes")
+        pytest.importorskip("torchao")
+    batch = make_batch("llama", batch_size=4, seq=64)
+    seen = {}
+    for order in ("prepare-peft", "peft-prepare"):
+        model = _in_order(saved["bf16"], order, four_bit)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            est = estimate_memory(model, "bf16+ckpt", batch_size=4, seq_len=64, device="cpu")
+        real = _memtracker_step(model, batch, make_optimizer(model, lr=1e-4))
+        fields = {k: getattr(est, k) for k in ("parameters", "gradients", "optimizer")}
+        assert fields == {k: real[k] for k in fields}, (order, fields, real)
+        if four_bit:
+            assert 0 <= est.peak_bytes - real["peak"] <= 0.06 * real["peak"], (order, est.peak_bytes, real)
+        else:
+            assert est.peak_bytes == real["peak"], (order, est.peak_bytes, real)
+        assert est.weights_dtype == "bf16", est.weights_dtype
+        dtypes = sorted(
+            (n.replace(".base_layer", ""), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()
+        )
+        seen[order] = (dtypes, est.as_dict())
+    (d1, e1), (d2, e2) = seen.values()
+    assert d1 == d2
+    assert {k: v for k, v in e1.items() if k != "notes"} == {k: v for k, v in e2.items() if k != "notes"}
+    if four_bit:
+        assert any("4-bit base weights" in n for n in e1["notes"]), e1["notes"]
