@@ -38,6 +38,7 @@ import sys
 import traceback
 from typing import Any
 
+from ._quiet import quiet_imports
 from ._text import printable
 from .cli_estimate import (
     Refused,
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "plot", None):
             require_matplotlib()  # before the estimate: not a table first and the failure after it
         args.model = resolve_model_alias(args.model)
-        return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
+        with quiet_imports():  # the first Transformers import loads torchao, bitsandbytes: only their noise is dropped
+            return {"estimate": _estimate, "plan": _plan, "find-batch-size": _find}[args.command](args)
     except BudgetTooSmallError as e:
         print(f"hf-memstack {args.command}: does not fit: {printable(str(e))}", file=sys.stderr)
         return DOES_NOT_FIT

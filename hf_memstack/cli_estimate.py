@@ -78,9 +78,12 @@ def device_option(parser: Any, what: str) -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help=f"{what}; default: this machine")
 
 
-def dtype_option(parser: Any) -> None:
-    from .planning.weights_dtype import DTYPE_CHOICES  # here, not at the top: --help stays fast
+# planning.weights_dtype.DTYPE_CHOICES, spelled here: importing it imports torch, and --help must not
+# (tests/unit/test_import.py keeps the two equal).
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 
+
+def dtype_option(parser: Any) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,

@@ -98,6 +98,7 @@ from finetune_support.stops import (
     tensor_bytes,
 )
 
+from hf_memstack._quiet import quiet_imports
 from hf_memstack.files import irregular_files
 
 
@@ -917,7 +918,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     the command that resumes from it."""
     args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     run: dict[str, Any] = {}  # what that line reads: the config once parsed, the job once set up
-    with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=_script())):
+    # quiet_imports: the run's first Transformers / PEFT use imports torchao and bitsandbytes; their
+    # import-time noise (and only it) is dropped, so an error is the one message the user reads.
+    with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=_script())), quiet_imports():
         return _main(args, run)
 
 

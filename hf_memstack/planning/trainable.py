@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from .._quiet import quiet_imports, quiet_peft_wrap
+
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
 
 
+@quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
 def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
     left at "all"): its base model's config is estimated with its adapters."""
@@ -43,6 +46,7 @@ def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     return model, trainable
 
 
+@quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
 def peft_config_from(trainable: Any) -> PeftConfig | None:
     """``trainable`` as a PEFT config (None for ``"all"``).
 
@@ -78,6 +82,8 @@ def peft_config_from(trainable: Any) -> PeftConfig | None:
 DEFAULT_LORA: dict[str, Any] = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": "all-linear"}
 
 
+@quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
+@quiet_peft_wrap()  # PEFT's own deprecated call into Transformers, not the user's
 def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
     from peft import get_peft_model  # optional: only when a PEFT config is given
 

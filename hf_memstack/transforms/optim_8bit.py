@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 
+from .._quiet import quiet_imports
+
 _INSTALL = "pip install 'hf_memstack[optim]' (torchao)"
 
 
 @functools.cache
+@quiet_imports()  # torchao's import-time noise only (hf_memstack/_quiet.py)
 def _torchao_adamw() -> Callable[..., torch.optim.Optimizer]:
     """torchao's ``AdamW8bit`` (with ``bf16_stochastic_round`` under pure bf16), trackable: a class whose
     constructor takes AdamW's arguments (not ``torch.optim.Optimizer``'s ``defaults`` dict)."""

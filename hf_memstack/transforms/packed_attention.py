@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._quiet import quiet_imports
+
 __all__ = [
     "PACKED_SDPA",
     "PackedAttentionResult",
@@ -82,6 +84,7 @@ class PackedAttentionResult:
         return f"sdpa, run per sample on packed rows where its attention is given their position_ids ({PACKED_SDPA})"
 
 
+@quiet_imports()  # the first Transformers import loads torchao: its import-time noise only
 def register_packed_attention() -> None:
     """Register :data:`PACKED_SDPA` in Transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch import nn
 
+from .._quiet import quiet_imports
 from ..measure.accounting import tensor_bytes
 from ..policy import QuantConfig
 from .blocks import Blocks
@@ -270,6 +271,7 @@ def quantizable(blocks: Blocks | None) -> bool:
 # ---------------------------------------------------------------------------------------- the checks
 
 
+@quiet_imports()  # torchao's import-time noise only (hf_memstack/_quiet.py)
 def _nf4_module() -> ModuleType:
     try:
         import importlib
