@@ -74,7 +74,9 @@ def test_another_head_of_an_encoder_decoder_is_refused_naming_the_model(saved, t
     with pytest.raises(ValueError, match=r"task='causal-lm' on BartConfig \(model_type='bart'\), an encoder-decoder"):
         estimate_memory(config, "bf16", batch_size=1, seq_len=SEQ, task="causal-lm")
     config.architectures = ["BartForQuestionAnswering"]
-    with pytest.raises(ValueError, match=r"BartForQuestionAnswering \(BartConfig, model_type='bart'\) is an encoder-dec"):
+    with pytest.raises(
+        ValueError, match=r"BartForQuestionAnswering \(BartConfig, model_type='bart'\) is an encoder-dec"
+    ):
         estimate_memory(config, "bf16", batch_size=1, seq_len=SEQ)
     with pytest.raises(ValueError, match="task='bogus' is not one of 'causal-lm', 'seq2seq-lm', 'classification'"):
         estimate_memory(config, "bf16", batch_size=1, seq_len=SEQ, task="bogus")
