@@ -1,5 +1,5 @@
 """The model an estimate is of: its Transformers config from whatever was given (a config, a dict, a
-local directory, a cached hub id), its task (causal LM or classification), and the model built
+local directory, a cached hub id), its task (causal LM, sequence-to-sequence LM or classification), and the model built
 from it with random weights."""
 
 from __future__ import annotations
@@ -250,7 +250,12 @@ def infer_task(model: Any, config: PretrainedConfig) -> str:
     """Which head to build when no task is given: ``classification`` for a sequence-classification
     model (its class, or the config's ``architectures`` saved by ``save_pretrained``) and for an
     encoder without a causal-LM head (``BertModel``, ``BertForMaskedLM``: what the recipe
-    fine-tunes such a model for), else ``causal-lm``. See :func:`task_note` for why."""
+    fine-tunes such a model for), ``seq2seq-lm`` for an encoder-decoder saved with its LM head (T5, BART:
+    ``*ForConditionalGeneration``, or no architecture named), else ``causal-lm``. See :func:`task_note` for why.
+
+    Raises:
+        ValueError: an encoder-decoder saved with another head (``BartForQuestionAnswering``): it is refused
+            naming it, not built as a different model."""
     return _infer_task(model, config)[0]
 
 
