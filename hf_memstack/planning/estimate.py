@@ -45,7 +45,7 @@ from .estimate_checks import (
 from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
 from .memory_estimate import MemoryEstimate
-from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
+from .model_config import SEQ2SEQ_NOTE, build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
 from .vision_inputs import images_for
 from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
@@ -105,9 +105,11 @@ def estimate_memory(
             but the output head); a PEFT config (e.g. ``LoraConfig(...)``); or a dict of
             ``LoraConfig`` fields (``{"r": 16, "target_modules": ["q_proj", "v_proj"]}``). Frozen
             parameters count as parameters, with no gradient and no optimizer state.
-        task: ``causal-lm`` or ``classification`` (which head the config gets); default: from the
-            model given (its class, or its config's ``architectures``); an encoder without a
-            causal-LM head (``BertModel``) is ``classification`` (said in the notes); else ``causal-lm``.
+        task: ``causal-lm``, ``seq2seq-lm`` or ``classification`` (which head the config gets); default:
+            from the model given (its class, or its config's ``architectures``); an encoder without a
+            causal-LM head (``BertModel``) is ``classification`` (said in the notes); an encoder-decoder's
+            ``*ForConditionalGeneration`` (T5, BART) is ``seq2seq-lm`` (labels as long as the inputs);
+            else ``causal-lm``.
         dtype: the weights' dtype: ``"auto"`` (default) counts what ``from_pretrained(model)`` gives
             (the config's ``dtype``/``torch_dtype``, else the saved weights' own; fp32 for a config
             naming none), a model object at its parameters' dtypes; or ``"bf16"``, ``"fp16"``,
@@ -177,6 +179,7 @@ def estimate_memory(
     check_seq_len(config, seq_len, batch_size)
     images = images_for(config, image_size, images_per_sample, seq_len, task)
     notes += [images.note()] if images is not None else []
+    notes += [SEQ2SEQ_NOTE] if task == "seq2seq-lm" else []
     check_depth(config)
     notes += _chunked_loss_notes(policy, config, task, trust_remote_code)
     job = Job(

@@ -12,7 +12,7 @@ from ..policy import LossConfig
 from ..transforms.loss_head import check_loss_head
 from . import build_cache
 from .depth import blocks_of_every_kind, text_config, with_depth
-from .model_config import build_model
+from .model_config import TASKS, build_model
 from .weights_dtype import parse_dtype
 
 if TYPE_CHECKING:
@@ -26,8 +26,8 @@ def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"optimizer={optimizer!r} is not one of 'adamw', 'sgd'")
-    if task is not None and task not in ("causal-lm", "classification"):
-        raise ValueError(f"task={task!r} is not one of 'causal-lm', 'classification'")
+    if task is not None and task not in TASKS:
+        raise ValueError(f"task={task!r} is not one of {', '.join(map(repr, TASKS))}")
     parse_dtype(dtype)
 
 
@@ -114,6 +114,15 @@ def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: 
 
     # What happens between the backbone and the output head does not depend on the depth: the fewest
     # blocks that hold every kind of block the model has (one, unless its layers differ).
+    if task == "seq2seq-lm":
+        # An encoder-decoder's head is refused by its class (no values needed): the whole model on meta.
+        with torch.device("meta"):
+            model = build_model(config, task, trust_remote_code=trust_remote_code)
+        try:
+            check_loss_head(model, LossConfig(mode="chunked"))
+        except ValueError as e:
+            return f"{e} (estimate_memory refuses what prepare_model refuses)", None
+        raise AssertionError("loss:chunked accepted on an encoder-decoder")  # check_loss_head refuses every one
     layers = getattr(text_config(config), "num_hidden_layers", None)
     try:
         multi = isinstance(layers, int) and layers > 1

@@ -167,6 +167,9 @@ def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | FullTrace | No
     if job.images is not None:
         # Two stacks (the vision tower's, the language model's), cut by the config's text depth alone: no line.
         return FullTrace("a vision-language model: its vision tower's and language model's blocks are all traced")
+    if job.task == "seq2seq-lm":
+        # Two stacks (the encoder's, the decoder's), whose depths the config sets apart: no line.
+        return FullTrace("an encoder-decoder: its encoder's and decoder's blocks are all traced")
     ck = job.policy.checkpointing
     every_n = ck.every_n if ck.mode == "every_n" else 1
 

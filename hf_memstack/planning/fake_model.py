@@ -167,6 +167,8 @@ def fake_batch(
             "attention_mask": torch.ones_like(ids),
             "labels": torch.zeros(batch, dtype=torch.long),
         }
+    if task == "seq2seq-lm":  # an encoder-decoder's: its decoder reads labels as long as the inputs (shifted right)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     if packed:  # two samples a row, positions restarting at the second: the collator's layout
         half = seq // 2
         positions = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, seq)

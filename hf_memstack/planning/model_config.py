@@ -1,5 +1,5 @@
 """The model an estimate is of: its Transformers config from whatever was given (a config, a dict, a
-local directory, a cached hub id), its task (causal LM or classification), and the model built
+local directory, a cached hub id), its task (causal LM, sequence-to-sequence LM or classification), and the model built
 from it with random weights."""
 
 from __future__ import annotations
@@ -250,7 +250,12 @@ def infer_task(model: Any, config: PretrainedConfig) -> str:
     """Which head to build when no task is given: ``classification`` for a sequence-classification
     model (its class, or the config's ``architectures`` saved by ``save_pretrained``) and for an
     encoder without a causal-LM head (``BertModel``, ``BertForMaskedLM``: what the recipe
-    fine-tunes such a model for), else ``causal-lm``. See :func:`task_note` for why."""
+    fine-tunes such a model for), ``seq2seq-lm`` for an encoder-decoder saved with its LM head (T5, BART:
+    ``*ForConditionalGeneration``, or no architecture named), else ``causal-lm``. See :func:`task_note` for why.
+
+    Raises:
+        ValueError: an encoder-decoder saved with another head (``BartForQuestionAnswering``): it is refused
+            naming it, not built as a different model."""
     return _infer_task(model, config)[0]
 
 
@@ -260,6 +265,12 @@ def task_note(model: Any, config: PretrainedConfig) -> str | None:
     return _infer_task(model, config)[1]
 
 
+TASKS = ("causal-lm", "seq2seq-lm", "classification")
+"""The heads the estimator builds: a causal LM's, an encoder-decoder's LM (T5, BART), a sequence classifier's."""
+SEQ2SEQ_NOTE = (
+    "task: seq2seq-lm (an encoder-decoder): traced with seq_len input tokens and seq_len label tokens per sample "
+    "(the decoder reads the labels shifted right); a shorter target costs less in the decoder"
+)
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
@@ -272,10 +283,12 @@ def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
     )
     if any(n.endswith("ForSequenceClassification") for n in names):
         return "classification", None
-    if any(n.endswith(_CAUSAL_HEADS) for n in names):
-        return "causal-lm", None
     if config is None and isinstance(model, nn.Module):
         config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and not is_vision_language(config):
+        return _encoder_decoder_task(config, names), None
+    if any(n.endswith(_CAUSAL_HEADS) for n in names):
+        return "causal-lm", None
     if _is_encoder(config):
         # An encoder (BERT, RoBERTa...) is not a causal LM: building it as one makes a decoder it
         # never was (BertLMHeadModel, with an is_decoder warning per layer) and estimates its MLM-sized head.
@@ -285,6 +298,18 @@ def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
             "recipe does); pass task='causal-lm' (--task causal-lm) to estimate it as a decoder"
         )
     return "causal-lm", None
+
+
+def _encoder_decoder_task(config: PretrainedConfig, names: list[str]) -> str:
+    """An encoder-decoder (T5, BART) generating text is a ``seq2seq-lm``; built as a causal LM it would be
+    its decoder alone (BartForCausalLM) or nothing (T5): another model. Any other head is refused."""
+    if not names or any(n.endswith("ForConditionalGeneration") for n in names):
+        return "seq2seq-lm"
+    raise ValueError(
+        f"{printable(names[0])} ({type(config).__name__}, model_type={config.model_type!r}) is an encoder-decoder "
+        "without a sequence-to-sequence LM head or a classification head: the estimator cannot build it as saved; "
+        "pass task='seq2seq-lm' (--task seq2seq-lm) to estimate it with its LM head, or task='classification'"
+    )
 
 
 def _is_encoder(config: PretrainedConfig) -> bool:
@@ -322,10 +347,23 @@ def _auto_class(config: PretrainedConfig, task: str) -> Any:
     with a ``vision_config``) is built whole, vision tower included, as ``from_pretrained`` on
     ``AutoModelForImageTextToText`` builds it - its causal-LM class (Qwen2-VL has none) or one
     without the tower (Mllama's) would be another model."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+    )
 
     if not is_vision_language(config):
-        return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+        if task == "causal-lm" and getattr(config, "is_encoder_decoder", False):
+            # AutoModelForCausalLM would build the decoder alone (BartForCausalLM): another model.
+            raise ValueError(
+                f"task='causal-lm' on {type(config).__name__} (model_type={config.model_type!r}), an encoder-decoder: "
+                "its causal-LM model would be its decoder alone, not the model; pass task='seq2seq-lm' "
+                "(--task seq2seq-lm) or leave task out"
+            )
+        autos = {"causal-lm": AutoModelForCausalLM, "seq2seq-lm": AutoModelForSeq2SeqLM}
+        return autos.get(task, AutoModelForSequenceClassification)
     if task != "causal-lm":
         raise ValueError(
             f"task={task!r} on {type(config).__name__} (model_type={config.model_type!r}), a vision-language model: "
@@ -346,8 +384,8 @@ def _build(config: PretrainedConfig, task: str, trust_remote_code: bool, dtype: 
             if is_vision_language(config):
                 raise ValueError(f"{type(config).__name__} has no image-text-to-text model in Transformers") from None
             raise ValueError(
-                f"{type(config).__name__} has no {task} model in Transformers; pass task='classification' "
-                "or 'causal-lm' to match the model"
+                f"{type(config).__name__} (model_type={config.model_type!r}) has no {task} model in Transformers; "
+                "pass task='causal-lm', 'seq2seq-lm' or 'classification' to match the model"
             ) from None
         raise ValueError(
             f"{type(config).__name__} does not describe a valid model ({str(e).splitlines()[0][:240]}); fix its config"

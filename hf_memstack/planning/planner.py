@@ -65,7 +65,7 @@ def plan_policy(
             that fits at least one sample is chosen, at its largest batch, whose own estimate fits).
         world_size: devices; FSDP rungs are considered when > 1.
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
-        task: ``causal-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
+        task: ``causal-lm``, ``seq2seq-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32
             (``cuda`` on a machine without a GPU: bf16).
         trainable: what trains, as for :func:`estimate_memory` (``"all"``, ``"lora"``, a PEFT config, a dict);

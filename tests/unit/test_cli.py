@@ -518,3 +518,24 @@ def test_absurd_token_counts_are_refused_before_tracing(tmp_path, capsys, comman
     err = capsys.readouterr().err
     assert f"seq_len={seq_len} (--seq-len)" in err and "(--batch-size)" in err and named in err, err
     assert "internal error" not in err
+
+
+def test_find_batch_size_on_a_vlm_folder_feeds_pixels_and_seq2seq_is_a_task(pretrained_dirs, tmp_path, capsys):
+    # A composite config (Gemma-3: the vocabulary in text_config): the finder's batches carry the images.
+    from tiny_vlm import tiny_vlm
+
+    folder = tmp_path / "gemma3"
+    tiny_vlm("gemma3").save_pretrained(folder)
+    argv = ["find-batch-size", str(folder), "--policy", "bf16", "--seq-len", "24", "--budget", "64MiB", "--json"]
+    code = main([*argv, "--no-cache"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert json.loads(captured.out)["batch_size"] >= 1
+    # Images that do not fit the sequence are refused as a usage error, naming the flag.
+    assert main([*argv, "--no-cache", "--images-per-sample", "9"]) == 2
+    assert "seq_len" in capsys.readouterr().err
+    # An encoder-decoder's task is accepted by --task and inferred alike.
+    t5 = str(pretrained_dirs["t5"])
+    for task in (["--task", "seq2seq-lm"], []):
+        assert main(["estimate", t5, "--batch-size", "1", "--seq-len", "16", "--json", *task]) == 0
+        assert "task: seq2seq-lm" in capsys.readouterr().out
