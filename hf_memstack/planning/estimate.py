@@ -7,8 +7,8 @@ meter traces one real Transformers forward, backward and optimizer step on fake 
 estimate counts exactly what the meter measures - frozen parameters, tied embeddings, the logits
 of large vocabularies - for any architecture Transformers can build. Two things are not traced
 and are accounted for separately: torch.compile (estimated as its eager policy: compile usually
-lowers the peak a little) and FSDP over ``world_size`` ranks (the traced model states are divided
-by the ranks, plus one block's gathered parameters).
+lowers the peak a little) and FSDP over ``world_size`` ranks (each part of each traced phase as one
+rank holds it - sharded model states, gathered parameters: :mod:`hf_memstack.planning.fsdp_shards`).
 
 A deep stack of identical blocks is traced at two shallow depths and extrapolated, phase by phase
 (:mod:`hf_memstack.planning.depth`): seconds for a 7B or 70B config, and every field equal to the full
@@ -22,7 +22,9 @@ trace's, which ``extrapolate=False`` runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +33,12 @@ from torch import nn
 
 from ..measure.memory import StepMemory, step_memory_of
 from ..policy import MemoryPolicy
-from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, with_depth
+from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, num_layers, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
 from .estimate_checks import check_arguments, check_depth, check_mode, chunked_loss_problem, chunked_loss_verdict
 from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
+from .fsdp_shards import FsdpShards, fsdp_shards
 from .memory_estimate import MemoryEstimate
 from .model_config import build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
@@ -165,7 +168,8 @@ def estimate_memory(
         packed_per_sample=policy.compile.mode == "none",
         foreach=foreach,
     )
-    m, net, counts = _traced_step(config, job, extrapolate, notes)
+    shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
+    m, net, counts = _traced_step(config, job, extrapolate, notes, shards)
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = per_rank(
@@ -209,10 +213,15 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
 
 
 def _traced_step(
-    config: PretrainedConfig, job: Job, extrapolate: bool, notes: list[str]
+    config: PretrainedConfig,
+    job: Job,
+    extrapolate: bool,
+    notes: list[str],
+    shards_of: Callable[[nn.Module], FsdpShards | None],
 ) -> tuple[StepMemory, nn.Module, dict[str, int]]:
-    """The step's memory, the traced model and its counts: one full trace, or two shallow ones
-    extrapolated to the full depth (said in ``notes``)."""
+    """The step's memory on one rank, the traced model and its counts: one full trace, or two shallow
+    ones extrapolated to the full depth (said in ``notes``). ``shards_of(net)``: how FSDP shards the
+    traced model (None without FSDP), applied to each part of each phase before its peak is taken."""
     planned = depth_plan(config, job) if extrapolate else FULL_TRACE_ASKED
     depth = planned if isinstance(planned, DepthPlan) else None
     traced: dict[int, Traced] = {}
@@ -232,7 +241,8 @@ def _traced_step(
     # their parts cannot be matched (an unlike block 0 in a one-period trace), a period deeper.
     while depth is not None:
         lo, hi = at(depth.depths[0]), at(depth.depths[1])
-        phases = extrapolate_phases(lo.phases, hi.phases, depth)
+        shards = shards_of(hi.net)
+        phases = extrapolate_phases(lo.phases, hi.phases, depth, shards.per_rank if shards else None)
         if phases is not None:
             counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
             notes.append(depth.note())
@@ -243,7 +253,8 @@ def _traced_step(
     if isinstance(planned, FullTrace):
         notes.append(planned.note())
     full = trace(config, job)
-    return step_memory_of(full.phases), full.net, full.counts
+    shards = shards_of(full.net)
+    return step_memory_of(shards.phases(full.phases) if shards else full.phases), full.net, full.counts
 
 
 def _with_weights_dtype(

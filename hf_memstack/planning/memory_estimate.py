@@ -30,7 +30,8 @@ class MemoryEstimate:
     seq_len: int
     world_size: int
     parameters: int
-    """Parameters and buffers, frozen ones included (FSDP: this rank's shards plus one gathered block)."""
+    """Parameters and buffers, frozen ones included (FSDP: this rank's shards plus the root's parameters gathered
+    in the compute dtype - embeddings, final norm, head - which FSDP holds through the forward and backward)."""
     gradients: int
     """Gradients of the trainable parameters."""
     optimizer: int
