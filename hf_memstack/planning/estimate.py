@@ -244,6 +244,7 @@ def _traced_step(
         shards = shards_of(hi.net)
         phases = extrapolate_phases(lo.phases, hi.phases, depth, shards.per_rank if shards else None)
         if phases is not None:
+            phases = shards.saved(phases) if shards else phases
             counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
             notes.append(depth.note())
             return step_memory_of(phases), hi.net, counts

@@ -58,6 +58,13 @@ class FsdpShards:
     reshard: bool
     """Whether blocks are resharded after their forward (full_shard) or stay gathered (shard_grad_op)."""
     cpu_offload: bool
+    block_cast: int = 0
+    """One block's trainable linear weights as autocast copies them to the compute dtype on one device
+    (0 when they are in it already): FSDP gathers them in that dtype, so a rank makes no such copy."""
+    root_cast: int = 0
+    """The same of the linear layers outside the blocks (the head)."""
+    checkpointed: bool = False
+    """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
 
     def per_rank(self, phase: int, segment: tuple[str, int] | None, peak: dict[str, int]) -> dict[str, int]:
         """One part of one phase (``segment``: ``pre``, ``post``, or a block) as one rank holds it."""
@@ -71,8 +78,11 @@ class FsdpShards:
             out["temp"] = peak["temp"] // w
             return _totalled(out)
         at_end = _totalled({**out, "grad": states * (self.grads // w), "act": 0, "temp": self.root_reduce})
+        copies = self._cast_copies(phase, segment)
+        out["act"] = max(0, peak["act"] - copies)
+        out["temp"] = max(0, peak["temp"] - max(0, copies - peak["act"]))
         out["param"] += self.root_gathered
-        out["temp"] = peak["temp"] + self.block_gathered * self._blocks_gathered(phase, segment)
+        out["temp"] += self.block_gathered * self._blocks_gathered(phase, segment)
         if phase == _BACKWARD and (segment is None or segment[0] == "post"):
             # The backward's end: the root resharded, its gradients reduce-scattered, every other one sharded.
             return max(_totalled(out), at_end, key=lambda c: c["total"])
@@ -90,13 +100,36 @@ class FsdpShards:
         first_block = kind in ("first", "block") and k == 0
         return 1 + int(phase == _BACKWARD and not first_block)
 
+    def _cast_copies(self, phase: int, segment: tuple[str, int] | None) -> int:
+        """The single-device trace's autocast copies of the weights in this part, which no rank holds: in the
+        forward every block's so far (autocast caches them until the forward ends), in the backward those
+        saved for it (none of a checkpointed block's, whose recompute makes its own)."""
+        if not (self.block_cast or self.root_cast):
+            return 0
+        kind, k = segment if segment is not None else ("block", self.layers - 1)
+        done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
+        if kind == "pre":
+            return (
+                0
+                if phase != _BACKWARD
+                else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
+            )
+        if kind == "post":
+            return 0 if phase == _BACKWARD else self.root_cast + self.layers * self.block_cast
+        return self.block_cast * (1 if phase == _BACKWARD and self.checkpointed else done)
+
+    def saved(self, traced: PhasePeaks) -> PhasePeaks:
+        """The activations the forward leaves, less the autocast copies a rank does not make."""
+        copies = self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
+        return PhasePeaks(peaks=traced.peaks, forward_activations=max(0, traced.forward_activations - copies))
+
     def phases(self, traced: PhasePeaks) -> PhasePeaks:
         """A traced step's phases as one rank holds them: each part accounted, then the highest."""
         peaks = []
         for i, peak in enumerate(traced.peaks):
             parts = traced.segments[i] if i < len(traced.segments) and traced.segments[i] else {None: peak}
             peaks.append(max((self.per_rank(i, s, p) for s, p in parts.items()), key=lambda c: c["total"]))
-        return PhasePeaks(peaks=tuple(peaks), forward_activations=traced.forward_activations)
+        return self.saved(PhasePeaks(peaks=tuple(peaks), forward_activations=traced.forward_activations))
 
 
 def _totalled(peak: dict[str, int]) -> dict[str, int]:
@@ -125,6 +158,22 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     # Unsharded in the compute dtype, then copied into the fp32 reduce-scatter input, whose output is the shard.
     root_reduce = gathered(trained) + sum(p.numel() * 4 for p in trained) * (world + 1) // world
     block = max((gathered(list(b.parameters())) for b in blocks), default=0)
+
+    def cast(modules: list[nn.Module]) -> int:
+        # autocast copies a trainable linear layer's weight and bias not in the compute dtype (frozen ones
+        # are copied too but not cached; not counted: a LoRA base is usually loaded in it).
+        if compute is None:
+            return 0
+        return sum(
+            p.numel() * compute.itemsize
+            for m in modules
+            if isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)
+            if p.requires_grad and p.is_floating_point() and p.dtype != compute
+        )
+
+    block_modules = [m for m in blocks[0].modules()] if blocks else []
+    inside_modules = {id(m) for b in blocks for m in b.modules()}
     per_block = max((sum(tensor_bytes(p) for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
     depth = layers or len(blocks)
     return FsdpShards(
@@ -136,4 +185,7 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
         layers=depth,
         reshard=reshard_after_forward(policy.fsdp),
         cpu_offload=policy.fsdp.cpu_offload,
+        block_cast=cast(block_modules),
+        root_cast=cast([m for m in net.modules() if id(m) not in inside_modules]),
+        checkpointed=policy.checkpointing.mode == "full",
     )
