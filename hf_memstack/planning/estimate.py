@@ -175,6 +175,9 @@ def estimate_memory(
     est = per_rank(
         m, net, policy, world_size, config, batch_size, seq_len, trainable_params, total_params, notes, model
     )
+    est = dataclasses.replace(
+        est, activations_per_block=counts.get("saved_per_block", 0), blocks=counts.get("blocks", 0)
+    )
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
@@ -246,6 +249,9 @@ def _traced_step(
         if phases is not None:
             phases = shards.saved(phases) if shards else phases
             counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
+            slope = (hi.phases.forward_activations - lo.phases.forward_activations) // depth.period
+            counts["saved_per_block"] = max(0, slope - (shards.saved_copies_per_block() if shards else 0))
+            counts["blocks"] = depth.layers
             notes.append(depth.note())
             return step_memory_of(phases), hi.net, counts
         depth = depth.deeper()

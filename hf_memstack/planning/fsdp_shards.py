@@ -118,6 +118,10 @@ class FsdpShards:
             return 0 if phase == _BACKWARD else self.root_cast + self.layers * self.block_cast
         return self.block_cast * (1 if phase == _BACKWARD and self.checkpointed else done)
 
+    def saved_copies_per_block(self) -> int:
+        """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
+        return 0 if self.checkpointed else self.block_cast
+
     def saved(self, traced: PhasePeaks) -> PhasePeaks:
         """The activations the forward leaves, less the autocast copies a rank does not make."""
         copies = self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)

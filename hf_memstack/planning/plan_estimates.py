@@ -3,9 +3,11 @@ rung's largest batch (``batch_size="max"``) that spends as few traces as it can.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..policy import MemoryPolicy
+from ..sizes import format_bytes
 from .estimate import estimate_memory
 from .memory_estimate import MemoryEstimate
 from .states_floor import states_floor
@@ -13,7 +15,7 @@ from .states_floor import states_floor
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["Estimates", "max_batch"]
+__all__ = ["Estimates", "max_batch", "with_activation_floor"]
 
 
 class Estimates:
@@ -26,8 +28,8 @@ class Estimates:
     def __call__(self, policy: str, batch_size: int) -> MemoryEstimate:
         key = self._key(policy, batch_size)
         if key not in self.cache:
-            self.cache[key] = estimate_memory(
-                self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job
+            self.cache[key] = with_activation_floor(
+                estimate_memory(self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job)
             )
         return self.cache[key]
 
@@ -52,6 +54,30 @@ class Estimates:
         # Compile is estimated as eager: rungs that differ only by compile share one trace; the
         # policy's own spelling, so bf16+loss:chunked+ckpt and bf16+ckpt+loss:chunked do too.
         return MemoryPolicy.coerce(policy.replace("+compile", "")).to_string(), batch_size
+
+
+def with_activation_floor(e: MemoryEstimate) -> MemoryEstimate:
+    """A sanity floor on what the planner chooses from: the activations of every block the forward leaves
+    (its per-block reading times the blocks) are held at the forward+backward's peak, so an estimate
+    reading less is read with them (raised, and said in its notes). FSDP's estimate once read a 70B's
+    ``loss:chunked`` activations as 2 GiB where its 80 blocks leave 1.65 GiB each, and the plan chose
+    that run without checkpointing."""
+    floor = e.activations_per_block * e.blocks
+    if e.mode != "train" or e.activations >= floor:
+        return e
+    short = floor - e.activations
+    note = (
+        f"activations raised from {format_bytes(e.activations)} to {format_bytes(floor)}: "
+        f"{e.blocks} blocks x {format_bytes(e.activations_per_block)} each, which the forward leaves"
+    )
+    fb_peak = max(e.forward_backward_peak, e.parameters + e.gradients + e.optimizer + floor)
+    return dataclasses.replace(
+        e,
+        activations=floor,
+        forward_backward_peak=fb_peak,
+        peak_bytes=max(e.peak_bytes + short if e.peak_phase == "forward+backward" else e.peak_bytes, fb_peak),
+        notes=(*e.notes, note),
+    )
 
 
 _MAX_TRACES = 16  # per rung: a linear peak needs 4 (batch 1, 2, the answer, the answer + 1)
