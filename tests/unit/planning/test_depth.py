@@ -205,7 +205,9 @@ def test_the_peak_moving_inside_a_phase_with_depth_is_extrapolated_part_by_part(
     monkeypatch.setattr(
         estimate_module,
         "extrapolate_phases",
-        lambda lo, hi, plan: whole(dataclasses.replace(lo, segments=()), dataclasses.replace(hi, segments=()), plan),
+        lambda lo, hi, plan, *rest: whole(
+            dataclasses.replace(lo, segments=()), dataclasses.replace(hi, segments=()), plan, *rest
+        ),
     )
     assert estimate_memory(config, "bf16+ckpt", **job).forward_backward_peak < 0.99 * full.forward_backward_peak
 
