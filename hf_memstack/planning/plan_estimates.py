@@ -57,25 +57,30 @@ class Estimates:
 
 
 def with_activation_floor(e: MemoryEstimate) -> MemoryEstimate:
-    """A sanity floor on what the planner chooses from: the activations of every block the forward leaves
-    (its per-block reading times the blocks) are held at the forward+backward's peak, so an estimate
-    reading less is read with them (raised, and said in its notes). FSDP's estimate once read a 70B's
-    ``loss:chunked`` activations as 2 GiB where its 80 blocks leave 1.65 GiB each, and the plan chose
-    that run without checkpointing."""
-    floor = e.activations_per_block * e.blocks
-    if e.mode != "train" or e.activations >= floor:
+    """A sanity floor on what the planner chooses from: when the forward ends, the parameters, the
+    optimizer state and the activations every block leaves (its per-block reading times the blocks) are
+    all alive, so the forward+backward peak holds at least them; an estimate reading less is read at that
+    floor (raised, and said in its notes). FSDP's estimate once read a 70B's ``loss:chunked`` activations
+    as 2 GiB where its 80 blocks leave 1.65 GiB each, and the plan chose that run without checkpointing."""
+    saved = e.activations_per_block * e.blocks
+    floor = e.parameters + e.optimizer + saved
+    if e.mode != "train" or e.forward_backward_peak >= floor:
         return e
-    short = floor - e.activations
     note = (
-        f"activations raised from {format_bytes(e.activations)} to {format_bytes(floor)}: "
-        f"{e.blocks} blocks x {format_bytes(e.activations_per_block)} each, which the forward leaves"
+        f"forward+backward peak raised from {format_bytes(e.forward_backward_peak)} to {format_bytes(floor)}: the "
+        f"parameters and optimizer state with the activations of {e.blocks} blocks x {format_bytes(e.activations_per_block)}"
     )
-    fb_peak = max(e.forward_backward_peak, e.parameters + e.gradients + e.optimizer + floor)
+    if floor <= e.peak_bytes:  # the step's peak (the optimizer's) already holds it: its categories stand
+        return dataclasses.replace(e, forward_backward_peak=floor, notes=(*e.notes, note))
+    rest = floor - e.parameters - e.gradients - e.optimizer  # above e.activations + e.temporaries
+    activations = max(e.activations, min(saved, rest))
     return dataclasses.replace(
         e,
-        activations=floor,
-        forward_backward_peak=fb_peak,
-        peak_bytes=max(e.peak_bytes + short if e.peak_phase == "forward+backward" else e.peak_bytes, fb_peak),
+        activations=activations,
+        temporaries=rest - activations,
+        forward_backward_peak=floor,
+        peak_bytes=floor,
+        peak_phase="forward+backward",
         notes=(*e.notes, note),
     )
 

@@ -72,6 +72,9 @@ def _config(arch: str, layers: int, **extra):
 def _fields(estimate) -> dict:
     values = dataclasses.asdict(estimate)
     values.pop("notes")
+    # The depth extrapolation's per-block reading, which a full trace does not take.
+    values.pop("activations_per_block")
+    values.pop("blocks")
     return values
 
 

@@ -63,11 +63,16 @@ def test_the_activation_floor_raises_an_estimate_below_its_per_block_reading():
     import dataclasses
 
     e = _est(4, "bf16+ckpt+fsdp")
-    low = dataclasses.replace(e, activations=0, activations_per_block=e.activations + 1, blocks=4)
+    assert with_activation_floor(e) == e  # a sound estimate stands
+    # The forward+backward read below the states and its blocks' activations (as FSDP's once read): raised.
+    low = dataclasses.replace(e, activations_per_block=e.peak_bytes, blocks=4, forward_backward_peak=0)
     raised = with_activation_floor(low)
-    assert raised.activations == 4 * (e.activations + 1)
-    assert raised.peak_bytes >= raised.parameters + raised.gradients + raised.optimizer + raised.activations
-    assert with_activation_floor(e) == e
+    floor = e.parameters + e.optimizer + 4 * e.peak_bytes
+    assert raised.forward_backward_peak == raised.peak_bytes == floor
+    assert raised.activations == 4 * e.peak_bytes - e.gradients  # the rest of the floor beside the states
+    parts = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+    assert raised.peak_bytes == sum(getattr(raised, k) for k in parts)
+    assert "raised" in raised.notes[-1]
 
 
 @pytest.mark.slow
