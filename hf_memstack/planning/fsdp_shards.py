@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ..measure.accounting import tensor_bytes
 from ..measure.memory import PhasePeaks
 from ..policy import MemoryPolicy
+from ..record import record_of
 from ..transforms.fsdp import reshard_after_forward
 from .fake_model import blocks_or_empty
 
@@ -146,7 +146,9 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     if policy.fsdp.mode == "none" or world < 2:
         return None
     blocks = blocks_or_empty(net)
-    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(policy.precision)
+    record = record_of(net)  # the precision prepare_model resolved ("auto": the target device's)
+    resolved = getattr(record, "precision", None)
+    compute = resolved.dtype if resolved is not None and resolved.mixed else None
 
     def gathered(params: list[nn.Parameter]) -> int:
         # FSDP2 gathers floating parameters in its param_dtype (the policy's), others as they are.
