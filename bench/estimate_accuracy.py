@@ -8,6 +8,11 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
     python bench/estimate_accuracy.py --loops         # the kept-outputs and dropped-outputs loops vs MemTracker
     python bench/estimate_accuracy.py --orders        # PEFT / a 4-bit load before or after prepare_model vs MemTracker
 
+``--fsdp``: the FSDP section - the estimate against the meter on 2 gloo ranks (a tiny Llama: 4 blocks,
+vocabulary 4,000; full fine-tune and LoRA, checkpointing, the chunked loss, 128-512 tokens), and the plan
+of a Llama-3-70B config (from config.json alone) at 8 x 80 GiB and 4,096, 8,192 and 32,768 tokens with the
+per-block arithmetic beside it. Written to bench/results/estimate_accuracy_fsdp.json.
+
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
 default way (``dtype="auto"``: the bf16 one comes back bf16), full fine-tuning and LoRA, fp32 master
@@ -99,7 +104,11 @@ def main() -> None:
     ap.add_argument(
         "--orders", action="store_true", help="PEFT / 4-bit load before and after prepare_model vs MemTracker"
     )
+    ap.add_argument("--fsdp", action="store_true", help="the FSDP section instead (see above)")
     args = ap.parse_args()
+    if args.fsdp:
+        fsdp_section(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_fsdp.json"))
+        return
     if args.loops:
         loop_rows(Path(args.out or Path(__file__).parent / "results" / "estimate_accuracy_loops.json"))
         return
@@ -544,6 +553,118 @@ def order_rows(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"machine": machine(), "batch": batch, "seq": seq, "rows": rows}, indent=2))
     return rows
+
+
+# --- FSDP: the estimate against the meter on 2 gloo ranks, and a 70B plan with its per-block arithmetic ---
+
+FSDP_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 4000,
+    "max_position_embeddings": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+FSDP_CELLS = [
+    ("fp32+fsdp", "all", 320),
+    ("fp32+ckpt+fsdp", "all", 192),
+    ("fp32+fsdp+loss:chunked", "lora", 128),
+    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512),
+    ("bf16+ckpt+fsdp", "all", 256),
+    ("bf16+fsdp", "all", 192),
+]
+FSDP_FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak_bytes")
+LLAMA_3_70B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _fsdp_cells(rank: int, world: int) -> list:
+    """Each cell measured on this rank (MemTracker through measure_step) and, on rank 0, estimated."""
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = []
+    for policy, trainable, seq in FSDP_CELLS:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**FSDP_SHAPE)).train()
+        if trainable == "lora":
+            model = get_peft_model(model, peft_config_from("lora"))
+        model = prepare_model(model, policy)
+        ids = torch.randint(3, FSDP_SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(rank))
+        real = measure_step(
+            model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False
+        )
+        est = None
+        if rank == 0:
+            e = estimate_memory(
+                LlamaConfig(**FSDP_SHAPE), policy, batch_size=2, seq_len=seq, world_size=world, trainable=trainable
+            )
+            est = {k: getattr(e, k) for k in FSDP_FIELDS}
+        out.append({"real": {k: getattr(real, k) for k in FSDP_FIELDS}, "est": est})
+    return out
+
+
+def _plan_70b(seq: int, tmp: Path) -> dict:
+    """The 70B plan at 8 x 80 GiB and ``seq`` tokens, with the arithmetic of its activations beside it."""
+    from hf_memstack import plan_policy
+
+    (tmp / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    start = time.perf_counter()
+    plan = plan_policy(str(tmp), budget="80GiB", seq_len=seq, world_size=8, device="cuda")
+    row: dict = {"seq": seq, "seconds": round(time.perf_counter() - start, 1), "policy": None}
+    e = plan.estimate
+    if e is None:
+        return row | {"shortfall_gib": plan.shortfall_bytes / 2**30}
+    ck = plan.policy.checkpointing
+    checkpointed = {"full": e.blocks, "every_n": -(-e.blocks // ck.every_n)}.get(ck.mode, 0)
+    return row | {
+        "policy": plan.policy.to_string(),
+        "peak_gib": e.peak_bytes / 2**30,
+        "per_block_activation_gib": e.activations_per_block / 2**30,
+        "blocks": e.blocks,
+        "blocks_checkpointed": checkpointed,
+        "activations_gib": e.activations / 2**30,
+        "per_block_x_blocks_gib": e.activations_per_block * e.blocks / 2**30,
+        "resident_params_gib": e.parameters / 2**30,
+        "gradients_gib": e.gradients / 2**30,
+        "optimizer_gib": e.optimizer / 2**30,
+    }
+
+
+def fsdp_section(out: Path) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from dist_utils import run_ranks
+
+    rows = []
+    for (policy, trainable, seq), cell in zip(FSDP_CELLS, run_ranks(_fsdp_cells, timeout=1200)[0], strict=True):
+        real, est = cell["real"], cell["est"]
+        err = {k: (est[k] / real[k] - 1 if real[k] else None) for k in FSDP_FIELDS}
+        rows.append({"policy": policy, "trainable": trainable, "seq": seq, "real": real, "est": est, "error": err})
+        print(
+            f"{policy:30s} {trainable:4s} seq {seq:3d}: peak {est['peak_bytes'] / 2**20:7.2f} MiB vs "
+            f"{real['peak_bytes'] / 2**20:7.2f} ({err['peak_bytes'] * 100:+.1f}%)"
+        )
+    plans = []
+    for seq in (4096, 8192, 32768):
+        with tempfile.TemporaryDirectory() as tmp:
+            plans.append(_plan_70b(seq, Path(tmp)))
+        print(plans[-1])
+    out.write_text(json.dumps({"machine": machine(), "fsdp_2_ranks": rows, "plan_70b_8x80gib": plans}, indent=2))
 
 
 if __name__ == "__main__":

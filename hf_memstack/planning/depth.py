@@ -61,6 +61,8 @@ _MOST_TRACED = 0.75
 _INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
 # Config fields listing a value per block (layer_types, no_rope_layers): cut to the shallow depth.
 _PLAIN = (int, float, str, bool, type(None))
+# What one rank holds of a part of a phase: (phase index, part or None, its peak by category) -> the same.
+PerRank = Callable[[int, "Segment | None", dict[str, int]], dict[str, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +184,9 @@ def extrapolate_line(at: tuple[int, int], depths: tuple[int, int], layers: int) 
     return hi + (hi - lo) * (layers - b) // (b - a)
 
 
-def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan) -> PhasePeaks | None:
+def extrapolate_phases(
+    shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan, per_rank: PerRank | None = None
+) -> PhasePeaks | None:
     """Each phase's peak, category by category, at the model's full depth; None when the traces'
     parts cannot be matched (then :meth:`DepthPlan.deeper`).
 
@@ -193,8 +197,10 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
     full depth: the part that holds the peak can change with the depth (the head's backward in a
     shallow LoRA model, its last block's backward in a deep one). The blocks between add the same
     bytes each, so none of them is above both ends. Without segments (no blocks found), each phase's
-    peak is one line.
+    peak is one line. ``per_rank(phase, part, peak)``: what one rank holds of each part at the full
+    depth (FSDP's shards: :mod:`hf_memstack.planning.fsdp_shards`), before the phase's highest is taken.
     """
+    rank: PerRank = per_rank or (lambda phase, part, peak: peak)
     if len(shallow.peaks) != len(deeper.peaks):
         raise RuntimeError("the two shallow traces ran different phases")
 
@@ -208,18 +214,20 @@ def extrapolate_phases(shallow: PhasePeaks, deeper: PhasePeaks, plan: DepthPlan)
         return peak
 
     if not (shallow.segments and deeper.segments):
-        peaks = [extrapolated(a, b) for a, b in zip(shallow.peaks, deeper.peaks, strict=True)]
+        peaks = [
+            rank(i, None, extrapolated(a, b)) for i, (a, b) in enumerate(zip(shallow.peaks, deeper.peaks, strict=True))
+        ]
     else:
         # Block 0 may stand for the last block of its kind when it holds what the others do.
         alike = all(_block0_alike(parts, plan.period) for parts in deeper.segments)
         peaks = []
-        for low, high in zip(shallow.segments, deeper.segments, strict=True):
+        for i, (low, high) in enumerate(zip(shallow.segments, deeper.segments, strict=True)):
             lo = _by_position(low, plan.depths[0], plan.period, block0_alike=alike)
             hi = _by_position(high, plan.depths[1], plan.period, block0_alike=alike)
             if lo.keys() != hi.keys():
                 return None  # the shallower trace's one period starts with an unlike block 0
             # The first part (in the order they ran) to reach the highest peak, as one tracker reads it.
-            peaks.append(max((extrapolated(lo[k], hi[k]) for k in hi), key=lambda p: p["total"]))
+            peaks.append(max((rank(i, k, extrapolated(lo[k], hi[k])) for k in hi), key=lambda p: p["total"]))
     return PhasePeaks(
         peaks=tuple(peaks), forward_activations=line(shallow.forward_activations, deeper.forward_activations)
     )

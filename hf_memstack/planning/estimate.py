@@ -7,8 +7,8 @@ meter traces one real Transformers forward, backward and optimizer step on fake 
 estimate counts exactly what the meter measures - frozen parameters, tied embeddings, the logits
 of large vocabularies - for any architecture Transformers can build. Two things are not traced
 and are accounted for separately: torch.compile (estimated as its eager policy: compile usually
-lowers the peak a little) and FSDP over ``world_size`` ranks (the traced model states are divided
-by the ranks, plus one block's gathered parameters).
+lowers the peak a little) and FSDP over ``world_size`` ranks (each part of each traced phase as one
+rank holds it - sharded model states, gathered parameters: :mod:`hf_memstack.planning.fsdp_shards`).
 
 A deep stack of identical blocks is traced at two shallow depths and extrapolated, phase by phase
 (:mod:`hf_memstack.planning.depth`): seconds for a 7B or 70B config, and every field equal to the full
@@ -22,8 +22,10 @@ trace's, which ``extrapolate=False`` runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +34,7 @@ from torch import nn
 
 from ..measure.memory import StepMemory, step_memory_of
 from ..policy import MemoryPolicy
-from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, with_depth
+from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, num_layers, with_depth
 from .estimate_accounting import dtype_note, per_rank, with_kept_logits
 from .estimate_checks import (
     check_arguments,
@@ -44,6 +46,7 @@ from .estimate_checks import (
 )
 from .estimate_trace import Job, Traced, depth_plan, trace
 from .fake_model import quant_notes
+from .fsdp_shards import FsdpShards, fsdp_shards
 from .memory_estimate import MemoryEstimate
 from .model_config import SEQ2SEQ_NOTE, build_model, check_seq_len, infer_task, load_config, task_note
 from .trainable import DEFAULT_LORA, peft_config_from, what_trains
@@ -160,9 +163,7 @@ def estimate_memory(
     check_arguments(
         batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
     )
-    check_mode(mode, eval_samples)
-    check_label_fraction(label_fraction)
-    _check_keep_outputs(keep_outputs, mode)
+    _check_loop(mode, eval_samples, label_fraction, keep_outputs)
     foreach = _steps_foreach(device)
     given = model
     model, trainable = what_trains(model, trainable)
@@ -200,7 +201,8 @@ def estimate_memory(
         keep_outputs=keep_outputs,
         images=images,
     )
-    m, net, counts = _traced_step(config, job, extrapolate, notes)
+    shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
+    m, net, counts = _traced_step(config, job, extrapolate, notes, shards)
     # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
     four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0
     counts = {**counts, "quant_bytes": four_bit.weights_bytes} if four_bit is not None else counts
@@ -213,7 +215,7 @@ def estimate_memory(
         est = _plus_parameters(est, four_bit_delta)
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
-    est = dataclasses.replace(est, keep_outputs=keep_outputs, kept_outputs_bytes=counts.get("kept_outputs", 0))
+    est = _with_trace_counts(est, counts, keep_outputs)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
 
 
@@ -235,6 +237,24 @@ def _plus_parameters(est: MemoryEstimate, extra: int) -> MemoryEstimate:
         peak_bytes=est.peak_bytes + extra,
         forward_backward_peak=est.forward_backward_peak + extra,
     )
+
+
+def _with_trace_counts(est: MemoryEstimate, counts: dict[str, Any], keep_outputs: bool) -> MemoryEstimate:
+    """The trace's per-block reading (the planner's floor) and the kept outputs, on the estimate."""
+    return dataclasses.replace(
+        est,
+        activations_per_block=counts.get("saved_per_block", 0),
+        blocks=counts.get("blocks", 0),
+        keep_outputs=keep_outputs,
+        kept_outputs_bytes=counts.get("kept_outputs", 0),
+    )
+
+
+def _check_loop(mode: str, eval_samples: int | None, label_fraction: float, keep_outputs: object) -> None:
+    """The arguments that say what the step runs: train or eval, labelled share, outputs kept."""
+    check_mode(mode, eval_samples)
+    check_label_fraction(label_fraction)
+    _check_keep_outputs(keep_outputs, mode)
 
 
 def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
@@ -302,10 +322,15 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
 
 
 def _traced_step(
-    config: PretrainedConfig, job: Job, extrapolate: bool, notes: list[str]
+    config: PretrainedConfig,
+    job: Job,
+    extrapolate: bool,
+    notes: list[str],
+    shards_of: Callable[[nn.Module], FsdpShards | None],
 ) -> tuple[StepMemory, nn.Module, dict[str, int]]:
-    """The step's memory, the traced model and its counts: one full trace, or two shallow ones
-    extrapolated to the full depth (said in ``notes``)."""
+    """The step's memory on one rank, the traced model and its counts: one full trace, or two shallow
+    ones extrapolated to the full depth (said in ``notes``). ``shards_of(net)``: how FSDP shards the
+    traced model (None without FSDP), applied to each part of each phase before its peak is taken."""
     planned = depth_plan(config, job) if extrapolate else FULL_TRACE_ASKED
     depth = planned if isinstance(planned, DepthPlan) else None
     traced: dict[int, Traced] = {}
@@ -325,9 +350,14 @@ def _traced_step(
     # their parts cannot be matched (an unlike block 0 in a one-period trace), a period deeper.
     while depth is not None:
         lo, hi = at(depth.depths[0]), at(depth.depths[1])
-        phases = extrapolate_phases(lo.phases, hi.phases, depth)
+        shards = shards_of(hi.net)
+        phases = extrapolate_phases(lo.phases, hi.phases, depth, shards.per_rank if shards else None)
         if phases is not None:
+            phases = shards.saved(phases) if shards else phases
             counts = {k: extrapolate_line((lo.counts[k], hi.counts[k]), depth.depths, depth.layers) for k in hi.counts}
+            slope = (hi.phases.forward_activations - lo.phases.forward_activations) // depth.period
+            counts["saved_per_block"] = max(0, slope - (shards.saved_copies_per_block() if shards else 0))
+            counts["blocks"] = depth.layers
             notes.append(depth.note())
             return step_memory_of(phases), hi.net, counts
         depth = depth.deeper()
@@ -336,7 +366,8 @@ def _traced_step(
     if isinstance(planned, FullTrace):
         notes.append(planned.note())
     full = trace(config, job)
-    return step_memory_of(full.phases), full.net, full.counts
+    shards = shards_of(full.net)
+    return step_memory_of(shards.phases(full.phases) if shards else full.phases), full.net, full.counts
 
 
 def _with_weights_dtype(

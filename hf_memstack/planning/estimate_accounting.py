@@ -10,11 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..measure.accounting import tensor_bytes
 from ..measure.memory import StepMemory
 from ..policy import MemoryPolicy
 from ..sizes import format_bytes
-from .fake_model import blocks_or_empty
 from .memory_estimate import MemoryEstimate
 from .weights_dtype import WeightsDtype, short_name
 
@@ -81,22 +79,13 @@ def per_rank(
     notes: list[str],
     model: Any,
 ) -> MemoryEstimate:
+    # The step as one rank holds it: under FSDP the trace was accounted part by part (fsdp_shards.py).
     params, grads, opt = m.parameters, m.gradients, m.optimizer
     # What the peak holds beyond the model states: activations and temporaries (logits, their gradients, buffers).
     rest = max(0, m.peak_bytes - params - grads - opt)
-    traced_states = params + grads + opt
-    if policy.fsdp.mode != "none" and world > 1:
-        # Sharded states; plus the parameters of the block being computed, gathered in full.
-        block = max((sum(tensor_bytes(p) for p in b.parameters()) for b in blocks_or_empty(net)), default=0)
-        params, grads, opt = params // world + 2 * block, grads // world, opt // world
-        if policy.fsdp.cpu_offload:
-            notes.append("fsdp cpu_offload: sharded parameters, gradients and optimizer state live in host memory")
-            params, grads, opt = 2 * block, 0, 0
-    # The forward+backward peak as traced, less what sharding takes off this rank. Not the step's
-    # model states plus a rest: those are the optimizer phase's (every gradient alive, the step's
-    # temporaries), and where that phase holds the peak the forward+backward would read as equal to
-    # it at every batch size - the planner's slope per sample then read 0.
-    fb_peak = max(0, m.forward_backward_peak - (traced_states - (params + grads + opt)))
+    if policy.fsdp.mode != "none" and world > 1 and policy.fsdp.cpu_offload:
+        notes.append("fsdp cpu_offload: sharded parameters, gradients and optimizer state live in host memory")
+    fb_peak = m.forward_backward_peak
     name = getattr(config, "_name_or_path", "") or type(net).__name__
     return MemoryEstimate(
         model=str(model) if isinstance(model, (str, Path)) else name,

@@ -30,7 +30,8 @@ class MemoryEstimate:
     seq_len: int
     world_size: int
     parameters: int
-    """Parameters and buffers, frozen ones included (FSDP: this rank's shards plus one gathered block)."""
+    """Parameters and buffers, frozen ones included (FSDP: this rank's shards plus the root's parameters gathered
+    in the compute dtype - embeddings, final norm, head - which FSDP holds through the forward and backward)."""
     gradients: int
     """Gradients of the trainable parameters."""
     optimizer: int
@@ -61,6 +62,11 @@ class MemoryEstimate:
     ``weights:fp32`` (``prepare_model`` casts 16-bit trainable weights to fp32 master weights under a
     mixed precision), ``bf16`` under ``weights:bf16``, ``none`` when nothing trains."""
     notes: tuple[str, ...] = ()
+    activations_per_block: int = 0
+    """The activations the forward leaves per block of the stack (the depth extrapolation's slope; 0 when
+    every block was traced): ``activations`` holds at least this times ``blocks`` (the planner checks it)."""
+    blocks: int = 0
+    """The model's blocks (0 when traced in full)."""
     mode: str = "train"
     """``train`` (one training step) or ``eval`` (one forward under ``torch.no_grad()`` in eval mode, as
     ``Trainer.prediction_step`` runs it: no gradients, no optimizer state, nothing saved for a backward, so

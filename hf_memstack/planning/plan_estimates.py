@@ -3,9 +3,11 @@ rung's largest batch (``batch_size="max"``) that spends as few traces as it can.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from ..policy import MemoryPolicy
+from ..sizes import format_bytes
 from .estimate import estimate_memory
 from .memory_estimate import MemoryEstimate
 from .states_floor import states_floor
@@ -13,7 +15,7 @@ from .states_floor import states_floor
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["Estimates", "max_batch"]
+__all__ = ["Estimates", "max_batch", "with_activation_floor"]
 
 
 class Estimates:
@@ -26,8 +28,8 @@ class Estimates:
     def __call__(self, policy: str, batch_size: int) -> MemoryEstimate:
         key = self._key(policy, batch_size)
         if key not in self.cache:
-            self.cache[key] = estimate_memory(
-                self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job
+            self.cache[key] = with_activation_floor(
+                estimate_memory(self.config, policy.replace("+compile", ""), batch_size=batch_size, **self.job)
             )
         return self.cache[key]
 
@@ -52,6 +54,35 @@ class Estimates:
         # Compile is estimated as eager: rungs that differ only by compile share one trace; the
         # policy's own spelling, so bf16+loss:chunked+ckpt and bf16+ckpt+loss:chunked do too.
         return MemoryPolicy.coerce(policy.replace("+compile", "")).to_string(), batch_size
+
+
+def with_activation_floor(e: MemoryEstimate) -> MemoryEstimate:
+    """A sanity floor on what the planner chooses from: when the forward ends, the parameters, the
+    optimizer state and the activations every block leaves (its per-block reading times the blocks) are
+    all alive, so the forward+backward peak holds at least them; an estimate reading less is read at that
+    floor (raised, and said in its notes). FSDP's estimate once read a 70B's ``loss:chunked`` activations
+    as 2 GiB where its 80 blocks leave 1.65 GiB each, and the plan chose that run without checkpointing."""
+    saved = e.activations_per_block * e.blocks
+    floor = e.parameters + e.optimizer + saved
+    if e.mode != "train" or e.forward_backward_peak >= floor:
+        return e
+    note = (
+        f"forward+backward peak raised from {format_bytes(e.forward_backward_peak)} to {format_bytes(floor)}: the "
+        f"parameters and optimizer state with the activations of {e.blocks} blocks x {format_bytes(e.activations_per_block)}"
+    )
+    if floor <= e.peak_bytes:  # the step's peak (the optimizer's) already holds it: its categories stand
+        return dataclasses.replace(e, forward_backward_peak=floor, notes=(*e.notes, note))
+    rest = floor - e.parameters - e.gradients - e.optimizer  # above e.activations + e.temporaries
+    activations = max(e.activations, min(saved, rest))
+    return dataclasses.replace(
+        e,
+        activations=activations,
+        temporaries=rest - activations,
+        forward_backward_peak=floor,
+        peak_bytes=floor,
+        peak_phase="forward+backward",
+        notes=(*e.notes, note),
+    )
 
 
 _MAX_TRACES = 16  # per rung: a linear peak needs 4 (batch 1, 2, the answer, the answer + 1)

@@ -72,6 +72,9 @@ def _config(arch: str, layers: int, **extra):
 def _fields(estimate) -> dict:
     values = dataclasses.asdict(estimate)
     values.pop("notes")
+    # The depth extrapolation's per-block reading, which a full trace does not take.
+    values.pop("activations_per_block")
+    values.pop("blocks")
     return values
 
 
@@ -205,7 +208,9 @@ def test_the_peak_moving_inside_a_phase_with_depth_is_extrapolated_part_by_part(
     monkeypatch.setattr(
         estimate_module,
         "extrapolate_phases",
-        lambda lo, hi, plan: whole(dataclasses.replace(lo, segments=()), dataclasses.replace(hi, segments=()), plan),
+        lambda lo, hi, plan, *rest: whole(
+            dataclasses.replace(lo, segments=()), dataclasses.replace(hi, segments=()), plan, *rest
+        ),
     )
     assert estimate_memory(config, "bf16+ckpt", **job).forward_backward_peak < 0.99 * full.forward_backward_peak
 
