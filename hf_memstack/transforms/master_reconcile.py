@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from .._unwrap import record_of
+from .bf16_adamw import warn_on_plain_steps_over_pure_bf16
 from .quant import is_4bit
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -54,7 +55,8 @@ class MasterWeightsLedger:
         self.dtype = dtype
         """The master dtype (fp32, or bf16 under ``weights:bf16``)."""
         self.cast_new = cast_new
-        """16-bit parameters made trainable later are cast to fp32 (fp32 master weights under autocast)."""
+        """Parameters made trainable later are cast to the master dtype: 16-bit ones to fp32 (fp32 master
+        weights under autocast), any other to bf16 under pure bf16."""
         self.sharded = sharded
         self.entries: list[tuple[nn.Parameter, torch.dtype]] = []
         self.sharded_names: set[str] = set()
@@ -85,9 +87,15 @@ class MasterWeightsLedger:
     def _wanted(self, p: nn.Parameter, loaded: torch.dtype | None) -> torch.dtype | None:
         if loaded is not None:
             return self.dtype if p.requires_grad else loaded
-        if p.requires_grad and self.cast_new and p.dtype in SIXTEEN_BIT:
+        if p.requires_grad and self.cast_new and self._castable(p):
             return self.dtype
         return None
+
+    def _castable(self, p: nn.Parameter) -> bool:
+        """A parameter made trainable later that the master dtype calls for: a 16-bit one under fp32
+        master weights; any other dtype under pure bf16 (PEFT's fp32 adapters, as prepare_model casts
+        them when PEFT comes first)."""
+        return p.dtype in SIXTEEN_BIT if self.dtype == torch.float32 else p.dtype != self.dtype
 
     def reconcile(self) -> int:
         """Cast what the trainable set calls for, in place; how many parameters changed dtype."""
@@ -112,6 +120,10 @@ class MasterWeightsLedger:
                 if not p.requires_grad:
                     p.grad = None  # a frozen parameter's gradient from before is stale, and in the old dtype
                 p.data = p.data.to(want)
+                if want == torch.bfloat16 and self.dtype == torch.bfloat16 and p.requires_grad:
+                    p._memstack_pure_bf16 = True  # type: ignore[attr-defined]  # the optimizer step check's tag
+        if self.dtype == torch.bfloat16:
+            warn_on_plain_steps_over_pure_bf16()
         return len(plan)
 
     def _warn_sharded(self) -> None:

@@ -88,13 +88,15 @@ def check_master_weights(
     """
     trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]  # a tied parameter once
     if policy.master_weights == "bf16":
-        if before_adapters:  # the adapters PEFT adds next are what trains: make_optimizer checks their dtype
-            return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16)
+        # cast_new: adapters PEFT adds after prepare_model (fp32) train in bf16 too, as when PEFT came first.
+        if before_adapters:  # the adapters PEFT adds next are what trains
+            return MasterWeightsPlan(mode="bf16", dtype=torch.bfloat16, cast_new=True)
         return MasterWeightsPlan(
             mode="bf16",
             dtype=torch.bfloat16,
             params=tuple(p for p in trainable if p.dtype != torch.bfloat16),
             trainable=tuple(trainable),
+            cast_new=True,
         )
     sixteen = [p for p in trainable if p.dtype in _SIXTEEN_BIT]
     if not sixteen or before_adapters:

@@ -183,3 +183,22 @@ def test_trl_peft_config_on_a_prepared_model_keeps_the_base_in_its_dtype(bf16_di
         trainer.train()
     frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16}
+
+
+def test_pure_bf16_trains_the_same_dtypes_in_either_peft_order(bf16_dir):
+    """weights:bf16 keeps what trains in bf16: PEFT's fp32 adapters added after prepare_model are cast
+    to bf16 at make_optimizer, as prepare_model casts them when PEFT comes first; both orders then
+    build BF16AdamW over the same dtypes."""
+    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+
+    policy = "bf16+ckpt+weights:bf16"
+    first = prepare_model(peft.get_peft_model(_load(bf16_dir), _lora()), policy)
+    after = peft.get_peft_model(prepare_model(_load(bf16_dir), policy), _lora())
+    optimizers = [make_optimizer(m, lr=1e-3) for m in (first, after)]
+    assert all(isinstance(o, BF16AdamW) for o in optimizers)
+    dtypes = [{n.removeprefix("base_model.model."): p.dtype for n, p in m.named_parameters()} for m in (first, after)]
+    assert dtypes[0] == dtypes[1]
+    assert {p.dtype for p in after.parameters() if p.requires_grad} == {torch.bfloat16}
+    for model, opt in zip((first, after), optimizers):
+        model(**_batch()).loss.backward()
+        opt.step()
