@@ -16,7 +16,7 @@ import contextlib
 import copy
 import logging
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,7 +33,10 @@ class TrainerLoss(nn.Module):
     """``trainer.compute_loss(model, inputs)`` as a module: ``TrainerLoss(trainer, model)(**inputs)``
     returns ``{"loss": ...}``, the loss the training step will compute on ``inputs``. It holds the
     model as ``.module``, like DDP, so ``verify`` and the meter find the prepared model (and its
-    record) through it; the trainer's logged metrics are left as they were."""
+    record) through it; the trainer's logged metrics are left as they were. ``computes_loss_itself``
+    tells verify's loss-head check that the model's own loss head is not what trains (it skips it)."""
+
+    computes_loss_itself: ClassVar[bool] = True
 
     def __init__(self, trainer: Trainer, model: nn.Module) -> None:
         super().__init__()

@@ -2,7 +2,9 @@
 
 The chunked head replaces the model's loss arithmetic (chunks of the vocabulary projection, each
 recomputed in the backward); a head that computed a different loss would train silently wrong, so
-verify compares the two on one sample.
+verify compares the two on one sample. Under a trainer that computes the loss itself (TRL's DPO and
+KTO: verify runs its ``compute_loss``, the model gets no labels) the chunked head never runs, so
+there is nothing to compare: the check says so and passes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .._device import module_mode
 from .._unwrap import unwrap_model
 from ..distributed._ranks import on_every_rank
 from ..measure.step import LossFn, forward_loss
-from ._wrappers import forward_wrapper
+from ._wrappers import forward_wrapper, fused_lm_head_installed
 from .chunked_loss import head_rows
 from .loss_forward import ChunkedLossForward
 
@@ -30,6 +32,8 @@ def verify_loss_head(
 ) -> tuple[bool, str]:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small); ``mixed``: the policy's precision is bf16/fp16."""
+    if getattr(model, "computes_loss_itself", False):
+        return True, _trainer_loss_detail(model)
     one = _first_sample(batch)
     chunked = forward_wrapper(unwrap_model(model), ChunkedLossForward)
     # In eval mode: the check compares the head's arithmetic, so no dropout draws different masks
@@ -50,6 +54,21 @@ def verify_loss_head(
     elif not ok:
         detail += ": they differ; prepare the model without loss:chunked"
     return ok and math.isfinite(a), detail + _head_rows_detail(model, one)
+
+
+def _trainer_loss_detail(model: nn.Module) -> str:
+    """Why the heads are not compared when ``model`` is a trainer's ``compute_loss`` (the callback's
+    ``TrainerLoss``). Running it on one sample breaks DPO (its batch is [chosen; rejected], split in
+    two), and on the whole batch both runs would compute the same loss, TRL's, in the same head: a
+    comparison that cannot fail checks nothing."""
+    trainer = type(getattr(model, "trainer", None)).__name__
+    detail = (
+        f"skipped: {trainer}'s compute_loss computes the loss from the model's outputs without giving it labels, "
+        "so hf_memstack's chunked loss head does not run in training and there is no second loss to compare"
+    )
+    if fused_lm_head_installed(unwrap_model(model)):
+        detail += " (TRL's own chunked LM head takes its place)"
+    return detail
 
 
 def _head_rows_detail(model: nn.Module, sample: Any) -> str:

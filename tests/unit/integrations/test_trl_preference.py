@@ -189,6 +189,27 @@ def test_chunked_loss_under_dpo_is_reported_as_replaced_by_trl_head(word_tokeniz
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_dpo_with_chunked_loss_runs_verify_and_the_meter_on_the_first_batch(word_tokenizer, tmp_path, peft):
+    """verify's loss-head check ran DPOTrainer's compute_loss on one sample of its [chosen; rejected]
+    batch (TRL's logps.chunk(2) raised ValueError) and the whole first-batch pass was skipped. The
+    chunked head does not run under the trainer's own loss (TRL's head replaces it): the check now
+    says so, the other checks and the meter run, and the run trains to the unprepared losses."""
+    callback = MemstackCallback(raise_on_failure=True)
+    with pytest.warns(UserWarning, match="TRL's trainer computes the training loss with its own chunked LM head"):
+        ours = _train("dpo", word_tokenizer, tmp_path, policy="bf16+ckpt+loss:chunked", callback=callback, peft=peft)
+    reference = _train("dpo", word_tokenizer, tmp_path, policy=None, peft=peft, bf16=True)
+    losses, expected = _logged(ours, "loss"), _logged(reference, "loss")
+    assert len(losses) == 3 and losses == pytest.approx(expected, abs=BF16_NOISE), (losses, expected)
+    first = callback.first_step
+    assert first.skipped is None and first.verify is not None and first.verify.ok, first
+    names = [c.name for c in first.verify.checks]
+    assert {"policy", "checkpointing", "precision", "gradients", "loss"} <= set(names), names
+    loss = first.verify.check("loss").detail
+    assert loss.startswith("skipped: DPOTrainer's compute_loss") and "TRL's own chunked LM head" in loss, loss
+    assert first.memory is not None and first.memory.peak_bytes > 0
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_grpo_trains_with_the_callback_which_steps_aside_saying_why(word_tokenizer, tmp_path, caplog, peft):
     """GRPOTrainer generates its batches in _prepare_inputs (the loader yields raw prompts): the
     callback ran model(*batch) on a list of dicts (TypeError). Its pass is now skipped with one log
