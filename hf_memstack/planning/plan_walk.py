@@ -108,7 +108,6 @@ def _faster_with_its_states(
     lent = ("quant", "optimizer", "master_weights") + (
         ("fsdp",) if target.fsdp.mode != "none" and not target.fsdp.cpu_offload else ()
     )
-    factor = _states_speed(target)
     tried_before = {row.policy for row in plan.rows}  # traced or floored already, and did not fit
     rows = {row.policy: row for row in plan.rows}
     seen: set[str] = set()
@@ -123,7 +122,8 @@ def _faster_with_its_states(
             continue
         if merged == p or merged.to_string() in tried_before:
             continue
-        speed = rung.relative_speed * factor / _states_speed(p)
+        # The savings it takes on (the merged policy's), not the target's: an offloading target lends no sharding.
+        speed = rung.relative_speed * _states_speed(merged) / _states_speed(p)
         if speed > fitting.relative_speed and merged.to_string() not in seen:
             seen.add(merged.to_string())
             shifted = _shifted(rows.get(rung.policy), merged.to_string(), speed, floors, batch_size, usable)

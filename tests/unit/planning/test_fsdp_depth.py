@@ -10,6 +10,7 @@ import pytest
 
 from hf_memstack import estimate_memory, plan_policy
 from hf_memstack.planning.plan_estimates import with_activation_floor
+from hf_memstack.policy import MemoryPolicy
 
 LLAMA_70B = {
     "model_type": "llama",
@@ -88,3 +89,19 @@ def test_the_70b_plan_at_8_x_80_gib_checkpoints_and_its_figure_holds_its_blocks(
     plain = _est(80, "bf16+fsdp+loss:chunked+weights:bf16")
     assert plain.activations >= 80 * plain.activations_per_block > 80 * 2**30
     assert plain.peak_bytes > plan.usable_bytes
+    # A rung without FSDP borrowing the chosen run's state savings is as fast as its rung times
+    # those savings: it borrows no offloaded sharding's slowness (it read 0.30x for bf16+weights:bf16).
+    from hf_memstack.planning.rungs import savings_speed
+
+    speeds = {r.policy: r.relative_speed for r in plan.rows}
+    pairs = [
+        (r.policy, base)
+        for r in plan.rows
+        if "fsdp" not in r.policy
+        for base in [r.policy.replace("+weights:bf16", "")]
+        if base != r.policy and base in speeds
+    ]
+    assert pairs, speeds
+    for policy, base in pairs:
+        ratio = savings_speed(MemoryPolicy.coerce(policy)) / savings_speed(MemoryPolicy.coerce(base))
+        assert speeds[policy] == pytest.approx(speeds[base] * ratio), (policy, base, speeds)
