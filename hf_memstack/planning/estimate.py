@@ -49,7 +49,7 @@ from .fake_model import quant_notes
 from .fsdp_shards import FsdpShards, fsdp_shards
 from .memory_estimate import MemoryEstimate
 from .model_config import SEQ2SEQ_NOTE, build_model, check_seq_len, infer_task, load_config, task_note
-from .trainable import DEFAULT_LORA, peft_config_from, what_trains
+from .trainable import DEFAULT_LORA, peft_config_from, policy_of, what_trains
 from .vision_inputs import images_for
 from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
@@ -98,7 +98,8 @@ def estimate_memory(
     Args:
         model: a hub id (from the local cache), a local directory, a config, a config dict with its
             ``model_type`` (``config.to_dict()``), or a model (its config is used).
-        policy: the memory policy (string, dict, :class:`MemoryPolicy`).
+        policy: the memory policy (string, dict, :class:`MemoryPolicy`); default: a prepared model's
+            own (``model.memstack``), else ``fp32``.
         batch_size: per-device micro-batch size.
         seq_len: tokens per sample.
         world_size: ranks sharing the model under an FSDP policy.
@@ -173,7 +174,7 @@ def estimate_memory(
     weights = resolve_weights_dtype(given if isinstance(given, nn.Module) else model, config, dtype)
     inferred_note = task_note(model, config) if task is None else None
     task = task or infer_task(model, config)
-    policy = MemoryPolicy.coerce(policy)
+    policy = MemoryPolicy.coerce(policy_of(given, policy))
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
     four_bit = _four_bit_of(given, notes)
     traced = _traced_policy(policy, four_bit)

@@ -104,3 +104,14 @@ def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def policy_of(model: Any, policy: Any) -> Any:
+    """The policy to estimate: the one given, else a prepared model's own (``model.memstack``):
+    estimating a prepared model as plain fp32 would count a run it does not make."""
+    if policy is None and isinstance(model, nn.Module):
+        from ..record import record_of  # here: the record's types import the transforms
+
+        record = record_of(model)
+        return record.policy if record is not None else None
+    return policy

@@ -237,3 +237,15 @@ def test_a_peft_model_is_estimated_with_its_own_adapters(load_model):
         assert est.trainable_parameters == own
     with pytest.raises(ValueError, match=r"trainable=\{'r': 16\} with a PEFT model .* adapters of its own"):
         estimate_memory(model, "bf16", batch_size=1, seq_len=16, trainable={"r": 16})
+
+
+def test_a_prepared_model_is_estimated_under_its_own_policy(load_model):
+    """No policy given: a prepared model's own (model.memstack), not plain fp32 - which counted a
+    bf16+ckpt model 57% over MemTracker as a run without checkpointing; an unprepared model: fp32."""
+    model = prepare_model(load_model("llama"), "bf16+ckpt")
+    own = estimate_memory(model, batch_size=2, seq_len=16)
+    given = estimate_memory(model, "bf16+ckpt", batch_size=2, seq_len=16)
+    assert (own.policy, own.peak_bytes) == (given.policy, given.peak_bytes)
+    plain = estimate_memory(load_model("llama"), batch_size=2, seq_len=16)
+    assert plain.policy == estimate_memory(load_model("llama"), "fp32", batch_size=2, seq_len=16).policy
+    assert plain.policy != own.policy
