@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
     """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
     left at "all"): its base model's config is estimated with its adapters."""
-    if isinstance(model, nn.Module) and type(model).__module__.startswith("peft.") and hasattr(model, "peft_config"):
+    if isinstance(model, nn.Module) and peft_class(model) and hasattr(model, "peft_config"):
         peft = cast("PeftModel", model)  # a PEFT model: its peft_config and active_adapter are not nn.Module's
         if not (isinstance(trainable, str) and trainable in ("all", "lora")):
             # Its own adapters are what trains: another config would silently estimate other adapters.
@@ -99,6 +99,12 @@ def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
             f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
             f"its linear layers are named {names}: pass target_modules from those"
         ) from None
+
+
+def peft_class(obj: object) -> bool:
+    """True when ``obj``'s class is PEFT's or derives from one: FSDP2's ``fully_shard`` swaps a
+    sharded module's class for ``FSDP<Name>`` (defined in torch), with PEFT's class as a base."""
+    return any(cls.__module__.startswith("peft.") for cls in type(obj).__mro__)
 
 
 def _short(value: Any) -> str:

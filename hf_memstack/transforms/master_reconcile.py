@@ -62,6 +62,8 @@ class MasterWeightsLedger:
         self.sharded_names: set[str] = set()
         """Under FSDP, the cast parameters' names: ``fully_shard`` replaces the objects (holding those
         would keep every unsharded weight alive)."""
+        self.names_at_prepare: set[str] = set()
+        """Under FSDP, every parameter's name when ``prepare_model`` ran (see ``_refuse_added_after_sharding``)."""
         self.made_trainable = 0
         self.warned = False
 
@@ -70,7 +72,9 @@ class MasterWeightsLedger:
         cast = [(p, p.dtype) for p in params if p.dtype != self.dtype]
         if self.sharded:
             ids = {id(p) for p, _ in cast}
-            self.sharded_names = {n for n, p in self.root.named_parameters(remove_duplicate=False) if id(p) in ids}
+            named = list(self.root.named_parameters(remove_duplicate=False))
+            self.sharded_names = {n for n, p in named if id(p) in ids}
+            self.names_at_prepare = {n for n, _ in named}
         else:
             self.entries += cast
 
@@ -100,6 +104,7 @@ class MasterWeightsLedger:
     def reconcile(self) -> int:
         """Cast what the trainable set calls for, in place; how many parameters changed dtype."""
         if self.sharded:
+            _refuse_added_after_sharding(self.root, self.names_at_prepare)
             self._warn_sharded()
             return 0
         live = {id(p) for p in _floating(self.root)}
@@ -156,6 +161,30 @@ class MasterWeightsLedger:
                 f"{self.made_trainable} parameter(s) made trainable after prepare_model cast to {short_dtype(self.dtype)}"
             )
         return "; ".join(parts)
+
+
+def _refuse_added_after_sharding(root: nn.Module, names_at_prepare: set[str]) -> None:
+    """Once ``fully_shard`` ran, every parameter ``prepare_model`` saw is a shard (a DTensor, or while
+    its module runs, the unsharded tensor under its own name). A trainable parameter under a new name
+    that is no DTensor was added after sharding, e.g. by ``get_peft_model``, which sized its adapters
+    from each rank's local weight shard: the forward would fail on a shape mismatch (or, on one rank,
+    train adapters FSDP neither shards nor reduces). Before sharding (Accelerate's FSDP plugin shards
+    at ``accelerator.prepare``) adding adapters is fine: nothing is checked then."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(root.named_parameters())
+    if not any(isinstance(p, DTensor) for _, p in params):
+        return
+    added = [n for n, p in params if p.requires_grad and not isinstance(p, DTensor) and n not in names_at_prepare]
+    if not added:
+        return
+    raise RuntimeError(
+        f"hf_memstack: {len(added)} trainable parameter(s) of {type(root).__name__} were added after prepare_model "
+        f"sharded it with FSDP (the first: {added[0]}); they are whole tensors, not shards. PEFT's get_peft_model "
+        "(or TRL's peft_config=) after prepare_model builds its adapters from each rank's local weight shard, so they "
+        "do not fit the layers. Apply get_peft_model before prepare_model (model = get_peft_model(model, config); "
+        "prepare_model(model, policy)); under TRL, pass that PEFT model to the trainer instead of peft_config="
+    )
 
 
 def _floating(root: nn.Module) -> list[nn.Parameter]:
