@@ -12,7 +12,7 @@ from typing import Protocol, cast
 
 from torch import nn
 
-__all__ = ["RecordBase", "record_of", "unwrap_model"]
+__all__ = ["RecordBase", "peft_class", "record_of", "unwrap_model"]
 
 
 class PeftWrapper(Protocol):
@@ -71,7 +71,7 @@ def _inner(model: nn.Module) -> nn.Module | None:
         modules.get("_orig_mod"), nn.Module
     ):  # torch.compile(model)
         return modules["_orig_mod"]
-    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+    if peft_class(model) and hasattr(model, "get_base_model"):
         base = _peft_base(model)
         return base if base is not model else None
     return None
@@ -89,3 +89,9 @@ def _peft_base(model: nn.Module) -> nn.Module | None:
         inner = tuner.__dict__.get("_modules", {}).get("model")
         # A LoRA-like tuner wraps the model as .model; a prompt-learning PeftModel's base_model is the model.
         return inner if type(tuner).__module__.startswith("peft.") and isinstance(inner, nn.Module) else tuner
+
+
+def peft_class(obj: object) -> bool:
+    """True when ``obj``'s class is PEFT's or derives from one: FSDP2's ``fully_shard`` swaps a
+    sharded module's class for ``FSDP<Name>`` (defined in torch), with PEFT's class as a base."""
+    return any(cls.__module__.startswith("peft.") for cls in type(obj).__mro__)

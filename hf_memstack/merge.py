@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 from torch import nn
 
+from ._unwrap import peft_class
 from .record import record_of
 from .transforms._peft import base_layer_of, is_tuner_layer
 from .transforms.quant import _backend_of, four_bit_weight, unpack_bnb_weight
@@ -76,7 +77,7 @@ def merge_adapters(model: nn.Module, *, dtype: torch.dtype = torch.bfloat16) -> 
             removed the active one); an adapter PEFT cannot express as a weight delta here (DoRA, a LoRA bias).
     """
     _check_dtype(dtype)
-    if not (type(model).__module__.startswith("peft.") and hasattr(model, "unload")):
+    if not (peft_class(model) and hasattr(model, "unload")):
         raise TypeError(
             f"merge_adapters needs a PEFT model (peft.get_peft_model or PeftModel.from_pretrained), got "
             f"{type(model).__name__}; for a model without adapters use hf_memstack.dequantize(model)"

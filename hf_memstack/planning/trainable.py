@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 from torch import nn
 
 from .._quiet import quiet_imports, quiet_peft_wrap
+from .._unwrap import peft_class
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -99,12 +100,6 @@ def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
             f"trainable: the PEFT config does not fit {type(net).__name__} ({str(e).splitlines()[0][:200]}); "
             f"its linear layers are named {names}: pass target_modules from those"
         ) from None
-
-
-def peft_class(obj: object) -> bool:
-    """True when ``obj``'s class is PEFT's or derives from one: FSDP2's ``fully_shard`` swaps a
-    sharded module's class for ``FSDP<Name>`` (defined in torch), with PEFT's class as a base."""
-    return any(cls.__module__.startswith("peft.") for cls in type(obj).__mro__)
 
 
 def _short(value: Any) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .._device import device_of
+from .._unwrap import peft_class
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -136,7 +137,7 @@ def fused_lm_head_installed(module: nn.Module) -> bool:
     and ``lm_head.weight`` directly, around the model's own forward. Each function's own
     parameters are read, not the signature it copies from the model's forward (``functools.wraps``).
     For a PEFT model, the model it wraps is looked at too (TRL patches that one)."""
-    if type(module).__module__.startswith("peft.") and hasattr(module, "get_base_model"):
+    if peft_class(module) and hasattr(module, "get_base_model"):
         base = cast("PeftModel", module).get_base_model()  # only PEFT's PeftModel (and subclasses) has it
         if base is not module:
             return _fused_forward(module.__dict__.get("forward")) or _fused_forward(base.__dict__.get("forward"))
