@@ -941,7 +941,9 @@ def _main(args: list[str], run: dict[str, Any]) -> dict[str, Any]:
         if job.state.step < job.total_steps:
             job.log(f"stopped after step {job.state.step} (--stop-after); continue with --resume-from latest")
             return {"stopped_at": job.state.step, "history": job.state.log_history}
-        return save(job)
+        report = save(job)
+        _drain_collectives(job)
+        return report
     except RecipeError as e:
         # Messages quote names from received files (a model_type, a path): escaped, never raw control characters.
         print(f"finetune.py: error: {printable(str(e))}", file=sys.stderr)
@@ -957,6 +959,16 @@ def _main(args: list[str], run: dict[str, Any]) -> dict[str, Any]:
         if job is not None:
             job.accelerator.end_training()
         release_run_locks()  # the output directory's lock (run_lock.py), once the trackers are closed
+
+
+def _drain_collectives(job: Any) -> None:
+    """One barrier after the last collective, on the success path only (a failed rank never reaches
+    it). gloo's loop thread drops a finished all_gather's work - whose tensors Python made - after its
+    caller has; were that the last reference while the main thread tears the group down in
+    ``end_training`` holding the GIL, the two would wait on each other forever (seen once: a torchrun
+    run hung after saving). After the barrier the loop thread has run past every earlier work."""
+    if job.accelerator.num_processes > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
