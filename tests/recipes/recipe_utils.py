@@ -3,6 +3,7 @@ subprocesses under torchrun / accelerate launch), and prove a directory was left
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -124,8 +125,8 @@ def launch(cmd, *, env_extra=None, timeout=600, check=True) -> subprocess.Comple
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        _kill_tree(proc.pid)
+        stdout, stderr = proc.communicate(timeout=60)
         pytest.fail(
             f"{' '.join(args[:6])} ... did not finish within {timeout} s; its output so far:\n{stdout[-2000:]}\n{stderr[-4000:]}"
         )
@@ -133,6 +134,23 @@ def launch(cmd, *, env_extra=None, timeout=600, check=True) -> subprocess.Comple
     if check:
         assert done.returncode == 0, stderr[-4000:]
     return done
+
+
+def _kill_tree(pid: int) -> None:
+    """The process, its group, and every descendant: torchrun starts each rank in a session of its
+    own, which a killpg of torchrun's group misses (a hung rank then held the output pipes open and
+    the test waited on them forever)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def torchrun(tiny_lm, out, *extra, **launch_kwargs) -> subprocess.CompletedProcess:
