@@ -10,33 +10,13 @@ import warnings
 import pytest
 import torch
 from tiny import assert_untouched, snapshot
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hf_memstack import MemoryPolicy, PolicyError, estimate_memory, make_optimizer, measure_step, prepare_model
 from hf_memstack.integrations.trainer import check_optimizer
 from hf_memstack.transforms.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
 
 pytestmark = pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
-
-
-@pytest.fixture(scope="module")
-def bf16_dir(tmp_path_factory):
-    """A tiny Llama saved in bf16, as real checkpoints are, with tied embeddings."""
-    path = tmp_path_factory.mktemp("bf16") / "llama"
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    return path
 
 
 def _batch():
