@@ -41,7 +41,7 @@ from hf_memstack import (
     simulated_memory_limit,
 )
 from hf_memstack.measure.step import train_step
-from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16, resolve_precision
 
 FINDERS = ("ours", "accelerate", "trainer", "brute")
 

@@ -33,7 +33,7 @@ from tiny import LLAMA, batches, configs, model_class  # noqa: E402
 
 from hf_memstack import find_batch_size, prepare_model, simulated_memory_limit
 from hf_memstack.measure.step import train_step
-from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16, resolve_precision
 
 ARCHS = ("llama", "gpt2", "bert", "t5", "plain", "qwen2")
 POLICIES = ("fp32", "auto", "auto+ckpt")

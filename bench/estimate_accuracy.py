@@ -33,7 +33,7 @@ import torch
 from _common import machine
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
-from hf_memstack.planning.estimate import peft_config_from
+from hf_memstack.planning.estimate.estimator import peft_config_from
 
 POLICIES = [
     "fp32",
@@ -45,7 +45,10 @@ POLICIES = [
     "bf16+ckpt:selective",
     "bf16+ckpt+loss:chunked+optim:8bit+optim:in_backward",
 ]
-TRAINABLE = ["all", "lora"]  # lora: r=8 on every linear layer but the head (hf_memstack.planning.estimate.DEFAULT_LORA)
+TRAINABLE = [
+    "all",
+    "lora",
+]  # lora: r=8 on every linear layer but the head (hf_memstack.planning.estimate.estimator.DEFAULT_LORA)
 
 
 def configs(hidden: int, layers: int, vocab: int) -> dict:

@@ -29,7 +29,7 @@ from _common import LLAMA_SHAPES, machine  # noqa: E402
 from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 
 from hf_memstack import estimate_memory, plan_policy  # noqa: E402
-from hf_memstack.planning import build_cache as _build_cache  # noqa: E402
+from hf_memstack.planning.estimate import build_cache as _build_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' tiny Llama, for the warm-up
 from tiny import llama_config  # noqa: E402

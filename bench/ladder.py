@@ -31,7 +31,7 @@ from _common import machine, median, reference_batch, reference_model, timed
 
 from hf_memstack import make_optimizer, measure_step, model_state_bytes, prepare_model, train_step, verify
 from hf_memstack.measure.accounting import optimizer_state_bytes
-from hf_memstack.transforms.precision import cpu_has_native_bf16
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16
 
 RUNGS = [
     "fp32",
@@ -117,7 +117,7 @@ def hand_prepare(model: torch.nn.Module, rung: str) -> torch.nn.Module:
 
 def _hand_chunked_forward(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
     """The chunked loss called directly (the function hf_memstack's wrapper calls), without the wrapper."""
-    from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss
+    from hf_memstack.transforms.loss_head.chunked import auto_chunk_tokens, chunked_lm_loss
 
     hidden = model.model(input_ids=input_ids).last_hidden_state
     head = model.lm_head
@@ -424,7 +424,7 @@ def head_comparison(args: argparse.Namespace) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     from hf_memstack.measure.tracker import _frozen_aware_tracker  # the meter's tracker, for a bare function
-    from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss
+    from hf_memstack.transforms.loss_head.chunked import auto_chunk_tokens, chunked_lm_loss
 
     n, h, v = args.head_tokens, 1024, 128256
     torch.manual_seed(0)

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, timed  # noqa: E402
 
 from hf_memstack.measure.tracker import _frozen_aware_tracker  # noqa: E402  (the meter's tracker, for a bare function)
-from hf_memstack.transforms.chunked_loss import auto_chunk_tokens, chunked_lm_loss  # noqa: E402
-from hf_memstack.transforms.precision import cpu_has_native_bf16  # noqa: E402
+from hf_memstack.transforms.loss_head.chunked import auto_chunk_tokens, chunked_lm_loss  # noqa: E402
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16  # noqa: E402
 
 
 def implementations(head: torch.nn.Linear, target: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:

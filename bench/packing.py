@@ -43,7 +43,7 @@ from _common import machine, measured_against_estimate  # noqa: E402
 
 from hf_memstack import make_optimizer, measure_step, prepare_model  # noqa: E402
 from hf_memstack.data import PackedCollator, pack_dataset, padding_stats  # noqa: E402
-from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision  # noqa: E402
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16, resolve_precision  # noqa: E402
 
 
 def make_samples(n: int, args: argparse.Namespace, seed: int) -> list[dict[str, list[int]]]:

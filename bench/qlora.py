@@ -38,7 +38,7 @@ from _common import (
 )
 
 from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model, record_of
-from hf_memstack.transforms.precision import cpu_has_native_bf16
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16
 
 RESULTS = ROOT / "bench" / "results"
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear"}

@@ -29,7 +29,7 @@ from _common import machine, measured_against_estimate, timed  # noqa: E402
 
 from hf_memstack import MemoryPolicy  # noqa: E402
 from hf_memstack.measure.tracker import _frozen_aware_tracker  # noqa: E402
-from hf_memstack.transforms.precision import cpu_has_native_bf16, resolve_precision  # noqa: E402
+from hf_memstack.transforms.precision.apply import cpu_has_native_bf16, resolve_precision  # noqa: E402
 from hf_memstack.transforms.tiled_mlp import TiledMLPForward, auto_tile_tokens  # noqa: E402
 
 

@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--lora-r", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer_lora.json"))
     args = ap.parse_args()
-    from hf_memstack.transforms.precision import cpu_has_native_bf16
+    from hf_memstack.transforms.precision.apply import cpu_has_native_bf16
 
     print(f"machine: {machine()}; native bf16: {cpu_has_native_bf16()}")
     rows = [run(policy, r, args.steps, args.batch) for policy in args.policies.split(",") for r in (0, args.lora_r)]

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from .measure.step import forward_loss, train_step
     from .measure.verify import VerifyReport, verify
     from .merge import dequantize, merge_adapters
-    from .planning.estimate import MemoryEstimate, estimate_memory
-    from .planning.planner import Plan, plan_policy
-    from .planning.rungs import LADDER
+    from .planning.estimate.estimator import MemoryEstimate, estimate_memory
+    from .planning.plan.planner import Plan, plan_policy
+    from .planning.plan.rungs import LADDER
     from .policy import (
         CheckpointingConfig,
         CompileConfig,
@@ -48,11 +48,11 @@ if TYPE_CHECKING:
     from .record import MemstackRecord, record_of, unwrap_model
     from .sizes import format_bytes, parse_bytes
     from .transforms.blocks import Blocks, find_blocks
-    from .transforms.chunked_loss import chunked_lm_loss
-    from .transforms.loss_result import LossHeadResult
-    from .transforms.optim import make_optimizer
-    from .transforms.optim_in_backward import OptimizerInBackward
-    from .transforms.quant import QuantResult
+    from .transforms.loss_head.chunked import chunked_lm_loss
+    from .transforms.loss_head.result import LossHeadResult
+    from .transforms.optim.in_backward import OptimizerInBackward
+    from .transforms.optim.optimizer import make_optimizer
+    from .transforms.quant.apply import QuantResult
 
 # public name -> the module that defines it
 _LAZY = {
@@ -82,11 +82,11 @@ _LAZY = {
     "verify": ".measure.verify",
     "dequantize": ".merge",
     "merge_adapters": ".merge",
-    "MemoryEstimate": ".planning.estimate",
-    "estimate_memory": ".planning.estimate",
-    "Plan": ".planning.planner",
-    "plan_policy": ".planning.planner",
-    "LADDER": ".planning.rungs",
+    "MemoryEstimate": ".planning.estimate.estimator",
+    "estimate_memory": ".planning.estimate.estimator",
+    "Plan": ".planning.plan.planner",
+    "plan_policy": ".planning.plan.planner",
+    "LADDER": ".planning.plan.rungs",
     "CheckpointingConfig": ".policy",
     "CompileConfig": ".policy",
     "FSDPConfig": ".policy",
@@ -104,11 +104,11 @@ _LAZY = {
     "parse_bytes": ".sizes",
     "Blocks": ".transforms.blocks",
     "find_blocks": ".transforms.blocks",
-    "chunked_lm_loss": ".transforms.chunked_loss",
-    "LossHeadResult": ".transforms.loss_result",
-    "make_optimizer": ".transforms.optim",
-    "OptimizerInBackward": ".transforms.optim_in_backward",
-    "QuantResult": ".transforms.quant",
+    "chunked_lm_loss": ".transforms.loss_head.chunked",
+    "LossHeadResult": ".transforms.loss_head.result",
+    "make_optimizer": ".transforms.optim.optimizer",
+    "OptimizerInBackward": ".transforms.optim.in_backward",
+    "QuantResult": ".transforms.quant.apply",
 }
 
 __all__ = [

@@ -13,8 +13,8 @@ from torch import nn
 from .policy import MemoryPolicy
 from .record import record_of
 from .transforms.blocks import Blocks, find_blocks, no_blocks_reason
-from .transforms.optim_in_backward import optimizer_in_backward_of
-from .transforms.quant import QuantPlan
+from .transforms.optim.in_backward import optimizer_in_backward_of
+from .transforms.quant.apply import QuantPlan
 
 __all__ = [
     "base_before_adapters",

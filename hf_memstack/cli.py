@@ -231,7 +231,7 @@ def _trainable(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .planning.estimate import estimate_memory  # here, not at the top: --help stays fast
+    from .planning.estimate.estimator import estimate_memory
 
     job = {
         "batch_size": args.batch_size,
@@ -263,8 +263,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     # here, not at the top: --help stays fast
-    from .planning.estimate import estimate_memory
-    from .planning.planner import plan_policy
+    from .planning.estimate.estimator import estimate_memory
+    from .planning.plan.planner import plan_policy
 
     # What every rung shares, in the plan and in the plot's estimates.
     job = {
@@ -297,8 +297,8 @@ def _find(args: argparse.Namespace) -> int:
 
     # Imported here: keeps hf-memstack --help fast (the finder, the estimator and prepare_model need torch).
     from .batch_size import find_batch_size
-    from .planning.estimate import build_model, check_seq_len, infer_task, load_config, peft_config_from
-    from .planning.synthetic_batch import synthetic_batches
+    from .planning.estimate.estimator import build_model, check_seq_len, infer_task, load_config, peft_config_from
+    from .planning.model.synthetic_batch import synthetic_batches
     from .prepare import prepare_model
 
     config = load_config(args.model)
@@ -325,7 +325,7 @@ def _find(args: argparse.Namespace) -> int:
 
 def _print_task_note(args: argparse.Namespace) -> None:
     """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
-    from .planning.estimate import load_config, task_note  # here, not at the top: --help stays fast
+    from .planning.estimate.estimator import load_config, task_note
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:

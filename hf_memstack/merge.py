@@ -23,7 +23,7 @@ from torch import nn
 from ._unwrap import peft_class
 from .record import record_of
 from .transforms._peft import base_layer_of, is_tuner_layer
-from .transforms.quant import _backend_of, four_bit_weight, unpack_bnb_weight
+from .transforms.quant.apply import _backend_of, four_bit_weight, unpack_bnb_weight
 
 if TYPE_CHECKING:
     from bitsandbytes.nn import Params4bit

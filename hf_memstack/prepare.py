@@ -28,7 +28,7 @@ from .distributed.preflight import agree_before_sharding, check_hybrid_shard, re
 from .policy import MemoryPolicy
 from .record import AutocastBy, MemstackRecord, record_of, unwrap_model
 from .transforms.blocks import Blocks
-from .transforms.checkpointing import (
+from .transforms.checkpointing.apply import (
     apply_checkpointing,
     check_checkpointing,
     install_checkpointing_guard,
@@ -36,18 +36,23 @@ from .transforms.checkpointing import (
 )
 from .transforms.compile import apply_compile, check_backend
 from .transforms.fsdp import FSDPResult, apply_fsdp
-from .transforms.loss_head import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
-from .transforms.master_weights import (
+from .transforms.loss_head.apply import _HeadPlan, apply_loss_head, check_loss_head, supports_chunked_loss
+from .transforms.optim.optimizer import check_optimizer_policy
+from .transforms.packed_attention import PackedAttentionResult, apply_packed_attention
+from .transforms.precision.apply import (
+    ResolvedPrecision,
+    apply_precision,
+    check_accelerator_precision,
+    resolve_precision,
+)
+from .transforms.precision.master_weights import (
     MasterWeightsPlan,
     MasterWeightsResult,
     apply_master_weights,
     check_master_weights,
     mark_pure_bf16,
 )
-from .transforms.optim import check_optimizer_policy
-from .transforms.packed_attention import PackedAttentionResult, apply_packed_attention
-from .transforms.precision import ResolvedPrecision, apply_precision, check_accelerator_precision, resolve_precision
-from .transforms.quant import QuantPlan, apply_quant, check_quant
+from .transforms.quant.apply import QuantPlan, apply_quant, check_quant
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 if TYPE_CHECKING:
@@ -114,7 +119,7 @@ def prepare_model(
             ``torch.compile`` wrapper around or inside the model; the accelerator's precision differs;
             the model has no weights (meta device), integer weights other than 4-bit ones, or
             4-bit weights that train; ``quant:nf4`` cannot quantize its targets (see
-            :func:`hf_memstack.transforms.quant.check_quant`).
+            :func:`hf_memstack.transforms.quant.apply.check_quant`).
         DistributedMismatchError (ValueError): under FSDP, another rank failed its checks or
             holds a different policy or model (raised on every rank, before any sharding collective).
 

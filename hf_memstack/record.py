@@ -14,14 +14,14 @@ from . import _unwrap
 from ._unwrap import RecordBase, unwrap_model
 from .policy import MemoryPolicy
 from .transforms.blocks import Blocks
-from .transforms.checkpointing import CheckpointingResult
+from .transforms.checkpointing.apply import CheckpointingResult
 from .transforms.compile import CompileStats
 from .transforms.fsdp import FSDPResult
-from .transforms.loss_result import LossHeadResult
-from .transforms.master_weights import MasterWeightsResult
+from .transforms.loss_head.result import LossHeadResult
 from .transforms.packed_attention import PackedAttentionResult
-from .transforms.precision import ResolvedPrecision
-from .transforms.quant import QuantResult
+from .transforms.precision.apply import ResolvedPrecision
+from .transforms.precision.master_weights import MasterWeightsResult
+from .transforms.quant.apply import QuantResult
 from .transforms.tiled_mlp import TiledMLPResult
 
 __all__ = ["MemstackRecord", "record_of", "unwrap_model"]

@@ -271,7 +271,7 @@ def _precision_and_route(
     cfg: FinetuneConfig, policy: Any, model_path: str, task: str, device_type: str
 ) -> tuple[Any, Route, Any]:
     """The policy's precision on this device, the sharding route, and Accelerate's FSDP plugin on its route (else None)."""
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     try:
         precision = resolve_precision(policy.precision, device_type)

@@ -15,10 +15,10 @@ from ..errors import BudgetTooSmallError
 from ..measure.accounting import model_state_bytes
 from ..measure.batch_checks import check_batch
 from ..measure.simulated import current_limit, untracked
-from ..planning.next_rung import next_rung
+from ..planning.plan.next_rung import next_rung
 from ..record import MemstackRecord, record_of
 from ..sizes import format_bytes, parse_bytes
-from ..transforms.quant import quantizable
+from ..transforms.quant.apply import quantizable
 from .probe import Measured, check_batch_size
 from .ranks import agree_no_error
 

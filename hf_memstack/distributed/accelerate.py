@@ -12,7 +12,7 @@ from torch import nn
 from ..policy import MemoryPolicy
 from ..transforms.blocks import find_blocks
 from ..transforms.fsdp import mixed_precision_policy, reshard_after_forward
-from ..transforms.precision import resolve_precision
+from ..transforms.precision.apply import resolve_precision
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

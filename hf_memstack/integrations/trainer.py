@@ -42,8 +42,8 @@ from ..measure.verify import VerifyReport
 from ..record import MemstackRecord, unwrap_model
 from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
-from ..transforms.master_reconcile import reconcile_master_weights
-from ..transforms.precision import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
+from ..transforms.precision.apply import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
+from ..transforms.precision.master_reconcile import reconcile_master_weights
 from .trainer_args import training_arguments
 from .trainer_checks import _given_model, _record, check_optimizer, check_training_arguments
 from .trainer_eval import check_eval_logits
@@ -72,7 +72,7 @@ class MemstackCallback(TrainerCallback):
       callbacks (TensorBoard, W&B, trackio) log its figures; refuses arguments that contradict
       the policy (:func:`check_training_arguments`) and warns about those that repeat it;
     * before the first step: puts the policy's autocast back around a forward that replaced the
-      prepared one (TRL's fused LM head: :func:`hf_memstack.transforms.precision.restore_autocast`), then
+      prepared one (TRL's fused LM head: :func:`hf_memstack.transforms.precision.apply.restore_autocast`), then
       runs :func:`hf_memstack.measure.verify` on the first training batch through the forward that
       trains (``fused_lm_head=True`` under TRL), with the memory meter tracking that same
       forward + backward: one extra pass, its time in the log (weights, gradients and RNG are

@@ -23,7 +23,7 @@ from .. import batch_size as finder  # looked up at call time: a patched finder 
 from .._device import device_of
 from ..data import PackedCollator
 from ..record import record_of
-from ..transforms.bf16_adamw import BF16AdamW
+from ..transforms.optim.bf16_adamw import BF16AdamW
 from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
 from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments
 

@@ -15,9 +15,9 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..record import MemstackRecord, record_of
-from ..transforms.bf16_adamw import rounds_stochastically
-from ..transforms.checkpointing import CheckpointingGuard
-from ..transforms.optim_in_backward import OptimizerInBackward
+from ..transforms.checkpointing.apply import CheckpointingGuard
+from ..transforms.optim.bf16_adamw import rounds_stochastically
+from ..transforms.optim.in_backward import OptimizerInBackward
 
 __all__ = ["check_optimizer", "check_training_arguments"]
 

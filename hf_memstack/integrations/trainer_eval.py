@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .._device import device_of, module_mode, preserved_rng
-from ..planning.eval_logits import KeptOutputs, kept_outputs
+from ..planning.estimate.eval_logits import KeptOutputs, kept_outputs
 from ..sizes import format_bytes, parse_bytes
 from ._columns import _longest_first, _signature_columns, _trainer_columns
 

@@ -22,7 +22,7 @@ from ..data.guard import settle_packing_guard
 from ..measure.memory import StepMemory, measure_step
 from ..measure.tracker import _category, _frozen_aware_tracker
 from ..measure.verify import VerifyReport, verify
-from ..transforms.optim_in_backward import optimizer_in_backward_of
+from ..transforms.optim.in_backward import optimizer_in_backward_of
 
 logger = logging.getLogger("hf_memstack")
 

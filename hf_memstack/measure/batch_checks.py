@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..record import unwrap_model
-from ..transforms.chunked_loss import _check_ids_in_range, _vocab_size
-from ..transforms.loss_head import supports_chunked_loss
+from ..transforms.loss_head.apply import supports_chunked_loss
+from ..transforms.loss_head.chunked import _check_ids_in_range, _vocab_size
 
 __all__ = ["check_batch", "no_labelled_token"]
 

@@ -292,7 +292,7 @@ def step_memory_of(traced: PhasePeaks) -> StepMemory:
 def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Module] = ()) -> tuple[PhasePeaks, Any]:
     """One evaluation forward as ``Trainer.prediction_step`` runs it - ``model(**batch)`` under
     ``torch.no_grad()``, the model as it is (eval mode is the caller's) - traced as a single phase;
-    returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.planning.eval_logits`).
+    returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.planning.estimate.eval_logits`).
 
     Raises:
         RuntimeError: this PyTorch has no MemTracker.

@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..distributed._ranks import on_every_rank, share_error
 from ..distributed._stalls import watching
 from ..record import MemstackRecord
-from ..transforms.checkpointing import SelectiveCheckpointingWarning
+from ..transforms.checkpointing.apply import SelectiveCheckpointingWarning
 from ..transforms.tiled_mlp import tiled_mlps
 from .grad_reach import GradReach, Unreached
 from .step import LossFn, forward_loss

@@ -1,6 +1,6 @@
 """Where in a step the bytes are: before the model's blocks run, in block ``k``, after the last one.
 
-The estimator traces a deep model at two shallow depths and extrapolates (:mod:`hf_memstack.planning.depth`).
+The estimator traces a deep model at two shallow depths and extrapolates (:mod:`hf_memstack.planning.estimate.depth`).
 A phase's peak is its highest moment, and which moment that is can move with the depth: in the
 backward of a LoRA model under checkpointing, the head's backward (the logits' gradient) holds the
 peak of a 2-block model, but each block's backward adds its adapters' gradients while freeing only

@@ -22,12 +22,12 @@ from ..data.boundaries import compare_packed_to_separate, is_packed
 from ..distributed._ranks import on_every_rank, reraise, runs_collectives, share_error
 from ..distributed._stalls import watching
 from ..record import MemstackRecord, record_of, unwrap_model
-from ..transforms.checkpointing_verify import checkpointing_policy_problems, verify_checkpointing
+from ..transforms.checkpointing.verify import checkpointing_policy_problems, verify_checkpointing
 from ..transforms.compile import compile_policy_problems, verify_compile
-from ..transforms.loss_head_verify import verify_loss_head
-from ..transforms.optim_verify import optimizer_paused
-from ..transforms.precision import precision_policy_problems, verify_precision
-from ..transforms.quant_verify import verify_quant
+from ..transforms.loss_head.verify import verify_loss_head
+from ..transforms.optim.verify import optimizer_paused
+from ..transforms.precision.apply import precision_policy_problems, verify_precision
+from ..transforms.quant.verify import verify_quant
 from ..transforms.tiled_mlp import verify_tiled_mlp
 from .batch_checks import check_batch, no_labelled_token
 from .observe import Observed, observe_step

@@ -170,7 +170,7 @@ class QuantConfig:
     with one int8 scale per block, the scales quantized again (about 4.13 bits per weight) - with
     torchao's ``NF4Tensor``, each layer dequantized in the compute dtype as it runs. For adapters
     (LoRA) on a frozen base: 4-bit weights cannot train. Models loaded 4-bit with bitsandbytes are
-    accepted with or without it (see :mod:`hf_memstack.transforms.quant`)."""
+    accepted with or without it (see :mod:`hf_memstack.transforms.quant.apply`)."""
 
     mode: QuantMode = "none"
     """``none``; ``nf4``: quantize the targets (needs torchao: ``pip install 'hf_memstack[quant]'``)."""

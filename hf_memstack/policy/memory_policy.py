@@ -82,7 +82,7 @@ class MemoryPolicy:
     4 (weight) + 4 (gradient) + 8 (AdamW's moments) = 16 bytes per trainable parameter. ``bf16``
     (pure bf16, token ``weights:bf16``; needs ``precision="bf16"``): the trainable parameters are
     kept (or cast) in bf16 and :func:`hf_memstack.make_optimizer` builds
-    :class:`hf_memstack.transforms.bf16_adamw.BF16AdamW` (AdamW with stochastic rounding; torchao's 8-bit
+    :class:`hf_memstack.transforms.optim.bf16_adamw.BF16AdamW` (AdamW with stochastic rounding; torchao's 8-bit
     AdamW with its ``bf16_stochastic_round`` under ``optim:8bit``), whose updates below bf16's resolution are kept in expectation
     instead of rounding away: 2 + 2 + 4 = 8 bytes (6 with ``optim:8bit``). Frozen parameters are
     never cast."""

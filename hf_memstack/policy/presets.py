@@ -1,6 +1,6 @@
 """The ladder's presets: the policy names users pick from, cheapest first, each adding a tool only
 when the one before is not enough. Plain data with no imports, so that :mod:`hf_memstack.policy`
-(which accepts them as names) and :mod:`hf_memstack.planning.rungs` (which walks the rungs between them)
+(which accepts them as names) and :mod:`hf_memstack.planning.plan.rungs` (which walks the rungs between them)
 both read it without importing each other."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from ..distributed.preflight import local_world_size
 from ..distributed.weights import load_from_rank0
 from ..policy import FSDPConfig
 from .blocks import Blocks
-from .precision import ResolvedPrecision
+from .precision.apply import ResolvedPrecision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

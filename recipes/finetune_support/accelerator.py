@@ -14,7 +14,7 @@ def make_accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
-    from hf_memstack.transforms.precision import ACCELERATE_NAMES
+    from hf_memstack.transforms.precision.apply import ACCELERATE_NAMES
 
     # Accelerate drops an InitProcessGroupKwargs value equal to its class default (600 s): a
     # millisecond more keeps the timeout that was asked for.

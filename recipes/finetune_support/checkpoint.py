@@ -36,7 +36,7 @@ def checkpoint_without_4bit_weights(models: list[Any], weights: list[dict[str, A
     """Accelerate's save_state hook for a 4-bit base (quant:nf4): the frozen 4-bit weights stay out of
     the checkpoint (safetensors cannot hold torchao's NF4 tensors, and they never change): resuming
     quantizes --model's weights again, which gives the same codes, and loads the rest."""
-    from hf_memstack.transforms.quant import is_4bit
+    from hf_memstack.transforms.quant.apply import is_4bit
 
     for i, state in enumerate(weights):
         weights[i] = {k: v for k, v in state.items() if not is_4bit(v)}
@@ -61,7 +61,7 @@ def _check_4bit_checkpoint(job: Job, path: Path) -> None:
     then loads it without the 4-bit ones it left out; anything else missing is refused)."""
     from safetensors import safe_open
 
-    from hf_memstack.transforms.quant import is_4bit
+    from hf_memstack.transforms.quant.apply import is_4bit
 
     model = job.accelerator.unwrap_model(job.model)
     expected = {k for k, v in model.state_dict().items() if not is_4bit(v)}

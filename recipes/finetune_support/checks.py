@@ -243,7 +243,7 @@ def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
 def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     """The policy's optimizer rung against this run's settings (make_optimizer checks the same,
     later; here every problem is named by its flag, before anything is loaded)."""
-    from hf_memstack.transforms.optim import check_optimizer_policy
+    from hf_memstack.transforms.optim.optimizer import check_optimizer_policy
 
     problems, spec = [], cfg.memory.policy
     try:

@@ -99,7 +99,7 @@ def _checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     """The tensor (a sharded one's local shard) to check, None for one not to: not floating, on
     the meta device (not loaded on this rank), empty, or 4-bit (frozen codes, checked as the
     weights they were quantized from)."""
-    from hf_memstack.transforms.quant import is_4bit
+    from hf_memstack.transforms.quant.apply import is_4bit
 
     t = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return None if is_4bit(t) or t.is_meta or not t.is_floating_point() or not t.numel() else t

@@ -35,7 +35,7 @@ def _cells(rank, world):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
-    from hf_memstack.planning.trainable import peft_config_from
+    from hf_memstack.planning.estimate.trainable import peft_config_from
 
     out = []
     for policy, trainable, seq in CELLS:

@@ -85,7 +85,7 @@ def _pure_bf16(rank, world):
     import warnings
 
     from hf_memstack import make_optimizer, prepare_model
-    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+    from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
 
     per = GLOBAL_BATCH // world
     model = prepare_model(tiny_llama(), "bf16+fsdp+weights:bf16")

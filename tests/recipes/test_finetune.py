@@ -156,7 +156,7 @@ def test_policy_auto_with_budget_uses_the_planner(recipe, tiny_lm, tmp_path, cap
     args = lm_args(tiny_lm, tmp_path / "plan", "--max-steps", "2")
     args[args.index("--policy") + 1] = "auto"
     report = recipe.main([*args, "--memory-budget", "1GiB"])
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     mixed = resolve_precision("auto", "cpu").name  # bf16 on CPUs with native bf16, else fp32
     assert report["policy"] == mixed  # generous: the plain rung in this CPU's mixed precision

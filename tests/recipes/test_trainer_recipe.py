@@ -117,7 +117,7 @@ def test_pure_bf16_trains_through_trainer_with_the_policys_optimizer(
     import torch
     from transformers import Trainer
 
-    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+    from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
 
     seen = {}
     original = Trainer.create_optimizer

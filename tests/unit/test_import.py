@@ -65,7 +65,7 @@ def test_every_public_name_imports() -> None:
         "import hf_memstack\nfrom hf_memstack import *\n"
         "missing = [n for n in hf_memstack.__all__ if n not in globals()]\nassert not missing, missing\n"
         "assert set(hf_memstack.__all__) <= set(dir(hf_memstack))\n"
-        "import hf_memstack.transforms.quant as q\nassert hf_memstack.transforms.quant is q"
+        "import hf_memstack.transforms.quant.apply as q\nassert hf_memstack.transforms.quant.apply is q"
     )
     done = _python(code)
     assert done.returncode == 0, done.stderr
@@ -91,7 +91,9 @@ def test_nf4_prepare_is_quiet() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs PEFT")
 def test_peft_import_for_an_estimate_is_quiet() -> None:
     # PEFT imports bitsandbytes (its kernels-community line on an AVX512-BF16 CPU) and torchao.
-    done = _python("from hf_memstack.planning.trainable import peft_config_from\nprint(peft_config_from('lora').r)")
+    done = _python(
+        "from hf_memstack.planning.estimate.trainable import peft_config_from\nprint(peft_config_from('lora').r)"
+    )
     assert done.returncode == 0, done.stderr
     assert not [n for n in NOISE if n in done.stderr], done.stderr
 
@@ -144,7 +146,7 @@ def test_quiet_drops_only_the_named_noise() -> None:
 
 def test_cli_dtype_choices_are_the_estimators() -> None:
     from hf_memstack.cli_estimate import DTYPE_CHOICES
-    from hf_memstack.planning.weights_dtype import DTYPE_CHOICES as ESTIMATOR_CHOICES
+    from hf_memstack.planning.estimate.weights_dtype import DTYPE_CHOICES as ESTIMATOR_CHOICES
 
     assert DTYPE_CHOICES == ESTIMATOR_CHOICES
 

@@ -12,7 +12,7 @@ def test_accelerate_wraps_exactly_our_blocks(load_model, arch):
 
     from hf_memstack import accelerate_fsdp_plugin, find_blocks
     from hf_memstack.policy import MemoryPolicy
-    from hf_memstack.transforms.checkpointing import apply_checkpointing
+    from hf_memstack.transforms.checkpointing.apply import apply_checkpointing
 
     policy = MemoryPolicy.from_string("bf16+ckpt+fsdp")
     model = load_model(arch)

@@ -68,7 +68,7 @@ def test_the_finder_probes_pure_bf16_with_the_optimizer_that_trains(tmp_path, mo
     import hf_memstack.batch_size as finder
     from hf_memstack import prepare_model
     from hf_memstack.integrations.trainer import training_arguments
-    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+    from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
 
     config = LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig
 
-import hf_memstack.planning.build_cache as build_cache
-import hf_memstack.planning.estimate_trace as estimate_trace
+import hf_memstack.planning.estimate.build_cache as build_cache
+import hf_memstack.planning.estimate.trace as estimate_trace
 from hf_memstack import estimate_memory, plan_policy
-from hf_memstack.transforms.precision import resolve_precision
+from hf_memstack.transforms.precision.apply import resolve_precision
 
 
 def _config(**overrides) -> LlamaConfig:
@@ -101,7 +101,7 @@ def test_the_key_sees_the_attention_implementation_a_config_was_given():
     # to_json_string leaves attn_implementation out: an eager config once got the SDPA build cached before it.
     from transformers import LlamaConfig
 
-    from hf_memstack.planning.build_cache import config_key
+    from hf_memstack.planning.estimate.build_cache import config_key
 
     assert config_key(LlamaConfig(attn_implementation="eager")) != config_key(LlamaConfig(attn_implementation="sdpa"))
     assert config_key(LlamaConfig(attn_implementation="eager")) == config_key(LlamaConfig(attn_implementation="eager"))

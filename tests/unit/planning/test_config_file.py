@@ -10,8 +10,8 @@ import pytest
 from tiny import LLAMA
 
 from hf_memstack import estimate_memory
-from hf_memstack.planning.config_file import MAX_LAYERS
-from hf_memstack.planning.model_config import load_config
+from hf_memstack.planning.model.config import load_config
+from hf_memstack.planning.model.config_file import MAX_LAYERS
 
 
 def _folder(tmp_path, name, config=None, **fields):
@@ -136,7 +136,7 @@ def test_a_model_type_with_control_characters_is_escaped(tmp_path):
 
 def test_a_sharded_index_nested_too_deeply_is_not_a_recursion_error(tmp_path):
     """The weights' dtype is read from model.safetensors.index.json when the config names none."""
-    from hf_memstack.planning.weights_dtype import resolve_weights_dtype
+    from hf_memstack.planning.estimate.weights_dtype import resolve_weights_dtype
 
     folder = _folder(tmp_path, "sharded")
     (folder / "model.safetensors.index.json").write_text("[" * 100_000)

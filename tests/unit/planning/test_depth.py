@@ -12,9 +12,9 @@ import pytest
 from transformers import Gemma2Config, GPT2Config, GptOssConfig, LlamaConfig, MixtralConfig, Qwen2Config
 
 from hf_memstack import estimate_memory
-from hf_memstack.planning import depth
-from hf_memstack.planning import estimate as estimate_module
-from hf_memstack.planning.depth import extrapolate_line
+from hf_memstack.planning.estimate import depth
+from hf_memstack.planning.estimate import estimator as estimate_module
+from hf_memstack.planning.estimate.depth import extrapolate_line
 
 
 def _config(arch: str, layers: int, **extra):

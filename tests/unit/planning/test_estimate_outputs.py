@@ -15,7 +15,7 @@ from tiny import tiny_llama
 
 from hf_memstack import estimate_memory, prepare_model
 from hf_memstack.cli import main
-from hf_memstack.planning.planner import plan_policy
+from hf_memstack.planning.plan.planner import plan_policy
 
 VOCAB, BATCH, SEQ = 1000, 2, 64
 LOGITS = BATCH * SEQ * VOCAB * torch.float32.itemsize  # one fp32 [batch, seq, vocab] tensor

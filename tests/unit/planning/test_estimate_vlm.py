@@ -9,7 +9,7 @@ from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model
 from hf_memstack.cli import main
-from hf_memstack.planning.vision_inputs import image_batch, images_for, pixel_tensors
+from hf_memstack.planning.model.vision_inputs import image_batch, images_for, pixel_tensors
 
 TEXT = {
     "hidden_size": 64,
@@ -176,8 +176,8 @@ def test_text_only_step_of_a_vlm():
 def test_plan_advice_shorter_sequence_stops_at_the_image_tokens():
     # Half of seq_len=24 cannot hold an image of 112 pixels (17 tokens): no shorter sequence is advised,
     # where the advice's estimate at 12 tokens raised the image-tokens refusal out of plan_policy.
-    from hf_memstack.planning.plan_advice import _shorter_sequence
-    from hf_memstack.planning.plan_estimates import Estimates
+    from hf_memstack.planning.plan.advice import _shorter_sequence
+    from hf_memstack.planning.plan.estimates import Estimates
 
     job = {"seq_len": 24, "world_size": 1, "task": "causal-lm", "trainable": "all", "dtype": torch.float32}
     est = Estimates(vlm_config("qwen2_vl"), **job, packed=False, device="cpu", image_size=112, images_per_sample=1)

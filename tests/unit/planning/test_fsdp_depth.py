@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hf_memstack import estimate_memory, plan_policy
-from hf_memstack.planning.plan_estimates import with_activation_floor
+from hf_memstack.planning.plan.estimates import with_activation_floor
 from hf_memstack.policy import MemoryPolicy
 
 LLAMA_70B = {
@@ -91,7 +91,7 @@ def test_the_70b_plan_at_8_x_80_gib_checkpoints_and_its_figure_holds_its_blocks(
     assert plain.peak_bytes > plan.usable_bytes
     # A rung without FSDP borrowing the chosen run's state savings is as fast as its rung times
     # those savings: it borrows no offloaded sharding's slowness (it read 0.30x for bf16+weights:bf16).
-    from hf_memstack.planning.rungs import savings_speed
+    from hf_memstack.planning.plan.rungs import savings_speed
 
     speeds = {r.policy: r.relative_speed for r in plan.rows}
     pairs = [

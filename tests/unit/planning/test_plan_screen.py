@@ -8,8 +8,9 @@ import pytest
 from tiny import llama_config
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.planning import plan_estimates, plan_walk
-from hf_memstack.transforms.precision import resolve_precision
+from hf_memstack.planning.plan import estimates as plan_estimates
+from hf_memstack.planning.plan import walk as plan_walk
+from hf_memstack.transforms.precision.apply import resolve_precision
 
 
 def test_the_ckpt_n_rungs_it_reads_between_its_neighbours_do_not_fit():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tiny import llama_config
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.planning.rungs import MEASURED_SPEED
+from hf_memstack.planning.plan.rungs import MEASURED_SPEED
 
 
 def _config():

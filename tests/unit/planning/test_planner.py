@@ -9,7 +9,7 @@ from hf_memstack.sizes import format_bytes
 
 
 def test_planner_generous_budget_picks_plain_mixed_precision(pretrained_dirs):
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     plan = plan_policy(pretrained_dirs["llama"], budget="8GiB", seq_len=32, batch_size=4, device="cpu")
     # The device's own mixed precision: bf16 on a CPU with native bf16, fp32 on one without.
@@ -95,9 +95,9 @@ def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_di
     """The 70B-on-48GiB plan (issue 21) missed by 1.28 GiB with quant:nf4, yet suggested FSDP over 4
     devices for the 16-bit weights: the numbers now come from the closest rung, and the shorter
     sequence they suggest fits when estimated."""
-    from hf_memstack.planning.estimate import load_config
-    from hf_memstack.planning.plan_advice import suggestions
-    from hf_memstack.planning.plan_estimates import Estimates
+    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.plan.advice import suggestions
+    from hf_memstack.planning.plan.estimates import Estimates
 
     est = Estimates(load_config(pretrained_dirs["llama"]), seq_len=64, world_size=1, task="causal-lm", trainable="all")
     closest = "fp32+ckpt"
@@ -137,7 +137,7 @@ def test_planner_max_batch_where_the_optimizer_step_holds_the_small_batches_peak
     """The recipe's MiniLM case (issue 18: 'max batch 9' where batch 64 fitted), on the tiny BERT:
     at batches 1 and 2 the optimizer step holds the peak, so the forward+backward peak is what grows
     with the batch - it must be reported as such, and the planner's answer be the largest batch that fits."""
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     d = pretrained_dirs["bert"]
     policy = resolve_precision("auto", "cpu").name  # the planner's first rung on this CPU
@@ -162,7 +162,7 @@ def _bert_lm_config():
 
 
 def test_the_planner_offers_no_chunked_loss_rung_prepare_model_would_refuse():
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     precision = resolve_precision("auto", "cpu").name
     job = {"batch_size": 4, "seq_len": 32, "task": "causal-lm"}
@@ -180,9 +180,9 @@ def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_bu
     """Sharding divides the model states, not the activations: below the activations alone no
     number of ranks fits (it suggested FSDP over 8192 devices). The figure quoted is the sharded
     rung's own, and the number of ranks advised fits by the estimator's own account (issue 39)."""
-    from hf_memstack.planning.estimate import load_config
-    from hf_memstack.planning.plan_advice import suggestions
-    from hf_memstack.planning.plan_estimates import Estimates
+    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.plan.advice import suggestions
+    from hf_memstack.planning.plan.estimates import Estimates
 
     d = pretrained_dirs["llama"]
     est = Estimates(load_config(d), seq_len=64, world_size=1, task="causal-lm", trainable="all")

@@ -37,7 +37,7 @@ def test_the_planner_picks_4bit_base_weights_for_lora_when_checkpointing_is_not_
 
 
 def test_the_rung_comes_after_full_checkpointing_and_later_rungs_keep_it():
-    from hf_memstack.planning.rungs import memory_rungs
+    from hf_memstack.planning.plan.rungs import memory_rungs
 
     names = [r.policy for r in memory_rungs("bf16", num_blocks=4, world_size=2, causal_lm=True, quantize=True)]
     first = next(i for i, n in enumerate(names) if "quant:nf4" in n)

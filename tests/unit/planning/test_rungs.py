@@ -10,8 +10,8 @@ import itertools
 import pytest
 
 from hf_memstack import MemoryPolicy
-from hf_memstack.planning.next_rung import next_rung
-from hf_memstack.planning.rungs import (
+from hf_memstack.planning.plan.next_rung import next_rung
+from hf_memstack.planning.plan.rungs import (
     MEASURED_SPEED,
     STEPS,
     Requirement,

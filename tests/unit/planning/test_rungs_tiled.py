@@ -8,7 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.planning.rungs import MEASURED_SPEED, memory_rungs
+from hf_memstack.planning.plan.rungs import MEASURED_SPEED, memory_rungs
 
 
 def test_the_rung_sits_after_full_checkpointing_and_the_rungs_after_it_keep_the_tiles():
@@ -25,7 +25,7 @@ def test_the_rung_sits_after_full_checkpointing_and_the_rungs_after_it_keep_the_
 
 @pytest.mark.slow
 def test_the_planner_offers_tiles_for_long_sequences_only():
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     precision = resolve_precision("auto", "cpu").name  # what the planner starts from on this CPU
     config = LlamaConfig(

@@ -12,8 +12,8 @@ from tiny import SHAPE, VOCAB, configs, llama_config
 from transformers import Qwen2Config
 
 from hf_memstack import MemoryPolicy, estimate_memory, plan_policy
-from hf_memstack.planning.rungs import memory_rungs, savings_speed
-from hf_memstack.planning.states_floor import states_floor
+from hf_memstack.planning.plan.rungs import memory_rungs, savings_speed
+from hf_memstack.planning.plan.states_floor import states_floor
 
 
 def _gpt2(dtype):

@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig
 
 from hf_memstack import estimate_memory
-from hf_memstack.planning import build_cache
-from hf_memstack.transforms import bf16_adamw
-from hf_memstack.transforms.bf16_adamw import BF16AdamW
+from hf_memstack.planning.estimate import build_cache
+from hf_memstack.transforms.optim import bf16_adamw
+from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
 
 CONFIG = LlamaConfig(
     hidden_size=64,

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_memstack import MemoryPolicy, PolicyError, measure_step, prepare_model, verify
-from hf_memstack.transforms.checkpointing import SelectiveCheckpointingWarning
+from hf_memstack.transforms.checkpointing.apply import SelectiveCheckpointingWarning
 
 RUNGS = ["fp32", "fp32+ckpt:selective", "fp32+ckpt:selective:alternate", "fp32+ckpt"]
 
@@ -101,7 +101,7 @@ def test_composes_with_compile_and_lora(load_model):
 
 
 def test_trainer_style_re_enabling_keeps_the_policy_and_another_request_is_refused(load_model):
-    from hf_memstack.transforms.checkpointing import selective_context_fn
+    from hf_memstack.transforms.checkpointing.apply import selective_context_fn
 
     model = prepare_model(load_model("llama"), "bf16+ckpt:selective")
     want = verify(model, make_batch("llama")).recompute_flops

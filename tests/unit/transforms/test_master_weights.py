@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_memstack import MemoryPolicy, PolicyError, estimate_memory, make_optimizer, measure_step, prepare_model
 from hf_memstack.integrations.trainer import check_optimizer
-from hf_memstack.transforms.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
+from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
 
 pytestmark = pytest.mark.filterwarnings("ignore:policy.precision='bf16' on a CPU without:UserWarning")
 
@@ -154,7 +154,7 @@ def test_stochastic_rounding_matches_torchaos_in_distribution():
 
 def test_the_step_holds_no_full_fp32_copy_of_a_parameter(bf16_dir):
     # torchao's eager step held ~10 fp32 copies of the largest parameter; BF16AdamW works in chunks.
-    from hf_memstack.transforms import bf16_adamw
+    from hf_memstack.transforms.optim import bf16_adamw
 
     model = prepare_model(AutoModelForCausalLM.from_pretrained(bf16_dir).train(), "bf16+weights:bf16")
     chunk, bf16_adamw._CHUNK = bf16_adamw._CHUNK, 1024

@@ -169,7 +169,7 @@ def test_pure_bf16_trains_the_same_dtypes_in_either_peft_order(bf16_dir):
     """weights:bf16 keeps what trains in bf16: PEFT's fp32 adapters added after prepare_model are cast
     to bf16 at make_optimizer, as prepare_model casts them when PEFT comes first; both orders then
     build BF16AdamW over the same dtypes."""
-    from hf_memstack.transforms.bf16_adamw import BF16AdamW
+    from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
 
     policy = "bf16+ckpt+weights:bf16"
     first = prepare_model(peft.get_peft_model(_load(bf16_dir), _lora()), policy)

@@ -160,7 +160,7 @@ def test_policy_refuses_fp16_with_in_backward():
 
 
 def test_eight_bit_without_torchao_is_a_clear_error_and_the_library_imports(load_model, monkeypatch):
-    from hf_memstack.transforms import optim
+    from hf_memstack.transforms.optim import optimizer as optim
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed: importing it fails
     monkeypatch.setitem(sys.modules, "torchao.optim", None)

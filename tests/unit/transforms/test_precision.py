@@ -133,7 +133,7 @@ def test_accelerator_precision_mismatch(load_model, fresh_accelerate_state):
 
 
 def test_mixed_precision_on_a_device_without_autocast():
-    from hf_memstack.transforms.precision import resolve_precision
+    from hf_memstack.transforms.precision.apply import resolve_precision
 
     with pytest.raises(RuntimeError, match="device type 'meta' has no autocast; use precision='fp32'"):
         resolve_precision("fp16", "meta")

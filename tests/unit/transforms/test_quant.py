@@ -507,7 +507,7 @@ def test_trainable_4bit_weights_are_refused_naming_the_fix(load_model):
 def test_sharding_checks_the_shapes_and_refuses_bitsandbytes(load_model, pretrained_dirs):
     from hf_memstack import find_blocks
     from hf_memstack.policy import QuantConfig
-    from hf_memstack.transforms.quant import check_quant
+    from hf_memstack.transforms.quant.apply import check_quant
 
     model = load_model("llama")
     plan = check_quant(

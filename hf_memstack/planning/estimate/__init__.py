@@ -1,0 +1,54 @@
+"""The estimator: ``estimate_memory`` runs the real ``prepare_model`` and training step on fake tensors
+(shapes and dtypes, no storage) and reads one step's peak per rank, by category and phase.
+
+estimator.py      estimate_memory: the arguments, the trace, the estimate
+result.py         MemoryEstimate: the estimate's record and its summary line
+checks.py         what it refuses before tracing (arguments, a model without blocks, the loss head)
+trace.py          one job traced on fake tensors (a train step or an eval forward)
+depth.py          a deep stack traced at two shallow depths and extrapolated
+build_cache.py    the fake model and depth plan, built once per config and job
+accounting.py     the trace as one rank's numbers: eval's kept logits, the dtype note
+fsdp_shards.py    one FSDP rank's bytes from the single-device trace
+trainable.py      what trains: everything, LoRA, a PEFT config, or what a PEFT model says
+weights_dtype.py  the dtype from_pretrained would give the weights (``dtype="auto"``)
+eval_logits.py    the outputs ``Trainer.evaluate()`` keeps
+
+Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
+outside it that imports from here is listed, and each ``name`` below is in the file named):
+
+- ``hf_memstack/__init__.py``: ``estimate_memory`` and ``MemoryEstimate`` in the public API
+- ``hf_memstack/planning/__init__.py``: ``estimate_memory``
+- ``hf_memstack/cli.py``: ``estimate_memory`` behind ``hf-memstack estimate``
+- ``hf_memstack/integrations/trainer_eval.py``: ``kept_outputs``: what evaluation keeps
+- ``hf_memstack/planning/model/config.py``: ``apply_peft`` and ``cast_like_from_pretrained``
+- ``hf_memstack/planning/model/fake.py``: ``build_cache``, ``apply_peft`` and ``set_dtypes``
+- ``hf_memstack/planning/model/fake_experts.py``: ``text_config``
+- ``hf_memstack/planning/plan/planner.py``: ``with_depth``, ``peft_config_from`` and ``resolve_weights_dtype``
+- ``hf_memstack/planning/plan/estimates.py``: ``estimate_memory`` for each rung
+- ``hf_memstack/planning/plan/advice.py``: ``MemoryEstimate``
+- ``hf_memstack/planning/plan/result.py``: ``MemoryEstimate``
+- ``hf_memstack/planning/plan/walk.py``: ``MemoryEstimate``
+- ``hf_memstack/planning/plan/states_floor.py``: ``build_cache``
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .estimator import estimate_memory
+    from .result import MemoryEstimate
+
+# public name -> the module of this folder that defines it
+_EXPORTS = {
+    "estimate_memory": ".estimator",
+    "MemoryEstimate": ".result",
+}
+
+__all__ = [
+    "MemoryEstimate",
+    "estimate_memory",
+]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,197 @@
+"""One FSDP rank's bytes, part by part of the step, from the single-device trace.
+
+The estimator traces the step on one device (FSDP needs a process group) and accounts for
+``fully_shard`` over ``world`` ranks here. How, and why per part of each phase:
+
+- Every parameter's shard is ``1/world`` of it; the root's parameters (embeddings, final norm,
+  head: ``apply_fsdp`` does not reshard the root after its forward) are gathered in full, in the
+  compute dtype, from the root's forward to the end of its backward: both are parameters.
+- Each block's parameters are gathered while it runs (in the backward also the next block's, which
+  FSDP2 prefetches) and freed after: counted with the temporaries, where PyTorch's MemTracker puts
+  the gather's buffers on 2 gloo ranks. Where the blocks are not resharded after the forward
+  (``shard_grad_op``) every block stays gathered.
+- Gradients and optimizer state are sharded; so are the optimizer step's temporaries (it steps the
+  local shards).
+- Activations and the forward's and backward's temporaries are each rank's own: not divided.
+
+Which moment holds a phase's peak changes with sharding: on one device a 70B full fine-tune's backward
+peaks at its end (every gradient alive); sharded 8 ways, at its start (every activation alive). So each
+part of each phase (:mod:`hf_memstack.measure.segments`) is accounted before the phase's highest is taken,
+never the single-device peak divided afterwards (which read a 70B's forward+backward peak below its
+resident parameters, and ``loss:chunked``'s activations as the optimizer phase's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ...measure.accounting import tensor_bytes
+from ...measure.memory import PhasePeaks
+from ...policy import MemoryPolicy
+from ...record import record_of
+from ...transforms.fsdp import reshard_after_forward
+from ..model.fake import blocks_or_empty
+
+__all__ = ["FsdpShards", "fsdp_shards"]
+
+_FORWARD, _BACKWARD = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class FsdpShards:
+    """What one rank holds of a model sharded over ``world`` ranks."""
+
+    world: int
+    root_gathered: int
+    """The root's parameters gathered, in the compute dtype (held through the forward and backward)."""
+    block_gathered: int
+    """One block's parameters gathered, in the compute dtype."""
+    root_reduce: int
+    """The root's gradients being reduce-scattered at the end of the backward: unsharded (compute dtype),
+    the reduce-scatter's input and output (fp32: ``apply_fsdp`` reduces in fp32)."""
+    grads: int
+    """Every trainable parameter's gradient, unsharded, at the model's full depth."""
+    layers: int
+    """The model's blocks (at its full depth)."""
+    reshard: bool
+    """Whether blocks are resharded after their forward (full_shard) or stay gathered (shard_grad_op)."""
+    cpu_offload: bool
+    block_cast: int = 0
+    """One block's trainable linear weights as autocast copies them to the compute dtype on one device
+    (0 when they are in it already): FSDP gathers them in that dtype, so a rank makes no such copy."""
+    root_cast: int = 0
+    """The same of the linear layers outside the blocks (the head)."""
+    checkpointed: bool = False
+    """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
+
+    def per_rank(self, phase: int, segment: tuple[str, int] | None, peak: dict[str, int]) -> dict[str, int]:
+        """One part of one phase (``segment``: ``pre``, ``post``, or a block) as one rank holds it."""
+        w = self.world
+        states = 0 if self.cpu_offload else 1  # offloaded shards live in host memory
+        out = dict(peak)
+        out["param"] = states * (peak["param"] // w)
+        out["grad"] = states * (peak["grad"] // w)
+        out["opt"] = states * (peak["opt"] // w)
+        if phase > _BACKWARD:  # the optimizer step: per parameter, on the local shards only
+            out["temp"] = peak["temp"] // w
+            return _totalled(out)
+        at_end = _totalled({**out, "grad": states * (self.grads // w), "act": 0, "temp": self.root_reduce})
+        copies = self._cast_copies(phase, segment)
+        out["act"] = max(0, peak["act"] - copies)
+        out["temp"] = max(0, peak["temp"] - max(0, copies - peak["act"]))
+        out["param"] += self.root_gathered
+        out["temp"] += self.block_gathered * self._blocks_gathered(phase, segment)
+        if phase == _BACKWARD and (segment is None or segment[0] == "post"):
+            # The backward's end: the root resharded, its gradients reduce-scattered, every other one sharded.
+            return max(_totalled(out), at_end, key=lambda c: c["total"])
+        return _totalled(out)
+
+    def _blocks_gathered(self, phase: int, segment: tuple[str, int] | None) -> int:
+        if not self.reshard:
+            return self.layers  # shard_grad_op: gathered in the forward, freed by each block's backward
+        kind, k = segment if segment is not None else ("block", 1)
+        if kind in ("pre", "post"):
+            # The embeddings' part (forward "pre", backward "post") holds no block; the head's (forward
+            # "post", backward "pre") the last block's, still gathered, then prefetched (2 gloo ranks).
+            return int((phase == _BACKWARD) == (kind == "pre"))
+        # A block's own; in the backward also the one before it (prefetched), but block 0 has none.
+        first_block = kind in ("first", "block") and k == 0
+        return 1 + int(phase == _BACKWARD and not first_block)
+
+    def _cast_copies(self, phase: int, segment: tuple[str, int] | None) -> int:
+        """The single-device trace's autocast copies of the weights in this part, which no rank holds: in the
+        forward every block's so far (autocast caches them until the forward ends), in the backward those
+        saved for it (none of a checkpointed block's, whose recompute makes its own)."""
+        if not (self.block_cast or self.root_cast):
+            return 0
+        kind, k = segment if segment is not None else ("block", self.layers - 1)
+        done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
+        if kind == "pre":
+            return (
+                0
+                if phase != _BACKWARD
+                else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
+            )
+        if kind == "post":
+            return 0 if phase == _BACKWARD else self.root_cast + self.layers * self.block_cast
+        return self.block_cast * (1 if phase == _BACKWARD and self.checkpointed else done)
+
+    def saved_copies_per_block(self) -> int:
+        """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
+        return 0 if self.checkpointed else self.block_cast
+
+    def saved(self, traced: PhasePeaks) -> PhasePeaks:
+        """The activations the forward leaves, less the autocast copies a rank does not make."""
+        copies = self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
+        return PhasePeaks(peaks=traced.peaks, forward_activations=max(0, traced.forward_activations - copies))
+
+    def phases(self, traced: PhasePeaks) -> PhasePeaks:
+        """A traced step's phases as one rank holds them: each part accounted, then the highest."""
+        peaks = []
+        for i, peak in enumerate(traced.peaks):
+            parts = traced.segments[i] if i < len(traced.segments) and traced.segments[i] else {None: peak}
+            peaks.append(max((self.per_rank(i, s, p) for s, p in parts.items()), key=lambda c: c["total"]))
+        return self.saved(PhasePeaks(peaks=tuple(peaks), forward_activations=traced.forward_activations))
+
+
+def _totalled(peak: dict[str, int]) -> dict[str, int]:
+    return {**peak, "total": sum(v for k, v in peak.items() if k != "total")}
+
+
+def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | None) -> FsdpShards | None:
+    """How ``policy`` shards the traced ``net`` over ``world`` ranks (None: it does not). ``layers``:
+    the model's blocks at its full depth (``net`` may be a shallow copy)."""
+    if policy.fsdp.mode == "none" or world < 2:
+        return None
+    blocks = blocks_or_empty(net)
+    record = record_of(net)  # the precision prepare_model resolved ("auto": the target device's)
+    resolved = getattr(record, "precision", None)
+    compute = resolved.dtype if resolved is not None and resolved.mixed else None
+
+    def gathered(params: list[nn.Parameter]) -> int:
+        # FSDP2 gathers floating parameters in its param_dtype (the policy's), others as they are.
+        return sum(
+            p.numel() * compute.itemsize if compute is not None and p.is_floating_point() else tensor_bytes(p)
+            for p in params
+        )
+
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    root_params = [p for p in net.parameters() if id(p) not in inside]
+    root = gathered(root_params)
+    trained = [p for p in root_params if p.requires_grad]
+    # Unsharded in the compute dtype, then copied into the fp32 reduce-scatter input, whose output is the shard.
+    root_reduce = gathered(trained) + sum(p.numel() * 4 for p in trained) * (world + 1) // world
+    block = max((gathered(list(b.parameters())) for b in blocks), default=0)
+
+    def cast(modules: list[nn.Module]) -> int:
+        # autocast copies a trainable linear layer's weight and bias not in the compute dtype (frozen ones
+        # are copied too but not cached; not counted: a LoRA base is usually loaded in it).
+        if compute is None:
+            return 0
+        return sum(
+            p.numel() * compute.itemsize
+            for m in modules
+            if isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)
+            if p.requires_grad and p.is_floating_point() and p.dtype != compute
+        )
+
+    block_modules = [m for m in blocks[0].modules()] if blocks else []
+    inside_modules = {id(m) for b in blocks for m in b.modules()}
+    per_block = max((sum(tensor_bytes(p) for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
+    depth = layers or len(blocks)
+    return FsdpShards(
+        grads=sum(tensor_bytes(p) for p in trained) + per_block * depth,
+        world=world,
+        root_gathered=root,
+        block_gathered=block,
+        root_reduce=root_reduce,
+        layers=depth,
+        reshard=reshard_after_forward(policy.fsdp),
+        cpu_offload=policy.fsdp.cpu_offload,
+        block_cast=cast(block_modules),
+        root_cast=cast([m for m in net.modules() if id(m) not in inside_modules]),
+        checkpointed=policy.checkpointing.mode == "full",
+    )

@@ -1,0 +1,134 @@
+"""The package's layout stays as its folders say: each multi-file feature is one folder whose
+``__init__`` lists its modules and its touch points outside the folder, and re-exports its names lazily.
+
+Read from the source (AST), not from what the package says of itself: a new module outside a folder
+that imports from it, a touch point that no longer holds the name it names, a module the docstring
+forgets, or a lazy name that points nowhere, each fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "hf_memstack"
+FEATURE_FOLDERS = [
+    "transforms/checkpointing",
+    "transforms/loss_head",
+    "transforms/optim",
+    "transforms/precision",
+    "transforms/quant",
+    "planning/estimate",
+    "planning/model",
+    "planning/plan",
+]
+LAZY_PACKAGES = ["planning", *FEATURE_FOLDERS]
+_TOUCH = re.compile(r"^- ``(?P<path>[^`]+)``: (?P<what>.+)$", re.M)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module an import statement in ``path`` names, relative imports resolved."""
+    here = _module_name(path)
+    package = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _docstring(folder: str) -> str:
+    doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text(encoding="utf-8")))
+    assert doc, f"hf_memstack/{folder}/__init__.py has no docstring"
+    return doc
+
+
+def _touch_points(folder: str) -> dict[str, str]:
+    doc = _docstring(folder)
+    assert "Touch points outside this folder" in doc, f"hf_memstack/{folder}/__init__.py lists no touch points"
+    return {m["path"]: m["what"] for m in _TOUCH.finditer(doc)}
+
+
+@pytest.mark.parametrize("folder", FEATURE_FOLDERS)
+def test_every_module_that_imports_the_folder_is_a_listed_touch_point(folder: str) -> None:
+    prefix = "hf_memstack." + folder.replace("/", ".")
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]
+    importers = {
+        str(path.relative_to(ROOT))
+        for path in sources
+        if not path.is_relative_to(PACKAGE / folder)
+        and any(m == prefix or m.startswith(prefix + ".") for m in _imported_modules(path))
+    }
+    assert importers, f"nothing imports hf_memstack/{folder}: is it still a feature?"
+    missing = importers - set(_touch_points(folder))
+    assert not missing, f"hf_memstack/{folder}/__init__.py: add these touch points to its docstring: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("folder", FEATURE_FOLDERS)
+def test_each_touch_point_holds_the_names_it_names(folder: str) -> None:
+    for path, what in _touch_points(folder).items():
+        file = ROOT / path
+        assert file.is_file(), f"hf_memstack/{folder}: touch point {path} does not exist"
+        names = re.findall(r"``([^`]+)``", what)
+        assert names, f"hf_memstack/{folder}: touch point {path} names nothing to check (``name``)"
+        text = file.read_text(encoding="utf-8")
+        for name in names:
+            assert name in text, f"hf_memstack/{folder}: {path} no longer holds {name!r}"
+
+
+@pytest.mark.parametrize("folder", ["transforms", "planning", *FEATURE_FOLDERS])
+def test_the_docstring_lists_exactly_the_folders_modules(folder: str) -> None:
+    doc = _docstring(folder)
+    listed = set(re.findall(r"^(\w+(?:\.py|/))\s", doc, re.M))
+    present = {p.name for p in (PACKAGE / folder).glob("*.py") if p.name != "__init__.py"}
+    present |= {p.name + "/" for p in (PACKAGE / folder).iterdir() if (p / "__init__.py").is_file()}
+    assert listed == present, (
+        f"hf_memstack/{folder}/__init__.py: listed but absent {sorted(listed - present)}, "
+        f"present but not listed {sorted(present - listed)}"
+    )
+
+
+@pytest.mark.parametrize("package", LAZY_PACKAGES)
+def test_lazy_exports_match_the_type_checking_imports_and_resolve(package: str) -> None:
+    init = PACKAGE / package / "__init__.py"
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    typed: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom)
+                typed.update({alias.name: "." * imp.level + (imp.module or "") for alias in imp.names})
+    module = importlib.import_module("hf_memstack." + package.replace("/", "."))
+    exports = module._EXPORTS
+    assert typed == exports, f"{init}: the TYPE_CHECKING imports and _EXPORTS differ"
+    assert sorted(module.__all__) == sorted(exports) == list(module.__all__)
+    for name, where in exports.items():
+        defining = importlib.import_module(where, module.__name__)
+        assert getattr(module, name) is getattr(defining, name)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name  # noqa: B018
+
+
+def test_no_folder_holds_more_than_fifteen_modules() -> None:
+    for folder in [PACKAGE, *(p.parent for p in PACKAGE.rglob("__init__.py"))]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 15, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: split it by feature"
