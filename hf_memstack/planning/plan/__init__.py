@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from ..._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .next_rung import next_rung
     from .planner import plan_policy
     from .result import Plan, PlanRow
     from .rungs import Rung, memory_rungs
@@ -39,7 +38,6 @@ _EXPORTS = {
     "PlanRow": ".result",
     "Rung": ".rungs",
     "memory_rungs": ".rungs",
-    "next_rung": ".next_rung",
 }
 
 __all__ = [
@@ -47,7 +45,6 @@ __all__ = [
     "PlanRow",
     "Rung",
     "memory_rungs",
-    "next_rung",
     "plan_policy",
 ]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
