@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from hf_memstack.cli import main
+from hf_memstack.cli.main import main
 from hf_memstack.sizes import format_bytes
 
 
@@ -125,7 +125,7 @@ def test_a_negative_budget_is_named_through_the_installed_command(tmp_path):
     import subprocess
     import sys
 
-    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli"
+    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli.main"
     done = subprocess.run(
         [*script.split(), "estimate", str(tmp_path), "--batch-size", "1", "--seq-len", "16", "--budget", "-1GiB"],
         capture_output=True,
@@ -199,7 +199,7 @@ def test_plot_without_matplotlib_fails_before_estimating(pretrained_dirs, tmp_pa
 
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"  # what an environment without matplotlib sees
-        "from hf_memstack.cli import main\n"
+        "from hf_memstack.cli.main import main\n"
         f"sys.exit(main(['estimate', {str(pretrained_dirs['llama'])!r}, '--batch-size', '2', '--seq-len', '16', "
         f"'--budget', '1GiB', '--plot', {str(tmp_path / 'x.png')!r}]))"
     )
@@ -469,7 +469,7 @@ def test_a_received_config_or_policy_file_is_one_clear_error_through_the_install
     folder = _received(tmp_path, kind)
     policy = ["--policy", str(tmp_path / "policy.yaml")] if kind == "policy_fifo" else []
     sizes = ["--batch-size", "1", "--seq-len", "16"] + (["--budget", "1GiB"] if command == "plan" else [])
-    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli"
+    script = shutil.which("hf-memstack") or f"{sys.executable} -m hf_memstack.cli.main"
     done = subprocess.run(
         [*script.split(), command, str(folder), *sizes, *policy], capture_output=True, text=True, timeout=240
     )

@@ -53,7 +53,7 @@ def test_import_loads_no_backend() -> None:
 )
 def test_cli_help_does_not_import_torch(argv: list[str]) -> None:
     code = (
-        "import contextlib, io\nfrom hf_memstack.cli import main\nout = io.StringIO()\n"
+        "import contextlib, io\nfrom hf_memstack.cli.main import main\nout = io.StringIO()\n"
         f"with contextlib.redirect_stdout(out):\n    assert main({argv!r}) == 0\nassert 'usage: hf-memstack' in out.getvalue()"
     )
     assert _loaded_after(code, ("torch", "transformers", *OPTIONAL)) == []
@@ -145,7 +145,7 @@ def test_quiet_drops_only_the_named_noise() -> None:
 
 
 def test_cli_dtype_choices_are_the_estimators() -> None:
-    from hf_memstack.cli_estimate import DTYPE_CHOICES
+    from hf_memstack.cli.estimate import DTYPE_CHOICES
     from hf_memstack.planning.estimate.weights_dtype import DTYPE_CHOICES as ESTIMATOR_CHOICES
 
     assert DTYPE_CHOICES == ESTIMATOR_CHOICES
@@ -159,7 +159,7 @@ def test_cli_estimate_prints_only_its_answer(tmp_path: Path) -> None:
 
     llama_config().save_pretrained(tmp_path)
     argv = ["estimate", str(tmp_path), "--policy", "bf16+quant:nf4", "--batch-size", "2", "--seq-len", "32"]
-    done = _python(f"from hf_memstack.cli import main\nraise SystemExit(main({[*argv, '--lora-r', '4']!r}))")
+    done = _python(f"from hf_memstack.cli.main import main\nraise SystemExit(main({[*argv, '--lora-r', '4']!r}))")
     assert done.returncode == 0, done.stderr
     assert "| bf16+quant:nf4 |" in done.stdout
     assert done.stderr == ""

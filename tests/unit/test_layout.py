@@ -95,7 +95,7 @@ def test_each_touch_point_holds_the_names_it_names(folder: str) -> None:
             assert name in text, f"hf_memstack/{folder}: {path} no longer holds {name!r}"
 
 
-@pytest.mark.parametrize("folder", ["transforms", "planning", *FEATURE_FOLDERS])
+@pytest.mark.parametrize("folder", ["transforms", "planning", "cli", *FEATURE_FOLDERS])
 def test_the_docstring_lists_exactly_the_folders_modules(folder: str) -> None:
     doc = _docstring(folder)
     listed = set(re.findall(r"^(\w+(?:\.py|/))\s", doc, re.M))

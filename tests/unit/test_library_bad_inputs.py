@@ -28,7 +28,7 @@ from hf_memstack import (
     prepare_model,
     verify,
 )
-from hf_memstack.cli import main as cli
+from hf_memstack.cli.main import main as cli
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from tiny import configs, make_batch
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, plan_policy, prepare_model
-from hf_memstack.cli import main
+from hf_memstack.cli.main import main
 from hf_memstack.planning.estimate.estimator import DEFAULT_LORA
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

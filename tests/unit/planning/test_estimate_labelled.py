@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, plan_policy, prepare_model
-from hf_memstack.cli import main
+from hf_memstack.cli.main import main
 
 SEQ = 256
 

@@ -14,7 +14,7 @@ from loops import memtracker_peak
 from tiny import tiny_llama
 
 from hf_memstack import estimate_memory, prepare_model
-from hf_memstack.cli import main
+from hf_memstack.cli.main import main
 from hf_memstack.planning.plan.planner import plan_policy
 
 VOCAB, BATCH, SEQ = 1000, 2, 64

@@ -8,7 +8,7 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
 from hf_memstack import estimate_memory, measure_step, plan_policy, prepare_model
-from hf_memstack.cli import main
+from hf_memstack.cli.main import main
 from hf_memstack.planning.model.vision_inputs import image_batch, images_for, pixel_tensors
 
 TEXT = {

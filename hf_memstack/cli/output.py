@@ -1,17 +1,20 @@
 """What hf-memstack prints and draws: the estimate's table, JSON and verdicts, and the --plot picture.
 
-Kept apart from cli.py, which parses the command line and runs the estimator, planner or finder:
+Kept apart from cli/main.py, which parses the command line and runs the estimator, planner or finder:
 the layout of the results changes without touching how they are computed.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ._text import printable
-from .cli_estimate import Refused, Row
-from .sizes import format_bytes
+from .._text import printable
+from ..sizes import format_bytes
+from .estimate import Refused, Row
+
+if TYPE_CHECKING:
+    from ..planning import MemoryEstimate
 
 __all__ = ["plot_breakdown", "print_estimates", "require_matplotlib"]
 
@@ -109,7 +112,7 @@ def require_matplotlib() -> None:
         ) from None
 
 
-def plot_breakdown(items: list[tuple[str, Any]], path: str, budget: int | None) -> None:
+def plot_breakdown(items: list[tuple[str, MemoryEstimate]], path: str, budget: int | None) -> None:
     """Write a stacked bar per (name, estimate) of its bytes by category, and the budget's line, to ``path``."""
     import matplotlib
 

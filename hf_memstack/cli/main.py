@@ -37,11 +37,15 @@ import json
 import re
 import sys
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ._quiet import quiet_imports
-from ._text import printable
-from .cli_estimate import (
+from .._quiet import quiet_imports
+from .._text import printable
+from ..errors import BudgetTooSmallError
+from ..models import resolve_model_alias
+from ..sizes import format_bytes, parse_bytes
+from .estimate import (
     Refused,
     device_option,
     dtype_option,
@@ -52,15 +56,15 @@ from .cli_estimate import (
     refusal_lines,
     verdict,
 )
-from .cli_output import plot_breakdown, print_estimates, require_matplotlib
-from .errors import BudgetTooSmallError
-from .models import resolve_model_alias
-from .sizes import format_bytes, parse_bytes
+from .output import plot_breakdown, print_estimates, require_matplotlib
 
 # The estimator, planner, finder and prepare_model (torch, transformers) are imported inside the
 # functions that use them, each marked "--help stays fast": parsing the command line needs none of them.
 
 FITS, DOES_NOT_FIT, USAGE, INTERNAL = 0, 1, 2, 3
+
+if TYPE_CHECKING:
+    _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_estimate(sub: Any) -> None:
+def _add_estimate(sub: _Subparsers) -> None:
     e = sub.add_parser(
         "estimate",
         help="peak memory of one training step, by category",
@@ -119,7 +123,7 @@ def _add_estimate(sub: Any) -> None:
     label_fraction_option(e)
 
 
-def _add_plan(sub: Any) -> None:
+def _add_plan(sub: _Subparsers) -> None:
     pl = sub.add_parser(
         "plan",
         help="the cheapest policy that fits a budget",
@@ -143,7 +147,7 @@ def _add_plan(sub: Any) -> None:
     label_fraction_option(pl)
 
 
-def _add_find_batch_size(sub: Any) -> None:
+def _add_find_batch_size(sub: _Subparsers) -> None:
     f = sub.add_parser(
         "find-batch-size",
         help="measure the largest batch that fits (real steps)",
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         return INTERNAL
 
 
-def _trainable(args: argparse.Namespace) -> Any:
+def _trainable(args: argparse.Namespace) -> dict[str, object] | str:
     lora = {
         k: v
         for k, v in (
@@ -231,7 +235,7 @@ def _trainable(args: argparse.Namespace) -> Any:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .planning.estimate.estimator import estimate_memory
+    from ..planning.estimate.estimator import estimate_memory
 
     job = {
         "batch_size": args.batch_size,
@@ -263,8 +267,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     # here, not at the top: --help stays fast
-    from .planning.estimate.estimator import estimate_memory
-    from .planning.plan.planner import plan_policy
+    from ..planning.estimate.estimator import estimate_memory
+    from ..planning.plan.planner import plan_policy
 
     # What every rung shares, in the plan and in the plot's estimates.
     job = {
@@ -288,7 +292,7 @@ def _plan(args: argparse.Namespace) -> int:
     return FITS if plan.fits else DOES_NOT_FIT
 
 
-def _images(args: argparse.Namespace) -> dict[str, Any]:
+def _images(args: argparse.Namespace) -> dict[str, int | None]:
     return {"image_size": args.image_size, "images_per_sample": args.images_per_sample}
 
 
@@ -296,10 +300,10 @@ def _find(args: argparse.Namespace) -> int:
     import torch  # here, not at the top: --help stays fast
 
     # Imported here: keeps hf-memstack --help fast (the finder, the estimator and prepare_model need torch).
-    from .batch_size import find_batch_size
-    from .planning.estimate.estimator import build_model, check_seq_len, infer_task, load_config, peft_config_from
-    from .planning.model.synthetic_batch import synthetic_batches
-    from .prepare import prepare_model
+    from ..batch_size import find_batch_size
+    from ..planning.estimate.estimator import build_model, check_seq_len, infer_task, load_config, peft_config_from
+    from ..planning.model.synthetic_batch import synthetic_batches
+    from ..prepare import prepare_model
 
     config = load_config(args.model)
     check_seq_len(config, args.seq_len)
@@ -325,14 +329,14 @@ def _find(args: argparse.Namespace) -> int:
 
 def _print_task_note(args: argparse.Namespace) -> None:
     """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
-    from .planning.estimate.estimator import load_config, task_note
+    from ..planning.estimate.estimator import load_config, task_note
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:
         print(f"note: {printable(note)}")
 
 
-def _positive_int(flag: str) -> Any:
+def _positive_int(flag: str) -> Callable[[str], int]:
     def parse(value: str) -> int:
         if not value.strip().isdigit() or int(value) <= 0:
             raise argparse.ArgumentTypeError(f"{flag}={value!r} must be a positive integer")

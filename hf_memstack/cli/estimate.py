@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
-from .policy import MemoryPolicy
+from ..policy import MemoryPolicy
 
 if TYPE_CHECKING:
-    from .planning import MemoryEstimate
+    from ..planning import MemoryEstimate
 
 __all__ = [
     "Refused",
@@ -74,7 +74,7 @@ def verdict(row: Row, budget: int | None) -> bool:
     return budget is None or needed <= budget
 
 
-def device_option(parser: Any, what: str) -> None:
+def device_option(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help=f"{what}; default: this machine")
 
 
@@ -83,7 +83,7 @@ def device_option(parser: Any, what: str) -> None:
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 
 
-def dtype_option(parser: Any) -> None:
+def dtype_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,
@@ -93,7 +93,7 @@ def dtype_option(parser: Any) -> None:
     )
 
 
-def keep_outputs_option(parser: Any) -> None:
+def keep_outputs_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-outputs",
         action="store_true",
@@ -102,7 +102,7 @@ def keep_outputs_option(parser: Any) -> None:
     )
 
 
-def image_options(parser: Any) -> None:
+def image_options(parser: argparse.ArgumentParser) -> None:
     """A vision-language model's images (estimate_memory's image_size= and images_per_sample=)."""
     parser.add_argument(
         "--image-size",
@@ -119,7 +119,7 @@ def image_options(parser: Any) -> None:
     )
 
 
-def _count(flag: str, least: int) -> Any:
+def _count(flag: str, least: int) -> Callable[[str], int]:
     import argparse
 
     def parse(value: str) -> int:
