@@ -53,7 +53,7 @@ __all__ = [
 # is then an interior block, neither the first (whose input is the embeddings') nor the last, as
 # every block added past it is. From 1 and 2 blocks a 7B LoRA under bf16+loss:chunked read 1.8%
 # high; from 2 and 3 every field equals the full trace's there and at 6 to 24 blocks on Llama,
-# GPT-2, Qwen2 and Gemma-2 (tests/unit/planning/test_depth.py, bench/estimate_speed.py).
+# GPT-2, Qwen2 and Gemma-2 (tests/unit/planning/estimate/test_depth.py, bench/estimate_speed.py).
 _SHALLOW_PERIODS = 1
 # The most blocks the two shallow traces may hold together, as a share of the model's.
 _MOST_TRACED = 0.75
