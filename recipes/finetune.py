@@ -280,7 +280,7 @@ def _precision_and_route(
     route = choose_route(policy, precision, device_type)
     fsdp_plugin = None
     if route == "accelerate":
-        from hf_memstack import accelerate_fsdp_plugin
+        from hf_memstack.distributed import accelerate_fsdp_plugin
 
         fsdp_plugin = accelerate_fsdp_plugin(policy, load_model(cfg, model_path, task, 2, skeleton=True))
     return precision, route, fsdp_plugin
@@ -809,7 +809,7 @@ def _write_model(job: Job, tmp: Path) -> None:
     acc = job.accelerator
     if job.policy.fsdp.mode != "none":
         # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
-        from hf_memstack import save_pretrained_full
+        from hf_memstack.distributed import save_pretrained_full
 
         save_pretrained_full(job.model, str(tmp))
     else:

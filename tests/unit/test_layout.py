@@ -27,7 +27,7 @@ FEATURE_FOLDERS = [
     "planning/model",
     "planning/plan",
 ]
-LAZY_PACKAGES = ["planning", *FEATURE_FOLDERS]
+LAZY_PACKAGES = ["planning", "distributed", "measure", *FEATURE_FOLDERS]
 _TOUCH = re.compile(r"^- ``(?P<path>[^`]+)``: (?P<what>.+)$", re.M)
 
 
