@@ -34,7 +34,9 @@ POLICIES = ("fp32+fsdp", "bf16+fsdp", "bf16+ckpt+fsdp")
 def _rank(rank: int, world: int, job: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from hf_memstack import from_pretrained_for_fsdp, measure_step, model_state_bytes, prepare_model
+    from hf_memstack import measure_step, prepare_model
+    from hf_memstack.distributed import from_pretrained_for_fsdp
+    from hf_memstack.measure import model_state_bytes
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
@@ -91,7 +93,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fsdp.json"))
     args = ap.parse_args()
-    from hf_memstack import format_bytes, measure_step, model_state_bytes, prepare_model
+    from hf_memstack import format_bytes, measure_step, prepare_model
+    from hf_memstack.measure import model_state_bytes
 
     rows: dict = {"machine": machine(), "args": vars(args)}
     with tempfile.TemporaryDirectory() as tmp:

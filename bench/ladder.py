@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from _common import machine, median, reference_batch, reference_model, timed
 
-from hf_memstack import make_optimizer, measure_step, model_state_bytes, prepare_model, train_step, verify
+from hf_memstack import make_optimizer, measure_step, prepare_model, verify
+from hf_memstack.measure import model_state_bytes, train_step
 from hf_memstack.measure.accounting import optimizer_state_bytes
 from hf_memstack.transforms.precision.apply import cpu_has_native_bf16
 

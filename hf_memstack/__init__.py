@@ -14,162 +14,176 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING
 
 from ._quiet import quiet_imports
 from ._version import __version__
 
-if TYPE_CHECKING:
-    from .batch_size import BatchSizeResult, Fit, Probe, find_batch_size, find_executable_batch_size
-    from .distributed.accelerate import accelerate_fsdp_plugin
-    from .distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-    from .distributed.weights import from_pretrained_for_fsdp, save_pretrained_full
-    from .errors import BudgetTooSmallError, DistributedMismatchError, PolicyError
-    from .measure.accounting import ModelStateBytes, model_state_bytes, tensor_bytes
-    from .measure.memory import StepMemory, measure_step
-    from .measure.simulated import SimulatedMemory, simulated_memory_limit
-    from .measure.step import forward_loss, train_step
-    from .measure.verify import VerifyReport, verify
-    from .merge import dequantize, merge_adapters
-    from .planning.estimate.estimator import MemoryEstimate, estimate_memory
-    from .planning.plan.planner import Plan, plan_policy
-    from .planning.plan.rungs import LADDER
-    from .policy import (
-        CheckpointingConfig,
-        CompileConfig,
-        FSDPConfig,
-        LossConfig,
-        MemoryPolicy,
-        MLPConfig,
-        OptimizerConfig,
-        QuantConfig,
-    )
-    from .prepare import describe, prepare_model
-    from .record import MemstackRecord, record_of, unwrap_model
-    from .sizes import format_bytes, parse_bytes
-    from .transforms.blocks import Blocks, find_blocks
-    from .transforms.loss_head.chunked import chunked_lm_loss
-    from .transforms.loss_head.result import LossHeadResult
-    from .transforms.optim.in_backward import OptimizerInBackward
-    from .transforms.optim.optimizer import make_optimizer
-    from .transforms.quant.apply import QuantResult
+# The public API in three tiers, as Accelerate keeps ~30 names at its top: (a) core, what a user calls;
+# (b) results, the records those calls return; (c) helpers. A feature's own names live in its
+# submodule (hf_memstack.policy, .distributed, .measure, .transforms.<feature>, .batch_size); those
+# that were once here still import from here, with a DeprecationWarning naming their new home (_MOVED).
 
-# public name -> the module that defines it
-_LAZY = {
-    "BatchSizeResult": ".batch_size",
-    "Fit": ".batch_size",
-    "Probe": ".batch_size",
+if TYPE_CHECKING:  # (a) core: prepare, verify, measure, find, estimate, plan, the policy, the Trainer helpers
+    from .batch_size import find_batch_size, find_executable_batch_size
+    from .errors import BudgetTooSmallError, PolicyError
+    from .integrations.trainer import MemstackCallback, add_memstack_callback, training_arguments
+    from .measure.memory import measure_step
+    from .measure.verify import verify
+    from .merge import dequantize, merge_adapters
+    from .planning.estimate.estimator import estimate_memory
+    from .planning.plan.planner import plan_policy
+    from .planning.plan.rungs import LADDER
+    from .policy import MemoryPolicy
+    from .prepare import describe, prepare_model
+    from .transforms.optim.optimizer import make_optimizer
+
+if TYPE_CHECKING:  # (b) results: what the core calls return
+    from .batch_size import BatchSizeResult
+    from .measure.memory import StepMemory
+    from .measure.simulated import SimulatedMemory
+    from .measure.verify import VerifyReport
+    from .planning.estimate.estimator import MemoryEstimate
+    from .planning.plan.planner import Plan
+    from .record import MemstackRecord
+
+if TYPE_CHECKING:  # (c) helpers: sizes, bytes, a CPU device of a given size, the record behind a wrapper
+    from .measure.accounting import tensor_bytes
+    from .measure.simulated import simulated_memory_limit
+    from .record import record_of, unwrap_model
+    from .sizes import format_bytes, parse_bytes
+
+# (a) core: public name -> the module that defines it. The Trainer helpers import Transformers, on access only.
+_CORE = {
     "find_batch_size": ".batch_size",
     "find_executable_batch_size": ".batch_size",
-    "accelerate_fsdp_plugin": ".distributed.accelerate",
-    "load_sharded_checkpoint": ".distributed.checkpoint",
-    "save_sharded_checkpoint": ".distributed.checkpoint",
-    "from_pretrained_for_fsdp": ".distributed.weights",
-    "save_pretrained_full": ".distributed.weights",
     "BudgetTooSmallError": ".errors",
-    "DistributedMismatchError": ".errors",
     "PolicyError": ".errors",
-    "ModelStateBytes": ".measure.accounting",
-    "model_state_bytes": ".measure.accounting",
-    "tensor_bytes": ".measure.accounting",
-    "StepMemory": ".measure.memory",
+    "MemstackCallback": ".integrations.trainer",
+    "add_memstack_callback": ".integrations.trainer",
+    "training_arguments": ".integrations.trainer",
     "measure_step": ".measure.memory",
-    "SimulatedMemory": ".measure.simulated",
-    "simulated_memory_limit": ".measure.simulated",
-    "forward_loss": ".measure.step",
-    "train_step": ".measure.step",
-    "VerifyReport": ".measure.verify",
     "verify": ".measure.verify",
     "dequantize": ".merge",
     "merge_adapters": ".merge",
-    "MemoryEstimate": ".planning.estimate.estimator",
     "estimate_memory": ".planning.estimate.estimator",
-    "Plan": ".planning.plan.planner",
     "plan_policy": ".planning.plan.planner",
     "LADDER": ".planning.plan.rungs",
-    "CheckpointingConfig": ".policy",
-    "CompileConfig": ".policy",
-    "FSDPConfig": ".policy",
-    "LossConfig": ".policy",
     "MemoryPolicy": ".policy",
-    "MLPConfig": ".policy",
-    "OptimizerConfig": ".policy",
-    "QuantConfig": ".policy",
     "describe": ".prepare",
     "prepare_model": ".prepare",
+    "make_optimizer": ".transforms.optim.optimizer",
+}
+# (b) results
+_RESULTS = {
+    "BatchSizeResult": ".batch_size",
+    "StepMemory": ".measure.memory",
+    "SimulatedMemory": ".measure.simulated",
+    "VerifyReport": ".measure.verify",
+    "MemoryEstimate": ".planning.estimate.estimator",
+    "Plan": ".planning.plan.planner",
     "MemstackRecord": ".record",
+}
+# (c) helpers
+_HELPERS = {
+    "tensor_bytes": ".measure.accounting",
+    "simulated_memory_limit": ".measure.simulated",
     "record_of": ".record",
     "unwrap_model": ".record",
     "format_bytes": ".sizes",
     "parse_bytes": ".sizes",
-    "Blocks": ".transforms.blocks",
-    "find_blocks": ".transforms.blocks",
-    "chunked_lm_loss": ".transforms.loss_head.chunked",
-    "LossHeadResult": ".transforms.loss_head.result",
-    "make_optimizer": ".transforms.optim.optimizer",
-    "OptimizerInBackward": ".transforms.optim.in_backward",
-    "QuantResult": ".transforms.quant.apply",
 }
+_LAZY = {**_CORE, **_RESULTS, **_HELPERS}
+
+# Names that moved to their feature's submodule: old top-level name -> the submodule users import it from now.
+# Each still resolves here (the same object), warning once with its new import line; none is in __all__ or dir().
+_MOVED = {
+    "Fit": "hf_memstack.batch_size",
+    "Probe": "hf_memstack.batch_size",
+    "DistributedMismatchError": "hf_memstack.distributed",
+    "accelerate_fsdp_plugin": "hf_memstack.distributed",
+    "from_pretrained_for_fsdp": "hf_memstack.distributed",
+    "load_sharded_checkpoint": "hf_memstack.distributed",
+    "save_pretrained_full": "hf_memstack.distributed",
+    "save_sharded_checkpoint": "hf_memstack.distributed",
+    "ModelStateBytes": "hf_memstack.measure",
+    "forward_loss": "hf_memstack.measure",
+    "model_state_bytes": "hf_memstack.measure",
+    "train_step": "hf_memstack.measure",
+    "CheckpointingConfig": "hf_memstack.policy",
+    "CompileConfig": "hf_memstack.policy",
+    "FSDPConfig": "hf_memstack.policy",
+    "LossConfig": "hf_memstack.policy",
+    "MLPConfig": "hf_memstack.policy",
+    "OptimizerConfig": "hf_memstack.policy",
+    "QuantConfig": "hf_memstack.policy",
+    "Blocks": "hf_memstack.transforms.blocks",
+    "find_blocks": "hf_memstack.transforms.blocks",
+    "LossHeadResult": "hf_memstack.transforms.loss_head",
+    "chunked_lm_loss": "hf_memstack.transforms.loss_head",
+    "OptimizerInBackward": "hf_memstack.transforms.optim",
+    "QuantResult": "hf_memstack.transforms.quant",
+}
+_warned: set[str] = set()
 
 __all__ = [
-    "LADDER",
-    "BatchSizeResult",
-    "Blocks",
+    # (a) core
     "BudgetTooSmallError",
-    "CheckpointingConfig",
-    "CompileConfig",
-    "DistributedMismatchError",
-    "FSDPConfig",
-    "Fit",
-    "LossConfig",
-    "LossHeadResult",
-    "MLPConfig",
-    "MemoryEstimate",
+    "LADDER",
     "MemoryPolicy",
-    "MemstackRecord",
-    "ModelStateBytes",
-    "OptimizerConfig",
-    "OptimizerInBackward",
-    "Plan",
+    "MemstackCallback",
     "PolicyError",
-    "Probe",
-    "QuantConfig",
-    "QuantResult",
-    "SimulatedMemory",
-    "StepMemory",
-    "VerifyReport",
-    "__version__",
-    "accelerate_fsdp_plugin",
+    "add_memstack_callback",
+    "dequantize",
     "describe",
     "estimate_memory",
     "find_batch_size",
-    "chunked_lm_loss",
-    "dequantize",
-    "find_blocks",
     "find_executable_batch_size",
-    "format_bytes",
-    "forward_loss",
-    "from_pretrained_for_fsdp",
-    "load_sharded_checkpoint",
     "make_optimizer",
-    "merge_adapters",
     "measure_step",
-    "model_state_bytes",
-    "parse_bytes",
+    "merge_adapters",
     "plan_policy",
     "prepare_model",
+    "training_arguments",
+    "verify",
+    # (b) results
+    "BatchSizeResult",
+    "MemoryEstimate",
+    "MemstackRecord",
+    "Plan",
+    "SimulatedMemory",
+    "StepMemory",
+    "VerifyReport",
+    # (c) helpers
+    "__version__",
+    "format_bytes",
+    "parse_bytes",
     "record_of",
-    "save_pretrained_full",
-    "save_sharded_checkpoint",
     "simulated_memory_limit",
     "tensor_bytes",
-    "train_step",
     "unwrap_model",
-    "verify",
 ]
 
 
+def _moved(name: str) -> object:
+    home = _MOVED[name]
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"hf_memstack.{name} moved to {home}: use `from {home} import {name}` "
+            "(the top-level name will be removed in a later release)",
+            DeprecationWarning,
+            stacklevel=3,  # the line that imported or read the name
+        )
+    with quiet_imports():
+        # Not cached in globals(): dir() leaves it out, and __getattr__ keeps answering for it.
+        return getattr(importlib.import_module(home), name)
+
+
 def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        return _moved(name)
     module = _LAZY.get(name)
     if module is None:
         # A subpackage or module (hf_memstack.transforms, ...) reached as an attribute, as the eager

@@ -98,7 +98,7 @@ def check_weights(model: nn.Module, policy: MemoryPolicy) -> None:
         raise ValueError(
             f"{type(model).__name__} has parameters on the meta device (no weights) and the policy does not shard: load the "
             "weights (from_pretrained) before prepare_model; only an fsdp policy fills meta ranks, from rank 0 "
-            "(hf_memstack.from_pretrained_for_fsdp)"
+            "(hf_memstack.distributed.from_pretrained_for_fsdp)"
         )
 
 

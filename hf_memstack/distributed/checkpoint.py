@@ -133,7 +133,7 @@ def _write_manifest(directory: Path) -> None:
 def _check_manifest(directory: Path) -> None:
     path = directory / MANIFEST
     fix = (
-        "a directory written by hf_memstack.save_sharded_checkpoint has it; a checkpoint written some other way "
+        "a directory written by hf_memstack.distributed.save_sharded_checkpoint has it; a checkpoint written some other way "
         "loads with trusted=True - only for a checkpoint you made (torch.distributed.checkpoint unpickles its files)"
     )
     if not os.path.lexists(path):  # anything else there (a FIFO, a directory) is named by read_json below

@@ -101,7 +101,7 @@ def agree_before_sharding(
     if everyone[0].meta:
         raise DistributedMismatchError(
             "rank 0's model is on the meta device: under FSDP, rank 0 must hold the real weights, which it broadcasts "
-            "to the ranks that built the model on the meta device; load it with hf_memstack.from_pretrained_for_fsdp",
+            "to the ranks that built the model on the meta device; load it with hf_memstack.distributed.from_pretrained_for_fsdp",
             failed_ranks=(0,),
         )
     return any(e.meta for e in everyone)

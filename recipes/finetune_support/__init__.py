@@ -1,4 +1,4 @@
-"""What recipes/finetune.py is built from, beyond the job itself: the flags and their checks, the
+"""What recipes/finetune.py is built from: the job, the flags and their checks, the
 data, the model, the crash-safe output directory and its checkpoints. The script imports these
 (Python puts its folder on ``sys.path`` under ``python``, ``accelerate launch`` and ``torchrun``); the
 library never does.
@@ -19,6 +19,7 @@ library never does.
     safe_paths.py  writes and removals there that never go through a symlink; names checked before use
     checkpoint_dirs.py  the step-N checkpoint folders: which count, their removal, the state they hold
     checkpoint.py  save / load a resumable checkpoint (Accelerate's state + the run's), commit the output
+    job.py         Job (what train() and save() need), TrainerState, the main process's printer
     report.py      the closing line's loss summary and the memory picture
     stops.py       why a run stops early, said once: NaN, a full disk, SIGINT/SIGTERM; how to resume
 """

@@ -29,7 +29,7 @@ from .run_lock import LOCK, lock_for_writing
 from .stops import disk_full, tensor_bytes
 
 if TYPE_CHECKING:
-    from finetune import Job  # the script's (for annotations only: it imports this module)
+    from .job import Job
 
 
 def checkpoint_without_4bit_weights(models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:

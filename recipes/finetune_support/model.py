@@ -112,7 +112,7 @@ def load_model(
     no weights (to build Accelerate's FSDP plugin before the Accelerator exists)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from hf_memstack import from_pretrained_for_fsdp
+    from hf_memstack.distributed import from_pretrained_for_fsdp
 
     config = load_model_config(cfg, model_path)
     auto_class = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM

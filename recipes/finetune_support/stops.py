@@ -22,7 +22,7 @@ from .checkpoint_dirs import list_checkpoints
 from .common import RecipeError, printable
 
 if TYPE_CHECKING:
-    from finetune import Job  # the script's (for annotations only: it imports this module)
+    from .job import Job  # for annotations only: job.py imports this module
 
 # Flags that end a run differently from the one resumed: dropped from the resume command.
 _SWITCHES = ("overwrite", "discard_later_checkpoints")

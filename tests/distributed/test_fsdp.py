@@ -157,7 +157,7 @@ def _bad(rank, world, case):
 
 
 def test_inconsistent_policies_fail_on_every_rank_without_hanging():
-    from hf_memstack import DistributedMismatchError
+    from hf_memstack.distributed import DistributedMismatchError
 
     assert issubclass(DistributedMismatchError, RuntimeError) and issubclass(DistributedMismatchError, ValueError)
     for kind, message in run_ranks(_bad, "inconsistent", timeout=120):
@@ -173,7 +173,8 @@ def _from_rank0(rank, world, directory, policy):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from hf_memstack import from_pretrained_for_fsdp, prepare_model
+    from hf_memstack import prepare_model
+    from hf_memstack.distributed import from_pretrained_for_fsdp
 
     model = from_pretrained_for_fsdp(AutoModelForCausalLM, directory)
     on_meta = all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
@@ -322,7 +323,8 @@ def _preflight_failures(rank, world, directory):
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from hf_memstack import MemoryPolicy, from_pretrained_for_fsdp, prepare_model
+    from hf_memstack import MemoryPolicy, prepare_model
+    from hf_memstack.distributed import from_pretrained_for_fsdp
     from hf_memstack.distributed.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     def outcome(fn):

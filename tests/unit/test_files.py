@@ -43,7 +43,7 @@ def test_save_pretrained_weights_follow_the_umask(load_model, tmp_path, umask, m
 def _save_full(rank: int, world: int, out: str, config: dict) -> dict[str, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_memstack import save_pretrained_full
+    from hf_memstack.distributed import save_pretrained_full
 
     os.umask(0o022)
     torch.manual_seed(0)

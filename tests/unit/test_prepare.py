@@ -5,7 +5,8 @@ import torch
 from tiny import ARCHS, PlainStack, assert_untouched, make_batch, snapshot
 from torch import nn
 
-from hf_memstack import MemoryPolicy, PolicyError, describe, prepare_model, train_step, verify
+from hf_memstack import MemoryPolicy, PolicyError, describe, prepare_model, verify
+from hf_memstack.measure import train_step
 
 # Every valid combination short of FSDP, with a cheap compile backend (one real inductor test lives
 # in test_compile.py).

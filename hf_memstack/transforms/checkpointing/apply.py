@@ -117,7 +117,9 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
         return CheckpointingResult(method="transformers", checkpointed=chosen, note=note)
 
     if blocks is None:
-        raise ValueError("apply_checkpointing needs the model's blocks (hf_memstack.find_blocks(model))")
+        raise ValueError(
+            "apply_checkpointing needs the model's blocks (hf_memstack.transforms.blocks.find_blocks(model))"
+        )
     extra = {k: v for k, v in _checkpoint_kwargs(cfg).items() if k != "use_reentrant"}
     for i in chosen:
         block = blocks.modules[i]

@@ -21,7 +21,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/estimate/checks.py``: ``check_loss_head`` before tracing an estimate
 - ``hf_memstack/planning/estimate/trace.py``: ``labelled_as_traced``: the label fraction on fake tensors
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("chunked_loss"`` rung
-- ``hf_memstack/__init__.py``: ``chunked_lm_loss`` and ``LossHeadResult`` in the public API
+- ``hf_memstack/__init__.py``: ``chunked_lm_loss`` and ``LossHeadResult`` in ``_MOVED``: the old top-level import warns, naming this folder
 """
 
 from __future__ import annotations

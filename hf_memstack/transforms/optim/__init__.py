@@ -23,7 +23,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("in_backward"`` and ``Step("8bit"`` rungs
 - ``hf_memstack/transforms/precision/master_weights.py``: ``warn_on_plain_steps_over_pure_bf16``
 - ``hf_memstack/transforms/precision/master_reconcile.py``: ``warn_on_plain_steps_over_pure_bf16``
-- ``hf_memstack/__init__.py``: ``make_optimizer`` and ``OptimizerInBackward`` in the public API
+- ``hf_memstack/__init__.py``: ``make_optimizer`` in the public API; ``OptimizerInBackward`` in ``_MOVED`` (the old import warns)
 - ``recipes/finetune_support/checks.py``: ``check_optimizer_policy`` on the recipe's flags
 """
 

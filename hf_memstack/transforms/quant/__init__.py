@@ -21,7 +21,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/plan/planner.py``: ``quantizable``: whether the nf4 rung applies
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("nf4"`` rung
 - ``hf_memstack/transforms/precision/master_reconcile.py``: ``is_4bit``: 4-bit weights keep their dtype
-- ``hf_memstack/__init__.py``: ``QuantResult`` in the public API
+- ``hf_memstack/__init__.py``: ``QuantResult`` in ``_MOVED``: the old top-level import warns, naming this folder
 - ``recipes/finetune_support/checkpoint.py``: ``is_4bit``: what a checkpoint saves
 - ``recipes/finetune_support/stops.py``: ``is_4bit``
 """

@@ -7,14 +7,8 @@ import pytest
 import torch
 from tiny import PlainStack, batches, make_batch
 
-from hf_memstack import (
-    BudgetTooSmallError,
-    Fit,
-    find_batch_size,
-    prepare_model,
-    simulated_memory_limit,
-    tensor_bytes,
-)
+from hf_memstack import BudgetTooSmallError, find_batch_size, prepare_model, simulated_memory_limit, tensor_bytes
+from hf_memstack.batch_size import Fit
 from hf_memstack.measure.step import train_step
 
 

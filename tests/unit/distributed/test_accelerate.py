@@ -10,8 +10,9 @@ import torch
 def test_accelerate_wraps_exactly_our_blocks(load_model, arch):
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 
-    from hf_memstack import accelerate_fsdp_plugin, find_blocks
+    from hf_memstack.distributed import accelerate_fsdp_plugin
     from hf_memstack.policy import MemoryPolicy
+    from hf_memstack.transforms.blocks import find_blocks
     from hf_memstack.transforms.checkpointing.apply import apply_checkpointing
 
     policy = MemoryPolicy.from_string("bf16+ckpt+fsdp")
@@ -37,7 +38,7 @@ def test_accelerate_wraps_exactly_our_blocks(load_model, arch):
 def test_plugin_fields_follow_the_policy(load_model, policy, param_dtype, reshard, offload):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from hf_memstack import accelerate_fsdp_plugin
+    from hf_memstack.distributed import accelerate_fsdp_plugin
 
     plugin = accelerate_fsdp_plugin(policy, load_model("llama"))
     assert plugin.fsdp_version == 2
@@ -55,7 +56,7 @@ def test_plugin_fields_follow_the_policy(load_model, policy, param_dtype, reshar
     "policy, fragment", [("bf16+ckpt", "policy.fsdp.mode='none'"), ("bf16+fsdp:hybrid_shard", "launch with torchrun")]
 )
 def test_plugin_refuses_what_it_cannot_build(load_model, policy, fragment):
-    from hf_memstack import accelerate_fsdp_plugin
+    from hf_memstack.distributed import accelerate_fsdp_plugin
 
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("+", r"\+")):
         accelerate_fsdp_plugin(policy, load_model("llama"))

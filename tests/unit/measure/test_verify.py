@@ -8,7 +8,8 @@ from tiny import make_batch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from hf_memstack import MemoryPolicy, prepare_model, train_step, verify
+from hf_memstack import MemoryPolicy, prepare_model, verify
+from hf_memstack.measure import train_step
 
 
 def _policy(spec: str) -> MemoryPolicy:

@@ -1,6 +1,7 @@
 import pytest
 
-from hf_memstack import LADDER, CheckpointingConfig, CompileConfig, FSDPConfig, MemoryPolicy, PolicyError, prepare_model
+from hf_memstack import LADDER, MemoryPolicy, PolicyError, prepare_model
+from hf_memstack.policy import CheckpointingConfig, CompileConfig, FSDPConfig
 
 
 def test_defaults_are_eager_fp32():

@@ -2,7 +2,7 @@ import pytest
 from tiny import PlainStack
 from torch import nn
 
-from hf_memstack import find_blocks
+from hf_memstack.transforms.blocks import find_blocks
 
 
 @pytest.mark.parametrize(

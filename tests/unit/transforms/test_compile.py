@@ -2,7 +2,8 @@ import pytest
 import torch
 from tiny import make_batch
 
-from hf_memstack import MemoryPolicy, prepare_model, train_step, verify
+from hf_memstack import MemoryPolicy, prepare_model, verify
+from hf_memstack.measure import train_step
 
 
 def _policy(spec, backend="aot_eager"):

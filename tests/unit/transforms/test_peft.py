@@ -7,16 +7,8 @@ import pytest
 import torch
 from tiny import PlainStack, assert_untouched, make_batch, snapshot
 
-from hf_memstack import (
-    MemoryPolicy,
-    describe,
-    estimate_memory,
-    measure_step,
-    prepare_model,
-    record_of,
-    train_step,
-    verify,
-)
+from hf_memstack import MemoryPolicy, describe, estimate_memory, measure_step, prepare_model, record_of, verify
+from hf_memstack.measure import train_step
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_fc"], "plain": ["ff.0", "ff.2"]}
 

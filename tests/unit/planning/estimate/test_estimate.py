@@ -81,7 +81,7 @@ def test_the_task_comes_from_the_saved_model(pretrained_dirs, load_model):
     assert infer_task(str(pretrained_dirs["llama"]), load_config(pretrained_dirs["llama"])) == "causal-lm"
     inferred = estimate_memory(saved, "fp32", batch_size=2, seq_len=16)
     explicit = estimate_memory(saved, "fp32", batch_size=2, seq_len=16, task="classification")
-    from hf_memstack import model_state_bytes
+    from hf_memstack.measure import model_state_bytes
 
     # Parameters and buffers, as the real classifier holds them (a BERT language model's differ).
     assert inferred.parameters == explicit.parameters == model_state_bytes(load_model("bert")).parameters

@@ -370,7 +370,7 @@ def test_ids_outside_the_vocabulary_are_named(load_model, field, position, value
 
 
 def test_chunked_lm_loss_names_a_label_outside_the_head():
-    from hf_memstack import chunked_lm_loss
+    from hf_memstack.transforms.loss_head import chunked_lm_loss
 
     head = torch.nn.Linear(8, 16, bias=False)
     hidden = torch.randn(2, 5, 8)

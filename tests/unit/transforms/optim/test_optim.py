@@ -14,19 +14,10 @@ import torch
 from tiny import PlainStack, make_batch
 from torch import nn
 
-from hf_memstack import (
-    MemoryPolicy,
-    OptimizerInBackward,
-    PolicyError,
-    find_batch_size,
-    make_optimizer,
-    measure_step,
-    model_state_bytes,
-    prepare_model,
-    train_step,
-    verify,
-)
+from hf_memstack import MemoryPolicy, PolicyError, find_batch_size, make_optimizer, measure_step, prepare_model, verify
+from hf_memstack.measure import model_state_bytes, train_step
 from hf_memstack.measure.accounting import optimizer_state_bytes, tensor_bytes
+from hf_memstack.transforms.optim import OptimizerInBackward
 
 
 def _wide_stack(width: int = 64, depth: int = 2) -> nn.Module:

@@ -10,7 +10,8 @@ import torch
 from tiny import ARCHS, assert_untouched, make_batch, snapshot
 from torch import nn
 
-from hf_memstack import prepare_model, train_step, verify
+from hf_memstack import prepare_model, verify
+from hf_memstack.measure import train_step
 
 
 def _linear_outputs(model: nn.Module) -> list[tuple[torch.dtype, bool]]:

@@ -23,9 +23,9 @@ from hf_memstack import (
     merge_adapters,
     prepare_model,
     record_of,
-    train_step,
     verify,
 )
+from hf_memstack.measure import train_step
 
 pytest.importorskip("torchao")
 pytest.importorskip("peft")
@@ -505,8 +505,8 @@ def test_trainable_4bit_weights_are_refused_naming_the_fix(load_model):
 
 
 def test_sharding_checks_the_shapes_and_refuses_bitsandbytes(load_model, pretrained_dirs):
-    from hf_memstack import find_blocks
     from hf_memstack.policy import QuantConfig
+    from hf_memstack.transforms.blocks import find_blocks
     from hf_memstack.transforms.quant.apply import check_quant
 
     model = load_model("llama")

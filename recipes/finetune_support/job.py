@@ -1,0 +1,94 @@
+"""The run being trained: ``Job`` (everything ``train()`` and ``save()`` need, built by the script's
+``setup()``), its ``TrainerState``, and the main process's ``printer``.
+
+They live here, not in ``recipes/finetune.py``, so that the support modules that take a Job
+(checkpoint.py, stops.py) import it from beside them: the script imports this package, and this
+package never imports the script (``tests/unit/test_layout.py`` holds that).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import Route, printable
+from .flags import FinetuneConfig
+from .run_dir import RunDir
+from .stops import resume_command
+
+# The script this package serves sits beside it (recipes/finetune.py next to recipes/finetune_support/).
+_SCRIPT = Path(__file__).resolve().parent.parent / "finetune.py"
+
+
+def script_path() -> str:
+    """The script's path as a command would name it: relative to the working directory when under it."""
+    path = _SCRIPT
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def printer(accelerator: Any) -> Any:
+    """The main process's ``print``, every line through ``printable``: log lines quote names and
+    values from received files (a file of yours in the output directory, a checkpoint's step or
+    settings), which may hold terminal escapes that would retitle or recolor the terminal."""
+
+    def log(*parts: Any, **kwargs: Any) -> None:
+        accelerator.print(*(printable(str(p)) for p in parts), **kwargs)
+
+    return log
+
+
+@dataclass
+class TrainerState:
+    """Where the run is; saved as trainer_state.json in every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    log_history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class Job:
+    """Everything train() and save() need, validated and loaded; nothing written yet when setup returns it."""
+
+    cfg: FinetuneConfig
+    accelerator: Any
+    route: Route
+    policy: Any
+    precision: Any
+    task: str
+    tokenizer: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_dl: Any
+    val_dl: Any
+    state: TrainerState
+    run_dir: RunDir
+    record: dict[str, Any]
+    batch_size: int
+    grad_accum: int
+    total_steps: int
+    device_type: str
+    meter_first_step: bool
+    first_step: Any = None  # the memory meter's StepMemory of the first micro-step
+    peak_bytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    argv: list[str] = field(default_factory=list)  # the command line, for the resume command of a message
+
+    @property
+    def log(self) -> Any:
+        return printer(self.accelerator)
+
+    def resume_command(self, changes: dict[str, str | None] | None = None) -> str:
+        """This run's command with ``--resume-from latest`` (and ``changes``: stops.resume_command)."""
+        return resume_command(
+            self.argv, self.cfg, script=script_path(), world=self.accelerator.num_processes, changes=changes
+        )
+
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameters the optimizer updates (this rank's shards under FSDP)."""
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
