@@ -26,7 +26,7 @@ import torch
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
 
-    from .in_backward import ParamGroup
+    from .groups import ParamGroup
 
 __all__ = ["BF16AdamW", "rounds_stochastically", "stochastic_round_to_bf16", "warn_on_plain_steps_over_pure_bf16"]
 

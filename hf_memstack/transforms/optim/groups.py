@@ -8,13 +8,13 @@ import difflib
 import math
 import numbers
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .in_backward import ParamGroup
+# torch.optim's own type for a parameter group: its "params" and hyperparameters of any type.
+ParamGroup: TypeAlias = dict[str, Any]
 
 
 def _check_hyperparameters(*, lr: object, eps: object, weight_decay: object, betas: object, where: str = "") -> None:

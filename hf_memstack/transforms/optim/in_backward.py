@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ...record import unwrap_model
+from .groups import ParamGroup
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT, StateDict
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward_of"]
 
-# torch.optim's own type for a parameter group (its "params" and hyperparameters of any type).
-ParamGroup: TypeAlias = dict[str, Any]
 Factory = Callable[[list[ParamGroup], ParamGroup], torch.optim.Optimizer]
 
 

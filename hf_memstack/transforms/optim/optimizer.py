@@ -28,8 +28,8 @@ from ...record import record_of, unwrap_model
 from ..precision.master_reconcile import reconcile_master_weights
 from .bf16_adamw import BF16AdamW
 from .eight_bit import _torchao_adamw
-from .groups import _check_hyperparameters, _param_groups, _tensor_of
-from .in_backward import Factory, OptimizerInBackward, ParamGroup, optimizer_in_backward_of
+from .groups import ParamGroup, _check_hyperparameters, _param_groups, _tensor_of
+from .in_backward import Factory, OptimizerInBackward, optimizer_in_backward_of
 
 if TYPE_CHECKING:
     from ...policy.memory_policy import PolicyDict
