@@ -25,7 +25,10 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from yaml.nodes import MappingNode, Node
 
 __all__ = [
     "FileContentError",
@@ -157,7 +160,7 @@ def _safe_loader(unique_keys: bool) -> type:
     class SafeLoader(yaml.SafeLoader):
         """YAML's safe loader without aliases (and, with ``unique_keys``, without repeated keys)."""
 
-        def compose_node(self, parent: Any, index: Any) -> Any:
+        def compose_node(self, parent: Node | None, index: object) -> Node | None:
             if self.check_event(yaml.AliasEvent):
                 event = self.peek_event()
                 raise yaml.composer.ComposerError(
@@ -169,8 +172,8 @@ def _safe_loader(unique_keys: bool) -> type:
                 )
             return super().compose_node(parent, index)
 
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-            seen: set[Any] = set()
+        def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[object, object]:
+            seen: set[object] = set()
             for key_node, _ in node.value if unique_keys else ():
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:

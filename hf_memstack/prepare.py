@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PretrainedConfig
 
+    from .policy.memory_policy import PolicyDict
+
 __all__ = ["describe", "prepare_model"]
 
 
@@ -87,7 +89,7 @@ class _Plan:
 
 def prepare_model(
     model: nn.Module,
-    policy: MemoryPolicy | str | dict[str, Any] | None = None,
+    policy: MemoryPolicy | str | PolicyDict | None = None,
     *,
     accelerator: Accelerator | None = None,
 ) -> nn.Module:
@@ -133,7 +135,7 @@ def prepare_model(
     return model
 
 
-def _coerce_policy(policy: Any) -> MemoryPolicy:
+def _coerce_policy(policy: MemoryPolicy | str | PolicyDict | None) -> MemoryPolicy:
     """A private, validated copy of the policy."""
     import torch.distributed as dist
 
@@ -369,7 +371,7 @@ class _TrainingInEvalModeCheck:
         self.name = name
         self.warned = False
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         # Inside a compiled graph the check would be traced (and break the graph): skipped there,
         # first, so that the graph guards on nothing of it.
         # Every module, not only this one: a PEFT wrapper around a model from from_pretrained trains, its model not.

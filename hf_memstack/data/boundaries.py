@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ __all__ = [
 _BOUNDARY_AWARE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", PACKED_SDPA)
 
 
-def is_packed(position_ids: Any, attention_mask: Any = None) -> bool:
+def is_packed(position_ids: object, attention_mask: object = None) -> bool:
     """True when some row of ``position_ids`` (``[rows, tokens]``) restarts: several samples share it.
 
     A row that is one sample counting 0, 1, 2, ... is not packed, and neither is a padded row whose
@@ -79,7 +79,7 @@ def segment_lengths(position_ids: torch.Tensor) -> list[list[int]]:
     return out
 
 
-def check_packed_batch(model: nn.Module, batch: Mapping[str, Any], *, probe: bool = True) -> bool:
+def check_packed_batch(model: nn.Module, batch: Mapping[str, object], *, probe: bool = True) -> bool:
     """Raise when a packed ``batch`` would let its samples attend to each other on ``model``.
     Returns whether the batch is packed (False: nothing to check).
 
@@ -118,7 +118,7 @@ def ignores_boundaries_message(model: nn.Module) -> str:
     )
 
 
-def _check_no_2d_mask(mask: Any) -> None:
+def _check_no_2d_mask(mask: object) -> None:
     if torch.is_tensor(mask) and mask.dim() == 2:
         raise ValueError(
             "attention_mask: a packed batch (position_ids restart inside a row) has a 2-D attention_mask; with it Transformers "
@@ -128,7 +128,7 @@ def _check_no_2d_mask(mask: Any) -> None:
         )
 
 
-def _check_no_cache(model: nn.Module, batch: Mapping[str, Any]) -> None:
+def _check_no_cache(model: nn.Module, batch: Mapping[str, object]) -> None:
     if batch.get("past_key_values") is not None:
         raise ValueError(
             "past_key_values: a packed batch with a KV cache attends across samples (Transformers skips its "
@@ -169,7 +169,7 @@ def attention_respects_boundaries(model: nn.Module) -> bool:
     return float((packed[:, first:] - alone).abs().max()) <= 5e-2 * scale
 
 
-def _logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, **extra: Any) -> torch.Tensor | None:
+def _logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, **extra: object) -> torch.Tensor | None:
     out = model(input_ids=ids, position_ids=positions, **extra)
     logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     if not torch.is_tensor(logits) or logits.dim() != 3:
@@ -239,14 +239,15 @@ class PackedComparison:
 
 
 def compare_packed_to_separate(
-    model: nn.Module, batch: Mapping[str, Any], *, max_samples: int = 8, tolerance: float = 1e-3
+    model: nn.Module, batch: Mapping[str, object], *, max_samples: int = 8, tolerance: float = 1e-3
 ) -> PackedComparison:
     """Run the packed ``batch`` and each of its first ``max_samples`` samples alone (positions from
     0, no mask), without gradients and in eval mode, and compare their per-token losses on the
     labelled tokens (labels default to the input ids)."""
 
-    ids, positions = batch["input_ids"], batch["position_ids"]
-    labels = batch.get("labels")
+    # The batch's token tensors (its other entries, such as use_cache, are passed on as they are).
+    ids, positions = cast(torch.Tensor, batch["input_ids"]), cast(torch.Tensor, batch["position_ids"])
+    labels = cast("torch.Tensor | None", batch.get("labels"))
     labels = ids if labels is None else labels
     device = device_of(model)
     worst, rows, samples, tokens, biggest = None, 0, 0, 0, 0.0
@@ -287,7 +288,7 @@ def compare_packed_to_separate(
 
 
 def _token_losses(
-    model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, **extra: Any
+    model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, **extra: object
 ) -> torch.Tensor:
     """``[rows, tokens - 1]``: the loss of predicting each next token (0 where its label is -100)."""
     logits = _logits(model, ids, positions, **extra)

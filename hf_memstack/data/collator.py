@@ -15,9 +15,9 @@ over all the batch's tokens).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -55,7 +55,7 @@ class PackedCollator:
         if not isinstance(self.pad_token_id, int) or isinstance(self.pad_token_id, bool):
             raise TypeError(f"PackedCollator.pad_token_id={self.pad_token_id!r} must be an integer token id")
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: Sequence[Mapping[str, object]]) -> dict[str, torch.Tensor]:
         rows = [_samples_of(f, i) for i, f in enumerate(features)]
         if not rows:
             raise ValueError("PackedCollator got an empty batch")
@@ -79,7 +79,7 @@ class PackedCollator:
         return width if m is None else -(-width // m) * m
 
 
-def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[int]]]:
+def _samples_of(feature: Mapping[str, object], index: int) -> list[dict[str, list[int]]]:
     """A feature split into its samples (by ``seq_lengths``; a feature without them is one sample)."""
     if not isinstance(feature, Mapping) or "input_ids" not in feature:
         raise ValueError(
@@ -112,7 +112,7 @@ def _samples_of(feature: Mapping[str, Any], index: int) -> list[dict[str, list[i
     return out
 
 
-def _runs(positions: Any, n: int) -> list[int]:
+def _runs(positions: object, n: int) -> list[int]:
     """The sample lengths a row's ``position_ids`` give (:func:`segment_lengths`): the boundaries
     of a packed row whose ``seq_lengths`` Trainer dropped; one sample when there are none."""
     if positions is None:
@@ -141,5 +141,6 @@ def _pad(t: torch.Tensor, width: int, key: str, pad_token_id: int) -> torch.Tens
     return torch.cat([t, tail], dim=1)
 
 
-def _as_list(value: Any) -> list[int]:
-    return list(value.tolist() if hasattr(value, "tolist") else value)
+def _as_list(value: object) -> list[int]:
+    # A tensor or array (tolist), or a sequence of ids.
+    return list(value.tolist() if hasattr(value, "tolist") else cast("Iterable[int]", value))

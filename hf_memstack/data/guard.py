@@ -14,7 +14,7 @@ once) the attention implementation is judged by its name instead.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ def install_packing_guard(model: nn.Module, *, probe: bool) -> bool:
     return True
 
 
-def settle_packing_guard(model: nn.Module, batch: Any) -> None:
+def settle_packing_guard(model: nn.Module, batch: object) -> None:
     """Run the guard's checks of a packed ``batch`` now, before a measured step: its one-time probe
     of the attention runs two extra forwards, which a memory meter would count (and PyTorch's
     MemTracker refuses a module called twice in one tracked step). Nothing for other batches."""
@@ -68,7 +68,7 @@ class PackedBatchGuard(_ForwardWrapper):
         parameters = inspect.signature(self.__wrapped__).parameters.values()
         self._positional = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         positions = kwargs.get("position_ids")
         if positions is None and "position_ids" in self._positional[: len(args)]:
             positions = args[self._positional.index("position_ids")]
@@ -80,7 +80,7 @@ class PackedBatchGuard(_ForwardWrapper):
         return self.__wrapped__(*args, **kwargs)
 
     @torch.compiler.disable
-    def _check(self, arguments: dict[str, Any]) -> None:
+    def _check(self, arguments: Mapping[str, object]) -> None:
         # Run eagerly under a whole-model compile (a graph break before the forward), not skipped.
         if not is_packed(arguments["position_ids"], arguments.get("attention_mask")):
             return
@@ -97,11 +97,11 @@ class PackedBatchGuard(_ForwardWrapper):
         if not self._respects:
             raise ValueError(ignores_boundaries_message(self.module))
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {"probe": self.probe}
 
 
-def _is_fake(t: Any) -> bool:
+def _is_fake(t: object) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or (torch.is_tensor(t) and t.is_meta)

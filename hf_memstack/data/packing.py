@@ -158,7 +158,7 @@ def pack_dataset(samples: Any, tokens_per_row: int, *, overflow: Overflow = "err
     return datasets.Dataset.from_list(rows) if isinstance(samples, datasets.Dataset) else rows
 
 
-def _columns(samples: Any) -> dict[str, list[Any]]:
+def _columns(samples: Any) -> dict[str, list[list[int]]]:
     """The per-token columns, as lists (a Dataset's columns are read whole: one pass, not one per row)."""
     names = getattr(samples, "column_names", None)
     if names is not None:
@@ -188,7 +188,7 @@ def _columns(samples: Any) -> dict[str, list[Any]]:
     return columns
 
 
-def _row(columns: dict[str, list[Any]], pieces: tuple[tuple[int, int, int], ...]) -> dict[str, list[int]]:
+def _row(columns: dict[str, list[list[int]]], pieces: tuple[tuple[int, int, int], ...]) -> dict[str, list[int]]:
     row: dict[str, list[int]] = {k: [] for k in columns}
     for i, start, stop in pieces:
         for k, values in columns.items():
@@ -210,6 +210,6 @@ def padding_stats(lengths: Sequence[int], batch_size: int, *, seed: int | None =
     return PackingStats(samples=len(order), tokens=sum(order), slots=slots)
 
 
-def _check_width(value: Any, *, name: str = "tokens_per_row") -> None:
+def _check_width(value: object, *, name: str = "tokens_per_row") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -8,7 +8,7 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..errors import PolicyError
 from . import tokens
@@ -41,6 +41,10 @@ from .validate import (
 )
 
 __all__ = ["MemoryPolicy"]
+
+# A policy as a nested dict of its fields (``to_dict``'s layout, or read from YAML): its values
+# are of every field's type, and are checked when the policy is built from it.
+PolicyDict: TypeAlias = dict[str, Any]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +91,7 @@ class MemoryPolicy:
     instead of rounding away: 2 + 2 + 4 = 8 bytes (6 with ``optim:8bit``). Frozen parameters are
     never cast."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         """Setting a field of a built policy validates it (a policy is never left invalid: a refused
         value is not set); the fields of a sub-config are validated when the policy is next used
         (``validate``, ``to_string``, ``to_dict``, ``prepare_model``)."""
@@ -132,7 +136,7 @@ class MemoryPolicy:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def coerce(cls, policy: MemoryPolicy | str | dict[str, Any] | None) -> MemoryPolicy:
+    def coerce(cls, policy: MemoryPolicy | str | PolicyDict | None) -> MemoryPolicy:
         """Accept a policy, a preset/feature string, a dict, a path to a YAML file, or None (fp32)."""
         if policy is None:
             return cls()
@@ -190,7 +194,7 @@ class MemoryPolicy:
         return cls(**kwargs)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryPolicy:
+    def from_dict(cls, data: PolicyDict) -> MemoryPolicy:
         """Build from a nested dict such as ``to_dict()`` returns; unknown keys are errors."""
         if not isinstance(data, dict):
             raise TypeError(f"policy dict must be a dict, got {type(data).__name__}")
@@ -202,7 +206,7 @@ class MemoryPolicy:
             )
         return cls(**data)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> PolicyDict:
         """A plain nested dict (YAML/JSON friendly) that ``from_dict`` turns back into an equal policy.
 
         Raises:

@@ -5,7 +5,6 @@ no aliases, every key once per mapping). Each failure is one :class:`~hf_memstac
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ..errors import PolicyError
 from ..files import FileContentError, load_yaml, read_regular
@@ -16,7 +15,7 @@ __all__ = ["MAX_POLICY_FILE_BYTES", "read_policy_file"]
 MAX_POLICY_FILE_BYTES = 2**20
 
 
-def read_policy_file(path: Path) -> Any:
+def read_policy_file(path: Path) -> object:
     """The YAML value in ``path`` (None for an empty file).
 
     Raises:

@@ -12,12 +12,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, TypeAlias, cast, get_args
 
 from .config import MAX_EVERY_N, SUBCONFIGS, Precision
 from .presets import LADDER
 
 __all__ = ["TOKENS", "Token", "listed_spellings", "parse", "to_string"]
+
+# A token's fragment: the sub-config fields it sets (``{"mode": "every_n", "every_n": 2}``), or a
+# plain field's value (``"bf16"`` for ``master_weights``).
+Fields: TypeAlias = dict[str, str | bool | int]
+Fragment: TypeAlias = Fields | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +33,7 @@ class Token:
     """As written: ``"ckpt:offload"``; ``"ckpt:N"`` for the one that takes a number."""
     field: str
     """The :class:`MemoryPolicy` field it sets (``"checkpointing"``)."""
-    fragment: Any
+    fragment: Fragment
     """What it sets there: a dict of the sub-config's fields, or the value of a plain field
     (``master_weights``). Two tokens of one field go together only when their fragments set
     different sub-fields (``optim:8bit`` + ``optim:in_backward``)."""
@@ -36,11 +41,11 @@ class Token:
     """``to_string`` writes this spelling for this fragment (False: an accepted alias)."""
     listed: bool = True
     """Error messages and the README name it (False: an alias accepted quietly)."""
-    number: Callable[[str], dict[str, Any] | None] | None = None
+    number: Callable[[str], Fields | None] | None = None
     """For a spelling that takes a number (``ckpt:N``): the argument -> the fragment, or None."""
 
 
-def _every_n(arg: str) -> dict[str, Any] | None:
+def _every_n(arg: str) -> Fields | None:
     # ASCII digits only: '²'.isdigit() is True, and int('²') fails.
     return (
         {"mode": "every_n", "every_n": int(arg)}
@@ -93,7 +98,7 @@ def _allowed(group: str) -> str:
     )
 
 
-def _lookup(token: str) -> tuple[str, Any] | None:
+def _lookup(token: str) -> tuple[str, Fragment] | None:
     """The field a spelling sets and its fragment (a number token's built from its argument), or None."""
     if token in _BY_SPELLING:
         return _BY_SPELLING[token].field, _BY_SPELLING[token].fragment
@@ -162,7 +167,7 @@ def _preset_name_problems(original: str, words: list[str], set_by: Mapping[tuple
             or any(not _settings(w) or _settings(name) & _settings(w) for w in others)
         ):
             continue  # not such a preset, not in the string, or beside an unknown word or a conflict (said already)
-        field, fragment = _BY_SPELLING[name].field, _BY_SPELLING[name].fragment
+        field, fragment = _BY_SPELLING[name].field, cast(Fields, _BY_SPELLING[name].fragment)  # a preset's: fields
         sets = ", ".join(f"policy.{field}.{k}={v!r}" for k, v in fragment.items())
         problems.append(
             f"policy string {original!r}: {name!r} alone is the preset {expansion!r}, but joined with other tokens it "
@@ -212,7 +217,7 @@ def _unknown(original: str, token: str) -> str:
     )
 
 
-def _holds(value: Any, fragment: Any) -> bool:
+def _holds(value: object, fragment: Fragment) -> bool:
     """Whether a field's value has every setting of a token's fragment."""
     if not isinstance(fragment, dict):
         return value == fragment

@@ -5,7 +5,7 @@ and the coercion of a sub-config given as a mode string or a dict."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast, get_args
+from typing import cast, get_args
 
 from .config import (
     MAX_EVERY_N,
@@ -205,7 +205,7 @@ def validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:
     check_choice(problems, "policy.optimizer.step", op.step, OptimizerStep)
 
 
-def coerce_subconfig(name: str, cls: type, value: Any, problems: list[str]) -> Any:
+def coerce_subconfig(name: str, cls: type, value: object, problems: list[str]) -> object:
     if isinstance(value, cls):
         return None
     if isinstance(value, str) and cls is OptimizerConfig:
@@ -241,17 +241,17 @@ DTYPE_FIELDS = ("precision", "master_weights")
 _TORCH_DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
 
 
-def dtype_name(value: Any) -> Any:
+def dtype_name(value: object) -> object:
     """``torch.bfloat16`` -> ``"bf16"`` (and fp16, fp32); anything else as given, for validation to judge."""
     return _TORCH_DTYPE_NAMES.get(str(value), value) if type(value).__name__ == "dtype" else value
 
 
-def check_choice(problems: list[str], where: str, value: Any, literal: Any) -> None:
+def check_choice(problems: list[str], where: str, value: object, literal: object) -> None:
     allowed = get_args(literal)
     if value not in allowed:
         problems.append(f"{where}={value!r} is not one of {', '.join(repr(a) for a in allowed)}; pick one of those")
 
 
-def check_bool(problems: list[str], where: str, value: Any) -> None:
+def check_bool(problems: list[str], where: str, value: object) -> None:
     if not isinstance(value, bool):
         problems.append(f"{where}={value!r} must be True or False")

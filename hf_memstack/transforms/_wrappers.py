@@ -41,19 +41,19 @@ class _ForwardWrapper:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         # Unpickling rebuilds the wrapper around the module's class forward (the module's own
         # attributes, this one included, are restored after the wrapper is rebuilt), or around the
         # wrapper it was stacked on (the chunked loss under autocast, on one model).
         inner = self.__wrapped__ if isinstance(self.__wrapped__, _ForwardWrapper) else None
         return (_rebuild, (type(self), self.module, self._options(), inner))
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {}
 
 
 def _rebuild(
-    cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, Any], inner: _ForwardWrapper | None = None
+    cls: type[_ForwardWrapper], module: nn.Module, options: dict[str, object], inner: _ForwardWrapper | None = None
 ) -> _ForwardWrapper:
     wrapper = cls(module, **options)
     if inner is not None:
@@ -76,7 +76,7 @@ class AutocastForward(_ForwardWrapper):
         super().__init__(module)
         self.dtype = dtype
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         from accelerate.utils import convert_to_fp32
 
         # The device type is read per call so that a model moved after prepare_model still autocasts.
@@ -84,7 +84,7 @@ class AutocastForward(_ForwardWrapper):
             outputs = self.__wrapped__(*args, **kwargs)
         return convert_to_fp32(outputs)
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {"dtype": self.dtype}
 
 
@@ -109,7 +109,7 @@ class CheckpointedForward(_ForwardWrapper):
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return checkpoint(self.__wrapped__, *args, use_reentrant=False, **self.checkpoint_kwargs, **kwargs)
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {"offload": self.offload, "checkpoint_kwargs": self.checkpoint_kwargs}
 
 
@@ -118,7 +118,7 @@ _Wrapper = TypeVar("_Wrapper", bound=_ForwardWrapper)
 
 def forward_wrapper(module: nn.Module, kind: type[_Wrapper]) -> _Wrapper | None:
     """The wrapper of ``kind`` installed on ``module.forward``, if any (seen through other wrappers)."""
-    forward: Any = module.__dict__.get("forward")
+    forward: object = module.__dict__.get("forward")
     seen = 0
     while forward is not None and seen < 16:
         if isinstance(forward, kind):
@@ -144,7 +144,7 @@ def fused_lm_head_installed(module: nn.Module) -> bool:
     return _fused_forward(module.__dict__.get("forward"))
 
 
-def _fused_forward(forward: Any) -> bool:
+def _fused_forward(forward: object) -> bool:
     for _ in range(16):
         if isinstance(forward, types.MethodType):
             forward = forward.__func__

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ class _CountingBackend:
         self.stats.graphs_compiled += 1
         stats = self.stats
 
-        def run(*args: Any) -> Any:
+        def run(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
             stats.graph_calls += 1
             return compiled(*args)
 
@@ -129,7 +129,7 @@ def compile_policy_problems(
     return []
 
 
-def verify_compile(stats: CompileStats, run_step: Callable[[], Any]) -> tuple[bool, str, int]:
+def verify_compile(stats: CompileStats, run_step: Callable[[], object]) -> tuple[bool, str, int]:
     """verify's ``compile`` check: ``run_step`` (a compiled forward + backward) called into the
     compiled graphs, at least once per region; also the graph breaks it hit. Returns (ok, detail, calls)."""
     before = stats.graph_calls

@@ -7,7 +7,7 @@ agreement, weights from rank 0, sharded checkpoints, Accelerate's plugin) is in 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -98,7 +98,7 @@ def _reshard_after_no_grad_forward(model: nn.Module) -> None:
     ranks) updated those and training went wrong from its first step. The root reshards after
     every forward without gradients (generation gathers its few root parameters once a token)."""
 
-    def after(module: nn.Module, args: Any, output: Any) -> None:
+    def after(module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if not torch.is_grad_enabled():
             cast("FSDPModule", module).reshard()  # the hook is on the root, which fully_shard made an FSDPModule
 

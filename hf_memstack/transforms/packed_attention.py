@@ -33,14 +33,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .._quiet import quiet_imports
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = [
     "PACKED_SDPA",
@@ -63,7 +66,7 @@ class PackedAttentionResult:
     """``("model",)`` when the model's config was switched from ``sdpa``; empty when it runs as loaded."""
     compiled: bool = False
     """The policy compiles the model: compiled graphs run packed rows whole (as Transformers' SDPA)."""
-    config: Any = field(default=None, repr=False, compare=False)
+    config: PretrainedConfig | None = field(default=None, repr=False, compare=False)
     """The switched config, read again by :meth:`describe`: a later ``set_attn_implementation`` replaces it."""
 
     @property
@@ -112,7 +115,7 @@ def apply_packed_attention(model: nn.Module, *, compiled: bool = False) -> Packe
     return PackedAttentionResult(switched=("model",), compiled=compiled, config=config)
 
 
-def _sub_configs_with_attention(config: Any) -> bool:
+def _sub_configs_with_attention(config: object) -> bool:
     subs = (getattr(config, key, None) for key in (getattr(config, "sub_configs", None) or {}))
     return any(sub is not None and hasattr(sub, "_attn_implementation") for sub in subs)
 
@@ -182,7 +185,7 @@ _TRACE_PER_SAMPLE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_mem
 
 
 def _segments(
-    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: dict[str, Any]
+    query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, kwargs: Mapping[str, object]
 ) -> list[list[int]] | None:
     """Per row, its samples' lengths when this call may be split per sample; None when it runs whole."""
     positions = kwargs.get("position_ids")
@@ -207,7 +210,7 @@ def _segments(
     positions = positions.expand(rows, -1)
     starts = positions.diff(dim=-1) != 1  # [rows, tokens - 1]: token i + 1 begins a sample
     segments = _lengths(starts, rows, tokens) if bool(starts.any()) and _keeps_apart(mask, starts) else None
-    _LAST.keep(kwargs["position_ids"], mask, rows, segments)
+    _LAST.keep(cast(torch.Tensor, kwargs["position_ids"]), mask, rows, segments)  # a tensor: checked above
     return segments
 
 
@@ -216,7 +219,8 @@ class _LastSplit:
     and another made at its address is not taken for it) at the same versions."""
 
     def __init__(self) -> None:
-        self.refs: tuple[Any, ...] = ()
+        # (positions, their version, mask, its version, rows); empty before the first call
+        self.refs: tuple[weakref.ref[torch.Tensor], int, weakref.ref[torch.Tensor], int, int] | tuple[()] = ()
         self.segments: list[list[int]] | None = None
 
     def answers(self, positions: torch.Tensor, mask: torch.Tensor, rows: int) -> bool:

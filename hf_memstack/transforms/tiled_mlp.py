@@ -20,7 +20,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -140,7 +140,7 @@ class TiledMLPForward(_ForwardWrapper):
         # The RNG is saved and restored per tile only when the MLP draws from it (dropout).
         self._rng = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
 
-    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, hidden: torch.Tensor, *args: object, **kwargs: object) -> object:
         tokens = hidden.numel() // hidden.shape[-1] if hidden.dim() else 0
         if args or kwargs or not torch.is_grad_enabled() or tokens <= self.tile_tokens:
             return self.__wrapped__(hidden, *args, **kwargs)
@@ -155,7 +155,7 @@ class TiledMLPForward(_ForwardWrapper):
         out = torch.cat(outs)
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {"tile_tokens": self.tile_tokens}
 
 

@@ -127,9 +127,9 @@ def apply_checkpointing(model: nn.Module, cfg: CheckpointingConfig, *, blocks: B
     return CheckpointingResult(method="torch", checkpointed=chosen, note=note)
 
 
-def _checkpoint_kwargs(cfg: CheckpointingConfig) -> dict[str, Any]:
+def _checkpoint_kwargs(cfg: CheckpointingConfig) -> dict[str, object]:
     """What ``torch.utils.checkpoint.checkpoint`` is given for ``cfg`` (Transformers passes it through)."""
-    kwargs: dict[str, Any] = {"use_reentrant": cfg.use_reentrant}
+    kwargs: dict[str, object] = {"use_reentrant": cfg.use_reentrant}
     if cfg.mode == "selective":
         kwargs["context_fn"] = selective_context_fn(cfg.selective_matmuls)
     return kwargs
@@ -188,7 +188,12 @@ def _selective_contexts(matmuls: str) -> _Contexts:
 
 
 def _selective_policy(
-    matmuls: str, counts: dict[str, int], ctx: SelectiveCheckpointContext, op: OpOverload, *args: Any, **kwargs: Any
+    matmuls: str,
+    counts: dict[str, int],
+    ctx: SelectiveCheckpointContext,
+    op: OpOverload,
+    *args: object,
+    **kwargs: object,
 ) -> CheckpointPolicy:
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -225,7 +230,7 @@ class _Applied:
     every_n_layers: int | None
     """None: no checkpointing."""
     offload: bool
-    checkpoint_kwargs: tuple[tuple[str, Any], ...]
+    checkpoint_kwargs: tuple[tuple[str, object], ...]
 
 
 class CheckpointingGuard:
@@ -248,7 +253,7 @@ class CheckpointingGuard:
 
     def __call__(
         self,
-        checkpointing_kwargs: dict[str, Any] | None = None,
+        checkpointing_kwargs: dict[str, object] | None = None,
         every_n_layers: int = 1,
         offload: bool = False,
         **kwargs: Any,
@@ -276,7 +281,7 @@ class CheckpointingGuard:
 
     def conflict(
         self,
-        checkpointing_kwargs: dict[str, Any] | None,
+        checkpointing_kwargs: dict[str, object] | None,
         *,
         every_n_layers: int = 1,
         offload: bool = False,
@@ -327,14 +332,14 @@ def install_checkpointing_guard(
     return True
 
 
-def _normalised(kwargs: dict[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+def _normalised(kwargs: dict[str, object] | None) -> tuple[tuple[str, object], ...]:
     # Transformers' default when no kwargs are given is non-reentrant checkpointing. A context_fn
     # compares by what it is (selective_context_fn("save_all") twice is the same request).
     merged = {"use_reentrant": False, **(kwargs or {})}
     return tuple(sorted((k, _comparable(v)) for k, v in merged.items()))
 
 
-def _comparable(value: Any) -> Any:
+def _comparable(value: object) -> object:
     if isinstance(value, functools.partial):
         if value.func is _selective_contexts:
             return f"selective({', '.join(map(str, value.args))})"

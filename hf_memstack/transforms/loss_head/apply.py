@@ -32,7 +32,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -183,7 +183,7 @@ def _check_matches_model(plan: _HeadPlan) -> None:
     )
     # A mixture-of-experts model is compared with its router loss on: the per-call flag must be
     # reproduced whatever the config says.
-    arguments: dict[str, Any] = {"input_ids": ids, "labels": labels}
+    arguments: dict[str, object] = {"input_ids": ids, "labels": labels}
     if "output_router_logits" in inspect.signature(type(target).forward).parameters:
         arguments["output_router_logits"] = True
     name = type(target).__name__

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from .router_loss import RouterLoss, _router_logits_on, _router_numbers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 __all__ = ["ChunkedLossForward"]
 
@@ -123,6 +124,7 @@ class ChunkedLossForward(_ForwardWrapper):
             # As the model's forward: aux_loss in the output, coefficient x aux_loss added to the loss.
             experts, top_k, coefficient = _router_numbers(model)
             aux_loss = self.router_loss(outputs.router_logits, experts, top_k, arguments.get("attention_mask"))
+            coefficient = cast(float, coefficient)  # found: the head was refused at prepare_model otherwise
             loss = loss + coefficient * (aux_loss.to(loss.device) if torch.is_tensor(aux_loss) else aux_loss)
         result = _output(outputs, loss=loss, aux_loss=aux_loss, moe=routed is not None or self.router_loss is not None)
         return_dict = arguments.get("return_dict")
@@ -137,7 +139,7 @@ class ChunkedLossForward(_ForwardWrapper):
             )
         return result
 
-    def _options(self) -> dict[str, Any]:
+    def _options(self) -> dict[str, object]:
         return {
             "chunk_tokens": self.chunk_tokens,
             "softcap": self.softcap,
@@ -147,7 +149,7 @@ class ChunkedLossForward(_ForwardWrapper):
         }
 
 
-def _as_tuple(result: Any, *, cache_slot: bool) -> tuple[Any, ...]:
+def _as_tuple(result: CausalLMOutputWithPast | MoeCausalLMOutputWithPast, *, cache_slot: bool) -> tuple[object, ...]:
     """The model's own tuple (to_tuple: the fields that are not None), at its positions: the logits'
     slot stays, as None, so out[1] (out[2] after aux_loss) is still the logits; and so does the
     cache's when the unprepared model would have returned one for this call (``use_cache`` as passed,
@@ -161,7 +163,9 @@ def _as_tuple(result: Any, *, cache_slot: bool) -> tuple[Any, ...]:
     )
 
 
-def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> Any:
+def _output(
+    outputs: object, *, loss: torch.Tensor, aux_loss: object, moe: bool
+) -> CausalLMOutputWithPast | MoeCausalLMOutputWithPast:
     """The model's output record, with the chunked loss and no logits (a mixture-of-experts model's
     has ``aux_loss`` and ``router_logits``)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
@@ -181,7 +185,9 @@ def _output(outputs: Any, *, loss: torch.Tensor, aux_loss: Any, moe: bool) -> An
     )
 
 
-def _check_token_ids(arguments: dict[str, Any], head: nn.Module, model: PreTrainedModel, ignore_index: int) -> None:
+def _check_token_ids(
+    arguments: Mapping[str, object], head: nn.Module, model: PreTrainedModel, ignore_index: int
+) -> None:
     """Refuse ids outside the vocabulary before the forward: the embedding's and the loss's index
     errors name neither the id nor the vocabulary (on CUDA they are device-side asserts)."""
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

@@ -5,10 +5,20 @@ so no logits are saved and nothing is recomputed in the backward."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+if TYPE_CHECKING:
+
+    class _Context(Protocol):
+        """The autograd context as this function uses it: torch's ``FunctionCtx``, and the dtypes it keeps."""
+
+        saved_tensors: tuple[torch.Tensor | None, ...]
+        dtypes: tuple[torch.dtype, torch.dtype, torch.dtype | None]
+
+        def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -19,7 +29,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _Context,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -75,7 +85,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: _Context, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_h, grad_w, grad_b = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         scale = grad_total.float()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     import torch
@@ -50,22 +50,26 @@ def _router_loss_function(target: PreTrainedModel) -> RouterLoss | None:
     return function
 
 
-def _router_numbers(model: PreTrainedModel) -> tuple[Any, Any, Any]:
+def _router_numbers(model: PreTrainedModel) -> tuple[int | None, int | None, float | None]:
     """``(num_experts, top_k, coefficient)`` as the model's forward reads them (its own attributes,
     set from the config at init; JetMoE calls the coefficient ``aux_loss_coef``), else the config's."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
-    def first(*names: str, sources: tuple[Any, ...] = (model, config)) -> Any:
+    def first(*names: str, sources: tuple[object, ...] = (model, config)) -> object:
         return next((getattr(o, n) for o in sources for n in names if getattr(o, n, None) is not None), None)
 
-    return (
-        first("num_experts", "num_local_experts"),
-        first("num_experts_per_tok"),
-        first("router_aux_loss_coef", "aux_loss_coef"),
+    # cast: the model's and config's numbers, as the model's forward reads them (None: not found)
+    return cast(
+        "tuple[int | None, int | None, float | None]",
+        (
+            first("num_experts", "num_local_experts"),
+            first("num_experts_per_tok"),
+            first("router_aux_loss_coef", "aux_loss_coef"),
+        ),
     )
 
 
-def _router_logits_on(model: PreTrainedModel, arguments: dict[str, Any]) -> bool | None:
+def _router_logits_on(model: PreTrainedModel, arguments: Mapping[str, object]) -> bool | None:
     """``output_router_logits`` as the model's forward resolves it (the call's, else the config's);
     None for a model that has no such option."""
     if arguments.get("output_router_logits") is not None:

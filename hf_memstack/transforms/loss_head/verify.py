@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ __all__ = ["verify_loss_head"]
 
 
 def verify_loss_head(
-    model: nn.Module, batch: Any, loss_fn: LossFn | None, *, mixed: bool, shared: bool
+    model: nn.Module, batch: object, loss_fn: LossFn | None, *, mixed: bool, shared: bool
 ) -> tuple[bool, str]:
     """The chunked loss against the model's own, on the first sample (the model's own forward
     materialises its logits: one sample keeps that small); ``mixed``: the policy's precision is bf16/fp16."""
@@ -71,7 +71,7 @@ def _trainer_loss_detail(model: nn.Module) -> str:
     return detail
 
 
-def _head_rows_detail(model: nn.Module, sample: Any) -> str:
+def _head_rows_detail(model: nn.Module, sample: object) -> str:
     """How many of the sample's positions went through the head (those with a label to predict)."""
     if not isinstance(sample, dict) or not torch.is_tensor(sample.get("labels")):
         return ""
@@ -82,7 +82,7 @@ def _head_rows_detail(model: nn.Module, sample: Any) -> str:
     return f"; the head ran over {rows} of its {positions} positions (those with a label)"
 
 
-def _first_sample(batch: Any) -> Any:
+def _first_sample(batch: object) -> object:
     """One sample of ``batch``: the first with a label other than -100 past its first token (a
     sample without one has no loss, nan in both heads), else the first. A batch that is not
     batch-major (Qwen2-VL's ``pixel_values`` are ``[patches of all images, values]``, its
@@ -101,10 +101,12 @@ def _first_sample(batch: Any) -> Any:
     return batch[:1] if torch.is_tensor(batch) else batch
 
 
-def _batch_major(batch: dict[str, Any]) -> bool:
+def _batch_major(batch: dict[str, object]) -> bool:
     """Whether every tensor of ``batch`` has one row per sample (as many as its ``input_ids``, or
     ``labels``, have)."""
-    anchor = next((batch[k] for k in ("input_ids", "labels") if torch.is_tensor(batch.get(k))), None)
+    anchor = cast(
+        "torch.Tensor | None", next((batch[k] for k in ("input_ids", "labels") if torch.is_tensor(batch.get(k))), None)
+    )
     if anchor is None or anchor.dim() == 0:
         return True
     rows = anchor.shape[0]

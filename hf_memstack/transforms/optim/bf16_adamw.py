@@ -19,12 +19,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
+
+    from .groups import ParamGroup
 
 __all__ = ["BF16AdamW", "rounds_stochastically", "stochastic_round_to_bf16", "warn_on_plain_steps_over_pure_bf16"]
 
@@ -73,7 +75,7 @@ class BF16AdamW(torch.optim.Optimizer):
                     )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch overloads it
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -84,7 +86,7 @@ class BF16AdamW(torch.optim.Optimizer):
             self._step_parameter(p, group, arithmetic=i in last)
         return loss
 
-    def _step_parameter(self, p: torch.Tensor, group: dict[str, Any], arithmetic: bool = True) -> None:
+    def _step_parameter(self, p: torch.Tensor, group: ParamGroup, arithmetic: bool = True) -> None:
         grad = p.grad
         assert grad is not None, "step() steps only the parameters that have a gradient"
         if grad.is_sparse:
@@ -150,7 +152,7 @@ def warn_on_plain_steps_over_pure_bf16() -> None:
         _HOOKED = True
 
 
-def _check_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _check_plain_step(optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     if optimizer in _WARNED:
         return
     _WARNED.add(optimizer)  # checked once, whatever the verdict

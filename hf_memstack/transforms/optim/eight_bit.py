@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -44,7 +43,7 @@ def _torchao_adamw() -> Callable[..., torch.optim.Optimizer]:
         (the memory meter, the estimator's fake tensors): dynamo refuses to compile there, and the
         state it creates is the same."""
 
-        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        def step(self, closure: Callable[[], float] | None = None) -> float | None:
             if _tracking_mode_active() or _on_fake_tensors(self):
                 with torch.compiler.set_stance("force_eager"):
                     return super().step(closure)

@@ -8,20 +8,23 @@ import difflib
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 from torch import nn
 
+# torch.optim's own type for a parameter group: its "params" and hyperparameters of any type.
+ParamGroup: TypeAlias = dict[str, Any]
 
-def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, where: str = "") -> None:
+
+def _check_hyperparameters(*, lr: object, eps: object, weight_decay: object, betas: object, where: str = "") -> None:
     """Names the argument before torch.optim would fail on it with a bare comparison error (e.g.
     ``lr="1e-3"`` read from a config without a type), or would accept it and train on nonsense
     (``lr=inf`` or ``nan`` turns every weight into nan at the first step). ``lr`` may be a one-value
     float tensor, as torch.optim allows (e.g. for a learning rate changed inside a compiled step).
     ``where``: ``"param_groups[1]."`` for a group's own value."""
 
-    def number(x: Any, *, tensor: bool = False) -> bool:
+    def number(x: object, *, tensor: bool = False) -> bool:
         if tensor and torch.is_tensor(x) and x.numel() == 1 and x.is_floating_point():
             x = x.item()
         # numpy's too; cast: numbers.Real's stub declares < and <= only, and every Real compares with 0
@@ -46,7 +49,7 @@ def _check_hyperparameters(*, lr: Any, eps: Any, weight_decay: Any, betas: Any, 
 _GROUPS_EXAMPLE = 'param_groups=[{"params": [...], "weight_decay": 0.0}, {"params": [...]}]'
 
 
-def _param_groups(model: nn.Module, param_groups: Any, defaults: dict[str, Any]) -> list[dict[str, Any]]:
+def _param_groups(model: nn.Module, param_groups: object, defaults: ParamGroup) -> list[ParamGroup]:
     """The groups as lists, each iterable read once (as torch.optim does: ``model.parameters()`` is a
     generator, and a check that iterates it first would leave the optimizer nothing), copied so the
     caller's dicts are not changed, and checked: every parameter is one of ``model``'s and at least
@@ -109,7 +112,7 @@ _GROUP_KEYS = (
 )
 
 
-def _check_group_keys(i: int, group: dict[str, Any]) -> None:
+def _check_group_keys(i: int, group: ParamGroup) -> None:
     """A misspelt setting (``"weight_decy"``) would be kept and ignored: the group trains with the default."""
     for key in group:
         close = difflib.get_close_matches(str(key), _GROUP_KEYS, n=1, cutoff=0.8) if key not in _GROUP_KEYS else []
@@ -120,7 +123,7 @@ def _check_group_keys(i: int, group: dict[str, Any]) -> None:
             )
 
 
-def _group_params(i: int, params: Any) -> list[Any]:
+def _group_params(i: int, params: object) -> list[object]:
     if torch.is_tensor(params):
         return [params]
     if isinstance(params, (str, bytes, dict, set)) or not isinstance(params, Iterable):
@@ -139,11 +142,12 @@ def _group_params(i: int, params: Any) -> list[Any]:
     return items
 
 
-def _check_group_parameters(model: nn.Module, groups: list[dict[str, Any]], *, given: bool) -> None:
+def _check_group_parameters(model: nn.Module, groups: list[ParamGroup], *, given: bool) -> None:
     """A parameter from another model (a copy, a model loaded twice) would be stepped while this one never
     changes: a run that trains nothing and says nothing."""
     own = {id(p) for p in model.parameters()}
-    tensors = [(i, _tensor_of(item)) for i, g in enumerate(groups) for item in g["params"]]
+    # _group_params checked that every item is a tensor (or a named one)
+    tensors = [(i, cast(torch.Tensor, _tensor_of(item))) for i, g in enumerate(groups) for item in g["params"]]
     foreign = [(i, t) for i, t in tensors if id(t) not in own]
     if foreign:
         i, t = foreign[0]
@@ -160,13 +164,13 @@ def _check_group_parameters(model: nn.Module, groups: list[dict[str, Any]], *, g
         )
 
 
-def _tensor_of(item: Any) -> Any:
+def _tensor_of(item: object) -> object:
     """``(name, parameter)`` (from ``named_parameters()``, which torch.optim accepts) -> the parameter."""
     return item[1] if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else item
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     if torch.is_tensor(_tensor_of(value)):
-        return f"a tensor of shape {tuple(_tensor_of(value).shape)}"
+        return f"a tensor of shape {tuple(cast(torch.Tensor, _tensor_of(value)).shape)}"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

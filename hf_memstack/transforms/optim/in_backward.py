@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ...record import unwrap_model
+from .groups import ParamGroup
 
 if TYPE_CHECKING:
-    from torch.optim.optimizer import ParamsT
+    from torch.optim.optimizer import ParamsT, StateDict
 
 __all__ = ["OptimizerInBackward", "optimizer_in_backward_of"]
 
-Factory = Callable[[list[dict[str, Any]], dict[str, Any]], torch.optim.Optimizer]
+Factory = Callable[[list[ParamGroup], ParamGroup], torch.optim.Optimizer]
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -37,14 +38,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self,
         params: ParamsT,
         factory: Factory,
-        defaults: dict[str, Any],
+        defaults: ParamGroup,
         *,
         names: dict[nn.Parameter, str] | None = None,
     ) -> None:
         super().__init__(params, defaults)
         self._names = dict(names or {})  # for messages: "model.layers.0.weight has shape ..."
         self.optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
-        self._groups: dict[int, dict[str, Any]] = {}
+        self._groups: dict[int, ParamGroup] = {}
         for group in self.param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
@@ -72,7 +73,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         param.grad = None  # the point: this gradient is not needed any more
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Nothing to update (the backward did); marks the end of an optimizer step."""
         self._stepped.clear()
         return closure() if closure is not None else None
@@ -92,7 +93,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         finally:
             self._paused = previous
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> StateDict:  # type: ignore[override]
         order = list(self.optimizers)
         return {
             "optimizers": [self.optimizers[p].state_dict() for p in order],
@@ -100,7 +101,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             "shapes": [list(p.shape) for p in order],
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: StateDict) -> None:  # type: ignore[override]
         """Restore what :meth:`state_dict` saved, after checking (before anything changes) that it was
         saved for parameters of these shapes, in this order.
 
@@ -115,7 +116,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             group.update(options)
         self._stepped.clear()
 
-    def _check_loadable(self, state_dict: Any) -> None:
+    def _check_loadable(self, state_dict: object) -> None:
         if (
             not isinstance(state_dict, dict)
             or not isinstance(state_dict.get("optimizers"), list)
@@ -159,10 +160,10 @@ class _MergedState(MutableMapping):
     def __init__(self, optimizers: dict[nn.Parameter, torch.optim.Optimizer]) -> None:
         self._optimizers = optimizers
 
-    def __getitem__(self, param: nn.Parameter) -> Any:
+    def __getitem__(self, param: nn.Parameter) -> object:
         return self._optimizers[param].state[param]
 
-    def __setitem__(self, param: nn.Parameter, value: Any) -> None:
+    def __setitem__(self, param: nn.Parameter, value: object) -> None:
         self._optimizers[param].state[param] = value
 
     def __delitem__(self, param: nn.Parameter) -> None:
@@ -175,7 +176,7 @@ class _MergedState(MutableMapping):
         return sum(1 for _ in self)
 
 
-def _state_shape(inner: Any) -> tuple[int, ...] | None:
+def _state_shape(inner: object) -> tuple[int, ...] | None:
     """The parameter's shape as its saved moments show it (a state saved before ``"shapes"`` was recorded)."""
     state = inner.get("state") if isinstance(inner, dict) else None
     for value in (state or {}).values():
@@ -185,7 +186,7 @@ def _state_shape(inner: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:
+def _copy_hyperparameters(source: ParamGroup, target: ParamGroup) -> None:
     """A scheduler changed ``source`` (the outer group): pass it on. torchao keeps ``lr`` as a tensor."""
     for key, value in source.items():
         if key == "params" or key not in target:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -28,10 +28,11 @@ from ...record import record_of, unwrap_model
 from ..precision.master_reconcile import reconcile_master_weights
 from .bf16_adamw import BF16AdamW
 from .eight_bit import _torchao_adamw
-from .groups import _check_hyperparameters, _param_groups, _tensor_of
+from .groups import ParamGroup, _check_hyperparameters, _param_groups, _tensor_of
 from .in_backward import Factory, OptimizerInBackward, optimizer_in_backward_of
 
 if TYPE_CHECKING:
+    from ...policy.memory_policy import PolicyDict
     from ...record import MemstackRecord
 
 __all__ = ["check_optimizer_policy", "check_training_settings", "make_optimizer"]
@@ -91,7 +92,7 @@ def check_training_settings(
         )
 
 
-def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> None:
+def _check_loop_values(gradient_accumulation_steps: object, max_grad_norm: object) -> None:
     """A loop that accumulates 0 micro-batches never steps, and a negative clipping norm flips every gradient."""
     problems = []
     if (
@@ -117,13 +118,13 @@ def _check_loop_values(gradient_accumulation_steps: Any, max_grad_norm: Any) -> 
 
 def make_optimizer(
     model: nn.Module,
-    policy: MemoryPolicy | str | dict[str, Any] | None = None,
+    policy: MemoryPolicy | str | PolicyDict | None = None,
     *,
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
-    param_groups: list[dict[str, Any]] | None = None,
+    param_groups: list[ParamGroup] | None = None,
     gradient_accumulation_steps: int = 1,
     max_grad_norm: float | None = None,
 ) -> torch.optim.Optimizer:
@@ -180,7 +181,9 @@ def make_optimizer(
     reconcile_master_weights(model)
     defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
     groups = _param_groups(model, param_groups, defaults)
-    params = [_tensor_of(item) for g in groups for item in g["params"]]
+    params = [
+        cast(torch.Tensor, _tensor_of(item)) for g in groups for item in g["params"]
+    ]  # _param_groups checked them
     _check_master_dtype(params, resolved.master_weights)
     if cfg.step == "in_backward":
         _check_in_backward_parameters(params)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -200,11 +200,11 @@ class AutocastBypassGuard:
         self.model = model
         self.dtype = dtype
         self.told_chunked = False
-        self.looked_at: Any = None
+        self.looked_at: object = None
         """The forward last looked at for TRL's fused head (looked at again only when it changes)."""
         self.probe: torch.Tensor | None = None
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
             return
         record = self.model.__dict__.get("memstack")
@@ -234,7 +234,7 @@ class AutocastBypassGuard:
             self.probe = next(module.parameters(), None)
         return self.probe.device.type if self.probe is not None else device_of(module).type
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         # The forward looked at and the probe are the model's own: a copy looks its own up again.
         return {**self.__dict__, "looked_at": None, "probe": None}
 

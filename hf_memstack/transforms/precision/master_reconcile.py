@@ -33,7 +33,6 @@ back to its loaded dtype too (the orders then hold the same bytes), with the val
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 from torch import nn
@@ -193,7 +192,7 @@ def _floating(root: nn.Module) -> list[nn.Parameter]:
 
 
 def ledger_of(model: nn.Module) -> MasterWeightsLedger | None:
-    record: Any = record_of(model)
+    record: object = record_of(model)
     ledger = getattr(getattr(record, "master_weights", None), "ledger", None)
     return ledger if isinstance(ledger, MasterWeightsLedger) else None
 
@@ -226,7 +225,7 @@ class ReconcileOnTrainingForward:
     def __init__(self, ledger: MasterWeightsLedger) -> None:
         self.ledger = ledger
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not module.training:
             return
         self.ledger.reconcile()

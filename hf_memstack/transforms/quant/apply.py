@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,8 @@ from .targets import BNB_LOAD, find_targets, refuse_trainable_targets, scaler_bl
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from bitsandbytes.nn import Params4bit
+
 __all__ = ["QuantPlan", "QuantResult", "apply_quant", "check_quant", "four_bit_weight", "is_4bit", "quantizable"]
 
 _INSTALL = "pip install 'hf_memstack[quant]' (torchao)"
@@ -44,13 +46,13 @@ _NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 Backend = Literal["none", "torchao", "bitsandbytes"]
 
 
-def is_4bit(t: Any) -> bool:
+def is_4bit(t: object) -> bool:
     """Whether ``t`` is a 4-bit weight: torchao's ``NF4Tensor`` or bitsandbytes' ``Params4bit``
     (looked up among the modules already imported: neither library is imported for this)."""
     return _backend_of(t) != "none"
 
 
-def _backend_of(t: Any) -> Backend:
+def _backend_of(t: object) -> Backend:
     t = getattr(t, "_local_tensor", t)  # under FSDP2 a DTensor holds this rank's shard: an NF4 weight too
     nf4 = getattr(sys.modules.get(_NF4_MODULE), "NF4Tensor", None)
     bnb = getattr(sys.modules.get("bitsandbytes.nn.modules"), "Params4bit", None)
@@ -299,12 +301,12 @@ def _keep_bnb_layout(layers: list[nn.Linear]) -> None:
     as bitsandbytes' own ``_save_to_state_dict`` does, and switch it off.
     """
     for layer in layers:
-        unpack_bnb_weight(layer.weight)
+        unpack_bnb_weight(cast("Params4bit", layer.weight))  # a bitsandbytes Linear4bit's
         if hasattr(layer, "support_avx512bf16_for_cpu"):
             setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010 (a plain attribute nn.Module cannot type)
 
 
-def unpack_bnb_weight(weight: Any) -> None:
+def unpack_bnb_weight(weight: Params4bit) -> None:
     """Put a bitsandbytes ``Params4bit`` repacked for its CPU inference kernel back into its standard
     layout, in place, with bitsandbytes' own inverse (as its ``_save_to_state_dict`` does); nothing
     for a weight in that layout already."""

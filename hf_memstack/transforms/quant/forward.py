@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,7 @@ class LinearForward(_ForwardWrapper):
 
     module: nn.Linear
 
-    def __call__(self, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, input: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if args or kwargs:  # a forward with more arguments than nn.Linear's: its own code decides
             return self.__wrapped__(input, *args, **kwargs)
         return F.linear(input, self.module.weight, self.module.bias)
