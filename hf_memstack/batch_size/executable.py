@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypedDict, cast
+from typing import Concatenate, Literal, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -42,6 +42,49 @@ from .probe import is_out_of_memory
 from .result import BatchSizeResult
 
 __all__ = ["find_executable_batch_size"]
+
+_P = ParamSpec("_P")
+_R_co = TypeVar("_R_co", covariant=True)
+
+
+class _Retrying(Protocol[_P, _R_co]):
+    """The decorated function: called without ``batch_size``, with the finder's result once it ran."""
+
+    batch_size_result: BatchSizeResult | None
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+
+@overload
+def find_executable_batch_size(
+    function: Callable[Concatenate[int, _P], _R_co],
+    starting_batch_size: int = ...,
+    reduce_batch_size_fn: Callable[[], int] | None = ...,
+    *,
+    make_batch: Callable[[int], object] | None = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    budget: int | str | None = ...,
+    mode: Literal["train", "eval"] = ...,
+    cache: bool = ...,
+    cache_dir: str | Path | None = ...,
+) -> _Retrying[_P, _R_co]: ...
+
+
+@overload
+def find_executable_batch_size(
+    function: None = None,
+    starting_batch_size: int = ...,
+    reduce_batch_size_fn: Callable[[], int] | None = ...,
+    *,
+    make_batch: Callable[[int], object] | None = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    budget: int | str | None = ...,
+    mode: Literal["train", "eval"] = ...,
+    cache: bool = ...,
+    cache_dir: str | Path | None = ...,
+) -> Callable[[Callable[Concatenate[int, _P], _R_co]], _Retrying[_P, _R_co]]: ...
 
 
 def find_executable_batch_size(
@@ -56,7 +99,7 @@ def find_executable_batch_size(
     mode: Literal["train", "eval"] = "train",
     cache: bool = True,
     cache_dir: str | Path | None = None,
-) -> Any:
+) -> Callable[..., object]:
     """Decorate ``function(batch_size, *args, **kwargs)``: predict the batch size, then retry on OOM.
 
     Args:
