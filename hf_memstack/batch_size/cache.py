@@ -96,11 +96,11 @@ def cache_key(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     *,
-    policy: dict[str, Any] | None,
-    batch: list[list[Any]],
+    policy: dict[str, object] | None,
+    batch: list[list[str | int]],
     mode: str,
     budget: int,
-    loss_fn: Any,
+    loss_fn: object,
 ) -> str:
     """A hash of everything that changes the step's memory (see the module docstring)."""
     import transformers
@@ -224,7 +224,7 @@ def _warn(message: str) -> None:
     warnings.warn(f"hf_memstack: {message}", stacklevel=4)
 
 
-def _validate(data: Any) -> CacheEntry:
+def _validate(data: object) -> CacheEntry:
     if not isinstance(data, dict):
         raise TypeError(f"expected a JSON object, found {type(data).__name__}")
     problems = []
@@ -256,11 +256,11 @@ def _validate(data: Any) -> CacheEntry:
     )
 
 
-def _count(value: Any, *, least: int) -> bool:
+def _count(value: object, *, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
-def _step_ok(step: Any) -> bool:
+def _step_ok(step: object) -> bool:
     return (
         isinstance(step, dict)
         and set(step) == {"batch_size", "peak_bytes", "fits"}
@@ -384,7 +384,7 @@ def _private_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _plain(obj: Any) -> Any:
+def _plain(obj: object) -> object:
     """Optimizer settings as JSON (tensors, e.g. a tensor learning rate, by value)."""
     if isinstance(obj, dict):
         return {str(k): _plain(v) for k, v in obj.items()}

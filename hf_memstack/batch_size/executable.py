@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Concatenate, Literal, ParamSpec, Protocol, TypedDict, TypeVar, cast, overload
 
 import torch
 from torch import nn
@@ -43,20 +43,63 @@ from .result import BatchSizeResult
 
 __all__ = ["find_executable_batch_size"]
 
+_P = ParamSpec("_P")
+_R_co = TypeVar("_R_co", covariant=True)
+
+
+class _Retrying(Protocol[_P, _R_co]):
+    """The decorated function: called without ``batch_size``, with the finder's result once it ran."""
+
+    batch_size_result: BatchSizeResult | None
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+
+@overload
+def find_executable_batch_size(
+    function: Callable[Concatenate[int, _P], _R_co],
+    starting_batch_size: int = ...,
+    reduce_batch_size_fn: Callable[[], int] | None = ...,
+    *,
+    make_batch: Callable[[int], object] | None = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    budget: int | str | None = ...,
+    mode: Literal["train", "eval"] = ...,
+    cache: bool = ...,
+    cache_dir: str | Path | None = ...,
+) -> _Retrying[_P, _R_co]: ...
+
+
+@overload
+def find_executable_batch_size(
+    function: None = None,
+    starting_batch_size: int = ...,
+    reduce_batch_size_fn: Callable[[], int] | None = ...,
+    *,
+    make_batch: Callable[[int], object] | None = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    budget: int | str | None = ...,
+    mode: Literal["train", "eval"] = ...,
+    cache: bool = ...,
+    cache_dir: str | Path | None = ...,
+) -> Callable[[Callable[Concatenate[int, _P], _R_co]], _Retrying[_P, _R_co]]: ...
+
 
 def find_executable_batch_size(
-    function: Callable[..., Any] | None = None,
+    function: Callable[..., object] | None = None,
     starting_batch_size: int = 128,
     reduce_batch_size_fn: Callable[[], int] | None = None,
     *,
-    make_batch: Callable[[int], Any] | None = None,
+    make_batch: Callable[[int], object] | None = None,
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     budget: int | str | None = None,
     mode: Literal["train", "eval"] = "train",
     cache: bool = True,
     cache_dir: str | Path | None = None,
-) -> Any:
+) -> Callable[..., object]:
     """Decorate ``function(batch_size, *args, **kwargs)``: predict the batch size, then retry on OOM.
 
     Args:
@@ -94,7 +137,7 @@ def find_executable_batch_size(
         RuntimeError: ``No executable batch size found, reached zero.`` (Accelerate's message).
         BudgetTooSmallError: the finder found that not even batch size 1 fits.
     """
-    options: dict[str, Any] = {  # the finder's options, forwarded as keywords
+    options: _FinderOptions = {  # the finder's options, forwarded as keywords
         "make_batch": make_batch,
         "model": model,
         "optimizer": optimizer,
@@ -121,11 +164,11 @@ def find_executable_batch_size(
         return state.batch_size
 
     @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         _check_call(function, args, kwargs)
         if not state.predicted:
             state.predicted = True
-            result = _predict(function, args, kwargs, cap=starting_batch_size, **options)
+            result = _predict(function, args, kwargs, cap=starting_batch_size, options=options)
             wrapper.batch_size_result = result  # type: ignore[attr-defined]
             if result is not None:
                 state.batch_size = result.batch_size
@@ -145,7 +188,10 @@ def find_executable_batch_size(
 
 
 def _check_arguments(
-    function: Any, starting_batch_size: Any, reduce_batch_size_fn: Any, options: dict[str, Any]
+    function: object,
+    starting_batch_size: object,
+    reduce_batch_size_fn: Callable[[], int] | None,
+    options: _FinderOptions,
 ) -> None:
     if function is not None and not callable(function):
         hint = f" (did you mean starting_batch_size={function!r}?)" if isinstance(function, int) else ""
@@ -172,7 +218,7 @@ def _check_arguments(
         raise TypeError(f"cache={options['cache']!r} must be True or False")
 
 
-def _check_no_arguments(reduce_batch_size_fn: Callable[..., Any]) -> None:
+def _check_no_arguments(reduce_batch_size_fn: Callable[..., object]) -> None:
     """Accelerate calls the hook with no arguments: one that needs some would fail only at the first
     out-of-memory error, with a bare TypeError."""
     try:
@@ -187,6 +233,18 @@ def _check_no_arguments(reduce_batch_size_fn: Callable[..., Any]) -> None:
             "find_executable_batch_size calls it with none after an out-of-memory error; keep the batch size "
             "in a variable it closes over, e.g. lambda: int(state['batch_size'] * 0.9)"
         ) from None
+
+
+class _FinderOptions(TypedDict):
+    """The decorator's arguments for :func:`~hf_memstack.find_batch_size`, kept until the first call."""
+
+    make_batch: Callable[[int], object] | None
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    budget: int | str | None
+    mode: Literal["train", "eval"]
+    cache: bool
+    cache_dir: str | Path | None
 
 
 @dataclass(slots=True)
@@ -225,23 +283,21 @@ def _next_size(reduce_batch_size_fn: Callable[[], int], state: _RetryState) -> i
 
 
 def _predict(
-    function: Callable[..., Any],
-    args: tuple,
-    kwargs: dict[str, Any],
+    function: Callable[..., object],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     *,
     cap: int,
-    make_batch: Callable[[int], Any] | None,
-    model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    **finder: Any,
+    options: _FinderOptions,
 ) -> BatchSizeResult | None:
+    make_batch, model, optimizer = options["make_batch"], options["model"], options["optimizer"]
     values = [*args, *kwargs.values()]
     model = model if model is not None else next((v for v in values if isinstance(v, nn.Module)), None)
     optimizer = (
         optimizer if optimizer is not None else next((v for v in values if isinstance(v, torch.optim.Optimizer)), None)
     )
     missing = [name for name, v in (("make_batch", make_batch), ("model", model)) if v is None]
-    if finder["mode"] == "train" and optimizer is None:
+    if options["mode"] == "train" and optimizer is None:
         missing.append("optimizer")
     if missing:
         warnings.warn(
@@ -252,11 +308,20 @@ def _predict(
         )
         return None
     # Neither is None here: ``missing`` named each one that was, and returned.
-    model, make_batch = cast(nn.Module, model), cast("Callable[[int], Any]", make_batch)
-    return find_batch_size(model, make_batch, optimizer, max_batch_size=cap, **finder)
+    model, make_batch = cast(nn.Module, model), cast("Callable[[int], object]", make_batch)
+    return find_batch_size(
+        model,
+        make_batch,
+        optimizer,
+        max_batch_size=cap,
+        budget=options["budget"],
+        mode=options["mode"],
+        cache=options["cache"],
+        cache_dir=options["cache_dir"],
+    )
 
 
-def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
+def _closure_hint(function: Callable[..., object], missing: list[str]) -> str:
     """Name the model/optimizer the function closes over, so the warning says exactly what to pass."""
     try:
         scope = inspect.getclosurevars(function)
@@ -276,7 +341,7 @@ def _closure_hint(function: Callable[..., Any], missing: list[str]) -> str:
     return f"; {function.__name__} closes over {' and '.join(names.values())}: pass {passes} to the decorator"
 
 
-def _check_call(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+def _check_call(function: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]) -> None:
     """Accelerate's guard: the caller must not pass ``batch_size`` (the decorator does), by position or by name."""
     parameters = inspect.signature(function).parameters
     params = list(parameters)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -33,20 +33,20 @@ from .probe import StepRunner, batch_signature, seq_len_of
 from .ranks import agree_arguments, is_local_leader, world_size
 from .result import BatchSizeResult, CacheStatus, build_result
 from .search import Found, Search
-from .snapshot import step_state_restored
+from .snapshot import SchedulerLike, step_state_restored
 
 __all__ = ["find_batch_size"]
 
 
 def find_batch_size(
     model: nn.Module,
-    make_batch: Callable[[int], Any],
+    make_batch: Callable[[int], object],
     optimizer: torch.optim.Optimizer | None = None,
     *,
     budget: int | str | None = None,
     mode: Literal["train", "eval"] = "train",
     loss_fn: LossFn | None = None,
-    scheduler: Any | None = None,
+    scheduler: SchedulerLike | None = None,
     global_batch_size: int | None = None,
     max_batch_size: int = 65536,
     probe_size: int = 2,
@@ -174,7 +174,7 @@ def _cache_file(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     record: MemstackRecord | None,
-    sample: Any,
+    sample: object,
     mode: str,
     budget: int,
     loss_fn: LossFn | None,
@@ -197,7 +197,7 @@ def _cache_file(
     )
 
 
-def _per_sample_floor(model: nn.Module, sample: Any) -> int:
+def _per_sample_floor(model: nn.Module, sample: object) -> int:
     """Bytes each sample surely adds to a step's peak: its own tensors (the batch lives through
     the step; ``sample`` is the batch of one) and the last hidden state every forward computes
     (seq_len x hidden_size values of at least 2 bytes). A cache entry whose peak is below its size

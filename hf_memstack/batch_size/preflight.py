@@ -5,7 +5,7 @@ sample from ``make_batch``; and the errors that name the next rung of the ladder
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ __all__ = ["budget_too_small", "preflight"]
 
 def preflight(
     model: nn.Module,
-    make_batch: Callable[[int], Any],
+    make_batch: Callable[[int], object],
     optimizer: torch.optim.Optimizer | None,
     *,
     budget: int | str | None,
@@ -35,7 +35,7 @@ def preflight(
     global_batch_size: int | None,
     max_batch_size: int,
     probe_size: int,
-) -> tuple[int, Any]:
+) -> tuple[int, object]:
     """Every check before any step, agreed across ranks (a rank that fails - a wrong argument, a
     budget that does not parse or cannot hold the weights, a ``make_batch`` that fails - makes
     every rank raise). Returns the budget in bytes and a batch of one sample."""
@@ -60,8 +60,8 @@ def preflight(
 
 
 def _check_model_and_sample(
-    model: nn.Module, make_batch: Callable[[int], Any], *, mode: str, budget: int, record: MemstackRecord | None
-) -> Any:
+    model: nn.Module, make_batch: Callable[[int], object], *, mode: str, budget: int, record: MemstackRecord | None
+) -> object:
     if mode == "train" and not any(p.requires_grad for p in model.parameters()):
         n = sum(1 for _ in model.parameters())
         raise ValueError(
@@ -86,14 +86,14 @@ def _check_model_and_sample(
 
 
 def _check_arguments(
-    model: Any,
-    make_batch: Any,
-    optimizer: Any,
+    model: object,
+    make_batch: object,
+    optimizer: object,
     *,
-    mode: Any,
-    global_batch_size: Any,
-    max_batch_size: Any,
-    probe_size: Any,
+    mode: object,
+    global_batch_size: object,
+    max_batch_size: object,
+    probe_size: object,
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model={type(model).__name__} must be a torch.nn.Module")

@@ -15,7 +15,7 @@ import gc
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -29,6 +29,8 @@ from ..measure.step import LossFn, backward, forward_loss, optimizer_step
 from .ranks import agree, agree_no_error
 
 __all__ = ["Measured", "ProbeKind", "StepRunner", "batch_signature", "check_batch_size", "seq_len_of"]
+
+_T = TypeVar("_T")
 
 ProbeKind = Literal["warmup", "probe", "predict", "refine", "search", "cache"]
 
@@ -70,7 +72,7 @@ class StepRunner:
         self,
         *,
         model: nn.Module,
-        make_batch: Callable[[int], Any],
+        make_batch: Callable[[int], object],
         optimizer: torch.optim.Optimizer | None,
         loss_fn: LossFn | None,
         grad_scaler: torch.amp.GradScaler | None,
@@ -193,13 +195,13 @@ class StepRunner:
             torch.cuda.empty_cache()
 
 
-def _agreed(step: str, fn: Callable[[], Any]) -> Any:
+def _agreed(step: str, fn: Callable[[], _T]) -> _T:
     """``fn()``, then agreed with the other ranks before the next part of the step, whose
     collectives (FSDP's all-gathers in the forward, reduce-scatters in the backward, DDP's
     all-reduces) every rank must reach: an error on one rank is raised on every rank (naming it),
     and an out-of-memory error on one rank stops the step on every rank as out of memory."""
     error: BaseException | None = None
-    result = None
+    result: _T | None = None
     try:
         with watching(step):
             result = fn()
@@ -212,10 +214,10 @@ def _agreed(step: str, fn: Callable[[], Any]) -> Any:
         reraise(error)
     if not none_ran_out:
         raise torch.OutOfMemoryError(f"another rank ran out of memory in {step}; this rank stops the step with it")
-    return result
+    return cast(_T, result)  # fn() returned: an error in it was raised above
 
 
-def _checked(batch: Any, n: int) -> Any:
+def _checked(batch: object, n: int) -> object:
     check_batch_size(batch, n)
     return batch
 
@@ -227,7 +229,7 @@ def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, Exception) and should_reduce_batch_size(e))
 
 
-def _call(model: nn.Module, batch: Any) -> Any:
+def _call(model: nn.Module, batch: object) -> object:
     if isinstance(batch, Mapping):
         return model(**batch)
     if isinstance(batch, (tuple, list)):
@@ -235,7 +237,7 @@ def _call(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def _tensors(batch: Any) -> list[torch.Tensor]:
+def _tensors(batch: object) -> list[torch.Tensor]:
     if torch.is_tensor(batch):
         return [batch]
     if isinstance(batch, Mapping):
@@ -251,7 +253,7 @@ def _tensors(batch: Any) -> list[torch.Tensor]:
 _SAMPLE_ROWS = ("input_ids", "inputs_embeds", "labels", "attention_mask")
 
 
-def check_batch_size(batch: Any, n: int) -> None:
+def check_batch_size(batch: object, n: int) -> None:
     """``make_batch(n)`` must return a dict of tensors (or a tensor, or a tuple of tensors passed
     positionally) of ``n`` samples: the first dimension of its ``input_ids``, ``inputs_embeds``,
     ``labels`` and ``attention_mask`` is ``n`` (its other tensors' may be anything: patch-major
@@ -295,7 +297,7 @@ def check_batch_size(batch: Any, n: int) -> None:
         )
 
 
-def _check_batch_type(batch: Any, n: int) -> None:
+def _check_batch_type(batch: object, n: int) -> None:
     positional = isinstance(batch, (list, tuple)) and all(torch.is_tensor(t) for t in batch)
     if not (isinstance(batch, Mapping) or torch.is_tensor(batch) or positional):
         inner = (
@@ -311,7 +313,7 @@ def _check_batch_type(batch: Any, n: int) -> None:
         )
 
 
-def _named_tensors(batch: Any, name: str = "batch") -> list[tuple[str, torch.Tensor]]:
+def _named_tensors(batch: object, name: str = "batch") -> list[tuple[str, torch.Tensor]]:
     """Each tensor of ``batch`` with its place (``batch['pixel_values']``, ``batch[0]``)."""
     if torch.is_tensor(batch):
         return [(name, batch)]
@@ -322,12 +324,12 @@ def _named_tensors(batch: Any, name: str = "batch") -> list[tuple[str, torch.Ten
     return []
 
 
-def batch_signature(batch: Any) -> list[list[Any]]:
+def batch_signature(batch: object) -> list[list[str | int]]:
     """What identifies the batches of a job, from its batch of one: each tensor's dtype and shape
     past the batch dimension; the whole shape of a tensor not laid out one row per sample (a
     sample's patches: a larger image is another job)."""
 
-    def shape(t: torch.Tensor) -> list[Any]:
+    def shape(t: torch.Tensor) -> list[str | int]:
         return [*t.shape[1:]] if t.ndim and t.shape[0] == 1 else ["rows", *t.shape]
 
     if isinstance(batch, Mapping):
@@ -335,6 +337,6 @@ def batch_signature(batch: Any) -> list[list[Any]]:
     return [[str(t.dtype), *shape(t)] for t in _tensors(batch)]
 
 
-def seq_len_of(batch: Any) -> int | None:
+def seq_len_of(batch: object) -> int | None:
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     return int(ids.shape[1]) if torch.is_tensor(ids) and ids.ndim >= 2 else None

@@ -174,7 +174,7 @@ def build_result(
     status: CacheStatus,
     path: Path | None,
     *,
-    sample: Any,
+    sample: object,
     budget: int,
     mode: Literal["train", "eval"],
     record: MemstackRecord | None,

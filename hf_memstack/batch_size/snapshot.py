@@ -14,7 +14,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Protocol, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,16 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Placement
 
-__all__ = ["StepState", "step_state_restored"]
+__all__ = ["SchedulerLike", "StepState", "step_state_restored"]
+
+
+class SchedulerLike(Protocol):
+    """What the snapshot needs of a learning-rate scheduler (``torch.optim.lr_scheduler.LRScheduler``,
+    Transformers' schedulers, or any object with the same two methods): its state, and a way back to it."""
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state_dict: dict[str, object], /) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,7 @@ class StepState:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        scheduler: Any,
+        scheduler: SchedulerLike | None,
         grad_scaler: torch.amp.GradScaler | None,
     ):
         self.model, self.optimizer, self.scheduler, self.grad_scaler = model, optimizer, scheduler, grad_scaler
@@ -103,7 +112,7 @@ class StepState:
                 p.grad = None if g is None else g.rebuild()
             _restore_optimizer(self.optimizer, self.opt_state, self.opt_groups)
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(self.sched)
+            self.scheduler.load_state_dict(cast("dict[str, object]", self.sched))  # saved from this scheduler
         if self.grad_scaler is not None and self.scaler is not None:  # both or neither: saved from the scaler
             self.grad_scaler.load_state_dict(self.scaler)
         for m, training in self.modes:  # each submodule's own mode, not the root's
@@ -112,7 +121,10 @@ class StepState:
 
 @contextlib.contextmanager
 def step_state_restored(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any, grad_scaler: torch.amp.GradScaler | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: SchedulerLike | None,
+    grad_scaler: torch.amp.GradScaler | None,
 ) -> Iterator[StepState]:
     """Copy the step's state now and write it back on exit, also when the body raises."""
     state = StepState(model, optimizer, scheduler, grad_scaler)
@@ -122,7 +134,7 @@ def step_state_restored(
         state.restore()
 
 
-def _save_optimizer(optimizer: torch.optim.Optimizer | None) -> dict[Any, dict[str, Any]]:
+def _save_optimizer(optimizer: torch.optim.Optimizer | None) -> dict[torch.Tensor, dict[str, object]]:
     if optimizer is None:
         return {}
     return {
@@ -132,7 +144,9 @@ def _save_optimizer(optimizer: torch.optim.Optimizer | None) -> dict[Any, dict[s
 
 
 def _restore_optimizer(
-    optimizer: torch.optim.Optimizer | None, saved: dict[Any, dict[str, Any]], groups: list[dict[str, Any]]
+    optimizer: torch.optim.Optimizer | None,
+    saved: dict[torch.Tensor, dict[str, object]],
+    groups: list[dict[str, object]],
 ) -> None:
     if optimizer is None:
         return
@@ -141,7 +155,7 @@ def _restore_optimizer(
             del optimizer.state[p]
     for p, entries in saved.items():
         current = optimizer.state.get(p, {})
-        restored = {}
+        restored: dict[str, object] = {}
         for k, v in entries.items():
             if isinstance(v, _Saved):
                 now = current.get(k)

@@ -27,9 +27,12 @@ import pickle
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TypeGuard, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["UntrustedCheckpointError", "plain_file_name", "read_metadata", "vet_checkpoint", "weights_only_load"]
 
@@ -44,7 +47,7 @@ class UntrustedCheckpointError(ValueError):
 
 
 @lru_cache(maxsize=1)
-def _allowed() -> dict[tuple[str, str], Any]:
+def _allowed() -> dict[tuple[str, str], object]:
     """(module, name) -> object, for every global a DCP ``.metadata`` may name."""
     import pathlib
     from collections import OrderedDict
@@ -86,9 +89,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
     """Unpickles DCP metadata and nothing else (see the module docstring)."""
 
     # The pure-Python unpickler's value stack: an undocumented internal that typeshed leaves out.
-    stack: list[Any]
+    stack: list[object]
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         # A lookup, never an import or getattr: naming a module must not import it.
         obj = _allowed().get((module, name))
         if obj is None:
@@ -98,10 +101,10 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
             )
         return obj
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> NoReturn:
         raise pickle.UnpicklingError("it holds a persistent id, which DCP metadata never does")
 
-    def _require(self, obj: Any, what: str) -> None:
+    def _require(self, obj: object, what: str) -> None:
         if not any(obj is allowed for allowed in _allowed().values()):
             raise pickle.UnpicklingError(f"it {what} {obj!r}, which is not one of the checkpoint metadata types")
 
@@ -141,7 +144,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
     }
 
 
-def read_metadata(directory: Path) -> Any:
+def read_metadata(directory: Path) -> Metadata:
     """The folder's DCP ``Metadata``, unpickled with :class:`_MetadataUnpickler`, its data files checked.
 
     Raises:
@@ -189,7 +192,7 @@ def read_metadata(directory: Path) -> Any:
     return metadata
 
 
-def plain_file_name(name: Any) -> bool:
+def plain_file_name(name: object) -> TypeGuard[str]:
     """A file directly in the folder: no path separator, no '..'."""
     return (
         isinstance(name, str)
@@ -200,7 +203,7 @@ def plain_file_name(name: Any) -> bool:
     )
 
 
-def _own_file(directory: Path, name: Any) -> bool:
+def _own_file(directory: Path, name: object) -> bool:
     """A regular file directly in ``directory``, not a symlink to one elsewhere."""
     return plain_file_name(name) and (directory / name).is_file() and not (directory / name).is_symlink()
 
@@ -225,7 +228,7 @@ def weights_only_load(value: io.BytesIO) -> io.BytesIO:
     return out
 
 
-def vet_checkpoint(directory: str | Path) -> Any:
+def vet_checkpoint(directory: str | Path) -> Metadata:
     """Check everything a DCP load of ``directory`` would unpickle: the metadata, and each
     non-tensor item's bytes (loaded weights-only). Returns the metadata.
 
@@ -237,7 +240,8 @@ def vet_checkpoint(directory: str | Path) -> Any:
     directory = Path(directory)
     metadata = read_metadata(directory)
     for index, info in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(getattr(index, "fqn", None)), BytesStorageMetadata):
+        fqn = getattr(index, "fqn", None)  # a forged index may have none: get(None) is None, a tensor item
+        if not isinstance(metadata.state_dict_metadata.get(fqn), BytesStorageMetadata):  # type: ignore[arg-type]
             continue
         if info.transform_descriptors:
             raise UntrustedCheckpointError(

@@ -28,7 +28,6 @@ import re
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch.distributed as dist
 
@@ -120,22 +119,22 @@ def _introduce() -> None:
         _store().set(f"{_PREFIX}who/{dist.get_rank()}", f"pid {os.getpid()} on {socket.gethostname()}")
 
 
-def _store() -> Any:
+def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _post(fields: dict[str, Any]) -> None:
+def _post(fields: dict[str, object]) -> None:
     _store().set(f"{_PREFIX}{dist.get_rank()}", json.dumps({**fields, "after": _state.agreements}))
 
 
-def _read(store: Any, key: str) -> str | None:
+def _read(store: dist.Store, key: str) -> str | None:
     return store.get(key).decode(errors="replace") if store.check([key]) else None
 
 
-def _posts(store: Any, others: list[int]) -> tuple[dict[int, dict[str, Any]], set[int]]:
+def _posts(store: dist.Store, others: list[int]) -> tuple[dict[int, dict[str, object]], set[int]]:
     """The others' posts from this stretch of the program, waiting up to ``_GRACE_S`` for missing
     ones; and the ranks whose post was already there at the first look."""
-    posts: dict[int, dict[str, Any]] = {}
+    posts: dict[int, dict[str, object]] = {}
     first: set[int] | None = None
     deadline = time.monotonic() + _GRACE_S
     while True:

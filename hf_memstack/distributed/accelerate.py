@@ -4,7 +4,7 @@ which shards the model itself agrees with it, so that ``accelerator.prepare`` sh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ __all__ = ["accelerate_fsdp_plugin", "check_accelerate_fsdp"]
 
 
 def accelerate_fsdp_plugin(
-    policy: MemoryPolicy | str | dict[str, Any] | None, model: nn.Module
+    policy: MemoryPolicy | str | dict[str, object] | None, model: nn.Module
 ) -> FullyShardedDataParallelPlugin:
     """Accelerate's ``FullyShardedDataParallelPlugin(fsdp_version=2)`` built from the policy, for
     ``Accelerator(fsdp_plugin=...)`` on GPUs: ``accelerator.prepare`` then shards the same blocks,

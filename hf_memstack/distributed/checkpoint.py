@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,13 @@ from torch import nn
 from ..files import read_json
 from ._ranks import on_every_rank
 from ._safe_dcp import UntrustedCheckpointError, plain_file_name, vet_checkpoint, weights_only_load
+
+if TYPE_CHECKING:
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 __all__ = [
     "MANIFEST",
@@ -73,7 +80,7 @@ def load_sharded_checkpoint(
         "load_sharded_checkpoint: checking the folder", lambda: (None, None) if trusted else _vetted_reader(directory)
     )
     model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optim": optim_state}  # DCP loads into it in place
+    state: STATE_DICT_TYPE = {"model": model_state, "optim": optim_state}  # DCP loads into it in place
     dcp.load(state, checkpoint_id=checkpoint_dir, storage_reader=reader, planner=planner)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -92,7 +99,7 @@ def check_checkpoint_folder(checkpoint_dir: str | Path) -> None:
     vet_checkpoint(checkpoint_dir)
 
 
-def _vetted_reader(directory: Path) -> tuple[Any, Any]:
+def _vetted_reader(directory: Path) -> tuple[FileSystemReader, DefaultLoadPlanner]:
     """A DCP reader that hands out the metadata already read safely, and a planner that loads
     non-tensor items weights-only (DefaultLoadPlanner's own ``load_bytes`` does not)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -102,15 +109,15 @@ def _vetted_reader(directory: Path) -> tuple[Any, Any]:
     metadata = vet_checkpoint(directory)  # refuses here, clearly, what the planner below would refuse inside DCP
 
     class VettedReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
             # Never the file again (nor DCP's fallback, a rank-local __N.metadata): the object read safely.
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            cast(StorageMeta, metadata.storage_meta).load_id = self.load_id  # set just above when missing
             return metadata
 
     class WeightsOnlyPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             super().load_bytes(read_item, weights_only_load(value))
 
     return VettedReader(str(directory)), WeightsOnlyPlanner()

@@ -4,7 +4,7 @@ the gathered full state dict, so that no rank holds a second full copy it does n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,11 +15,14 @@ from ..files import weights_follow_umask
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 __all__ = ["from_pretrained_for_fsdp", "load_from_rank0", "save_pretrained_full"]
 
 
-def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -> PreTrainedModel:
+def from_pretrained_for_fsdp(
+    model_class: type[PreTrainedModel] | type[_BaseAutoModelClass], pretrained: str, **kwargs: Any
+) -> PreTrainedModel:
     """Load a pretrained model for FSDP without a full copy on every rank.
 
     Rank 0 calls ``model_class.from_pretrained(pretrained, **kwargs)``; every other rank builds the
@@ -36,7 +39,7 @@ def from_pretrained_for_fsdp(model_class: Any, pretrained: str, **kwargs: Any) -
 
 
 def _load_on_rank0(
-    model_class: Any, pretrained: str, kwargs: dict[str, Any]
+    model_class: type[PreTrainedModel] | type[_BaseAutoModelClass], pretrained: str, kwargs: dict[str, Any]
 ) -> tuple[PreTrainedModel | None, torch.dtype]:
     """Rank 0 loads; every rank learns the dtype it loaded in ("auto" may pick the checkpoint's),
     or that it failed - then every rank raises, instead of waiting for weights that never come."""
@@ -64,7 +67,12 @@ def _load_on_rank0(
     return model, getattr(torch, loaded.removeprefix("torch."))
 
 
-def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs: dict[str, Any]) -> PreTrainedModel:
+def _meta_skeleton(
+    model_class: type[PreTrainedModel] | type[_BaseAutoModelClass],
+    pretrained: str,
+    dtype: torch.dtype,
+    kwargs: dict[str, Any],
+) -> PreTrainedModel:
     """The architecture rank 0 loaded, on the meta device, in its dtype."""
     from transformers import AutoConfig
 
@@ -84,8 +92,9 @@ def _meta_skeleton(model_class: Any, pretrained: str, dtype: torch.dtype, kwargs
     extra = {"attn_implementation": kwargs["attn_implementation"]} if kwargs.get("attn_implementation") else {}
     with torch.device("meta"):
         if hasattr(model_class, "_model_mapping"):  # an AutoModelFor* class
-            return model_class.from_config(config, dtype=dtype, trust_remote_code=trust, **extra)
-        return model_class._from_config(config, dtype=dtype, **extra)
+            auto = cast("type[_BaseAutoModelClass]", model_class)
+            return auto.from_config(config, dtype=dtype, trust_remote_code=trust, **extra)
+        return cast("type[PreTrainedModel]", model_class)._from_config(config, dtype=dtype, **extra)
 
 
 def load_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | None, device: str) -> None:

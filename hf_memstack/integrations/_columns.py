@@ -4,7 +4,8 @@ finder (:mod:`.trainer_args`) and the evaluation check (:mod:`.trainer_eval`).""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from collections.abc import Sequence, Sized
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -17,20 +18,26 @@ class MapDataset(Protocol):
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: int) -> Any: ...
+    def __getitem__(self, index: int) -> object: ...
 
 
-def _longest_first(dataset: Any) -> list[int]:
+class _ColumnDataset(Protocol):
+    """A ``datasets.Dataset`` read by column: ``dataset["input_ids"]`` is every row's ``input_ids``."""
+
+    def __getitem__(self, column: str) -> Sequence[Sized]: ...
+
+
+def _longest_first(dataset: MapDataset) -> list[int]:
     """The dataset's indices, longest sample first (ties in dataset order)."""
     column = getattr(dataset, "column_names", None)
     if isinstance(column, list) and "input_ids" in column:  # a datasets.Dataset: one column read, not every row
-        lengths = [len(ids) for ids in dataset["input_ids"]]
+        lengths = [len(ids) for ids in cast(_ColumnDataset, dataset)["input_ids"]]
     else:
         lengths = [_length(dataset[i]) for i in range(len(dataset))]
     return sorted(range(len(lengths)), key=lambda i: -lengths[i])
 
 
-def _length(sample: Any) -> int:
+def _length(sample: object) -> int:
     """A sample's length: its ``input_ids``, else its longest sequence field (a collator pads to those)."""
     if not isinstance(sample, dict):
         return 0
@@ -57,5 +64,5 @@ def _signature_columns(model: nn.Module) -> set[str]:
     return set(inspect.signature(inner.forward).parameters) | {"label", "label_ids"} | set(find_labels(type(inner)))
 
 
-def _trainer_columns(sample: Any, keep: set[str] | None) -> Any:
+def _trainer_columns(sample: object, keep: set[str] | None) -> object:
     return {k: v for k, v in sample.items() if k in keep} if keep is not None and isinstance(sample, dict) else sample

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,6 +51,7 @@ from .trainer_first_step import FirstStepReport, _first_batch, _verify_and_measu
 from .trainer_loss import loss_target, tell_reference_model
 
 if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
     from transformers import Trainer
 
 __all__ = [
@@ -112,7 +113,7 @@ class MemstackCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         model: nn.Module | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         _put_first(self)
         for note in check_training_arguments(_given_model(model), args):
@@ -124,9 +125,9 @@ class MemstackCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         model: nn.Module | None = None,
-        train_dataloader: Any = None,
+        train_dataloader: DataLoader | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         model = _given_model(model)
         reconcile_master_weights(
@@ -155,7 +156,9 @@ class MemstackCallback(TrainerCallback):
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
-    def _first_step(self, trainer: Trainer | None, model: nn.Module, dataloader: Any, fused: bool) -> FirstStepReport:
+    def _first_step(
+        self, trainer: Trainer | None, model: nn.Module, dataloader: DataLoader | None, fused: bool
+    ) -> FirstStepReport:
         """verify and the meter on the first batch, through the loss the trainer computes
         (:func:`.trainer_loss.loss_target`), or skipped with one log line saying why: the callback
         never stops a run that would train (unless ``raise_on_failure`` asks it to)."""
@@ -222,7 +225,7 @@ class MemstackCallback(TrainerCallback):
                 raise RuntimeError(f"hf_memstack.measure.verify found problems on the first batch:\n{report}")
 
     def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self._step_started = time.perf_counter()
 
@@ -232,7 +235,7 @@ class MemstackCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         optimizer: torch.optim.Optimizer | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if not self._optimizer_bytes and optimizer is not None:
             self._optimizer_bytes = optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer))
@@ -249,8 +252,8 @@ class MemstackCallback(TrainerCallback):
         args: TrainingArguments,
         state: TrainerState,
         control: TrainerControl,
-        logs: dict[str, Any] | None = None,
-        **kwargs: Any,
+        logs: dict[str, float] | None = None,
+        **kwargs: object,
     ) -> None:
         if logs is None or self.first_step is None:
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Sized
+from collections.abc import Callable, Mapping, Sized
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -39,8 +39,8 @@ def training_arguments(
     model: nn.Module,
     *,
     output_dir: str,
-    train_dataset: Any = None,
-    data_collator: Any = None,
+    train_dataset: object = None,
+    data_collator: Callable[..., object] | None = None,
     budget: int | str | None = None,
     global_batch_size: int | None = None,
     **kwargs: Any,
@@ -119,7 +119,9 @@ def training_arguments(
     return args
 
 
-def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any], model_takes_position_ids: bool) -> None:
+def _keep_packed_rows(
+    dataset: object, collator: object, fields: dict[str, Any], model_takes_position_ids: bool
+) -> None:
     """Packed rows (``pack_dataset``'s ``seq_lengths`` column) reach a collator that reads them.
 
     Trainer removes the columns the model's forward does not take before collating, and
@@ -151,7 +153,7 @@ def _keep_packed_rows(dataset: Any, collator: Any, fields: dict[str, Any], model
         )
 
 
-def _columns_of(dataset: Any) -> set[str]:
+def _columns_of(dataset: object) -> set[str]:
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list):
         return set(names)
@@ -160,7 +162,7 @@ def _columns_of(dataset: Any) -> set[str]:
     return set()
 
 
-def _reads_seq_lengths(collator: Any) -> bool:
+def _reads_seq_lengths(collator: object) -> bool:
     """The collators that split a packed row at its ``seq_lengths``: the library's, and TRL's
     padding-free one (``DataCollatorForLanguageModeling(padding_free=True)``)."""
     return isinstance(collator, PackedCollator) or (
@@ -215,8 +217,8 @@ def _world_size() -> int:
 
 def _find_batch_size(
     model: nn.Module,
-    dataset: Any,
-    collator: Any,
+    dataset: object,
+    collator: Callable[..., object] | None,
     budget: int | str,
     global_batch_size: int | None,
     *,
@@ -231,15 +233,14 @@ def _find_batch_size(
             "budget= needs train_dataset (a non-empty, indexable dataset) and data_collator to measure steps "
             "with; pass both, or per_device_train_batch_size instead of budget"
         )
-    order = _longest_first(dataset)
+    samples = cast(MapDataset, dataset)  # Sized, checked above; indexable, as Trainer's own loader needs
+    order = _longest_first(samples)
     keep = _signature_columns(model) if remove_unused_columns else None
     device = device_of(model)
 
-    samples = cast(MapDataset, dataset)  # Sized, checked above; indexable, as Trainer's own loader needs
-
-    def make_batch(n: int) -> Any:
+    def make_batch(n: int) -> dict[str, object]:
         rows = [_trainer_columns(samples[order[i % len(order)]], keep) for i in range(n)]
-        batch = collator(rows)
+        batch = cast("Mapping[str, object]", collator(rows))  # a collator returns a dict of tensors
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     optimizer = _probe_optimizer(model)

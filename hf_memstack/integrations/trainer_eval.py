@@ -17,8 +17,8 @@ the kept logits).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sized
-from typing import Any
+from collections.abc import Callable, Mapping, Sized
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,10 @@ from torch import nn
 from .._device import device_of, module_mode, preserved_rng
 from ..planning.estimate.eval_logits import KeptOutputs, kept_outputs
 from ..sizes import format_bytes, parse_bytes
-from ._columns import _longest_first, _signature_columns, _trainer_columns
+from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 __all__ = ["check_eval_logits"]
 
@@ -39,7 +42,7 @@ _FIXES = (
 )
 
 
-def check_eval_logits(trainer: Any, budget: int | str | None = None) -> str | None:
+def check_eval_logits(trainer: Trainer, budget: int | str | None = None) -> str | None:
     """Why ``trainer.evaluate()`` may run out of memory keeping its logits, or None.
 
     Nothing is kept (None) with ``prediction_loss_only=True``, without ``compute_metrics``, with
@@ -60,7 +63,7 @@ def check_eval_logits(trainer: Any, budget: int | str | None = None) -> str | No
     if args.prediction_loss_only or trainer.compute_metrics is None or getattr(args, "batch_eval_metrics", False):
         return None
     datasets = trainer.eval_dataset if isinstance(trainer.eval_dataset, Mapping) else {"": trainer.eval_dataset}
-    device = device_of(trainer.model)
+    device = device_of(_model(trainer))
     if limit is None:
         if device.type != "cuda":
             logger.info(
@@ -76,17 +79,17 @@ def check_eval_logits(trainer: Any, budget: int | str | None = None) -> str | No
     return None
 
 
-def _dataset_problem(trainer: Any, dataset: Any, name: str, limit: int) -> str | None:
+def _dataset_problem(trainer: Trainer, dataset: object, name: str, limit: int) -> str | None:
     if not isinstance(dataset, Sized) or not hasattr(dataset, "__getitem__") or len(dataset) == 0:
         return None
-    one = _one_sample(trainer, dataset)
+    one = _one_sample(trainer, cast(MapDataset, dataset))  # Sized and indexable, checked above
     args, samples = trainer.args, len(dataset)
     held = (
         samples
         if args.eval_accumulation_steps is None
         else min(samples, args.eval_accumulation_steps * args.eval_batch_size)
     )
-    kept, model = held * one.device_bytes, _model_bytes(trainer.model)
+    kept, model = held * one.device_bytes, _model_bytes(_model(trainer))
     if kept + model <= limit:
         return None
     where = f"eval_dataset[{name!r}]" if name else "eval_dataset"
@@ -96,12 +99,17 @@ def _dataset_problem(trainer: Any, dataset: Any, name: str, limit: int) -> str |
         else f" ({args.eval_accumulation_steps} accumulation steps of {args.eval_batch_size})"
     )
     return (
-        f"Trainer.evaluate() will keep {format_bytes(kept)} of model outputs on {device_of(trainer.model)} for {held} of the "
+        f"Trainer.evaluate() will keep {format_bytes(kept)} of model outputs on {device_of(_model(trainer))} for {held} of the "
         f"{samples} samples of {where}{accumulated} ({format_bytes(one.device_bytes)} a sample, {', '.join(one.dtypes)}); with the "
         f"model's {format_bytes(model)} of parameters and buffers that is {format_bytes(kept + model)}, more than the budget of "
         f"{format_bytes(limit)}; {_FIXES} (in host memory they take "
         f"{format_bytes(samples * one.host_bytes)} as numpy)"
     )
+
+
+def _model(trainer: Trainer) -> nn.Module:
+    # Trainer types its model as optional (model_init builds it later); evaluate() needs one, and has it by now.
+    return cast(nn.Module, trainer.model)
 
 
 def _model_bytes(model: nn.Module) -> int:
@@ -110,15 +118,17 @@ def _model_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _one_sample(trainer: Any, dataset: Any) -> KeptOutputs:
+def _one_sample(trainer: Trainer, dataset: MapDataset) -> KeptOutputs:
     """What Trainer keeps of the longest sample: its forward under no_grad in eval mode, then
     ``preprocess_logits_for_metrics`` as ``evaluation_loop`` applies it."""
 
-    model: nn.Module = trainer.model
+    model = _model(trainer)
     keep = _signature_columns(model) if trainer.args.remove_unused_columns else None
     device = device_of(model)
     with preserved_rng(device):  # a collator may draw random numbers (masking)
-        batch = trainer.data_collator([_trainer_columns(dataset[_longest_first(dataset)[0]], keep)])
+        # Trainer types a collator's rows as dicts; they are what the dataset holds, as evaluate() hands them on.
+        collate = cast("Callable[[list[object]], Mapping[str, object]]", trainer.data_collator)
+        batch = collate([_trainer_columns(dataset[_longest_first(dataset)[0]], keep)])
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     ignore = list(getattr(getattr(model, "config", None), "keys_to_ignore_at_inference", ["cache"]))
     with preserved_rng(device), module_mode(model, training=False), torch.no_grad():
@@ -131,4 +141,6 @@ def _one_sample(trainer: Any, dataset: Any) -> KeptOutputs:
             else list(outputs)
         )
         logits = kept[0] if len(kept) == 1 else tuple(kept)  # what prediction_step hands on
-        return kept_outputs(trainer.preprocess_logits_for_metrics(logits, batch.get("labels")), ignore)
+        # Typed as taking tensors; prediction_step hands it a tuple of logits and labels=None too, as here.
+        preprocess = cast("Callable[[object, object], object]", trainer.preprocess_logits_for_metrics)
+        return kept_outputs(preprocess(logits, batch.get("labels")), ignore)

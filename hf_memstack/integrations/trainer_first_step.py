@@ -12,7 +12,6 @@ import logging
 import warnings
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +41,7 @@ class FirstStepReport:
 
 
 def _verify_and_measure(
-    model: nn.Module, batch: Any, *, run_verify: bool, measure: bool
+    model: nn.Module, batch: object, *, run_verify: bool, measure: bool
 ) -> tuple[VerifyReport | None, StepMemory | None]:
     """``verify`` on ``batch`` with the memory meter's tracker (PyTorch's MemTracker) around it:
     one forward + backward gives both. verify's later passes (the chunked-loss check's forwards
@@ -60,9 +59,9 @@ def _verify_and_measure(
     tracker = _frozen_aware_tracker()
     if tracker is None:  # private API: it may move; verify alone, the meter on its own step
         return verify(model, batch), _measure_forward_backward(model, batch)
-    at_step_end: dict[str, Any] = {}
+    at_step_end: dict[str, dict[torch.device, dict[str, int]]] = {}
 
-    def new_iteration(module: nn.Module, args: Any) -> None:
+    def new_iteration(module: nn.Module, args: tuple[object, ...]) -> None:
         # A global hook registered before MemTracker's runs first: restart its module figures
         # before it would refuse a second call of the model it tracks.
         if module is model and module in tracker.memory_tracking:
@@ -81,7 +80,7 @@ def _verify_and_measure(
     return report, _step_memory(peak, device_of(model))
 
 
-def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepMemory:
+def _step_memory(peak: dict[torch.device, dict[str, int]], device: torch.device) -> StepMemory:
 
     cat = {name: _category(peak, name) for name in ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")}
     total, method = cat["total"], "memtracker"
@@ -102,7 +101,7 @@ def _step_memory(peak: dict[Any, dict[Any, int]], device: torch.device) -> StepM
     )
 
 
-def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
+def _measure_forward_backward(model: nn.Module, batch: object) -> StepMemory:
     """The meter on one forward + backward; the gradients it leaves are removed again."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
@@ -114,7 +113,7 @@ def _measure_forward_backward(model: nn.Module, batch: Any) -> StepMemory:
     return memory
 
 
-def _first_batch(dataloader: Any, model: nn.Module | None) -> Any:
+def _first_batch(dataloader: object, model: nn.Module | None) -> object:
     """The first training batch, built from the dataset and collator directly (iterating the
     Trainer's dataloader would consume its sampler's randomness and Accelerate's state)."""
     dataset = getattr(dataloader, "dataset", None)

@@ -43,7 +43,7 @@ class TrainerLoss(nn.Module):
         self.module = model
         self.trainer = trainer
 
-    def forward(self, **inputs: Any) -> dict[str, Any]:
+    def forward(self, **inputs: Any) -> dict[str, torch.Tensor | tuple[torch.Tensor, Any]]:
         trainer = self.trainer
         offload = getattr(trainer, "maybe_activation_offload_context", None)  # TRL's training_step enters it
         with (
@@ -55,7 +55,7 @@ class TrainerLoss(nn.Module):
             return {"loss": trainer.compute_loss(self.module, dict(inputs))}
 
 
-def loss_target(trainer: Trainer | None, model: nn.Module, batch: Any) -> tuple[nn.Module, Any] | str:
+def loss_target(trainer: Trainer | None, model: nn.Module, batch: object) -> tuple[nn.Module, object] | str:
     """What the first-step pass runs: ``(module, batch)`` - the model itself on the collated batch
     when the batch carries the model's own loss (its ``labels``), else :class:`TrainerLoss` on the
     trainer's prepared inputs - or why it runs nothing (a sentence)."""
@@ -105,7 +105,7 @@ def _overrides(trainer: Trainer, name: str) -> bool:
     return getattr(type(trainer), name, None) is not getattr(Trainer, name)
 
 
-def _tensors(batch: Any) -> bool:
+def _tensors(batch: object) -> bool:
     if torch.is_tensor(batch):
         return True
     return isinstance(batch, (tuple, list)) and all(torch.is_tensor(v) for v in batch)
@@ -123,7 +123,7 @@ def _kept_bookkeeping(trainer: Trainer) -> Iterator[None]:
             setattr(trainer, k, v)
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
+def _plain(value: object, depth: int = 0) -> bool:
     """Numbers, strings and containers of them (a few levels deep): bookkeeping, cheap to copy."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
