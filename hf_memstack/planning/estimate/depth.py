@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -287,7 +287,7 @@ def blocks_of_every_kind(config: PretrainedConfig, model: nn.Module | None = Non
     full-depth model, built on meta), from its blocks' signatures - classes, parameter shapes, plain
     attributes: that also covers the dense and sparse blocks that configs place by their own fields
     (``mlp_only_layers``, ``decoder_sparse_step``, ``first_k_dense_replace``, ...). 1 when all are alike."""
-    kinds: list[Any] = []
+    kinds: Sequence[object] = []
     text = text_config(config)
     for name in ("layer_types", "layers_block_type"):
         named = getattr(text, name, None)
@@ -300,7 +300,7 @@ def blocks_of_every_kind(config: PretrainedConfig, model: nn.Module | None = Non
         kinds = [(k, s) for k, s in zip(kinds, signatures, strict=False)] if kinds else signatures
     if not kinds:
         return 1
-    distinct: list[Any] = []  # compared by equality: a signature's plain attributes may hold lists
+    distinct: list[object] = []  # compared by equality: a signature's plain attributes may hold lists
     newest = 0
     for i, kind in enumerate(kinds):
         if kind not in distinct:
@@ -317,9 +317,9 @@ def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
         return None
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
+def _signature(module: nn.Module) -> tuple[object, ...]:
     """What makes two blocks the same block: classes, parameters and buffers, plain attributes."""
-    parts: list[Any] = []
+    parts: list[object] = []
     for name, sub in module.named_modules():
         tensors = [
             (n, tuple(t.shape), t.dtype, t.requires_grad)
@@ -335,13 +335,13 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: object) -> bool:
     if isinstance(value, (list, tuple)):
         return all(isinstance(v, _PLAIN) for v in value)
     return isinstance(value, _PLAIN)
 
 
-def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]:
+def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[object, ...]:
     """The signature of everything but the blocks (embeddings, final norm, head)."""
     inside = {id(m) for b in blocks for m in b.modules()}
     parts = []
@@ -355,7 +355,7 @@ def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]
     return tuple(parts)
 
 
-def _period(signatures: list[tuple[Any, ...]]) -> int | None:
+def _period(signatures: list[tuple[object, ...]]) -> int | None:
     """The smallest period of the stack that leaves room for extrapolating (None: not periodic)."""
     for period in range(1, len(signatures) // (_SHALLOW_PERIODS + 1) + 1):
         if all(signatures[i] == signatures[i % period] for i in range(len(signatures))):
