@@ -26,6 +26,7 @@ from .vision_inputs import is_vision_language
 if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import PretrainedConfig
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 ModelSource: TypeAlias = "str | Path | PretrainedConfig | dict[str, Any] | nn.Module"
 """What names the model of an estimate or a plan: a hub id (in the local cache), a local directory or
@@ -346,7 +347,7 @@ def build_model(
     return apply_peft(net, peft_config) if peft_config is not None else net
 
 
-def _auto_class(config: PretrainedConfig, task: str) -> Any:
+def _auto_class(config: PretrainedConfig, task: str) -> type[_BaseAutoModelClass]:
     """The Auto class that builds ``config``'s model for ``task``: a vision-language model (a config
     with a ``vision_config``) is built whole, vision tower included, as ``from_pretrained`` on
     ``AutoModelForImageTextToText`` builds it - its causal-LM class (Qwen2-VL has none) or one

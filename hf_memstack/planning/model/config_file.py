@@ -88,7 +88,7 @@ def check_sizes(data: Mapping[str, Any], what: str) -> None:
         _check_heads(prefix, fields, what)
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
