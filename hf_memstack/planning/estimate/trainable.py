@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 from torch import nn
 
@@ -17,17 +17,18 @@ if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
 
     from ...policy import MemoryPolicy
-    from ..model.config import ModelSource
 
 Trainable: TypeAlias = "str | PeftConfig | dict[str, Any]"
 """What trains: ``"all"``, ``"lora"`` (:data:`DEFAULT_LORA`), a PEFT config, or a dict of ``LoraConfig``
 fields; anything else is refused by :func:`peft_config_from`."""
+M = TypeVar("M")
 
 
 @quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
-def what_trains(model: ModelSource, trainable: Trainable) -> tuple[ModelSource, Trainable]:
+def what_trains(model: M, trainable: Trainable) -> tuple[M | nn.Module | str, Trainable]:
     """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
-    left at "all"): its base model's config is estimated with its adapters."""
+    left at "all"): its base model's config is estimated with its adapters (the base model, or the
+    adapter's base id); any other ``model`` is returned as given."""
     if isinstance(model, nn.Module) and peft_class(model) and hasattr(model, "peft_config"):
         peft = cast("PeftModel", model)  # a PEFT model: its peft_config and active_adapter are not nn.Module's
         if not (isinstance(trainable, str) and trainable in ("all", "lora")):

@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 ModelSource: TypeAlias = "str | Path | PretrainedConfig | dict[str, Any] | nn.Module"
-"""What names the model of an estimate or a plan: a hub id (in the local cache), a local directory or
-config file, a Transformers config, a config dict with its ``model_type`` (``config.to_dict()``), or a model."""
-
+"""What names the model of an estimate or a plan (a config file's path too): what ``_ACCEPTED`` tells the user."""
 _ACCEPTED = (
     "a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
     "dict with its 'model_type' (config.to_dict()), or a model"
@@ -39,9 +37,8 @@ _ACCEPTED = (
 
 
 def load_config(model: ModelSource, *, trust_remote_code: bool = False) -> PretrainedConfig:
-    """A Transformers config from a config object, a config dict, a local directory, or a hub id
-    already in the local cache. Nothing is downloaded, so an unknown id fails at once instead of
-    hanging offline.
+    """A Transformers config from a config object, a config dict, a local directory, or a hub id already in the
+    local cache. Nothing is downloaded, so an unknown id fails at once instead of hanging offline.
 
     Raises:
         ValueError: not a directory with a config.json and not in the local Hugging Face cache; or
