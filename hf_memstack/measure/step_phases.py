@@ -100,7 +100,7 @@ def trace_training_step(
     Raises:
         RuntimeError: this PyTorch has no MemTracker.
     """
-    # No gc.collect() here (measure_step's costs ~0.5 s with Transformers loaded): stepping on zero
+    # No gc.collect() here (measure_step's is slow with Transformers loaded: it walks every object): stepping on zero
     # gradients leaves no reference cycles holding tensors.
     create_optimizer_state(optimizer)
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step

@@ -2,8 +2,8 @@
 (the full model built on meta, its blocks compared) and the model on meta with its PEFT adapters.
 
 The planner estimates up to a dozen rungs of one model, each with two shallow traces: those
-differ in the policy and the batch, not in the model built, so the builds (the 7B's depth plan
-0.1-0.2 s, PEFT's wrapping 0.1-0.3 s a trace on 2 cores) are kept here, keyed by everything that
+differ in the policy and the batch, not in the model built, so the builds (the depth plan's
+full-depth meta model, PEFT's wrapping: else paid again on every trace) are kept here, keyed by everything that
 goes into them - the config's class and every field, the task, the weights' dtypes, the PEFT
 config - and a cached model is handed out as a deep copy (its caller prepares and fakes it in place).
 """

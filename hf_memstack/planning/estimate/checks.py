@@ -101,9 +101,9 @@ def chunked_loss_verdict(config: PretrainedConfig, task: str, trust_remote_code:
 
 
 def block_kinds(config: PretrainedConfig, task: str, trust_remote_code: bool = False) -> int:
-    """:func:`~.depth.blocks_of_every_kind` read from the full model's blocks, built on meta (no
-    bytes; 0.2 s at 70B), once per config and task: the chunked-loss check and the planner's 4-bit
-    check both cut their copies to it."""
+    """:func:`~.depth.blocks_of_every_kind` read from the full model's blocks, built on meta (no bytes,
+    but each block's build takes time), once per config and task: the chunked-loss check and the
+    planner's 4-bit check both cut their copies to it."""
 
     def count() -> int:
         with torch.device("meta"):

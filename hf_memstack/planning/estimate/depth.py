@@ -161,11 +161,10 @@ def plan_depths(
     plan = DepthPlan(layers=layers, period=period, depths=depths)
     if sum(depths) > _MOST_TRACED * layers or (shallow == period and plan.deeper() is None):
         # Two traces about as deep as the model, plus its meta build: tracing it once is faster
-        # (Gemma-3's 26 blocks, a period of 6, traced 8 and 14 in 42 s against 28 s in full). A
+        # (Gemma-3's 26 blocks, a period of 6: traces of 8 and 14 blocks took longer than all 26). A
         # shallower trace of one period may need the next two depths (its block 0 is also its last
         # period's first: :func:`_by_position`); where those are too deep, the two traces and then the
-        # full one cost more than the full one alone (Gemma-3's 24 blocks: 6, 12, then 24 - 9.0 s
-        # against 5.2 s, found by a new-user trial).
+        # full one cost more than the full one alone (Gemma-3's 24 blocks: 6, 12, then 24).
         return FullTrace(f"{layers} blocks are too few for two shallower traces to be faster")
     model = build(with_depth(config, depths[1]))
     few = _blocks(model)

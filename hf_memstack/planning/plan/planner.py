@@ -200,7 +200,7 @@ def _ladder(
 
 def _meta_blocks(config: PretrainedConfig, task: str, trainable: Trainable, weights: WeightsDtype) -> Blocks | None:
     """The blocks of the LoRA model built on meta, cut to a block of each kind: what they hold is the
-    deep model's (building the whole 7B with its adapters cost 0.8 s of a 4 s plan)."""
+    deep model's (building the whole deep model with its adapters would be a large part of a plan's time)."""
     layers = num_layers(config)
     # At least 2: one block is no stack to find_blocks.
     shallow = with_depth(config, max(2, block_kinds(config, task))) if layers and layers > 2 else config
