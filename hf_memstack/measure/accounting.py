@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,7 +41,7 @@ def bnb_state_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _sum(tensors: Iterable[Any]) -> int:
+def _sum(tensors: Iterable[object]) -> int:
     return sum(tensor_bytes(t) for t in tensors if torch.is_tensor(t))
 
 

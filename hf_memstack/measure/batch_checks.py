@@ -26,7 +26,7 @@ IGNORE_INDEX = -100
 _MULTIMODAL_FIELDS = ("vision_config", "audio_config", "image_token_id", "image_token_index", "video_token_id")
 
 
-def check_batch(model: nn.Module, batch: Any, *, where: str) -> None:
+def check_batch(model: nn.Module, batch: object, *, where: str) -> None:
     """Refuse a batch ``model`` cannot run a step on, naming the field, its shape or value, and the fix.
 
     Checks: no tensor is empty; in a dict batch, ``input_ids`` are integers within the input
@@ -52,7 +52,7 @@ def check_batch(model: nn.Module, batch: Any, *, where: str) -> None:
     causal = supports_chunked_loss(model)  # a causal LM: its labels are its next tokens
     _check_shapes(batch, ids, causal=causal, where=where)
     target = unwrap_model(model)
-    ranges: list[tuple[str, Any, int, int | None]] = []
+    ranges: list[tuple[str, torch.Tensor, int, int | None]] = []
     vocab_in = _input_vocabulary(target)
     if vocab_in is not None:
         ranges.append(("input_ids", ids, vocab_in, None))
@@ -65,7 +65,7 @@ def check_batch(model: nn.Module, batch: Any, *, where: str) -> None:
     _check_ids_in_range(ranges, model_name=type(target).__name__, where=where)
 
 
-def _refuse_empty(batch: Any, *, where: str) -> None:
+def _refuse_empty(batch: object, *, where: str) -> None:
     """An empty batch (0 rows or 0 tokens) runs no step: the model's own forward fails deep
     inside (a reshape), so say which field is empty instead."""
     if isinstance(batch, Mapping):
@@ -82,7 +82,7 @@ def _refuse_empty(batch: Any, *, where: str) -> None:
             )
 
 
-def _check_shapes(batch: Mapping[str, Any], ids: torch.Tensor, *, causal: bool, where: str) -> None:
+def _check_shapes(batch: Mapping[str, object], ids: torch.Tensor, *, causal: bool, where: str) -> None:
     """``labels`` and ``attention_mask`` against ``input_ids``: the same rows; a causal LM's labels
     (one per token, shifted inside the model) and a 2-D mask (one entry per token) the same shape."""
     labels, mask = batch.get("labels"), batch.get("attention_mask")
@@ -121,7 +121,7 @@ def _input_vocabulary(target: nn.Module) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def no_labelled_token(model: nn.Module, batch: Any) -> str | None:
+def no_labelled_token(model: nn.Module, batch: object) -> str | None:
     """Why ``batch`` trains nothing - every label is -100, so the mean loss is 0/0 (nan) and every
     gradient 0 - or None (a label counts, or the batch has no integer ``labels``)."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.autograd.graph import Node
     from torch.utils.hooks import RemovableHandle
 
 __all__ = ["GradReach", "Unreached"]
@@ -43,19 +44,19 @@ class Unreached:
 class GradReach:
     """Forward hooks recording the graph of each module's outputs, and the walk of the loss's graph."""
 
-    outputs: dict[int, list[Any]] = field(default_factory=dict)
+    outputs: dict[int, list[Node]] = field(default_factory=dict)
     """Per module holding trainable parameters: the ``grad_fn`` of its forward's outputs."""
     cut: dict[int, str] = field(default_factory=dict)
     """Modules holding trainable parameters whose output, under grad mode, needed no gradient."""
-    loss_nodes: set[Any] = field(default_factory=set)
+    loss_nodes: set[Node] = field(default_factory=set)
     loss_params: set[int] = field(default_factory=set)
 
     def watch(self, model: nn.Module, in_backward: Callable[[], bool]) -> list[RemovableHandle]:
         """Hooks on every module holding trainable parameters, after any the model has (they see
         the output those hooks left); they record only the forward (not a checkpoint's recompute)."""
 
-        def hook(name: str) -> Any:
-            def record(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(name: str) -> Callable[[nn.Module, tuple[object, ...], object], None]:
+            def record(module: nn.Module, args: tuple[object, ...], output: object) -> None:
                 if in_backward() or torch.compiler.is_compiling() or not torch.is_grad_enabled():
                     return
                 tensors = list(_float_tensors(output, _MAX_DEPTH))
@@ -122,7 +123,7 @@ def _missing(p: nn.Parameter) -> bool:
     return p.requires_grad and p.grad is None
 
 
-def _walk(starts: Iterable[Any], seen: set[Any], *, stop: set[Any]) -> set[int]:
+def _walk(starts: Iterable[Node | None], seen: set[Node], *, stop: set[Node]) -> set[int]:
     """The ids of the tensors held by the ``AccumulateGrad`` nodes reachable from ``starts`` (each node
     visited once: ``seen``), not going through the nodes of ``stop``."""
     reached: set[int] = set()
@@ -139,7 +140,7 @@ def _walk(starts: Iterable[Any], seen: set[Any], *, stop: set[Any]) -> set[int]:
     return reached
 
 
-def _float_tensors(output: Any, depth: int) -> Iterable[torch.Tensor]:
+def _float_tensors(output: object, depth: int) -> Iterable[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         if output.is_floating_point() or output.is_complex():
             yield output

@@ -33,7 +33,8 @@ from .tracker import PhasePeaks, trace_phases
 __all__ = ["StepMemory", "measure_eval_forward", "measure_step", "trace_training_step"]
 
 PeakPhase = Literal["forward+backward", "optimizer"]
-StepFn = Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any]
+StepFn = Callable[[nn.Module, Any, torch.optim.Optimizer | None], object]
+"""``step_fn(model, batch, optimizer)``: a caller's own step (its batch as the caller built it; what it returns is unused)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,14 +88,14 @@ class StepMemory:
 
 def measure_step(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     loss_fn: LossFn | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     warmup: bool | None = None,
     timed: bool = True,
-    step_fn: Callable[[nn.Module, Any, torch.optim.Optimizer | None], Any] | None = None,
+    step_fn: StepFn | None = None,
     keep_outputs: bool = False,
 ) -> StepMemory:
     """Run a real training step (it updates the model, like any step) and measure its memory.
@@ -167,7 +168,7 @@ def measure_step(
 
 def _train_step(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer | None,
     loss_fn: LossFn | None,
     grad_scaler: torch.amp.GradScaler | None,
@@ -178,11 +179,11 @@ def _train_step(
     """The default step (forward, backward, optimizer step) whole, and split in its phases; ``keep``:
     the outputs held to the step's end (the untimed, untracked warm-up and timed steps too)."""
 
-    def forward() -> tuple[torch.Tensor, Any]:
+    def forward() -> tuple[torch.Tensor, object]:
         # Agreed before the backward, whose collectives a rank that failed here would never reach.
         return on_every_rank("measure_step: the forward", lambda: forward_outputs(model, batch, loss_fn), shared=shared)
 
-    def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+    def step_fn(m: nn.Module, b: object, o: torch.optim.Optimizer | None) -> None:
         loss, outputs = forward()
         if not keep:
             del outputs
@@ -196,7 +197,7 @@ def _train_step(
 def _on_every_rank(users_step: StepFn) -> StepFn:
     """The user's step_fn, its error raised on every rank."""
 
-    def step_fn(m: nn.Module, b: Any, o: torch.optim.Optimizer | None) -> Any:
+    def step_fn(m: nn.Module, b: object, o: torch.optim.Optimizer | None) -> object:
         return on_every_rank("measure_step: step_fn", lambda: users_step(m, b, o))
 
     return step_fn
@@ -204,7 +205,7 @@ def _on_every_rank(users_step: StepFn) -> StepFn:
 
 def _measured(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer | None,
     step_fn: StepFn,
     phases: StepPhases | None,
@@ -237,9 +238,9 @@ def _measured(
 
 def _time_step(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer | None,
-    step_fn: Callable[..., Any],
+    step_fn: StepFn,
     device: torch.device,
 ) -> float:
     synchronize(device)
@@ -289,7 +290,9 @@ def step_memory_of(traced: PhasePeaks) -> StepMemory:
     )
 
 
-def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Module] = ()) -> tuple[PhasePeaks, Any]:
+def trace_eval_forward(
+    model: nn.Module, batch: object, *, blocks: Sequence[nn.Module] = ()
+) -> tuple[PhasePeaks, object]:
     """One evaluation forward as ``Trainer.prediction_step`` runs it - ``model(**batch)`` under
     ``torch.no_grad()``, the model as it is (eval mode is the caller's) - traced as a single phase;
     returns its peaks and the model's outputs (what Trainer keeps from them: :mod:`hf_memstack.planning.estimate.eval_logits`).
@@ -297,7 +300,7 @@ def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Modu
     Raises:
         RuntimeError: this PyTorch has no MemTracker.
     """
-    held: dict[str, Any] = {}
+    held: dict[str, object] = {}
 
     def forward() -> None:
         with torch.no_grad():
@@ -312,7 +315,7 @@ def trace_eval_forward(model: nn.Module, batch: Any, *, blocks: Sequence[nn.Modu
     return traced, held["outputs"]
 
 
-def measure_eval_forward(model: nn.Module, batch: Any) -> StepMemory:
+def measure_eval_forward(model: nn.Module, batch: object) -> StepMemory:
     """Measure one evaluation forward (``model.eval()`` is the caller's; ``torch.no_grad()`` is applied
     here, as ``Trainer.prediction_step`` applies it): its peak by category, no gradients, no optimizer.
     ``peak_phase`` is ``forward+backward`` (the one phase; nothing runs backward) and
@@ -331,7 +334,9 @@ def measure_eval_forward(model: nn.Module, batch: Any) -> StepMemory:
     return dataclasses.replace(memory, peak_bytes=peak, forward_backward_peak=peak, device=str(device), method=method)
 
 
-def _fallback(model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], Any]]) -> StepMemory:
+def _fallback(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, phases: list[Callable[[], object]]
+) -> StepMemory:
     """Without MemTracker: model states from their storages, activations from saved-for-backward bytes."""
     saved = 0
 

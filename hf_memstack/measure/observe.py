@@ -13,7 +13,7 @@ import gc
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 __all__ = ["Observed", "observe_step"]
+
+_ForwardHook = Callable[[nn.Module, tuple[object, ...], object], None]
+"""``hook(module, args, output)``, as ``register_forward_hook`` calls it."""
 
 
 @dataclass(slots=True)
@@ -60,7 +63,7 @@ class Observed:
 
 
 def observe_step(
-    model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
+    model: nn.Module, batch: object, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
 ) -> Observed:
     observed = Observed()
     phase = _Phase()
@@ -126,19 +129,19 @@ def _watch(
     backward_calls = [0] * len(blocks)
     checkpointed = set(record.checkpointing.checkpointed)
 
-    def block_hook(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def block_hook(i: int) -> _ForwardHook:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if phase.backward:
                 backward_calls[i] += 1
 
         return hook
 
-    def linear_hook(module: nn.Module, args: Any, output: Any) -> None:
+    def linear_hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if torch.is_tensor(output):
             observed.linear_dtypes.add(output.dtype)
 
-    def tile_hook(i: int) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def tile_hook(i: int) -> _ForwardHook:
+        def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             if module.training:  # not the packed-batch guard's probe (it runs in eval mode)
                 observed.tiles.setdefault(i, [0, 0])[int(phase.backward)] += 1
 
@@ -195,12 +198,12 @@ class _Flops:
     ) -> list[RemovableHandle]:
         """Hooks on the blocks' submodules that add the counter's FLOPs while one of them runs."""
 
-        def enter(module: nn.Module, args: Any) -> None:
+        def enter(module: nn.Module, args: tuple[object, ...]) -> None:
             if self._depth == 0:
                 self._start = counter.get_total_flops()
             self._depth += 1
 
-        def leave(module: nn.Module, args: Any, output: Any) -> None:
+        def leave(module: nn.Module, args: tuple[object, ...], output: object) -> None:
             self._depth -= 1
             if self._depth == 0:
                 spent = counter.get_total_flops() - self._start

@@ -15,7 +15,6 @@ highest of those lines at the full depth. The tracker keeps each part's peak apa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -44,12 +43,12 @@ def segment_hooks(
     last = len(blocks) - 1
     for k, block in enumerate(blocks):
 
-        def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], k: int = k) -> None:
+        def pre(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], k: int = k) -> None:
             enter(("block", k))
             if k == 0 and phase() == 0:
                 _on_gradient(_first_tensor((*args, *kwargs.values())), lambda: enter(POST))
 
-        def post(module: nn.Module, args: tuple[Any, ...], output: Any, k: int = k) -> None:
+        def post(module: nn.Module, args: tuple[object, ...], output: object, k: int = k) -> None:
             if phase() != 0:
                 return  # a checkpointed block recomputed in the backward: still its own part
             _on_gradient(_first_tensor(output), lambda: enter(("block", k)))
@@ -71,7 +70,7 @@ def _on_gradient(t: torch.Tensor | None, call: Callable[[], None]) -> None:
         t.register_hook(hook)
 
 
-def _first_tensor(values: Any) -> torch.Tensor | None:
+def _first_tensor(values: object) -> torch.Tensor | None:
     """The hidden states among a block's inputs or outputs: its first tensor."""
     if isinstance(values, torch.Tensor):
         return values

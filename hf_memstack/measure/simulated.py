@@ -25,8 +25,8 @@ import contextlib
 import gc
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
@@ -156,7 +156,7 @@ def _check_available(device: str) -> None:
         )
 
 
-def _counted_tensors(count: Any, device: str) -> list[torch.Tensor]:
+def _counted_tensors(count: object, device: str) -> list[torch.Tensor]:
     """The tensors of ``count`` (one model, optimizer or tensor, or an iterable of them), checked to be
     on ``device``: counting a model that lives elsewhere counts nothing."""
     if isinstance(count, str):
@@ -238,7 +238,13 @@ class LiveBytes(TorchDispatchMode):
                 f"the simulated budget of {format_bytes(self.budget)} (hf_memstack.simulated_memory_limit)"
             )
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., object],
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         # Let tensor subclasses (DTensor, ...) turn into operators on plain tensors first: those
         # come back through this mode and hold the real storages.
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
@@ -260,13 +266,13 @@ class LiveBytes(TorchDispatchMode):
             self.timeline.append(self.live)
         return out
 
-    def __exit__(self, *exc: object) -> Any:
+    def __exit__(self, *exc: object) -> None:
         # Drop every weak reference: their callbacks can no longer fire into this object.
         self._storages.clear()
         return super().__exit__(*exc)
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def _account(self, out: Any) -> torch.OutOfMemoryError | None:
+    def _account(self, out: object) -> torch.OutOfMemoryError | None:
         """Count ``out``'s new storages; the error to raise (nothing counted) when they do not fit."""
         leaves = (
             [out] if isinstance(out, torch.Tensor) else [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
@@ -313,7 +319,7 @@ class LiveBytes(TorchDispatchMode):
             self._storages[key] = (weakref.ref(st, self._freed_callback(key)), nbytes)
             self.live += nbytes
 
-    def _freed_callback(self, key: int) -> Any:
+    def _freed_callback(self, key: int) -> Callable[[weakref.ref], None]:
         def freed(ref: weakref.ref) -> None:
             entry = self._storages.get(key)
             if entry is not None and entry[0] is ref:

@@ -16,7 +16,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, batch) -> scalar loss``, for models that do not return ``outputs.loss``."""
 
 
-def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+def forward_loss(model: nn.Module, batch: object, loss_fn: LossFn | None = None) -> torch.Tensor:
     """Run the forward and return the scalar loss (the outputs are dropped: see :func:`forward_outputs`).
 
     A mapping batch is passed as keyword arguments (``model(**batch)``), a tuple/list as positional
@@ -29,7 +29,7 @@ def forward_loss(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) ->
     return forward_outputs(model, batch, loss_fn)[0]
 
 
-def forward_outputs(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, Any]:
+def forward_outputs(model: nn.Module, batch: object, loss_fn: LossFn | None = None) -> tuple[torch.Tensor, Any]:
     """Run the forward and return the scalar loss and the model's outputs, as :func:`forward_loss`
     runs it. A loop that keeps the outputs (``outputs = model(**batch); outputs.loss.backward()``)
     holds them - under a mixed precision, the logits in fp32 - through the backward and the
@@ -57,7 +57,7 @@ def forward_outputs(model: nn.Module, batch: Any, loss_fn: LossFn | None = None)
 
 def train_step(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     loss_fn: LossFn | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -35,12 +35,12 @@ class StepPhases:
     """The phases to run in order, and what the loop holds from this step to the next (the outputs
     of a loop that keeps them; ``None`` for one that drops them)."""
 
-    phases: list[Callable[[], Any]]
-    kept: Callable[[], Any] | None
+    phases: list[Callable[[], object]]
+    kept: Callable[[], object] | None
 
 
 def step_phases(
-    forward: Callable[[], tuple[torch.Tensor, Any]],
+    forward: Callable[[], tuple[torch.Tensor, object]],
     optimizer: torch.optim.Optimizer | None,
     grad_scaler: torch.amp.GradScaler | None = None,
     *,
@@ -51,7 +51,7 @@ def step_phases(
     read what the forward left for the backward, and the forward+backward peak before the step.
     ``forward`` returns the loss and the outputs; with ``keep_outputs`` the outputs are held to the
     end of the step (and after it, as the loop's ``outputs`` variable holds them), else dropped."""
-    held: dict[str, Any] = {}
+    held: dict[str, object] = {}  # the loss (a tensor) and the outputs
 
     def forward_phase() -> None:
         loss, outputs = forward()
@@ -59,7 +59,7 @@ def step_phases(
 
     def backward_phase() -> None:
         with watching("measure_step: the backward", shared=shared):
-            backward(held.pop("loss"), grad_scaler=grad_scaler)
+            backward(cast(torch.Tensor, held.pop("loss")), grad_scaler=grad_scaler)
 
     def optimizer_phase() -> None:
         with watching("measure_step: the optimizer step", shared=shared):
@@ -86,7 +86,7 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def trace_training_step(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     optimizer: torch.optim.Optimizer,
     *,
     blocks: Sequence[nn.Module] = (),
@@ -100,7 +100,7 @@ def trace_training_step(
     Raises:
         RuntimeError: this PyTorch has no MemTracker.
     """
-    # No gc.collect() here (measure_step's costs ~0.5 s with Transformers loaded): stepping on zero
+    # No gc.collect() here (measure_step's is slow with Transformers loaded: it walks every object): stepping on zero
     # gradients leaves no reference cycles holding tensors.
     create_optimizer_state(optimizer)
     settle_packing_guard(model, batch)  # its one-time probe runs outside the traced step

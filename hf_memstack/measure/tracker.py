@@ -10,13 +10,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from .accounting import bnb_state_tensors
 from .segments import PRE, Segment, segment_hooks
+
+if TYPE_CHECKING:
+    from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["PhasePeaks", "trace_phases"]
 
@@ -39,16 +42,39 @@ class PhasePeaks:
     tracker counts them; already in every phase's peak (the first phase's: the previous step's)."""
 
 
+Snapshot = dict[torch.device, dict[str, int]]
+"""MemTracker's reading of the bytes alive: device -> category (``Total``, ``_MemRefType``'s names) -> bytes."""
+
+
+class _Tracker(Protocol):
+    """What is read of :func:`_frozen_aware_tracker`'s MemTracker (here and in
+    ``integrations/trainer_first_step.py``): its context, snapshots, storages and modules, and the
+    subclass's phases and segments."""
+
+    _WINFO: WeakIdKeyDictionary
+    memory_tracking: WeakIdKeyDictionary
+
+    def __enter__(self) -> object: ...
+    def __exit__(self, *args: object) -> None: ...
+    def track_external(self, *external: nn.Module | torch.optim.Optimizer | torch.Tensor) -> None: ...
+    def get_tracker_snapshot(self, type: str = "current") -> Snapshot: ...
+    def reset_mod_stats(self) -> None: ...
+    def restart_peak(self) -> None: ...
+    def keep_segments(self) -> None: ...
+    def enter_segment(self, segment: Segment) -> None: ...
+    def segment_peaks(self) -> list[tuple[Segment, Snapshot]]: ...
+
+
 _CATEGORIES = ("total", "param", "buffer", "grad", "opt", "act", "temp", "oth")
 
 
 def trace_phases(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    phases: list[Callable[[], Any]],
+    phases: list[Callable[[], object]],
     *,
     blocks: Sequence[nn.Module] = (),
-    kept: Callable[[], Any] | None = None,
+    kept: Callable[[], object] | None = None,
 ) -> PhasePeaks | None:
     """Each phase's peak under MemTracker (None when this PyTorch has none). The tracker's peak is
     reset to the current bytes as each phase starts, so each phase's own peak is read. With the
@@ -105,7 +131,7 @@ def trace_phases(
     )
 
 
-def _bytes_of(tracker: Any, values: Any) -> int:
+def _bytes_of(tracker: _Tracker, values: object) -> int:
     """The bytes ``tracker`` counts for the tensors in ``values`` (a model's outputs, nested): each
     storage once, rounded as it rounds them (512-byte blocks on CUDA); 0 for any it never saw."""
     from torch.distributed._tools.common_utils import get_untyped_storages
@@ -118,7 +144,7 @@ def _bytes_of(tracker: Any, values: Any) -> int:
     return sum(seen.values())
 
 
-def _tensors(values: Any) -> list[torch.Tensor]:
+def _tensors(values: object) -> list[torch.Tensor]:
     """The tensors in a model's outputs: a tensor, a mapping (a ``ModelOutput``), a tuple or list of them, nested."""
     if isinstance(values, torch.Tensor):
         return [values]
@@ -134,7 +160,7 @@ def _plus(categories: dict[str, int], other: int) -> dict[str, int]:
     return {**categories, "total": categories["total"] + other, "oth": categories["oth"] + other}
 
 
-def _frozen_aware_tracker() -> Any:
+def _frozen_aware_tracker() -> _Tracker | None:
     """PyTorch's MemTracker, taught that frozen parameters get no gradient.
 
     MemTracker hooks every parameter it sees to count its gradient, and PyTorch refuses a hook on
@@ -185,7 +211,7 @@ def _frozen_aware_tracker() -> Any:
             self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()}
             self._peak_mem_snap = {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()}
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
+        def _update_peak_stats(self, peak_state: object) -> None:
             # MemTracker walks every tracked module on every op to keep per-module peaks, which
             # nothing here reads: O(modules) per op made a 7B estimate take minutes (its time grew
             # with the square of the depth). Only the global peak is kept, as MemTracker keeps it,
@@ -208,11 +234,11 @@ class _SegmentPeaks:
     """The tracker's peak of each part of a phase (:mod:`.segments`), kept beside its global peak:
     mixed into the MemTracker subclass, whose ``_curr_mem_snap`` (device -> category -> bytes) it reads."""
 
-    _curr_mem_snap: dict[Any, dict[Any, int]]
-    _total_key: Any = "Total"
+    _curr_mem_snap: Snapshot
+    _total_key: str = "Total"
     _segment: Segment = PRE
     _segment_best = -1  # the running segment's peak so far (bytes)
-    _segment_peaks: dict[Segment, tuple[int, dict[Any, dict[Any, int]]]] | None = None
+    _segment_peaks: dict[Segment, tuple[int, Snapshot]] | None = None
 
     def keep_segments(self) -> None:
         """From now on (a phase's start), keep each segment's peak apart, starting in ``PRE``."""
@@ -227,7 +253,7 @@ class _SegmentPeaks:
             self._segment_best = -1 if best is None else best[0]
             self._note_segment(sum(snap[self._total_key] for snap in self._curr_mem_snap.values()))
 
-    def segment_peaks(self) -> list[tuple[Segment, dict[Any, dict[Any, int]]]]:
+    def segment_peaks(self) -> list[tuple[Segment, Snapshot]]:
         """Each segment's peak snapshot (device -> category -> bytes), in the order they first ran."""
         return [(s, snap) for s, (_, snap) in (self._segment_peaks or {}).items()]
 
@@ -242,6 +268,6 @@ class _SegmentPeaks:
             )
 
 
-def _category(snapshot: dict[Any, dict[Any, int]], name: str) -> int:
+def _category(snapshot: Snapshot, name: str) -> int:
     """Bytes of one category (``act``, ``total``, ...) summed over devices."""
     return sum(int(v) for dev in snapshot.values() for k, v in dev.items() if str(k).lower().rsplit(".", 1)[-1] == name)

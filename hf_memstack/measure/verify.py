@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -73,7 +72,7 @@ class VerifyReport:
 
 
 def verify(
-    model: nn.Module, batch: Any, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False
+    model: nn.Module, batch: object, *, loss_fn: LossFn | None = None, raise_on_failure: bool = False
 ) -> VerifyReport:
     """Run one forward + backward on ``batch`` and check what ``prepare_model`` promised.
 
@@ -145,7 +144,7 @@ def verify(
     return report
 
 
-def _record(model: nn.Module, batch: Any) -> MemstackRecord:
+def _record(model: nn.Module, batch: object) -> MemstackRecord:
     """The model's record, once the model and the batch passed the checks this rank makes alone."""
     record = record_of(model)
     if record is None:
@@ -160,7 +159,7 @@ def _record(model: nn.Module, batch: Any) -> MemstackRecord:
 def _verify_into(
     report: VerifyReport,
     model: nn.Module,
-    batch: Any,
+    batch: object,
     loss_fn: LossFn | None,
     record: MemstackRecord,
     params: list[nn.Parameter],
@@ -242,7 +241,7 @@ def _check_checkpointing(model: nn.Module, record: MemstackRecord, observed: Obs
     return Check("checkpointing", ok, detail)
 
 
-def _check_packing(model: nn.Module, batch: Any, record: MemstackRecord, *, shared: bool) -> Check | None:
+def _check_packing(model: nn.Module, batch: object, record: MemstackRecord, *, shared: bool) -> Check | None:
     """A packed batch's rows against each of their first samples run alone (None: not a packed
     batch, or a model whose forward is a collective: each rank's rows hold other samples, so the
     per-sample forwards would not pair up across ranks; compare on one process)."""
@@ -322,7 +321,13 @@ def _frozen_input_hint(record: MemstackRecord) -> str:
 
 
 def _check_compile(
-    report: VerifyReport, model: nn.Module, batch: Any, loss_fn: LossFn | None, record: MemstackRecord, *, shared: bool
+    report: VerifyReport,
+    model: nn.Module,
+    batch: object,
+    loss_fn: LossFn | None,
+    record: MemstackRecord,
+    *,
+    shared: bool,
 ) -> Check:
     def compiled_step() -> None:
         loss = on_every_rank("verify: the compiled forward", lambda: forward_loss(model, batch, loss_fn), shared=shared)

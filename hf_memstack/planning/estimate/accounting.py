@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ def per_rank(
     trainable: int,
     total: int,
     notes: list[str],
-    model: Any,
+    model: object,
 ) -> MemoryEstimate:
     # The step as one rank holds it: under FSDP the trace was accounted part by part (fsdp_shards.py).
     params, grads, opt = m.parameters, m.gradients, m.optimizer

@@ -2,8 +2,8 @@
 (the full model built on meta, its blocks compared) and the model on meta with its PEFT adapters.
 
 The planner estimates up to a dozen rungs of one model, each with two shallow traces: those
-differ in the policy and the batch, not in the model built, so the builds (the 7B's depth plan
-0.1-0.2 s, PEFT's wrapping 0.1-0.3 s a trace on 2 cores) are kept here, keyed by everything that
+differ in the policy and the batch, not in the model built, so the builds (the depth plan's
+full-depth meta model, PEFT's wrapping: else paid again on every trace) are kept here, keyed by everything that
 goes into them - the config's class and every field, the task, the weights' dtypes, the PEFT
 config - and a cached model is handed out as a deep copy (its caller prepares and fakes it in place).
 """
@@ -11,8 +11,8 @@ config - and a cached model is handed out as a deep copy (its caller prepares an
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from torch import nn
 
@@ -24,7 +24,7 @@ __all__ = ["cached", "clear", "config_key", "model_copy"]
 T = TypeVar("T")
 
 _MOST = 16  # entries per cache: a plan holds two depths and the full model's plan per job
-_CACHES: dict[str, dict[tuple[Any, ...], Any]] = {
+_CACHES: dict[str, dict[tuple[Hashable, ...], object]] = {
     "block_kinds": {},
     "depth_plans": {},
     "meta_models": {},
@@ -52,11 +52,11 @@ def _private_settings(config: PretrainedConfig) -> str:
     return repr(settings)
 
 
-def cached(cache: str, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+def cached(cache: str, key: tuple[Hashable, ...], build: Callable[[], T]) -> T:
     """``build()``'s value for ``key`` in the named cache, built on the first call (None is kept too)."""
     entries = _CACHES[cache]
     if key in entries:
-        return entries[key]
+        return cast(T, entries[key])  # built by this key's build, of its type
     value = build()
     if len(entries) >= _MOST:
         entries.clear()
@@ -64,7 +64,7 @@ def cached(cache: str, key: tuple[Any, ...], build: Callable[[], T]) -> T:
     return value
 
 
-def model_copy(key: tuple[Any, ...], build: Callable[[], nn.Module]) -> nn.Module:
+def model_copy(key: tuple[Hashable, ...], build: Callable[[], nn.Module]) -> nn.Module:
     """A deep copy of the meta model cached for ``key`` (tied parameters stay tied: one memo)."""
     return copy.deepcopy(cached("meta_models", key, build))
 

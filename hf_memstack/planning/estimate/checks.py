@@ -4,7 +4,7 @@ chunked loss on a head it does not reproduce (checked on a one-block copy with r
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer: Any, task: Any, dtype: Any) -> None:
+def check_arguments(
+    *, batch_size: object, seq_len: object, world_size: object, optimizer: object, task: object, dtype: object
+) -> None:
     """The plain arguments of :func:`estimate_memory`, refused before any work."""
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -31,7 +33,7 @@ def check_arguments(*, batch_size: Any, seq_len: Any, world_size: Any, optimizer
     parse_dtype(dtype)
 
 
-def check_label_fraction(label_fraction: Any) -> None:
+def check_label_fraction(label_fraction: object) -> None:
     """``label_fraction``: the share of positions with a label (a prompt-masked dataset's), in (0, 1]."""
     if not isinstance(label_fraction, (int, float)) or isinstance(label_fraction, bool) or not 0 < label_fraction <= 1:
         raise ValueError(
@@ -40,7 +42,7 @@ def check_label_fraction(label_fraction: Any) -> None:
         )
 
 
-def check_mode(mode: Any, eval_samples: Any) -> None:
+def check_mode(mode: object, eval_samples: object) -> None:
     if mode not in ("train", "eval"):
         raise ValueError(
             f"mode={mode!r} is not one of 'train' (a training step), 'eval' (an evaluation forward and the "
@@ -99,9 +101,9 @@ def chunked_loss_verdict(config: PretrainedConfig, task: str, trust_remote_code:
 
 
 def block_kinds(config: PretrainedConfig, task: str, trust_remote_code: bool = False) -> int:
-    """:func:`~.depth.blocks_of_every_kind` read from the full model's blocks, built on meta (no
-    bytes; 0.2 s at 70B), once per config and task: the chunked-loss check and the planner's 4-bit
-    check both cut their copies to it."""
+    """:func:`~.depth.blocks_of_every_kind` read from the full model's blocks, built on meta (no bytes,
+    but each block's build takes time), once per config and task: the chunked-loss check and the
+    planner's 4-bit check both cut their copies to it."""
 
     def count() -> int:
         with torch.device("meta"):

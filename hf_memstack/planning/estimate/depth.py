@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -161,11 +161,10 @@ def plan_depths(
     plan = DepthPlan(layers=layers, period=period, depths=depths)
     if sum(depths) > _MOST_TRACED * layers or (shallow == period and plan.deeper() is None):
         # Two traces about as deep as the model, plus its meta build: tracing it once is faster
-        # (Gemma-3's 26 blocks, a period of 6, traced 8 and 14 in 42 s against 28 s in full). A
+        # (Gemma-3's 26 blocks, a period of 6: traces of 8 and 14 blocks took longer than all 26). A
         # shallower trace of one period may need the next two depths (its block 0 is also its last
         # period's first: :func:`_by_position`); where those are too deep, the two traces and then the
-        # full one cost more than the full one alone (Gemma-3's 24 blocks: 6, 12, then 24 - 9.0 s
-        # against 5.2 s, found by a new-user trial).
+        # full one cost more than the full one alone (Gemma-3's 24 blocks: 6, 12, then 24).
         return FullTrace(f"{layers} blocks are too few for two shallower traces to be faster")
     model = build(with_depth(config, depths[1]))
     few = _blocks(model)
@@ -287,7 +286,7 @@ def blocks_of_every_kind(config: PretrainedConfig, model: nn.Module | None = Non
     full-depth model, built on meta), from its blocks' signatures - classes, parameter shapes, plain
     attributes: that also covers the dense and sparse blocks that configs place by their own fields
     (``mlp_only_layers``, ``decoder_sparse_step``, ``first_k_dense_replace``, ...). 1 when all are alike."""
-    kinds: list[Any] = []
+    kinds: Sequence[object] = []
     text = text_config(config)
     for name in ("layer_types", "layers_block_type"):
         named = getattr(text, name, None)
@@ -300,7 +299,7 @@ def blocks_of_every_kind(config: PretrainedConfig, model: nn.Module | None = Non
         kinds = [(k, s) for k, s in zip(kinds, signatures, strict=False)] if kinds else signatures
     if not kinds:
         return 1
-    distinct: list[Any] = []  # compared by equality: a signature's plain attributes may hold lists
+    distinct: list[object] = []  # compared by equality: a signature's plain attributes may hold lists
     newest = 0
     for i, kind in enumerate(kinds):
         if kind not in distinct:
@@ -317,9 +316,9 @@ def _blocks(model: nn.Module) -> tuple[nn.Module, ...] | None:
         return None
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
+def _signature(module: nn.Module) -> tuple[object, ...]:
     """What makes two blocks the same block: classes, parameters and buffers, plain attributes."""
-    parts: list[Any] = []
+    parts: list[object] = []
     for name, sub in module.named_modules():
         tensors = [
             (n, tuple(t.shape), t.dtype, t.requires_grad)
@@ -335,13 +334,13 @@ def _signature(module: nn.Module) -> tuple[Any, ...]:
     return tuple(parts)
 
 
-def _is_plain(value: Any) -> bool:
+def _is_plain(value: object) -> bool:
     if isinstance(value, (list, tuple)):
         return all(isinstance(v, _PLAIN) for v in value)
     return isinstance(value, _PLAIN)
 
 
-def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]:
+def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[object, ...]:
     """The signature of everything but the blocks (embeddings, final norm, head)."""
     inside = {id(m) for b in blocks for m in b.modules()}
     parts = []
@@ -355,7 +354,7 @@ def _outside(model: nn.Module, blocks: tuple[nn.Module, ...]) -> tuple[Any, ...]
     return tuple(parts)
 
 
-def _period(signatures: list[tuple[Any, ...]]) -> int | None:
+def _period(signatures: list[tuple[object, ...]]) -> int | None:
     """The smallest period of the stack that leaves room for extrapolating (None: not periodic)."""
     for period in range(1, len(signatures) // (_SHALLOW_PERIODS + 1) + 1):
         if all(signatures[i] == signatures[i % period] for i in range(len(signatures))):

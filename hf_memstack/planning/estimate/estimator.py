@@ -26,7 +26,6 @@ import functools
 import importlib.util
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +33,7 @@ from torch import nn
 
 from ...measure.memory import StepMemory, step_memory_of
 from ...policy import MemoryPolicy
-from ..model.config import SEQ2SEQ_NOTE, build_model, check_seq_len, infer_task, load_config, task_note
+from ..model.config import SEQ2SEQ_NOTE, ModelSource, build_model, check_seq_len, infer_task, load_config, task_note
 from ..model.fake import quant_notes
 from ..model.vision_inputs import images_for
 from .accounting import dtype_note, per_rank, with_kept_logits
@@ -50,7 +49,7 @@ from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, ext
 from .fsdp_shards import FsdpShards, fsdp_shards
 from .result import MemoryEstimate
 from .trace import Job, Traced, depth_plan, trace
-from .trainable import DEFAULT_LORA, peft_config_from, policy_of, what_trains
+from .trainable import DEFAULT_LORA, Trainable, peft_config_from, policy_of, what_trains
 from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
@@ -71,14 +70,14 @@ __all__ = [
 
 
 def estimate_memory(
-    model: str | Path | Any,
+    model: ModelSource,
     policy: MemoryPolicy | str | dict[str, Any] | None = None,
     *,
     batch_size: int,
     seq_len: int,
     world_size: int = 1,
     optimizer: str = "adamw",
-    trainable: Any = "all",
+    trainable: Trainable = "all",
     task: str | None = None,
     trust_remote_code: bool = False,
     dtype: torch.dtype | str | None = "auto",
@@ -220,7 +219,9 @@ def estimate_memory(
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
 
 
-def _chunked_loss_notes(policy: MemoryPolicy, config: Any, task: str, trust_remote_code: bool) -> list[str]:
+def _chunked_loss_notes(
+    policy: MemoryPolicy, config: PretrainedConfig, task: str, trust_remote_code: bool
+) -> list[str]:
     """``loss:chunked`` refused where ``prepare_model`` would refuse it; else what was checked, as notes."""
     if policy.loss.mode != "chunked":
         return []
@@ -240,7 +241,7 @@ def _plus_parameters(est: MemoryEstimate, extra: int) -> MemoryEstimate:
     )
 
 
-def _with_trace_counts(est: MemoryEstimate, counts: dict[str, Any], keep_outputs: bool) -> MemoryEstimate:
+def _with_trace_counts(est: MemoryEstimate, counts: dict[str, int], keep_outputs: bool) -> MemoryEstimate:
     """The trace's per-block reading (the planner's floor) and the kept outputs, on the estimate."""
     return dataclasses.replace(
         est,
@@ -268,7 +269,7 @@ def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
         )
 
 
-def _four_bit_of(given: Any, notes: list[str]) -> FourBitLayers | None:
+def _four_bit_of(given: object, notes: list[str]) -> FourBitLayers | None:
     """A model object's 4-bit layers, to be traced 4-bit (torchao's NF4 on fake tensors; needs torchao)."""
     four_bit = four_bit_layers(given) if isinstance(given, nn.Module) else None
     if four_bit is not None and importlib.util.find_spec("torchao") is None:

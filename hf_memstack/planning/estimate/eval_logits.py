@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -32,14 +31,14 @@ class KeptOutputs:
     """The kept tensors' dtypes (``torch.float32``...), in order."""
 
 
-def kept_outputs(outputs: Any, ignore_keys: list[str] | tuple[str, ...] | None = None) -> KeptOutputs:
+def kept_outputs(outputs: object, ignore_keys: list[str] | tuple[str, ...] | None = None) -> KeptOutputs:
     """What ``Trainer.prediction_step`` keeps of ``outputs``: every tensor but ``loss`` and
     ``ignore_keys`` (``config.keys_to_ignore_at_inference``; Trainer's default is ``["cache"]``),
     nested tuples and dicts walked (a Transformers ``ModelOutput`` is a dict; cache objects hold no
     tensors Trainer keeps)."""
     ignore = set(ignore_keys if ignore_keys is not None else ["cache"]) | {"loss"}
     if isinstance(outputs, Mapping):
-        kept: Any = [v for k, v in outputs.items() if k not in ignore]
+        kept: object = [v for k, v in outputs.items() if k not in ignore]
     else:
         kept = outputs
     tensors = _tensors(kept)
@@ -48,7 +47,7 @@ def kept_outputs(outputs: Any, ignore_keys: list[str] | tuple[str, ...] | None =
     return KeptOutputs(device_bytes=device, host_bytes=host, dtypes=tuple(str(t.dtype) for t in tensors))
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _tensors(value: object) -> list[torch.Tensor]:
     if torch.is_tensor(value):
         return [value]
     if isinstance(value, Mapping):

@@ -7,7 +7,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from .weights_dtype import WeightsDtype, set_dtypes
 
 if TYPE_CHECKING:
     from peft import PeftConfig
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import PretrainedConfig
 
 __all__ = ["Job", "Traced", "depth_plan", "trace"]
@@ -117,7 +118,13 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
     return Traced(net=net, phases=phases, counts=counts)
 
 
-def _trace_eval(net: nn.Module, config: PretrainedConfig, job: Job, mode: Any, experts: Any) -> Traced:
+def _trace_eval(
+    net: nn.Module,
+    config: PretrainedConfig,
+    job: Job,
+    mode: FakeTensorMode,
+    experts: contextlib.AbstractContextManager[object],
+) -> Traced:
     """The prepared model in eval mode, one forward of the eval batch traced under ``torch.no_grad()``;
     the outputs Trainer keeps of it counted (per batch: a line in the depth, flat)."""
 
@@ -157,7 +164,7 @@ def depth_plan(config: PretrainedConfig, job: Job) -> DepthPlan | FullTrace | No
     """Which shallow depths to trace for this job, or why every block is traced (None: the full
     trace says what is wrong with the config)."""
 
-    def build(cfg: Any) -> nn.Module:
+    def build(cfg: PretrainedConfig) -> nn.Module:
         with torch.device("meta"):
             net = build_model(cfg, job.task, trust_remote_code=job.trust_remote_code, dtype=job.weights.dtype)
             if job.weights.per_parameter:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 from torch import nn
 
@@ -16,11 +16,19 @@ from ..._unwrap import peft_class
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
 
+    from ...policy import MemoryPolicy
+
+Trainable: TypeAlias = "str | PeftConfig | dict[str, Any]"
+"""What trains: ``"all"``, ``"lora"`` (:data:`DEFAULT_LORA`), a PEFT config, or a dict of ``LoraConfig``
+fields; anything else is refused by :func:`peft_config_from`."""
+M = TypeVar("M")
+
 
 @quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
-def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
+def what_trains(model: M, trainable: Trainable) -> tuple[M | nn.Module | str, Trainable]:
     """A PEFT model, or a saved adapter directory, says what trains itself (when ``trainable`` is
-    left at "all"): its base model's config is estimated with its adapters."""
+    left at "all"): its base model's config is estimated with its adapters (the base model, or the
+    adapter's base id); any other ``model`` is returned as given."""
     if isinstance(model, nn.Module) and peft_class(model) and hasattr(model, "peft_config"):
         peft = cast("PeftModel", model)  # a PEFT model: its peft_config and active_adapter are not nn.Module's
         if not (isinstance(trainable, str) and trainable in ("all", "lora")):
@@ -48,7 +56,7 @@ def what_trains(model: Any, trainable: Any) -> tuple[Any, Any]:
 
 
 @quiet_imports()  # PEFT imports bitsandbytes and torchao: their import-time noise only
-def peft_config_from(trainable: Any) -> PeftConfig | None:
+def peft_config_from(trainable: Trainable) -> PeftConfig | None:
     """``trainable`` as a PEFT config (None for ``"all"``).
 
     Raises:
@@ -66,7 +74,7 @@ def peft_config_from(trainable: Any) -> PeftConfig | None:
         from peft import LoraConfig
     except ImportError:
         raise ValueError(f"trainable={trainable!r} needs PEFT: pip install peft") from None
-    if trainable == "lora":
+    if isinstance(trainable, str):  # "lora": any other string was refused above
         return LoraConfig(**DEFAULT_LORA)
     if isinstance(trainable, dict):
         try:
@@ -102,12 +110,14 @@ def apply_peft(net: nn.Module, peft_config: PeftConfig) -> nn.Module:
         ) from None
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def policy_of(model: Any, policy: Any) -> Any:
+def policy_of(
+    model: object, policy: MemoryPolicy | str | dict[str, Any] | None
+) -> MemoryPolicy | str | dict[str, Any] | None:
     """The policy to estimate: the one given, else a prepared model's own (``model.memstack``):
     estimating a prepared model as plain fp32 would count a run it does not make."""
     if policy is None and isinstance(model, nn.Module):

@@ -21,7 +21,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ def short_name(dtype: torch.dtype) -> str:
     )
 
 
-def parse_dtype(dtype: Any, *, field: str = "dtype") -> torch.dtype | None:
+def parse_dtype(dtype: object, *, field: str = "dtype") -> torch.dtype | None:
     """``dtype=`` as a torch dtype, or None for ``"auto"`` / None (resolve it from the model).
 
     Raises:
@@ -107,7 +107,7 @@ def parse_dtype(dtype: Any, *, field: str = "dtype") -> torch.dtype | None:
     raise TypeError(f"{field}={dtype!r} ({type(dtype).__name__}) must be a string or a torch.dtype: {_ALLOWED}")
 
 
-def resolve_weights_dtype(model: Any, config: PretrainedConfig, dtype: Any = "auto") -> WeightsDtype:
+def resolve_weights_dtype(model: object, config: PretrainedConfig, dtype: object = "auto") -> WeightsDtype:
     """The dtype the weights of ``model`` (a directory, cached hub id, config, config dict or
     model object; ``config`` is its loaded config) will have: ``dtype`` when given, else what
     ``from_pretrained(model)`` gives (see the module's docstring).
@@ -155,14 +155,14 @@ def _config_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return _named_dtype(getattr(config, "dtype", None))
 
 
-def _named_dtype(value: Any) -> torch.dtype | None:
+def _named_dtype(value: object) -> torch.dtype | None:
     """A torch dtype, or its name as configs and checkpoint indexes write it (``"bfloat16"``)."""
     if isinstance(value, str):
         value = getattr(torch, value.removeprefix("torch."), None)
     return value if isinstance(value, torch.dtype) else None
 
 
-def _local_folder(model: Any) -> Path | None:
+def _local_folder(model: object) -> Path | None:
     """The folder holding the model's files: a local directory, or a cached hub id's snapshot (no download)."""
     if not isinstance(model, (str, Path)):
         return None

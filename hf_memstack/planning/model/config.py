@@ -10,7 +10,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -26,17 +26,19 @@ from .vision_inputs import is_vision_language
 if TYPE_CHECKING:
     from peft import PeftConfig
     from transformers import PretrainedConfig
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
+ModelSource: TypeAlias = "str | Path | PretrainedConfig | dict[str, Any] | nn.Module"
+"""What names the model of an estimate or a plan (a config file's path too): what ``_ACCEPTED`` tells the user."""
 _ACCEPTED = (
     "a hub id (in the local cache), a local directory, a Transformers config (e.g. LlamaConfig(...)), a config "
     "dict with its 'model_type' (config.to_dict()), or a model"
 )
 
 
-def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> PretrainedConfig:
-    """A Transformers config from a config object, a config dict, a local directory, or a hub id
-    already in the local cache. Nothing is downloaded, so an unknown id fails at once instead of
-    hanging offline.
+def load_config(model: ModelSource, *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """A Transformers config from a config object, a config dict, a local directory, or a hub id already in the
+    local cache. Nothing is downloaded, so an unknown id fails at once instead of hanging offline.
 
     Raises:
         ValueError: not a directory with a config.json and not in the local Hugging Face cache; or
@@ -51,7 +53,7 @@ def load_config(model: str | Path | Any, *, trust_remote_code: bool = False) -> 
     return config
 
 
-def _load(model: str | Path | Any, trust_remote_code: bool) -> PretrainedConfig:
+def _load(model: ModelSource, trust_remote_code: bool) -> PretrainedConfig:
     from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
@@ -181,7 +183,7 @@ def _config_from_dict(data: dict[str, Any]) -> PretrainedConfig:
         ) from None
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -246,7 +248,7 @@ def _check_tensor_sizes(config: PretrainedConfig, seq_len: int, batch_size: int)
     )
 
 
-def infer_task(model: Any, config: PretrainedConfig) -> str:
+def infer_task(model: object, config: PretrainedConfig) -> str:
     """Which head to build when no task is given: ``classification`` for a sequence-classification
     model (its class, or the config's ``architectures`` saved by ``save_pretrained``) and for an
     encoder without a causal-LM head (``BertModel``, ``BertForMaskedLM``: what the recipe
@@ -259,7 +261,7 @@ def infer_task(model: Any, config: PretrainedConfig) -> str:
     return _infer_task(model, config)[0]
 
 
-def task_note(model: Any, config: PretrainedConfig) -> str | None:
+def task_note(model: object, config: PretrainedConfig) -> str | None:
     """Why :func:`infer_task` chose classification for a model that names no classification head
     (an encoder), as a note for the estimate; None when the architecture says it plainly."""
     return _infer_task(model, config)[1]
@@ -274,7 +276,7 @@ SEQ2SEQ_NOTE = (
 _CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
-def _infer_task(model: Any, config: PretrainedConfig) -> tuple[str, str | None]:
+def _infer_task(model: object, config: PretrainedConfig) -> tuple[str, str | None]:
 
     names = (
         [type(unwrap_model(model)).__name__]
@@ -342,7 +344,7 @@ def build_model(
     return apply_peft(net, peft_config) if peft_config is not None else net
 
 
-def _auto_class(config: PretrainedConfig, task: str) -> Any:
+def _auto_class(config: PretrainedConfig, task: str) -> type[_BaseAutoModelClass]:
     """The Auto class that builds ``config``'s model for ``task``: a vision-language model (a config
     with a ``vision_config``) is built whole, vision tower included, as ``from_pretrained`` on
     ``AutoModelForImageTextToText`` builds it - its causal-LM class (Qwen2-VL has none) or one

@@ -5,8 +5,8 @@ it with a fake batch."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ _MOST_KEPT = 2**24
 
 if TYPE_CHECKING:
     from peft import PeftConfig
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import PretrainedConfig
 
 
@@ -35,7 +36,7 @@ def build_fake_model(
     task: str,
     peft_config: PeftConfig | None,
     trust_remote_code: bool,
-    mode: Any,
+    mode: FakeTensorMode,
     weights: WeightsDtype,
 ) -> nn.Module:
     """The model built on the meta device in the weights' dtype (PEFT adapters added there, in the
@@ -92,7 +93,9 @@ def meta_model(
     return build_cache.model_copy(key, build) if copy else build_cache.cached("meta_models", key, build)
 
 
-def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weights: WeightsDtype) -> tuple[Any, ...]:
+def build_key(
+    config: PretrainedConfig, task: str, trust_remote_code: bool, weights: WeightsDtype
+) -> tuple[Hashable, ...]:
     """Everything a model built on meta depends on besides its PEFT config."""
     per = tuple(sorted((k, str(v)) for k, v in weights.per_parameter.items())) if weights.per_parameter else None
     return (*build_cache.config_key(config), task, trust_remote_code, str(weights.dtype), per)
@@ -100,7 +103,7 @@ def build_key(config: PretrainedConfig, task: str, trust_remote_code: bool, weig
 
 def traced_step(
     net: nn.Module,
-    batch: Any,
+    batch: Mapping[str, torch.Tensor],
     opt: torch.optim.Optimizer,
     config: PretrainedConfig,
     task: str,
@@ -154,12 +157,12 @@ def fake_batch(
     *,
     packed: bool = False,
     images: ImageSpec | None = None,
-    mode: Any = None,
+    mode: FakeTensorMode | None = None,
 ) -> dict[str, torch.Tensor]:
     """One step's batch on fake tensors (built under ``mode``, the trace's FakeTensorMode); with
     ``images``, a vision-language model's (:func:`fake_image_batch`)."""
     if images is not None:
-        return fake_image_batch(config, images, batch, seq, mode)
+        return fake_image_batch(config, images, batch, seq, cast("FakeTensorMode", mode))  # given with images
     ids = torch.randint(0, max(2, config.get_text_config().vocab_size - 1), (batch, seq))
     if task == "classification":
         return {
@@ -177,7 +180,7 @@ def fake_batch(
 
 
 def fake_image_batch(
-    config: PretrainedConfig, images: ImageSpec, batch: int, seq: int, mode: Any
+    config: PretrainedConfig, images: ImageSpec, batch: int, seq: int, mode: FakeTensorMode
 ) -> dict[str, torch.Tensor]:
     """A vision-language model's batch: its integer inputs (ids, grids, masks) are fake tensors that
     keep their values, as the model's forward reads them (where the image tokens are, how many
@@ -193,7 +196,7 @@ def fake_image_batch(
 
 
 @contextlib.contextmanager
-def values_kept(mode: Any, images: ImageSpec | None) -> Iterator[None]:
+def values_kept(mode: FakeTensorMode, images: ImageSpec | None) -> Iterator[None]:
     """Under ``mode``, integer and boolean results computed from such kept values keep theirs too
     (FakeTensorMode keeps only one-element results), so the forward's reads of them (``.tolist()``,
     a check of the image tokens' count) answer; floating-point results never do (the model's
@@ -209,7 +212,7 @@ def values_kept(mode: Any, images: ImageSpec | None) -> Iterator[None]:
         plain = t.layout == torch.strided and t.device.type == "cpu" and not mode.is_our_fake(t)
         return plain and t.numel() <= _MOST_KEPT and not (t.is_floating_point() or t.is_complex())
 
-    mode.may_turn_const = may_turn_const
+    mode.may_turn_const = may_turn_const  # type: ignore[method-assign]  # this mode's own, until the finally
     try:
         yield
     finally:

@@ -38,7 +38,7 @@ __all__ = ["GroupedMMInAnyDtype", "experts_on_fake_tensors"]
 TRACEABLE = ("grouped_mm", "batched_mm")
 
 
-def experts_on_fake_tensors(net: nn.Module, config: PretrainedConfig) -> contextlib.AbstractContextManager[Any]:
+def experts_on_fake_tensors(net: nn.Module, config: PretrainedConfig) -> contextlib.AbstractContextManager[object]:
     """What a trace of ``net`` runs under: nothing for a model without experts; for a mixture of
     experts, ``torch._grouped_mm`` in any dtype (:class:`GroupedMMInAnyDtype`).
 

@@ -5,16 +5,19 @@ of ``image_size`` pixels a side takes, and the pixel, grid and mask tensors of a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["Family", "Gemma3", "Llava", "LlavaNext", "Mllama", "QwenVL", "image_token_id"]
 
 Shapes = dict[str, tuple[int, ...]]
 
 
-def image_token_id(config: Any) -> int | None:
+def image_token_id(config: object) -> int | None:
     """The placeholder id the processor puts in ``input_ids`` for each image token."""
     for name in ("image_token_id", "image_token_index"):
         value = getattr(config, name, None)
@@ -23,7 +26,7 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
-def _positive(config: Any, name: str, default: int | None = None) -> int:
+def _positive(config: object, name: str, default: int | None = None) -> int:
     value = getattr(config, name, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(
@@ -38,7 +41,7 @@ class Family:
     refusal: str | None = None
     """Why the estimator cannot trace the family's forward on fake tensors (None: it can)."""
 
-    def __init__(self, config: Any, image_size: int | None) -> None:
+    def __init__(self, config: PretrainedConfig, image_size: int | None) -> None:
         self.config, self.vision = config, config.vision_config
         self.tile = self.read_tile()
         self.patch = _positive(self.vision, "patch_size")

@@ -13,7 +13,7 @@ step's batch, but refused by the estimator: their forward reads the pixels' valu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,7 +41,7 @@ _MAX_IMAGES = 1024
 _MAX_IMAGE_SIZE = 2**15
 
 
-def is_vision_language(config: Any) -> bool:
+def is_vision_language(config: object) -> bool:
     """A composite config with a vision tower (``vision_config``) over a language model."""
     return getattr(config, "vision_config", None) is not None and hasattr(config, "get_text_config")
 
@@ -77,7 +77,7 @@ class ImageSpec:
         )
 
 
-def image_spec(config: PretrainedConfig, image_size: Any = None, images_per_sample: Any = 1) -> ImageSpec:
+def image_spec(config: PretrainedConfig, image_size: int | None = None, images_per_sample: int = 1) -> ImageSpec:
     """The images of each sample for ``config`` (a vision-language model's), ``image_size`` pixels a
     side (default: the family's, from the config) and ``images_per_sample`` of them.
 
@@ -163,13 +163,19 @@ def image_batch(
     return {**inputs, **traced}, floats
 
 
-def pixel_tensors(shapes: dict[str, tuple[int, ...]], *, generator: torch.Generator | None = None) -> dict[str, Any]:
+def pixel_tensors(
+    shapes: dict[str, tuple[int, ...]], *, generator: torch.Generator | None = None
+) -> dict[str, torch.Tensor]:
     """Random pixels of the given shapes (fp32, as processors return them)."""
     return {k: torch.randn(shape, generator=generator) for k, shape in shapes.items()}
 
 
 def images_for(
-    config: PretrainedConfig, image_size: Any, images_per_sample: Any, seq_len: int, task: str = "causal-lm"
+    config: PretrainedConfig,
+    image_size: int | None,
+    images_per_sample: int | None,
+    seq_len: int,
+    task: str = "causal-lm",
 ) -> ImageSpec | None:
     """The images of each sample of an estimate (None: ``config`` is a text model's), checked
     against ``seq_len`` and ``task``; ``images_per_sample`` None: one."""

@@ -51,7 +51,7 @@ def suggestions(
     world_size: int,
     usable: float,
     *,
-    trainable: str = "all",
+    trainable: object = "all",
     sharded: str | None = None,
 ) -> list[str]:
     """What would make ``closest`` (the rung that came nearest to fitting) fit: more ranks for the

@@ -60,8 +60,8 @@ def with_activation_floor(e: MemoryEstimate) -> MemoryEstimate:
     """A sanity floor on what the planner chooses from: when the forward ends, the parameters, the
     optimizer state and the activations every block leaves (its per-block reading times the blocks) are
     all alive, so the forward+backward peak holds at least them; an estimate reading less is read at that
-    floor (raised, and said in its notes). FSDP's estimate once read a 70B's ``loss:chunked`` activations
-    as 2 GiB where its 80 blocks leave 1.65 GiB each, and the plan chose that run without checkpointing."""
+    floor (raised, and said in its notes): an estimate reading less than its blocks alone leave (as FSDP's
+    once did for a 70B) would have the plan choose a run without checkpointing that cannot fit."""
     saved = e.activations_per_block * e.blocks
     floor = e.parameters + e.optimizer + saved
     if e.mode != "train" or e.forward_backward_peak >= floor:

@@ -9,7 +9,7 @@ from .rungs import Requirement, RungContext, _compose, rungs_for
 
 __all__ = ["next_rung"]
 
-# How much of the activations each checkpointing mode drops (ordering only; measured on the ladder
+# How much of the activations each checkpointing mode drops (ordering only; measured on bench/ladder.py's
 # model, of all activations alive after the forward: selective 40%, selective:alternate 47%, every
 # block 56% - the rest being the logits, which only the chunked loss removes).
 _CHECKPOINTED = {"none": 0.0, "selective": 0.4, "every_n": 0.5, "full": 1.0, "offload": 1.1}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ...sizes import parse_bytes
 from ...transforms.blocks import Blocks, find_blocks
@@ -14,9 +14,9 @@ from ...transforms.quant.apply import quantizable
 from ...transforms.tiled_mlp import auto_tile_tokens
 from ..estimate.checks import block_kinds, check_label_fraction, chunked_loss_problem
 from ..estimate.depth import num_layers, with_depth
-from ..estimate.trainable import peft_config_from
+from ..estimate.trainable import Trainable, peft_config_from
 from ..estimate.weights_dtype import WeightsDtype, parse_dtype, resolve_weights_dtype
-from ..model.config import infer_task, load_config
+from ..model.config import ModelSource, infer_task, load_config
 from ..model.fake import meta_model
 from ..model.vision_inputs import images_for
 from .advice import suggestions
@@ -27,13 +27,14 @@ from .screen import num_blocks
 from .walk import walk_rungs
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 __all__ = ["Plan", "PlanRow", "plan_policy"]
 
 
 def plan_policy(
-    model: Any,
+    model: ModelSource,
     *,
     budget: int | str,
     seq_len: int,
@@ -42,9 +43,9 @@ def plan_policy(
     margin: float = 0.1,
     task: str | None = None,
     device: str | None = None,
-    trainable: Any = "all",
+    trainable: Trainable = "all",
     step_in_backward: bool = True,
-    dtype: Any = "auto",
+    dtype: torch.dtype | str | None = "auto",
     packed: bool = False,
     label_fraction: float = 1.0,
     keep_outputs: bool = False,
@@ -137,7 +138,7 @@ def plan_policy(
     return plan
 
 
-def _check_plan_args(budget: int | str, margin: float, batch_size: Any) -> int:
+def _check_plan_args(budget: int | str, margin: float, batch_size: object) -> int:
     """The budget in bytes, once ``margin`` and ``batch_size`` are known to be usable."""
     budget_bytes = parse_bytes(budget, field="budget")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
@@ -147,7 +148,7 @@ def _check_plan_args(budget: int | str, margin: float, batch_size: Any) -> int:
     return budget_bytes
 
 
-def _planned_precision(device: str | None, weights_dtype: Any, trainable: Any) -> str:
+def _planned_precision(device: str | None, weights_dtype: torch.dtype, trainable: Trainable) -> str:
     """The mixed precision the run would get on ``device`` (default: this machine)."""
     import torch
 
@@ -172,7 +173,7 @@ def _ladder(
     seq_len: int,
     batch_size: int | Literal["max"],
     world_size: int,
-    trainable: Any,
+    trainable: Trainable,
     step_in_backward: bool,
     weights: WeightsDtype,
 ) -> RungContext:
@@ -197,9 +198,9 @@ def _ladder(
     return RungContext(precision, num_blocks(config), satisfied)
 
 
-def _meta_blocks(config: PretrainedConfig, task: str, trainable: Any, weights: WeightsDtype) -> Blocks | None:
+def _meta_blocks(config: PretrainedConfig, task: str, trainable: Trainable, weights: WeightsDtype) -> Blocks | None:
     """The blocks of the LoRA model built on meta, cut to a block of each kind: what they hold is the
-    deep model's (building the whole 7B with its adapters cost 0.8 s of a 4 s plan)."""
+    deep model's (building the whole deep model with its adapters would be a large part of a plan's time)."""
     layers = num_layers(config)
     # At least 2: one block is no stack to find_blocks.
     shallow = with_depth(config, max(2, block_kinds(config, task))) if layers and layers > 2 else config
@@ -210,7 +211,7 @@ def _meta_blocks(config: PretrainedConfig, task: str, trainable: Any, weights: W
         return None
 
 
-def _trains_all(trainable: Any) -> bool:
+def _trains_all(trainable: object) -> bool:
     return isinstance(trainable, str) and trainable == "all"
 
 

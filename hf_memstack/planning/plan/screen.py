@@ -22,8 +22,8 @@ SCREEN = 1.15
 # The reading with the states in place of full checkpointing's peak lies below the interpolation by
 # full checkpointing's activations, so it is over the rung's trace only where those are nearly nothing,
 # and then by the interpolation's own 1.7-2.3%: 5% over the budget. A rung screened out wrongly costs
-# speed (a slower rung is chosen), never a fit. At 15%, the 7B LoRA at 12 GiB traced its 4-bit ckpt:3
-# (13 blocks, 12.80 GiB against 10.80 usable; read at >= 12.3 GiB).
+# speed (a slower rung is chosen), never a fit. At 15%, bench/estimate_speed.py's 7B LoRA at 12 GiB
+# traced its 4-bit ckpt:3 (13 blocks), whose reading was already more than 5% over and which missed.
 SCREEN_BELOW = 1.05
 
 
@@ -35,8 +35,8 @@ def every_n_between(
     their activations (Transformers checkpoints blocks 0, N, 2N...); and whether that is a lower
     bound. Full checkpointing's peak is its trace's when it was traced (or ``trace_full``), else
     ``floor``, the states it holds at every moment: below its peak, so the reading is below the
-    interpolation's, a lower bound (Qwen2-1.5B at 16 GiB screens nothing by it; tracing full
-    checkpointing for it was a third trace where two answered)."""
+    interpolation's, a lower bound (where it screens nothing, tracing full checkpointing for it
+    would be a third trace where two answer)."""
     p = MemoryPolicy.coerce(policy)
     if p.checkpointing.mode != "every_n":
         return None

@@ -15,7 +15,8 @@ skipped here could never have fit, and a rung kept is traced as before.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -86,5 +87,5 @@ def _counts(config: PretrainedConfig, task: str, dtype: torch.dtype) -> tuple[Co
                 counts[p.dtype] += p.numel()
         return counts, sum(b.numel() * b.element_size() for b in net.buffers())
 
-    key: tuple[Any, ...] = (*build_cache.config_key(config), task, str(dtype))
+    key: tuple[Hashable, ...] = (*build_cache.config_key(config), task, str(dtype))
     return build_cache.cached("parameter_counts", key, count)

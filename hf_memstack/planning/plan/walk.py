@@ -5,67 +5,64 @@ when a model-state saving is what made it fit, the faster activation rungs tried
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from ...policy import MemoryPolicy
 from ..estimate.result import MemoryEstimate
 from .advice import optimizer_notes
 from .estimates import Estimates, max_batch
 from .result import Plan, PlanRow
-from .rungs import MEASURED_SPEED, savings_speed
+from .rungs import MEASURED_SPEED, Rung, savings_speed
 from .screen import SCREEN, SCREEN_BELOW, every_n_between
 
 __all__ = ["walk_rungs"]
 
 
 def walk_rungs(
-    plan: Plan, est: Estimates, rungs: list[Any], batch_size: int | Literal["max"], usable: float
+    plan: Plan, est: Estimates, rungs: list[Rung], batch_size: int | Literal["max"], usable: float
 ) -> list[int]:
     """Add a row to ``plan`` for each rung until one fits (then ``plan`` holds it, its batch, its
     estimate and the notes on running it); each row's bytes over ``usable``."""
     shortfalls: list[int] = []
-    floors: dict[str, int] = {}
-    only_floored = True  # every rung so far held more than usable in weights and moments alone
+    traced_states: dict[str, int] = {}  # _states_key -> the fewest bytes its weights and optimizer held in a trace
+    all_over_by_states = True  # every rung so far held more than usable in weights and moments alone
     for i, rung in enumerate(rungs):
-        if i and only_floored and _floor(est, rung.policy, floors) <= usable and _saves_states(rung.policy):
+        states_fit = _states_bytes(est, rung.policy, traced_states) <= usable
+        if i and all_over_by_states and states_fit and _saves_states(rung.policy):
             # The first rung whose model states fit, and a saving of them is why: the lighter
             # activation rungs before it, with that saving, are searched at once (the rung itself the
             # last of them) - tracing it first would spend an estimate on the slowest candidate.
-            found = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors, traced=False)
+            found = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, traced_states, traced=False)
             if found is not None:
                 _choose(plan, *found)
                 break
             shortfalls += [int(r.peak_bytes - usable) for r in plan.rows[len(shortfalls) :]]
-            only_floored = False
+            all_over_by_states = False
             continue
-        bound = (
-            None
-            if _floor(est, rung.policy, floors) > usable
-            else _bounded_by_next(est, rung, rungs[i + 1 :], batch_size, usable)
-        )
+        bound = _bounded_by_next(est, rung, rungs[i + 1 :], batch_size, usable) if states_fit else None
         if bound is not None:
             plan.rows.append(bound)
             shortfalls.append(int(bound.peak_bytes - usable))
-            only_floored = False
+            all_over_by_states = False
             continue
-        row, fitted, e = _try_rung(est, rung, batch_size, usable, floors)
+        row, fitted, estimate = _try_rung(est, rung, batch_size, usable, traced_states)
         plan.rows.append(row)
         shortfalls.append(int(row.peak_bytes - usable))
-        only_floored = only_floored and not (row.traced or row.interpolated)
-        if fitted >= 1 and e is not None:
+        all_over_by_states = all_over_by_states and not (row.traced or row.interpolated)
+        if fitted >= 1 and estimate is not None:
             _choose(
                 plan,
                 *(
-                    _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, floors, traced=True)
-                    or (rung.policy, fitted, e)
+                    _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, traced_states, traced=True)
+                    or (rung.policy, fitted, estimate)
                 ),
             )
             break
     return shortfalls
 
 
-def _choose(plan: Plan, policy: str, fitted: int, e: MemoryEstimate) -> None:
-    plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(policy), fitted, e
+def _choose(plan: Plan, policy: str, fitted: int, estimate: MemoryEstimate) -> None:
+    plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(policy), fitted, estimate
     plan.suggestions = [
         f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",
         *optimizer_notes(plan.policy),
@@ -85,18 +82,18 @@ def _saves_states(policy: str) -> bool:
 def _faster_with_its_states(
     plan: Plan,
     est: Estimates,
-    before: list[Any],
-    fitting: Any,
+    before: list[Rung],
+    fitting: Rung,
     batch_size: int | Literal["max"],
     usable: float,
-    floors: dict[str, int],
+    traced_states: dict[str, int],
     *,
     traced: bool,
 ) -> tuple[str, int, MemoryEstimate] | None:
     """A faster policy than ``fitting`` when a model-state saving of it (4-bit base weights, the
     optimizer rungs, pure bf16) is what lets it fit: the ladder reaches those only after its
-    heaviest activation rung, yet with the states smaller a lighter one may fit too (Qwen2-1.5B at
-    16 GiB: ``ckpt:4+weights:bf16`` where the walk reached ``ckpt+mlp:tiled+weights:bf16``).
+    heaviest activation rung, yet with the states smaller a lighter one may fit too (a full
+    fine-tune whose walk reaches ``ckpt+mlp:tiled+weights:bf16`` may fit ``ckpt:4+weights:bf16``).
     The earlier rungs, faster than it, with its state savings added are the candidates - and,
     when ``fitting`` was not ``traced`` (it is then not known to fit), ``fitting`` itself, last.
     The rows traced are appended to ``plan``'s; the fastest that fits is returned (policy, batch,
@@ -108,7 +105,7 @@ def _faster_with_its_states(
     lent = ("quant", "optimizer", "master_weights") + (
         ("fsdp",) if target.fsdp.mode != "none" and not target.fsdp.cpu_offload else ()
     )
-    tried_before = {row.policy for row in plan.rows}  # traced or floored already, and did not fit
+    tried_before = {row.policy for row in plan.rows}  # traced, or over by its states or its bounds already: did not fit
     rows = {row.policy: row for row in plan.rows}
     seen: set[str] = set()
     candidates = []
@@ -126,46 +123,49 @@ def _faster_with_its_states(
         speed = rung.relative_speed * _states_speed(merged) / _states_speed(p)
         if speed > fitting.relative_speed and merged.to_string() not in seen:
             seen.add(merged.to_string())
-            shifted = _shifted(rows.get(rung.policy), merged.to_string(), speed, floors, batch_size, usable)
-            if shifted is not None:
-                plan.rows.append(shifted)  # far over the budget by the rung's own peak: not traced
+            screened = _screened_4bit_row(
+                rows.get(rung.policy), merged.to_string(), speed, traced_states, batch_size, usable
+            )
+            if screened is not None:
+                plan.rows.append(screened)  # far over the budget by the rung's own peak: not traced
             else:
                 candidates.append(_Candidate(merged.to_string(), speed))
     if not traced:
         candidates.append(_Candidate(fitting.policy, fitting.relative_speed))
-    tried = _search(est, candidates, batch_size, usable, floors)
+    tried = _search(est, candidates, batch_size, usable, traced_states)
     plan.rows += [tried[k][0] for k in sorted(tried)]
-    fits = [k for k, (_, fitted, e) in tried.items() if fitted >= 1 and e is not None]
+    fits = [k for k, (_, fitted, estimate) in tried.items() if fitted >= 1 and estimate is not None]
     if not fits:
         return None
     best = max(fits, key=lambda k: candidates[k].relative_speed)
-    _, fitted, e = tried[best]
-    assert e is not None  # in fits
-    return candidates[best].policy, fitted, e
+    _, fitted, estimate = tried[best]
+    assert estimate is not None  # in fits
+    return candidates[best].policy, fitted, estimate
 
 
-def _shifted(
+def _screened_4bit_row(
     row: PlanRow | None,
     policy: str,
     speed: float,
-    floors: dict[str, int],
+    traced_states: dict[str, int],
     batch_size: int | Literal["max"],
     usable: float,
 ) -> PlanRow | None:
     """A candidate's row without a trace, when the walk's row of its rung (``row``: traced, read
     between its neighbours or bounded) less the weights its 4-bit base removes (the difference of
-    the two states' traced floors) is far over the budget (``SCREEN``): the activations do not
-    depend on how the frozen weights are stored, so every phase's peak shifts by that difference (7B LoRA at 12 GiB: ckpt:4 at 22.5 GiB less 9.2 GiB of
-    4-bit savings is not traced with quant:nf4). None: traced as usual."""
+    the bytes the two states held in their traces) is far over the budget (``SCREEN``): the activations do not
+    depend on how the frozen weights are stored, so every phase's peak shifts by that difference (a
+    large LoRA base at a small budget: its ``ckpt:4`` row less the 4-bit saving is still far over,
+    so ``ckpt:4+quant:nf4`` is not traced). None: traced as usual."""
     if row is None or batch_size == "max" or not (row.traced or row.interpolated or row.bound_by):
         return None
-    a, b = MemoryPolicy.coerce(row.policy).to_dict(), MemoryPolicy.coerce(policy).to_dict()
-    if {k for k in a if a[k] != b[k]} != {"quant"}:
+    traced, candidate = MemoryPolicy.coerce(row.policy).to_dict(), MemoryPolicy.coerce(policy).to_dict()
+    if {k for k in traced if traced[k] != candidate[k]} != {"quant"}:
         # Only 4-bit base weights shift every phase by their bytes alone: they are frozen (no
         # gradient, no moments). Pure bf16 or 8-bit moments also shrink gradients or the step's
-        # scratch, which the floors do not hold.
+        # scratch, which the traced states' bytes do not hold.
         return None
-    before, after = floors.get(_states_key(row.policy)), floors.get(_states_key(policy))
+    before, after = traced_states.get(_states_key(row.policy)), traced_states.get(_states_key(policy))
     if before is None or after is None or after > before:
         return None
     guess = row.peak_bytes - (before - after)
@@ -186,20 +186,19 @@ def _search(
     candidates: list[_Candidate],
     batch_size: int | Literal["max"],
     usable: float,
-    floors: dict[str, int],
+    traced_states: dict[str, int],
 ) -> dict[int, tuple[PlanRow, int, MemoryEstimate | None]]:
     """The candidates traced to find the fastest that fits, each ``_try_rung``'s answer by index.
 
     The fastest candidate is traced first. A candidate that misses rules out every one that saves
     no more activation memory than it (:func:`_saves_no_more`); one that fits rules out every slower
     one (the rows of those ruled out by a miss read its peak, ``bound_by``). A state saving usually
-    frees enough for a light rung, and then one or two traces answer (Qwen2-1.5B at 16 GiB: the
-    chunked loss alone misses, ckpt:4 fits). When the fastest misses by more than a third of what it
+    frees enough for a light rung, and then one or two traces answer (the chunked loss alone misses,
+    ckpt:4 fits). When the fastest misses by more than a third of what it
     holds above its weights and optimizer state (:data:`DEEP`), the light rungs seldom fit, and the
     rest are traced slowest first: the slowest (full checkpointing) then lets a ``ckpt:N`` rung be
     read between two traces, and a strong rung that misses rules out the weaker ones of its kind
-    (7B LoRA at 12 GiB with 4-bit weights: 4 traces, was 5; ckpt:2 rules out ckpt:3 and ckpt:4, the
-    alternate-matmul selective rung the plain one). Either order
+    (ckpt:2 rules out ckpt:3 and ckpt:4, the alternate-matmul selective rung the plain one). Either order
     ends at the same answer - the fastest candidate that fits, of those not screened - and only a
     traced candidate that fits is chosen: a wrong screen costs speed, never a fit.
     """
@@ -211,7 +210,9 @@ def _search(
         pick = min if slowest_first else max
         k = pick(left, key=lambda j: (candidates[j].relative_speed, -j))
         first = not tried
-        row, fitted, e = tried[k] = _try_rung(est, candidates[k], batch_size, usable, floors, trace_full=False)
+        row, fitted, estimate = tried[k] = _try_rung(
+            est, candidates[k], batch_size, usable, traced_states, trace_full=False
+        )
         if fitted >= 1:
             left = [j for j in left if candidates[j].relative_speed > candidates[k].relative_speed]
             continue
@@ -231,17 +232,18 @@ def _search(
                 None,
             )
         left = [j for j in left if j != k and j not in ruled_out]
-        if first and e is not None:
-            above_states = e.peak_bytes - (e.parameters + e.optimizer)
-            slowest_first = above_states > 0 and e.peak_bytes - usable > DEEP * above_states
+        if first and estimate is not None:
+            above_states = estimate.peak_bytes - (estimate.parameters + estimate.optimizer)
+            slowest_first = above_states > 0 and estimate.peak_bytes - usable > DEEP * above_states
     return tried
 
 
 # The share of the fastest candidate's bytes above its weights and optimizer state that must go for
 # the search to trace slowest first. A ckpt:N rung checkpoints one block in N, so it removes at most
 # 1/N of them: past a third, ckpt:3 and ckpt:4 cannot fit, and the light rungs left (selective
-# checkpointing keeps every matmul's output; ckpt:2) seldom do. 7B LoRA at 12 GiB with 4-bit weights
-# missed by 48% of them, the 70B at 80 GiB by 58%; Qwen2-1.5B at 16 GiB with pure bf16 by 3%.
+# checkpointing keeps every matmul's output; ckpt:2) seldom do. In bench/estimate_speed.py's plans the
+# deep misses (the 7B and 70B LoRA with 4-bit weights at 12 and 80 GiB) were about half of those bytes,
+# the near one (the Qwen2-1.5B shape at 16 GiB with pure bf16) a few percent.
 DEEP = 1 / 3
 
 
@@ -279,44 +281,46 @@ class _Candidate:
     relative_speed: float
 
 
-def _floor(est: Estimates, policy: str, floors: dict[str, int]) -> int:
+def _states_bytes(est: Estimates, policy: str, traced_states: dict[str, int]) -> int:
     """The bytes a rung's weights and optimizer moments hold at every moment of its step: those a
-    traced rung with the same states held (``floors``), or the count of the parameters without a
+    traced rung with the same states held (``traced_states``), or the count of the parameters without a
     trace (:meth:`Estimates.states_floor`, a lower bound), whichever is more."""
     counted = est.states_floor(policy)
-    return max(floors.get(_states_key(policy), 0), counted or 0)
+    return max(traced_states.get(_states_key(policy), 0), counted or 0)
 
 
 def _try_rung(
     est: Estimates,
-    rung: Any,
+    rung: Rung | _Candidate,
     batch_size: int | Literal["max"],
     usable: float,
-    floors: dict[str, int],
+    traced_states: dict[str, int],
     *,
     trace_full: bool = True,
 ) -> tuple[PlanRow, int, MemoryEstimate | None]:
     """Estimate one rung (its largest batch, or the plan's), unless its weights and optimizer state
-    alone hold more than ``usable`` (:func:`_floor`): what only saves activations (the loss head,
+    alone hold more than ``usable`` (:func:`_states_bytes`): what only saves activations (the loss head,
     checkpointing) cannot bring the peak below them. Big models then trace a handful of rungs
-    instead of every one (a 7B LoRA base in fp32 is 25 GiB on each). A ``ckpt:N`` rung is read
+    instead of every one (a 7B LoRA base in fp32 holds 7e9 x 4 bytes of weights on each). A ``ckpt:N`` rung is read
     between its neighbours first (:func:`every_n_between`) and not traced when that reading is far
-    over the budget. ``trace_full``: when its states' floor does not rule it out, trace full
+    over the budget. ``trace_full``: when its states' bytes do not rule it out, trace full
     checkpointing for a closer reading - on the walk that rung comes later anyway, and its 5-block
     traces cost less than the ``3N`` blocks of the ``ckpt:N`` ones it may screen out; a search
     (:func:`_search`) traces the ``ckpt:N`` rung instead, as it would stop at full checkpointing
     only when every faster candidate missed."""
     key = _states_key(rung.policy)
-    floor = _floor(est, rung.policy, floors)
-    if floor > usable:
+    states_bytes = _states_bytes(est, rung.policy, traced_states)
+    if states_bytes > usable:
         return (
-            PlanRow(rung.policy, floor, False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False),
+            PlanRow(
+                rung.policy, states_bytes, False, rung.relative_speed, 0 if batch_size == "max" else None, traced=False
+            ),
             0,
             None,
         )
     if batch_size != "max":
         for full in (False, True) if trace_full else (False,):
-            guess = every_n_between(est, rung.policy, int(batch_size), floor, trace_full=full)
+            guess = every_n_between(est, rung.policy, int(batch_size), states_bytes, trace_full=full)
             if guess is not None and guess[0] > (SCREEN_BELOW if guess[1] else SCREEN) * usable:
                 return (
                     PlanRow(
@@ -333,21 +337,25 @@ def _try_rung(
                     None,
                 )
     if batch_size == "max":
-        fitted, e = max_batch(est, rung.policy, usable)
+        fitted, estimate = max_batch(est, rung.policy, usable)
     else:
-        e = est(rung.policy, int(batch_size))
-        fitted = int(batch_size) if e.peak_bytes <= usable else 0
+        estimate = est(rung.policy, int(batch_size))
+        fitted = int(batch_size) if estimate.peak_bytes <= usable else 0
     # Parameters and optimizer state are alive at every moment of a step, whatever saves activations.
-    floors[key] = min(floors.get(key, e.parameters + e.optimizer), e.parameters + e.optimizer)
+    traced_states[key] = min(
+        traced_states.get(key, estimate.parameters + estimate.optimizer), estimate.parameters + estimate.optimizer
+    )
     return (
-        PlanRow(rung.policy, e.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None),
+        PlanRow(
+            rung.policy, estimate.peak_bytes, fitted >= 1, rung.relative_speed, fitted if batch_size == "max" else None
+        ),
         fitted,
-        e,
+        estimate,
     )
 
 
 def _bounded_by_next(
-    est: Estimates, rung: Any, later: list[Any], batch_size: int | Literal["max"], usable: float
+    est: Estimates, rung: Rung, later: list[Rung], batch_size: int | Literal["max"], usable: float
 ) -> PlanRow | None:
     """A rung not traced when a later rung is the same policy saving strictly more, and that one is
     over the budget: its peak is then a lower bound of this one's. Two such pairs are on the ladder:
@@ -373,10 +381,12 @@ def _bounded_by_next(
     bound = next((r for r in later if MemoryPolicy.coerce(r.policy) in stronger), None)
     if bound is None:
         return None
-    e = est(bound.policy, int(batch_size))
-    if e.peak_bytes <= usable:
+    estimate = est(bound.policy, int(batch_size))
+    if estimate.peak_bytes <= usable:
         return None  # the stronger rung fits: this one is traced, as it comes first
-    return PlanRow(rung.policy, e.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=bound.policy)
+    return PlanRow(
+        rung.policy, estimate.peak_bytes, False, rung.relative_speed, None, traced=False, bound_by=bound.policy
+    )
 
 
 def _states_key(policy: str) -> str:
