@@ -17,8 +17,11 @@ import importlib.util
 import warnings
 from typing import TYPE_CHECKING
 
+from ._lazy import install_moved_modules
 from ._quiet import quiet_imports
 from ._version import __version__
+
+install_moved_modules()  # old module paths (before the layout step) still import, with a DeprecationWarning
 
 # The public API in three tiers, as Accelerate keeps ~30 names at its top: (a) core, what a user calls;
 # (b) results, the records those calls return; (c) helpers. A feature's own names live in its

@@ -11,9 +11,12 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
+
+from hf_memstack._lazy import MOVED
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hf_memstack"
@@ -144,3 +147,30 @@ def test_the_recipes_support_package_never_imports_the_script() -> None:
     }
     assert len(back) > 1, f"{support} holds no modules"
     assert not {path: names for path, names in back.items() if names}, "finetune_support imports the script"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_an_old_module_path_imports_its_new_home_with_a_warning(old: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = importlib.import_module(MOVED[old])
+    assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old} is a module again: drop its alias"
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {MOVED[old]}")) as caught:
+        module = importlib.import_module(old)
+    assert module is home
+    # the warning points at the importing line, not at importlib's or hf_memstack's frames
+    assert {Path(w.filename).name for w in caught} <= {"test_layout.py", "__init__.py"}
+
+
+def test_a_from_import_of_an_old_path_gives_the_same_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hf_memstack.transforms.optim.bf16_adamw import BF16AdamW
+
+    monkeypatch.delitem(sys.modules, "hf_memstack.transforms.bf16_adamw", raising=False)
+    with pytest.warns(DeprecationWarning, match="hf_memstack.transforms.optim.bf16_adamw") as caught:
+        from hf_memstack.transforms.bf16_adamw import BF16AdamW as old  # the README's path before the move
+    assert old is BF16AdamW
+    assert caught[0].filename == __file__
+
+
+def test_names_that_never_were_modules_still_fail_to_import() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("hf_memstack.transforms.not_a_module")
