@@ -7,19 +7,25 @@ import io
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .safe_paths import write_new
 
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from hf_memstack.measure.memory import StepMemory
 
-def finite_json(value: Any) -> tuple[str, list[str]]:
+    from .job import LogRow
+
+
+def finite_json(value: object) -> tuple[str, list[str]]:
     """``value`` as JSON text every reader accepts, and where it held a non-finite number.
     ``json.dumps`` writes NaN and Infinity bare, which is not JSON (a resumed checkpoint's logged
     loss can be NaN): those become null, and the places they were are returned (``history[0].loss``)."""
     replaced: list[str] = []
 
-    def finite(v: Any, where: str) -> Any:
+    def finite(v: object, where: str) -> object:
         if isinstance(v, float) and not math.isfinite(v):
             replaced.append(where)
             return None
@@ -32,7 +38,7 @@ def finite_json(value: Any) -> tuple[str, list[str]]:
     return json.dumps(finite(value, ""), indent=2, allow_nan=False), replaced
 
 
-def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
+def loss_summary(history: list[LogRow], log_every: int) -> str:
     """The first and last logged losses; with one log line (a run shorter than --log-every), that one."""
     if not history:
         return ""
@@ -44,7 +50,7 @@ def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
     return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
 
 
-def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
+def plot_memory(path: Path, first_step: StepMemory | None, history: list[LogRow], report: Mapping[str, object]) -> None:
     """A picture of where the memory went: the first step's breakdown, and peak memory over the run."""
     try:
         import matplotlib
