@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import yaml
@@ -110,6 +110,7 @@ if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
     from finetune_support.checkpoint_dirs import Resolved
     from finetune_support.common import Batch, Collate, Sample
     from finetune_support.job import LogRow, RunState
+    from finetune_support.report import Report, Stopped
     from torch.optim.lr_scheduler import LRScheduler
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -800,7 +801,7 @@ def _fsdp_report(model: torch.nn.Module) -> dict[str, object] | None:
     return dataclasses.asdict(fsdp) if fsdp is not None else None
 
 
-def save(job: Job) -> dict[str, Any]:
+def save(job: Job) -> Report:
     """Final evaluation, the model, report.json (and memory.png)."""
     acc, cfg, state = job.accelerator, job.cfg, job.state
     check_finite(job, [])  # the last step's update: no NaN model is saved
@@ -817,7 +818,7 @@ def save(job: Job) -> dict[str, Any]:
         )
     history = state.log_history
     seconds = time.perf_counter() - job.started
-    report = {
+    report: Report = {
         "task": job.task,
         "model": cfg.model.model,
         "policy": job.policy.to_string(),
@@ -865,7 +866,7 @@ def save(job: Job) -> dict[str, Any]:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> Report | Stopped:
     """config -> setup -> train -> save. Returns the report (or ``{"stopped_at": step}`` after --stop-after).
     SIGINT (Ctrl-C) and SIGTERM end it with one line: where it stopped, the newest checkpoint and
     the command that resumes from it."""
@@ -877,7 +878,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _main(args, run)
 
 
-def _main(args: list[str], run: RunState) -> dict[str, Any]:
+def _main(args: list[str], run: RunState) -> Report | Stopped:
     job = None
     try:
         run["cfg"] = cfg = parse_config(args)

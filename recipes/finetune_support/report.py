@@ -9,14 +9,58 @@ import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from .safe_paths import write_new
 
 if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from typing_extensions import NotRequired  # typing's from Python 3.11
+
     from hf_memstack.measure.memory import StepMemory
 
+    from .common import Route
     from .job import LogRow
+
+
+class LoraReport(TypedDict):
+    """report.json's lora: the adapters' rank, scaling alpha and target layers (None without --lora-r)."""
+
+    r: int
+    alpha: float
+    target: str
+
+
+class Report(TypedDict):
+    """report.json: what the run was, how it ran and what it reached (the script's ``save``; ``main`` returns it)."""
+
+    task: str
+    model: str
+    policy: str
+    precision: str
+    batch_size: int
+    grad_accum: int
+    world_size: int
+    route: Route
+    fsdp: dict[str, object] | None  # how the model was sharded (None: not sharded)
+    steps: int
+    seconds: float
+    peak_memory_bytes: int | None
+    first_step_memory: dict[str, object] | None  # the memory meter's first step, by category
+    first_logged_loss: float | None
+    last_logged_loss: float | None
+    final_metrics: dict[str, float]
+    history: list[LogRow]
+    model_dir: str
+    trainable_parameters: int
+    lora: LoraReport | None
+    non_finite_as_null: NotRequired[list[str]]  # where a non-finite number was written as null
+
+
+class Stopped(TypedDict):
+    """What ``main`` returns after --stop-after: where it stopped, and the rows logged so far."""
+
+    stopped_at: int
+    history: list[LogRow]
 
 
 def finite_json(value: object) -> tuple[str, list[str]]:
