@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import yaml
@@ -101,6 +101,22 @@ from finetune_support.stops import (
 
 from hf_memstack._quiet import quiet_imports
 from hf_memstack.files import irregular_files
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderShard
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from datasets import Dataset
+    from finetune_support.checkpoint_dirs import Resolved
+    from finetune_support.common import Batch, Collate, Sample
+    from finetune_support.job import LogRow, RunState
+    from finetune_support.report import Report, Stopped
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from hf_memstack.policy import MemoryPolicy
+    from hf_memstack.record import MemstackRecord
+    from hf_memstack.transforms.precision.apply import ResolvedPrecision
 
 
 def parse_config(argv: list[str] | None = None) -> FinetuneConfig:
@@ -197,8 +213,8 @@ def _check_packing_task(cfg: FinetuneConfig, task: str) -> None:
 
 
 def _precision_and_route(
-    cfg: FinetuneConfig, policy: Any, model_path: str, task: str, device_type: str
-) -> tuple[Any, Route, Any]:
+    cfg: FinetuneConfig, policy: MemoryPolicy, model_path: str, task: str, device_type: str
+) -> tuple[ResolvedPrecision, Route, FullyShardedDataParallelPlugin | None]:
     """The policy's precision on this device, the sharding route, and Accelerate's FSDP plugin on its route (else None)."""
     from hf_memstack.transforms.precision.apply import resolve_precision
 
@@ -216,8 +232,8 @@ def _precision_and_route(
 
 
 def _run_record(
-    cfg: FinetuneConfig, plan: OutputPlan, accelerator: Any, policy: Any, data_digest: str
-) -> dict[str, Any]:
+    cfg: FinetuneConfig, plan: OutputPlan, accelerator: Accelerator, policy: MemoryPolicy, data_digest: str
+) -> dict[str, object]:
     """What this run is (run_config's record); resuming, compared with the checkpoint's."""
     record = run_record(cfg, world_size=accelerator.num_processes, policy=policy.to_string(), data=data_digest)
     if plan.reference is not None:
@@ -232,7 +248,7 @@ def _run_record(
     return record
 
 
-def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
+def build_optimizer(cfg: FinetuneConfig, model: torch.nn.Module, policy: MemoryPolicy) -> torch.optim.Optimizer:
     """AdamW, no weight decay on biases and norms; the policy's optimizer rung (8-bit moments,
     stepped in the backward, pure bf16's stochastic rounding) through the library's make_optimizer,
     else PyTorch's fused kernel."""
@@ -257,18 +273,18 @@ def build_optimizer(cfg: FinetuneConfig, model: Any, policy: Any) -> Any:
 def _build(
     cfg: FinetuneConfig,
     *,
-    accelerator: Any,
+    accelerator: Accelerator,
     plan: OutputPlan,
     route: Route,
-    policy: Any,
-    precision: Any,
+    policy: MemoryPolicy,
+    precision: ResolvedPrecision,
     task: str,
-    tokenizer: Any,
-    train_ds: Any,
-    val_ds: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    train_ds: Dataset,
+    val_ds: Dataset,
     num_labels: int,
     model_path: str,
-    record: dict[str, Any],
+    record: dict[str, object],
     device_type: str,
 ) -> Job:
     """The model under its policy, the optimizer, the batch size, the loaders and the schedule; the checkpoint loaded."""
@@ -339,12 +355,18 @@ def _build(
 
 
 def _model_under_policy(
-    cfg: FinetuneConfig, accelerator: Any, route: Route, policy: Any, task: str, num_labels: int, model_path: str
-) -> Any:
+    cfg: FinetuneConfig,
+    accelerator: Accelerator,
+    route: Route,
+    policy: MemoryPolicy,
+    task: str,
+    num_labels: int,
+    model_path: str,
+) -> torch.nn.Module:
     """The model (with LoRA adapters under --lora-r) prepared under its memory policy."""
     from hf_memstack import PolicyError, describe, prepare_model
 
-    model = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
+    model: torch.nn.Module = load_model(cfg, model_path, task, num_labels, rank0_only=route == "fully_shard")
     if cfg.lora.lora_r:
         model = add_lora(cfg, model, task)
     # Memory policy: checkpointing and compile now; autocast comes from accelerator.prepare (except
@@ -363,7 +385,7 @@ def _model_under_policy(
     return model
 
 
-def _resumed_state(plan: OutputPlan) -> tuple[TrainerState, dict[str, Any] | None]:
+def _resumed_state(plan: OutputPlan) -> tuple[TrainerState, Resolved | None]:
     """Where the checkpoint to resume left off, and what it resolved (the finder's batch size); a new run's start."""
     if plan.resume is None:
         return TrainerState(), None
@@ -381,7 +403,7 @@ def _check_resumed_layout(
     cfg: FinetuneConfig,
     plan: OutputPlan,
     state: TrainerState,
-    resolved: dict[str, Any] | None,
+    resolved: Resolved | None,
     batch_size: int,
     grad_accum: int,
     batches_per_epoch: int,
@@ -407,15 +429,15 @@ def _check_resumed_layout(
 
 def _loaders(
     cfg: FinetuneConfig,
-    tokenizer: Any,
-    batch_collate: Any,
-    train_ds: Any,
-    val_ds: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    batch_collate: Collate,
+    train_ds: Dataset,
+    val_ds: Dataset,
     batch_size: int,
     pad_to: int | None,
     *,
     pin: bool,
-) -> tuple[Any, Any]:
+) -> tuple[torch.utils.data.DataLoader[Sample], torch.utils.data.DataLoader[Sample]]:
     """The training and validation loaders (before accelerator.prepare)."""
     # Each loader draws its workers' base seed from its own generator, not from the global RNG: a
     # resumed run creates its iterator mid-epoch, after the restored RNG state, and a draw there
@@ -446,7 +468,9 @@ def _loaders(
     return train_dl, val_dl
 
 
-def _schedule(cfg: FinetuneConfig, optimizer: Any, train_dl: Any, world: int, grad_accum: int) -> tuple[Any, int]:
+def _schedule(
+    cfg: FinetuneConfig, optimizer: torch.optim.Optimizer, train_dl: DataLoaderShard, world: int, grad_accum: int
+) -> tuple[LRScheduler, int]:
     """The learning-rate schedule over the run's optimizer steps, and their number."""
     from transformers import get_scheduler
 
@@ -473,12 +497,12 @@ def _apply_requested_hparams(job: Job) -> None:
     job.optimizer.param_groups[0]["weight_decay"] = job.cfg.train.weight_decay  # group 0 decays; biases and norms never
 
 
-def _hparams(optimizer: Any) -> list[dict[str, Any]]:
+def _hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, object]]:
     """Each parameter group's settings but its parameters and its current lr (the schedule moves it)."""
     return [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
 
 
-def _check_loaded_hparams(job: Job, path: Path, built: list[dict[str, Any]]) -> None:
+def _check_loaded_hparams(job: Job, path: Path, built: list[dict[str, object]]) -> None:
     """The optimizer and schedule a checkpoint loads carry their own settings (weight decay, betas,
     the schedule's base lr): a received optimizer.bin or scheduler.bin could say any, and the run
     record, compared before, does not see them. They must be what this run's settings build.
@@ -534,7 +558,7 @@ def evaluate(job: Job) -> dict[str, float]:
     return metrics
 
 
-def micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
+def micro_step(job: Job, batch: Batch) -> tuple[torch.Tensor, float | None]:
     """Forward and backward; at the end of an accumulation window, clip, step the optimizer and the
     schedule once. Returns the loss and the learning rate this optimizer step used (None between steps)."""
     acc, model, optimizer = job.accelerator, job.model, job.optimizer
@@ -554,7 +578,7 @@ def micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, 
     return loss.detach(), lr
 
 
-def _meter_first_step(policy: Any, device_type: str, route: Route, *, resuming: bool) -> bool:
+def _meter_first_step(policy: MemoryPolicy, device_type: str, route: Route, *, resuming: bool) -> bool:
     """Whether the first step runs under the memory meter (CPU, eager, unsharded). Not after a
     resume with the 8-bit optimizer: its compiled step runs uncompiled under the meter, which rounds
     differently, and the resumed run would no longer equal an uninterrupted one bit for bit."""
@@ -562,7 +586,7 @@ def _meter_first_step(policy: Any, device_type: str, route: Route, *, resuming: 
     return eager and not (resuming and policy.optimizer.state == "8bit")
 
 
-def _measured_micro_step(job: Job, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float | None]:
+def _measured_micro_step(job: Job, batch: Batch) -> tuple[torch.Tensor, float | None]:
     """The first micro-step, run once under the memory meter; its loss counts like any other."""
     from hf_memstack import measure_step
 
@@ -641,7 +665,7 @@ def train(job: Job) -> None:
     bar.close()
 
 
-def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+def real_tokens(batch: Batch) -> int:
     """The batch's tokens that are not padding: the attention mask's ones; in packed rows (no mask),
     every position but each row's trailing padding segment (PackedCollator's: its own restarting
     positions, labels -100)."""
@@ -656,12 +680,12 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> int:
     return total
 
 
-def _log_row(job: Job, window: _Window) -> dict[str, Any]:
+def _log_row(job: Job, window: _Window) -> LogRow:
     # The mean over every process's micro-steps since the last line (one small all-reduce).
     loss = job.accelerator.reduce(torch.stack(window.losses).float().mean(), reduction="mean")
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     peak = torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes
-    row = {
+    row: LogRow = {
         "step": job.state.step,
         "loss": float(loss),
         "lr": window.lr,
@@ -740,7 +764,8 @@ def _write_model(job: Job, tmp: Path) -> None:
         # Sharded (here or by Accelerate's FSDP2): gather the full state on rank 0, save under the model's own class.
         from hf_memstack.distributed import save_pretrained_full
 
-        save_pretrained_full(job.model, str(tmp))
+        # No LoRA under FSDP (check_config): the sharded model is the Transformers model itself.
+        save_pretrained_full(cast("PreTrainedModel", job.model), str(tmp))
     else:
         state_dict = acc.get_state_dict(job.model)
         if acc.is_main_process:
@@ -757,7 +782,7 @@ def _write_model(job: Job, tmp: Path) -> None:
         job.tokenizer.save_pretrained(tmp)
 
 
-def _merged(job: Job) -> Any:
+def _merged(job: Job) -> PreTrainedModel:
     """The adapters merged into the base. A 4-bit base (quant:nf4) is dequantized and merged by
     hf_memstack.merge_adapters in the training precision's dtype (PEFT's merge_and_unload fails on
     NF4 weights); a dense base by PEFT's merge_and_unload, in its own dtype."""
@@ -767,16 +792,16 @@ def _merged(job: Job) -> Any:
     from hf_memstack import merge_adapters
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.policy.precision, torch.float32)
-    return merge_adapters(model, dtype=dtype)
+    return cast("PreTrainedModel", merge_adapters(model, dtype=dtype))  # the base model, merged
 
 
-def _fsdp_report(model: Any) -> dict[str, Any] | None:
+def _fsdp_report(model: torch.nn.Module) -> dict[str, object] | None:
     """How the model was sharded, as plain data for report.json (None: not sharded)."""
-    fsdp = model.memstack.fsdp
+    fsdp = cast("MemstackRecord", model.memstack).fsdp  # prepare_model's record
     return dataclasses.asdict(fsdp) if fsdp is not None else None
 
 
-def save(job: Job) -> dict[str, Any]:
+def save(job: Job) -> Report:
     """Final evaluation, the model, report.json (and memory.png)."""
     acc, cfg, state = job.accelerator, job.cfg, job.state
     check_finite(job, [])  # the last step's update: no NaN model is saved
@@ -793,7 +818,7 @@ def save(job: Job) -> dict[str, Any]:
         )
     history = state.log_history
     seconds = time.perf_counter() - job.started
-    report = {
+    report: Report = {
         "task": job.task,
         "model": cfg.model.model,
         "policy": job.policy.to_string(),
@@ -841,19 +866,19 @@ def save(job: Job) -> dict[str, Any]:
     return report
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> Report | Stopped:
     """config -> setup -> train -> save. Returns the report (or ``{"stopped_at": step}`` after --stop-after).
     SIGINT (Ctrl-C) and SIGTERM end it with one line: where it stopped, the newest checkpoint and
     the command that resumes from it."""
     args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    run: dict[str, Any] = {}  # what that line reads: the config once parsed, the job once set up
+    run: RunState = {}  # what that line reads: the config once parsed, the job once set up
     # quiet_imports: the run's first Transformers / PEFT use imports torchao and bitsandbytes; their
     # import-time noise (and only it) is dropped, so an error is the one message the user reads.
     with say_where_on_interrupt(lambda signum: interrupted(signum, args, run, script=script_path())), quiet_imports():
         return _main(args, run)
 
 
-def _main(args: list[str], run: dict[str, Any]) -> dict[str, Any]:
+def _main(args: list[str], run: RunState) -> Report | Stopped:
     job = None
     try:
         run["cfg"] = cfg = parse_config(args)
@@ -890,7 +915,7 @@ def _main(args: list[str], run: dict[str, Any]) -> dict[str, Any]:
         release_run_locks()  # the output directory's lock (run_lock.py), once the trackers are closed
 
 
-def _drain_collectives(job: Any) -> None:
+def _drain_collectives(job: Job) -> None:
     """One barrier after the last collective, on the success path only (a failed rank never reaches
     it). gloo's loop thread drops a finished all_gather's work - whose tensors Python made - after its
     caller has; were that the last reference while the main thread tears the group down in

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
 
 HERE = Path(__file__).resolve().parent
 
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     return metrics
 
 
-def _encoded(script: ScriptArguments, data: Any, task: str, tokenizer: Any, labels: list[Any]) -> tuple[Any, Any]:
+def _encoded(
+    script: ScriptArguments, data: Dataset, task: str, tokenizer: PreTrainedTokenizerBase, labels: list[object]
+) -> tuple[Dataset, Dataset]:
     """The training and validation splits (90/10), tokenized for the task."""
     split = data.train_test_split(test_size=0.1, seed=script.seed)
     encode = (
@@ -150,7 +157,7 @@ def _encoded(script: ScriptArguments, data: Any, task: str, tokenizer: Any, labe
     return train, val
 
 
-def _load_model(script: ScriptArguments, model_path: str, task: str, labels: list[Any]) -> Any:
+def _load_model(script: ScriptArguments, model_path: str, task: str, labels: list[object]) -> torch.nn.Module:
     """The model in fp32 (a classifier head for the labels, or a causal LM), with LoRA adapters under --lora_r."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

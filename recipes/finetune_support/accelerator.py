@@ -4,12 +4,23 @@ a 600 s timeout, treat CPU torchrun processes wrongly, or step the schedule N ti
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .flags import FinetuneConfig
 
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
-def make_accelerator(cfg: FinetuneConfig, precision: Any, device_type: str, fsdp_plugin: Any) -> Any:
+    from hf_memstack.transforms.precision.apply import ResolvedPrecision
+
+
+def make_accelerator(
+    cfg: FinetuneConfig,
+    precision: ResolvedPrecision,
+    device_type: str,
+    fsdp_plugin: FullyShardedDataParallelPlugin | None,
+) -> Accelerator:
     """The run's Accelerator: its mixed precision, FSDP plugin, trackers, seedable loaders and timeout."""
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs

@@ -4,7 +4,7 @@ auto, on the training loader's own batches), or, resuming an auto run, what the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,16 +12,25 @@ from .common import RecipeError
 from .flags import FinetuneConfig
 from .run_dir import OutputPlan
 
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from collections.abc import Callable
+
+    from accelerate import Accelerator
+    from datasets import Dataset
+
+    from .checkpoint_dirs import Resolved
+    from .common import Batch, Collate
+
 
 def choose_batch_size(
     cfg: FinetuneConfig,
     plan: OutputPlan,
-    resolved: dict[str, Any] | None,
-    accelerator: Any,
-    model: Any,
-    optimizer: Any,
-    train_ds: Any,
-    batch_collate: Any,
+    resolved: Resolved | None,
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_ds: Dataset,
+    batch_collate: Collate,
 ) -> tuple[int, int]:
     """The micro-batch and the accumulation steps: the flag's, the finder's (--batch-size auto), or,
     resuming an auto run on as many processes, what the finder found when it started."""
@@ -73,14 +82,14 @@ def choose_batch_size(
     return batch_size, grad_accum
 
 
-def finder_batches(train_ds: Any, batch_collate: Any, device: Any) -> Any:
+def finder_batches(train_ds: Dataset, batch_collate: Collate, device: torch.device) -> Callable[[int], Batch]:
     """``make_batch(n)`` for the batch-size finder: the ``n`` longest training rows through the
     training loader's own collate, so the finder sizes the widest batch training will run, at the
     length and with the padding it runs (under compile every batch is padded to --seq-len)."""
     lengths = [len(ids) for ids in train_ds["input_ids"]]
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
 
-    def make_batch(n: int) -> dict[str, torch.Tensor]:
+    def make_batch(n: int) -> Batch:
         rows = [train_ds[order[i % len(order)]] for i in range(n)]
         return {k: v.to(device) for k, v in batch_collate(rows).items()}
 

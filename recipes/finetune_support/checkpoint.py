@@ -9,7 +9,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -29,10 +29,14 @@ from .run_lock import LOCK, lock_for_writing
 from .stops import disk_full, tensor_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from .job import Job
 
 
-def checkpoint_without_4bit_weights(models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
+def checkpoint_without_4bit_weights(
+    models: list[torch.nn.Module], weights: list[dict[str, torch.Tensor]], output_dir: str
+) -> None:
     """Accelerate's save_state hook for a 4-bit base (quant:nf4): the frozen 4-bit weights stay out of
     the checkpoint (safetensors cannot hold torchao's NF4 tensors, and they never change): resuming
     quantizes --model's weights again, which gives the same codes, and loads the rest."""
@@ -42,7 +46,7 @@ def checkpoint_without_4bit_weights(models: list[Any], weights: list[dict[str, A
         weights[i] = {k: v for k, v in state.items() if not is_4bit(v)}
 
 
-def load_without_4bit_weights(models: list[Any], input_dir: str) -> None:
+def load_without_4bit_weights(models: list[torch.nn.Module], input_dir: str) -> None:
     """Accelerate's load_state hook for a 4-bit base: loads the model's saved (not 4-bit) weights
     itself and takes the model off Accelerate's list (its loader reads every tensor's storage
     pointer, which torchao's NF4 tensors do not have). The keys were checked before

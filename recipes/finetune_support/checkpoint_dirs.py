@@ -13,15 +13,19 @@ import math
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from hf_memstack.files import describe_kind, read_json
 
 from .common import RecipeError
 from .faults import test_hook
 from .safe_paths import lstat_or_none, relative_inside, remove_entry, symlink_inside
+
+if TYPE_CHECKING:
+    from .job import TrainerState  # for annotations only: job.py imports this module (through stops.py)
 
 CHECKPOINT_MANIFEST = "checkpoint.json"  # written last: a checkpoint without it does not count
 TRAINER_STATE = "trainer_state.json"
@@ -34,6 +38,15 @@ _ALWAYS_SAVED = (TRAINER_STATE, "run_config.yaml", "random_states_0.pkl")
 _WEIGHTS = re.compile(r"(pytorch_)?model.*|sharded/.+")
 _NAME_MAX, _PATH_MAX = 255, 4095  # bytes, as Linux's filesystems allow
 _MAX_ENTRIES = 100_000  # far above any checkpoint the recipe writes (a few files, or a DCP shard per rank)
+
+
+class Resolved(TypedDict, total=False):
+    """What a run resolved when it started, as trainer_state.json's ``resolved`` holds it: the keys
+    read back (checked by read_trainer_state: positive integers where present). Absent in a
+    checkpoint from before the run recorded them."""
+
+    batch_size: int
+    grad_accum: int
 
 
 @dataclass
@@ -82,7 +95,7 @@ def inspect_checkpoint(path: Path) -> Checkpoint:
     return Checkpoint(step, path, problem)
 
 
-def _missing_saved_file(files: dict[str, Any]) -> str | None:
+def _missing_saved_file(files: Mapping[str, object]) -> str | None:
     """A checkpoint.json must list what every save writes: without them, nothing it lists is checked."""
     missing = [name for name in _ALWAYS_SAVED if name not in files]
     if not any(isinstance(name, str) and _WEIGHTS.fullmatch(name) for name in files):
@@ -111,7 +124,7 @@ def _name_problem(name: Any) -> str | None:
     return None
 
 
-def _listed_files_problem(path: Path, files: dict[str, Any]) -> str | None:
+def _listed_files_problem(path: Path, files: Mapping[str, object]) -> str | None:
     """What is wrong with the files checkpoint.json lists (None: all there, at their sizes). Each
     name is checked before it is used: outside the folder, or through a symlink, nothing is looked at."""
     for name, size in files.items():
@@ -135,7 +148,7 @@ def _listed_files_problem(path: Path, files: dict[str, Any]) -> str | None:
     return None
 
 
-def _unlisted_entry_problem(path: Path, files: dict[str, Any]) -> str | None:
+def _unlisted_entry_problem(path: Path, files: Mapping[str, object]) -> str | None:
     """An entry of the folder (at any depth, never through a link) that checkpoint.json does not
     list: its loaders would open it unchecked, and a FIFO there blocks the open forever, a symlink
     loads weights from outside, a device reads without end. Folders only hold what they list."""
@@ -240,12 +253,12 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _count(value: Any, *, positive: bool = False) -> bool:
+def _count(value: object, *, positive: bool = False) -> bool:
     """A JSON integer (not a bool) that is >= 0 (> 0 with ``positive``)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if positive else 0)
 
 
-def _check_history(history: Any, step: int) -> None:
+def _check_history(history: object, step: int) -> None:
     """The logged rows a resumed run carries into its report: a list of rows, each of a step no later
     than the checkpoint's and numbers (a forged string or list fails mid-run or in save() otherwise)."""
     if not isinstance(history, list):
@@ -258,7 +271,7 @@ def _check_history(history: Any, step: int) -> None:
             raise ValueError(f"log_history[{i}][{bad[0]!r}]={str(row[bad[0]])[:40]!r} is not a number")
 
 
-def _check_resolved(resolved: Any) -> None:
+def _check_resolved(resolved: object) -> None:
     """What the run resolved when it started (the finder's batch size): positive integers."""
     if resolved is None:
         return
@@ -269,7 +282,7 @@ def _check_resolved(resolved: Any) -> None:
             raise ValueError(f"resolved.{key}={str(resolved[key])[:40]!r} is not a positive integer")
 
 
-def check_resumed_position(path: Path, state: Any, *, batches_per_epoch: int, grad_accum: int) -> None:
+def check_resumed_position(path: Path, state: TrainerState, *, batches_per_epoch: int, grad_accum: int) -> None:
     """Where in the data a checkpoint of this run's batch size resumes must be a place the run could
     have reached: a forged ``batches_in_epoch`` past the epoch would skip its rest, an ``epoch`` past
     what the steps allow would skip whole epochs. (Only for the batch size it was saved with: a

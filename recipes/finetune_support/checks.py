@@ -7,13 +7,16 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
 
 from .common import FORMATS, RecipeError, is_alias, looks_local
 from .flags import FinetuneConfig
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from hf_memstack.policy import MemoryPolicy
 
 
 def check_config(cfg: FinetuneConfig) -> None:
@@ -214,7 +217,7 @@ def _lora_problems(cfg: FinetuneConfig) -> list[str]:
     return problems
 
 
-def _policy_problems(policy: Any, spec: str) -> list[str]:
+def _policy_problems(policy: MemoryPolicy, spec: str) -> list[str]:
     """What the library's policy validation leaves to the run: the device and the compile backend."""
     problems = []
     if policy.compile.mode != "none":
@@ -229,7 +232,7 @@ def _policy_problems(policy: Any, spec: str) -> list[str]:
     return problems
 
 
-def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
+def _quant_problems(cfg: FinetuneConfig, policy: MemoryPolicy) -> list[str]:
     """4-bit base weights (quant:nf4) are frozen: only adapters can train on them."""
     if policy.quant.mode == "none" or cfg.lora.lora_r:
         return []
@@ -240,7 +243,7 @@ def _quant_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
     ]
 
 
-def _optimizer_problems(cfg: FinetuneConfig, policy: Any) -> list[str]:
+def _optimizer_problems(cfg: FinetuneConfig, policy: MemoryPolicy) -> list[str]:
     """The policy's optimizer rung against this run's settings (make_optimizer checks the same,
     later; here every problem is named by its flag, before anything is loaded)."""
     from hf_memstack.transforms.optim.optimizer import check_optimizer_policy

@@ -5,7 +5,21 @@ any failed, so one bad rank ends them all with its message)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from collections.abc import Callable
+
+    import torch
+    from accelerate import Accelerator
+
+    # A collated batch, as the model's forward takes it.
+    Batch = dict[str, torch.Tensor]
+    # One tokenized row of a datasets.Dataset: its columns as the tokenizer and packing made them
+    # (datasets ships no types, and the columns differ by task).
+    Sample = dict[str, Any]
+    # The loaders' collate_fn (and the finder's): rows to a batch.
+    Collate = Callable[[list[Sample]], Batch]
 
 Task = Literal["auto", "causal-lm", "classification"]
 # How the model is sharded, decided once in setup: not at all; by Accelerate's FSDP2 plugin (GPUs);
@@ -45,13 +59,13 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def agree(accelerator: Any, error: RecipeError | None) -> None:
+def agree(accelerator: Accelerator, error: RecipeError | None) -> None:
     """Every process learns whether any failed, so that one bad rank ends all of them with its message
     instead of leaving the others waiting in the next collective."""
     if accelerator.num_processes > 1:
         import torch.distributed as dist
 
-        messages: list[Any] = [None] * accelerator.num_processes
+        messages: list[str | None] = [None] * accelerator.num_processes
         dist.all_gather_object(messages, error.message if error else None)
         failed = [(r, m) for r, m in enumerate(messages) if m]
         if failed:

@@ -7,16 +7,27 @@ import hashlib
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .common import RecipeError, looks_local, printable
 from .flags import FinetuneConfig
-from .rows import Rows, check_rows, read_rows
+from .rows import FirstLabel, Rows, check_rows, read_rows
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from collections.abc import Callable
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+    from .common import Batch, Collate, Sample
+
+    # A batched ``Dataset.map`` function: a batch of rows, column by column, to the new columns.
+    Encoder = Callable[[dict[str, list[Any]]], dict[str, list[Any]]]
 
 
-def load_raw_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
+def load_raw_data(cfg: FinetuneConfig) -> tuple[Dataset, Dataset, str, str]:
     """Train and validation splits (datasets.Dataset), the task, and a digest of the data.
 
     Raises:
@@ -84,7 +95,7 @@ def _integer_csv_labels(part: Rows, label_field: str) -> None:
 def _problems(cfg: FinetuneConfig, task: str, parts: list[Rows], needed: list[str]) -> list[str]:
     """The first problems of the rows' fields, across files; a classifier also needs 2 classes."""
     problems: list[str] = []
-    first_label: dict[str, Any] = {}
+    first_label: FirstLabel = {}
     for part in parts:
         problems += check_rows(
             part,
@@ -103,7 +114,7 @@ def _problems(cfg: FinetuneConfig, task: str, parts: list[Rows], needed: list[st
     return problems
 
 
-def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
+def _load_hub_data(cfg: FinetuneConfig) -> tuple[Dataset, Dataset, str, str]:
     import datasets
 
     try:
@@ -136,7 +147,9 @@ def _load_hub_data(cfg: FinetuneConfig) -> tuple[Any, Any, str, str]:
     return train, val, task, f"hub:{cfg.data.dataset}:{train._fingerprint}:{val._fingerprint}"
 
 
-def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfig) -> tuple[Any, Any, int]:
+def tokenize(
+    train: Dataset, val: Dataset, task: str, tokenizer: PreTrainedTokenizerBase, cfg: FinetuneConfig
+) -> tuple[Dataset, Dataset, int]:
     """Token ids (and labels) for each split; returns the number of classes for classification.
 
     Raises:
@@ -163,11 +176,11 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
             f"seq_len={cfg.data.seq_len}: a causal LM needs at least 2 tokens per sample (one to predict); use "
             "--seq-len 2 or more"
         )
-    enc = _lm_encoder(cfg, tokenizer)
+    encode = _lm_encoder(cfg, tokenizer)
     cols = train.column_names
     train_ds, val_ds = (
-        train.map(enc, batched=True, remove_columns=cols),
-        val.map(enc, batched=True, remove_columns=cols),
+        train.map(encode, batched=True, remove_columns=cols),
+        val.map(encode, batched=True, remove_columns=cols),
     )
     _check_learnable(train_ds, val_ds, cfg)
     if cfg.data.packing == "on":
@@ -175,7 +188,7 @@ def tokenize(train: Any, val: Any, task: str, tokenizer: Any, cfg: FinetuneConfi
     return train_ds, val_ds, 0
 
 
-def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
+def _lm_encoder(cfg: FinetuneConfig, tokenizer: PreTrainedTokenizerBase) -> Encoder:
     """The batched ``map`` function of a causal LM's rows: a prompt and its response (the loss on
     the response only), --packing wrapped's blocks of --seq-len tokens, or one text a row."""
     eos = tokenizer.eos_token or ""
@@ -219,7 +232,7 @@ def _lm_encoder(cfg: FinetuneConfig, tokenizer: Any) -> Any:
     return enc
 
 
-def _chat_prompt(tokenizer: Any, prompt: str) -> str:
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
     """The prompt as the tokenizer's chat template writes a user turn (Transformers renders it in
     Jinja's sandbox, which refuses a template reaching for Python internals such as ``__class__``).
 
@@ -230,9 +243,10 @@ def _chat_prompt(tokenizer: Any, prompt: str) -> str:
     from jinja2.exceptions import SecurityError
 
     try:
-        return tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
+        return cast(str, text)  # tokenize=False: the rendered text
     except TemplateError as e:
         source = Path(tokenizer.name_or_path)
         field = (
@@ -252,7 +266,7 @@ def _chat_prompt(tokenizer: Any, prompt: str) -> str:
         ) from None
 
 
-def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:
+def pack_rows(ds: Dataset, cfg: FinetuneConfig) -> Dataset:
     """Whole samples packed into rows of --seq-len tokens (hf_memstack.data.pack_dataset: best-fit
     decreasing; no sample is split, each is at most --seq-len tokens already)."""
     from hf_memstack.data import pack_dataset
@@ -260,7 +274,7 @@ def pack_rows(ds: Any, cfg: FinetuneConfig) -> Any:
     return pack_dataset(ds, cfg.data.seq_len)
 
 
-def packing_summary(packed: Any, cfg: FinetuneConfig) -> str:
+def packing_summary(packed: Dataset, cfg: FinetuneConfig) -> str:
     """The training rows' padding packed (rows padded to --seq-len) against the same samples in
     padded batches (each padded to its longest sample, at --batch-size or 8 with --batch-size auto)."""
     from hf_memstack.data import padding_stats
@@ -275,7 +289,7 @@ def packing_summary(packed: Any, cfg: FinetuneConfig) -> str:
     )
 
 
-def _check_learnable(train_ds: Any, val_ds: Any, cfg: FinetuneConfig) -> None:
+def _check_learnable(train_ds: Dataset, val_ds: Dataset, cfg: FinetuneConfig) -> None:
     """Rows with nothing to learn: no full wrapped block, a prompt filling all --seq-len tokens."""
     for name, ds in (("training", train_ds), ("validation", val_ds)):
         if len(ds) == 0:
@@ -292,7 +306,7 @@ def _check_learnable(train_ds: Any, val_ds: Any, cfg: FinetuneConfig) -> None:
                 )
 
 
-def collate(tokenizer: Any, pad_to: int | None = None, *, packed: bool = False):
+def collate(tokenizer: PreTrainedTokenizerBase, pad_to: int | None = None, *, packed: bool = False) -> Collate:
     """Pad a list of samples into a batch; labels are padded with -100 (ignored by the loss). Packed
     rows (--packing on) go through hf_memstack.data.PackedCollator: position_ids restarting at each
     sample and no attention_mask (a 2-D mask would let the samples attend to each other)."""
@@ -302,7 +316,7 @@ def collate(tokenizer: Any, pad_to: int | None = None, *, packed: bool = False):
 
         return PackedCollator(pad_token_id=pad_id, pad_to=pad_to)
 
-    def fn(samples: list[dict]) -> dict[str, torch.Tensor]:
+    def fn(samples: list[Sample]) -> Batch:
         width = pad_to or max(len(s["input_ids"]) for s in samples)
         batch = {
             "input_ids": torch.tensor([s["input_ids"] + [pad_id] * (width - len(s["input_ids"])) for s in samples]),

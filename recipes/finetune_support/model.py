@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from safetensors import SafetensorError
@@ -12,6 +12,12 @@ from safetensors import SafetensorError
 from .common import RecipeError, Route, printable
 from .flags import FinetuneConfig
 from .stops import nonfinite, nonfinite_in_files
+
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from hf_memstack.policy import MemoryPolicy
+    from hf_memstack.transforms.precision.apply import ResolvedPrecision
 
 
 def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
@@ -22,7 +28,7 @@ def _lora_targets(cfg: FinetuneConfig) -> str | list[str]:
     )
 
 
-def add_lora(cfg: FinetuneConfig, model: Any, task: str) -> Any:
+def add_lora(cfg: FinetuneConfig, model: torch.nn.Module, task: str) -> torch.nn.Module:
     """The model with LoRA adapters (PEFT) on ``--lora-target``; base weights frozen. A
     classification head stays trainable (PEFT's modules_to_save for sequence classification)."""
     from peft import LoraConfig, TaskType, get_peft_model
@@ -56,7 +62,7 @@ def resolve_model_path(name: str) -> str:
         raise RecipeError(str(e)) from None
 
 
-def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
+def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     source = cfg.model.tokenizer or model_path
@@ -75,7 +81,7 @@ def load_tokenizer(cfg: FinetuneConfig, model_path: str) -> Any:
     return tok
 
 
-def load_model_config(cfg: FinetuneConfig, model_path: str) -> Any:
+def load_model_config(cfg: FinetuneConfig, model_path: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     try:
@@ -105,7 +111,7 @@ def load_model(
     *,
     rank0_only: bool = False,
     skeleton: bool = False,
-) -> Any:
+) -> PreTrainedModel:
     """The pretrained model in fp32 (mixed precision computes in bf16/fp16 from fp32 master weights).
     ``rank0_only``: only rank 0 reads the weights, the other ranks build on the meta device and get
     their shards by broadcast in prepare_model. ``skeleton``: the architecture on the meta device,
@@ -141,7 +147,7 @@ def load_model(
     return model
 
 
-def check_finite_weights(model: Any, where: str, folder: Path) -> None:
+def check_finite_weights(model: torch.nn.Module, where: str, folder: Path) -> None:
     """Refuse weights holding NaN or inf (a damaged file, or one saved from a run that diverged):
     training from them gives a NaN loss from the first step. One pass over the loaded tensors; only
     when one is not finite are the folder's safetensors files read to name the file holding it.
@@ -210,14 +216,16 @@ def _custom_code(source: str, config_name: str) -> str | None:
     )
 
 
-def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int) -> tuple[Any, str]:
+def choose_policy(
+    cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int
+) -> tuple[MemoryPolicy, str]:
     """--policy as given; or, for 'auto' with --memory-budget, the planner's cheapest rung that fits
     (returned with the planner's table)."""
     from hf_memstack import MemoryPolicy, plan_policy
 
     if cfg.memory.policy != "auto" or not cfg.memory.memory_budget:
         return MemoryPolicy.coerce(cfg.memory.policy), ""
-    batch: Any = int(cfg.memory.batch_size) if cfg.memory.batch_size.isdigit() else "max"
+    batch: int | Literal["max"] = int(cfg.memory.batch_size) if cfg.memory.batch_size.isdigit() else "max"
     try:
         # optim:in_backward rungs only when this run could train with them (no clipping, no
         # accumulation, no DDP): the planner does not offer what the loop would then refuse.
@@ -225,7 +233,7 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
         # dtype="fp32": load_model loads the weights in fp32 whatever the checkpoint's dtype (fp32
         # master weights under mixed precision), so that is what the plan must count.
         # A LoRA run plans for its adapters (which also opens the 4-bit base rung), not a full fine-tune.
-        trainable: Any = (
+        trainable: dict[str, object] | str = (
             {
                 "r": cfg.lora.lora_r,
                 "lora_alpha": cfg.lora.lora_alpha or 2 * cfg.lora.lora_r,
@@ -257,10 +265,10 @@ def choose_policy(cfg: FinetuneConfig, model_path: str, task: str, device_type: 
             f"policy=auto: nothing fits memory_budget={cfg.memory.memory_budget}; raise --memory-budget, "
             f"lower --seq-len/--batch-size, or use more devices:\n{plan.table()}"
         )
-    return plan.policy, plan.table()
+    return cast("MemoryPolicy", plan.policy), plan.table()  # a plan that fits names its policy
 
 
-def choose_route(policy: Any, precision: Any, device_type: str) -> Route:
+def choose_route(policy: MemoryPolicy, precision: ResolvedPrecision, device_type: str) -> Route:
     """Who shards, decided once. On GPUs Accelerate's FSDP2 plugin, built from the policy, so that its
     prepare, backward, clipping and save_state handle the shards. On CPU (Accelerate 1.15 has no CPU
     FSDP) and for hybrid_shard (its plugin needs a ParallelismConfig), prepare_model shards with

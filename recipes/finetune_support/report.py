@@ -7,19 +7,69 @@ import io
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from .safe_paths import write_new
 
+if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from typing_extensions import NotRequired  # typing's from Python 3.11
 
-def finite_json(value: Any) -> tuple[str, list[str]]:
+    from hf_memstack.measure.memory import StepMemory
+
+    from .common import Route
+    from .job import LogRow
+
+
+class LoraReport(TypedDict):
+    """report.json's lora: the adapters' rank, scaling alpha and target layers (None without --lora-r)."""
+
+    r: int
+    alpha: float
+    target: str
+
+
+class Report(TypedDict):
+    """report.json: what the run was, how it ran and what it reached (the script's ``save``; ``main`` returns it)."""
+
+    task: str
+    model: str
+    policy: str
+    precision: str
+    batch_size: int
+    grad_accum: int
+    world_size: int
+    route: Route
+    fsdp: dict[str, object] | None  # how the model was sharded (None: not sharded)
+    steps: int
+    seconds: float
+    peak_memory_bytes: int | None
+    first_step_memory: dict[str, object] | None  # the memory meter's first step, by category
+    first_logged_loss: float | None
+    last_logged_loss: float | None
+    final_metrics: dict[str, float]
+    history: list[LogRow]
+    model_dir: str
+    trainable_parameters: int
+    lora: LoraReport | None
+    non_finite_as_null: NotRequired[list[str]]  # where a non-finite number was written as null
+
+
+class Stopped(TypedDict):
+    """What ``main`` returns after --stop-after: where it stopped, and the rows logged so far."""
+
+    stopped_at: int
+    history: list[LogRow]
+
+
+def finite_json(value: object) -> tuple[str, list[str]]:
     """``value`` as JSON text every reader accepts, and where it held a non-finite number.
     ``json.dumps`` writes NaN and Infinity bare, which is not JSON (a resumed checkpoint's logged
     loss can be NaN): those become null, and the places they were are returned (``history[0].loss``)."""
     replaced: list[str] = []
 
-    def finite(v: Any, where: str) -> Any:
+    def finite(v: object, where: str) -> object:
         if isinstance(v, float) and not math.isfinite(v):
             replaced.append(where)
             return None
@@ -32,7 +82,7 @@ def finite_json(value: Any) -> tuple[str, list[str]]:
     return json.dumps(finite(value, ""), indent=2, allow_nan=False), replaced
 
 
-def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
+def loss_summary(history: list[LogRow], log_every: int) -> str:
     """The first and last logged losses; with one log line (a run shorter than --log-every), that one."""
     if not history:
         return ""
@@ -44,7 +94,7 @@ def loss_summary(history: list[dict[str, Any]], log_every: int) -> str:
     return f"loss {history[0]['loss']:.4f} (step {history[0]['step']}) -> {history[-1]['loss']:.4f} (step {history[-1]['step']}); "
 
 
-def plot_memory(path: Path, first_step: Any, history: list[dict], report: dict) -> None:
+def plot_memory(path: Path, first_step: StepMemory | None, history: list[LogRow], report: Mapping[str, object]) -> None:
     """A picture of where the memory went: the first step's breakdown, and peak memory over the run."""
     try:
         import matplotlib

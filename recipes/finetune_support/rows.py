@@ -8,9 +8,16 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from .common import FORMATS, RecipeError
+
+
+class FirstLabel(TypedDict, total=False):
+    """The first label's type and place, carried across files by check_rows (empty before the first)."""
+
+    kind: type
+    at: str
 
 
 @dataclass
@@ -78,8 +85,8 @@ def _parquet_rows(raw: bytes, source: str) -> tuple[list[Any], list[str]]:
     return rows, [f"row {i + 1}" for i in range(len(rows))]
 
 
-def _text_rows(text: str) -> tuple[list[Any], list[str]]:
-    rows: list[Any] = []
+def _text_rows(text: str) -> tuple[list[dict[str, str]], list[str]]:
+    rows: list[dict[str, str]] = []
     where: list[str] = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
@@ -88,10 +95,10 @@ def _text_rows(text: str) -> tuple[list[Any], list[str]]:
     return rows, where
 
 
-def _csv_rows(text: str, source: str) -> tuple[list[Any], list[str]]:
+def _csv_rows(text: str, source: str) -> tuple[list[dict[str, str]], list[str]]:
     import csv
 
-    rows: list[Any] = []
+    rows: list[dict[str, str]] = []
     where: list[str] = []
     reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
@@ -142,7 +149,7 @@ def _json_rows(text: str, source: str) -> tuple[list[Any], list[str]]:
     return rows, where
 
 
-def check_rows(data: Rows, fields: list[str], *, label_field: str | None, first_label: dict[str, Any]) -> list[str]:
+def check_rows(data: Rows, fields: list[str], *, label_field: str | None, first_label: FirstLabel) -> list[str]:
     """Every row has every field as non-empty text, and the label as an int or a string, one type
     for all (``first_label`` carries the first label's type and place across files)."""
     problems = []
@@ -158,7 +165,7 @@ def check_rows(data: Rows, fields: list[str], *, label_field: str | None, first_
                     continue
                 kind = type(value)
                 if not first_label:
-                    first_label.update(kind=kind, at=f"{data.source}, {at}")
+                    first_label.update({"kind": kind, "at": f"{data.source}, {at}"})
                 elif kind is not first_label["kind"]:
                     problems.append(
                         f"{data.source}, {at}: field {name!r} is {value!r} ({kind.__name__}) but the label at "

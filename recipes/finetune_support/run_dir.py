@@ -368,7 +368,7 @@ def _resume_from(
         plan.discard = later
 
 
-def compare_runs(reference: dict[str, Any], now: dict[str, Any], *, where: str, allow: bool) -> list[str]:
+def compare_runs(reference: dict[str, Any], now: dict[str, object], *, where: str, allow: bool) -> list[str]:
     """Differences that change the run, by field; refused unless --allow-config-change.
 
     Raises:
@@ -389,7 +389,7 @@ def compare_runs(reference: dict[str, Any], now: dict[str, Any], *, where: str, 
     return diffs
 
 
-def run_record(cfg: FinetuneConfig, *, world_size: int, policy: str, data: str) -> dict[str, Any]:
+def run_record(cfg: FinetuneConfig, *, world_size: int, policy: str, data: str) -> dict[str, object]:
     """What defines a run: the settings that change training, the number of processes, the
     resolved policy and the data's digest."""
     record = {k: v for k, v in cfg.flat().items() if k not in MAY_CHANGE_ON_RESUME}

@@ -15,12 +15,11 @@ import os
 import shutil
 import stat
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
 
 from .common import RecipeError
 
 
-def relative_inside(name: Any) -> PurePosixPath | None:
+def relative_inside(name: object) -> PurePosixPath | None:
     """``name`` as a path below a folder: a relative string without '..', not empty; None otherwise."""
     if not isinstance(name, str) or not name or "\0" in name:
         return None

@@ -14,15 +14,18 @@ import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .checkpoint_dirs import list_checkpoints
 from .common import RecipeError, printable
 
-if TYPE_CHECKING:
-    from .job import Job  # for annotations only: job.py imports this module
+if TYPE_CHECKING:  # for annotations only: job.py imports this module
+    from types import FrameType
+
+    from .flags import FinetuneConfig
+    from .job import Job, RunState
 
 # Flags that end a run differently from the one resumed: dropped from the resume command.
 _SWITCHES = ("overwrite", "discard_later_checkpoints")
@@ -31,7 +34,7 @@ SIGNAL_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
 
 
 def resume_command(
-    argv: list[str], cfg: Any, *, script: str, world: int, changes: dict[str, str | None] | None = None
+    argv: list[str], cfg: FinetuneConfig, *, script: str, world: int, changes: dict[str, str | None] | None = None
 ) -> str:
     """The run's own command line with ``--resume-from latest`` and ``changes`` (flat names: a value,
     or None for a switch, e.g. ``{"allow_config_change": None, "lr": "1e-05"}``): its --resume-from,
@@ -120,7 +123,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return _screen([t for t in map(_checkable, tensors) if t is not None]).float()
 
 
-def tensor_bytes(tensors: Iterable[Any]) -> int:
+def tensor_bytes(tensors: Iterable[object]) -> int:
     """The bytes of these tensors (whole, where sharded); anything not a tensor counts 0."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -181,7 +184,7 @@ def diverged(job: Job, what: str) -> RecipeError:
     )
 
 
-def _float_tensors(value: Any, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _float_tensors(value: object, name: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every floating-point tensor in a state dict, at any depth (the optimizer rungs nest theirs
     differently: one optimizer per parameter under optim:in_backward), with its path."""
     if torch.is_tensor(value):
@@ -276,7 +279,7 @@ def say_where_on_interrupt(describe: Callable[[int], str]) -> Iterator[None]:
 
     owner = os.getpid()
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         before = previous[signum]
         if os.getpid() != owner and callable(before):  # a forked DataLoader worker: as without this
             before(signum, frame)  # (SIGINT: KeyboardInterrupt, which the worker expects)
@@ -296,7 +299,7 @@ def say_where_on_interrupt(describe: Callable[[int], str]) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def interrupted(signum: int, argv: list[str], run: dict[str, Any], *, script: str) -> str:
+def interrupted(signum: int, argv: list[str], run: RunState, *, script: str) -> str:
     """The line SIGINT or SIGTERM prints: where the run stopped, the newest checkpoint, the resume command."""
     name, cfg, job = SIGNAL_NAMES[signal.Signals(signum)], run.get("cfg"), run.get("job")
     if cfg is None:

@@ -21,6 +21,8 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("pure_bf16"`` rung
 - ``recipes/finetune.py``: ``resolve_precision``
 - ``recipes/finetune_support/accelerator.py``: ``ACCELERATE_NAMES``: the Accelerator's mixed_precision
+- ``recipes/finetune_support/job.py``: ``ResolvedPrecision``: the Job's precision (an annotation)
+- ``recipes/finetune_support/model.py``: ``ResolvedPrecision``: choose_route's precision (an annotation)
 """
 
 from __future__ import annotations
