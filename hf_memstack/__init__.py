@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # (a) core: prepare, verify, measure, find, estimate, plan, t
     from .merge import dequantize, merge_adapters
     from .planning.estimate.estimator import estimate_memory
     from .planning.plan.planner import plan_policy
-    from .planning.plan.rungs import LADDER
     from .policy import MemoryPolicy
+    from .policy.presets import LADDER
     from .prepare import describe, prepare_model
     from .transforms.optim.optimizer import make_optimizer
 
@@ -72,7 +72,7 @@ _CORE = {
     "merge_adapters": ".merge",
     "estimate_memory": ".planning.estimate.estimator",
     "plan_policy": ".planning.plan.planner",
-    "LADDER": ".planning.plan.rungs",
+    "LADDER": ".policy.presets",
     "MemoryPolicy": ".policy",
     "describe": ".prepare",
     "prepare_model": ".prepare",

@@ -24,7 +24,7 @@ import importlib.util
 import sys
 import warnings
 from collections.abc import Callable
-from types import ModuleType
+from types import FrameType, ModuleType
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
@@ -98,6 +98,9 @@ MOVED = {
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers only for the names in :data:`MOVED`: every other import goes on as before."""
 
+    def __init__(self) -> None:
+        self._home_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
     def find_spec(
         self, fullname: str, path: object = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
@@ -110,12 +113,43 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(
             f"{spec.name} moved to {home}: import it from there (the old path will be removed)",
             DeprecationWarning,
-            stacklevel=2,  # the importing line: warnings skips the import machinery's own frames
+            stacklevel=_importing_line(),
         )
-        return importlib.import_module(home)
+        module = importlib.import_module(home)
+        self._home_specs[module.__name__] = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: ``create_module`` returned the imported home module."""
+        """Nothing to run: ``create_module`` returned the imported home module. The import system has just
+        set that module's ``__spec__`` to the old path's: give it back its own, or its relative imports
+        would resolve against the old path (and warn ``__package__ != __spec__.parent``)."""
+        module.__spec__ = self._home_specs[module.__name__]
+
+
+# Standard-library modules that import a dotted name for their caller: mock.patch("pkg.mod.name")
+# resolves it through pkgutil.resolve_name. The warning belongs to the caller's line.
+_RESOLVERS = ("pkgutil.py", "mock.py")
+
+
+def _importing_line() -> int:
+    """The ``stacklevel`` of the first frame outside the import machinery (``importlib``, frozen or not),
+    the resolvers above and this module: the user's ``import`` line, the line that called
+    ``importlib.import_module``, or the ``mock.patch`` line.
+
+    ``warnings.warn`` itself skips the frozen ``importlib._bootstrap`` frames when it counts, so those are
+    not counted here either."""
+    level = 1
+    frame: FrameType | None = sys._getframe(2)  # the caller of create_module
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:  # skipped by warnings.warn's own count
+            frame = frame.f_back
+            continue
+        level += 1
+        if not (name == __file__ or name == importlib.__file__ or name.endswith(_RESOLVERS)):
+            return level
+        frame = frame.f_back
+    return 2
 
 
 def install_moved_modules() -> None:

@@ -1,7 +1,8 @@
 """The ``hf-memstack`` command: ``estimate``, ``plan`` and ``find-batch-size`` from a shell.
 
 main.py      the argument parser and the three commands (heavy imports inside each, so ``--help`` stays fast)
-estimate.py  the estimate and plan commands' arguments: the model, the job, the policies, the dtype
+estimate.py  the estimate and plan commands' shared options (device, dtype, images, label fraction) and
+             one estimate per policy, with its refusal or verdict (estimate_each, Refused, verdict)
 output.py    tables, JSON and the breakdown plot
 __main__.py  ``python -m hf_memstack.cli``
 """

@@ -2,7 +2,8 @@
 
 estimate/  estimate_memory: the real prepare_model and step traced on fake tensors, one rank's peak
 model/     the model an estimate is of: its config, the model on the meta device and on fake tensors,
-           a VLM's pixel inputs
+           a VLM's pixel inputs (it borrows estimate/'s trainable and dtype helpers: the two folders are
+           one layer, split by job)
 plan/      plan_policy: the cheapest rung of the ladder that fits a budget; the rungs themselves
 """
 

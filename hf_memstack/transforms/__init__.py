@@ -9,7 +9,8 @@ optim/              the optimizer rungs: ``optim:8bit``, ``optim:in_backward``, 
 quant/              4-bit base weights: ``quant:nf4``
 tiled_mlp.py        each block's MLP over tiles of tokens: ``mlp:tiled``
 compile.py          ``compile``, ``compile:regional``
-fsdp.py             FSDP2's ``fully_shard``: ``fsdp``, ``fsdp:shard_grad_op``, ``fsdp:offload``
+fsdp.py             FSDP2's ``fully_shard``: ``fsdp``, ``fsdp:shard_grad_op``, ``fsdp:hybrid_shard``,
+                    ``fsdp:offload``
 packed_attention.py per-sample attention for packed rows
 blocks.py           find the repeated transformer blocks of any model
 _wrappers.py        the instance-level forward wrappers (autocast, checkpoint) checkpointing and precision share

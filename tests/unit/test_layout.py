@@ -174,3 +174,40 @@ def test_a_from_import_of_an_old_path_gives_the_same_objects(monkeypatch: pytest
 def test_names_that_never_were_modules_still_fail_to_import() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("hf_memstack.transforms.not_a_module")
+
+
+def test_importing_an_old_path_leaves_the_new_modules_spec_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    home = importlib.import_module("hf_memstack.planning.estimate.trainable")
+    monkeypatch.delitem(sys.modules, "hf_memstack.planning.trainable", raising=False)
+    with pytest.warns(DeprecationWarning):
+        importlib.import_module("hf_memstack.planning.trainable")
+    # the import system sets __spec__ on what the finder returns: a wrong one makes the module's relative
+    # imports resolve against the old path (ImportWarning: __package__ != __spec__.parent)
+    assert home.__spec__ is not None and home.__spec__.name == "hf_memstack.planning.estimate.trainable"
+
+
+def test_a_mock_patch_through_an_old_path_warns_at_the_patch_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unittest import mock
+
+    from hf_memstack.planning.plan import rungs
+
+    monkeypatch.delitem(sys.modules, "hf_memstack.planning.rungs", raising=False)
+    with pytest.warns(DeprecationWarning, match="hf_memstack.planning.plan.rungs") as caught:
+        with mock.patch("hf_memstack.planning.rungs.memory_rungs") as patched:
+            assert rungs.memory_rungs is patched  # the same module: the patch reaches the new path's callers
+    assert caught[0].filename == __file__
+
+
+def test_the_old_estimate_modules_names_import_from_the_package() -> None:
+    # planning/estimate.py's __all__ before the layout step
+    from hf_memstack.planning.estimate import (  # noqa: F401
+        DEFAULT_LORA,
+        build_model,
+        check_seq_len,
+        chunked_loss_problem,
+        estimate_memory,
+        infer_task,
+        load_config,
+        peft_config_from,
+        task_note,
+    )

@@ -38,17 +38,37 @@ from typing import TYPE_CHECKING
 from ..._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from ..model.config import build_model, check_seq_len, infer_task, load_config, task_note
+    from .checks import chunked_loss_problem
     from .estimator import estimate_memory
     from .result import MemoryEstimate
+    from .trainable import DEFAULT_LORA, peft_config_from
 
-# public name -> the module of this folder that defines it
+# public name -> the module that defines it. Besides the estimator's own two, the names the module
+# planning/estimate.py exported before the layout step (its __all__), so code that imported them still does.
 _EXPORTS = {
+    "build_model": "..model.config",
+    "check_seq_len": "..model.config",
+    "infer_task": "..model.config",
+    "load_config": "..model.config",
+    "task_note": "..model.config",
+    "chunked_loss_problem": ".checks",
     "estimate_memory": ".estimator",
     "MemoryEstimate": ".result",
+    "DEFAULT_LORA": ".trainable",
+    "peft_config_from": ".trainable",
 }
 
 __all__ = [
+    "DEFAULT_LORA",
     "MemoryEstimate",
+    "build_model",
+    "check_seq_len",
+    "chunked_loss_problem",
     "estimate_memory",
+    "infer_task",
+    "load_config",
+    "peft_config_from",
+    "task_note",
 ]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

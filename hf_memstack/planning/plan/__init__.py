@@ -14,7 +14,7 @@ advice.py        notes on the chosen policy; what would fit when nothing does
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
 outside it that imports from here is listed, and each ``name`` below is in the file named):
 
-- ``hf_memstack/__init__.py``: ``plan_policy``, ``Plan`` and ``LADDER`` in the public API
+- ``hf_memstack/__init__.py``: ``plan_policy`` and ``Plan`` in the public API
 - ``hf_memstack/planning/__init__.py``: ``plan_policy``
 - ``hf_memstack/cli/main.py``: ``plan_policy`` behind ``hf-memstack plan``
 - ``hf_memstack/batch_size/preflight.py``: ``next_rung``: what the finder says when nothing fits

@@ -1,5 +1,5 @@
-"""Activation checkpointing (``ckpt``, ``ckpt:N``, ``ckpt:selective``, ``ckpt:offload``): recompute
-each block's activations in the backward instead of keeping them.
+"""Activation checkpointing (``ckpt``, ``ckpt:N``, ``ckpt:selective``, ``ckpt:selective:alternate``,
+``ckpt:offload``): recompute each block's activations in the backward instead of keeping them.
 
 apply.py   check_checkpointing / apply_checkpointing: through the model's own Transformers API, or by
            wrapping each block's forward; the selective policy; the guard against a bypassed wrapper
@@ -15,7 +15,8 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/measure/verify.py``: ``verify_checkpointing``, verify's row
 - ``hf_memstack/measure/observe.py``: ``SelectiveCheckpointingWarning``, kept quiet during a measured step
 - ``hf_memstack/integrations/trainer_checks.py``: ``CheckpointingGuard`` under the Trainer
-- ``hf_memstack/planning/plan/rungs.py``: the ``Step("selective"`` and ``Step("every_2nd"`` rungs
+- ``hf_memstack/planning/plan/rungs.py``: the ``Step("selective"``, ``Step("every_4th"``, ``Step("every_3rd"``,
+  ``Step("every_2nd"``, ``Step("selective_alternate"``, ``Step("full"`` and ``Step("offload"`` rungs
 """
 
 from __future__ import annotations

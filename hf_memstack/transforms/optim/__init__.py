@@ -21,6 +21,10 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/integrations/trainer_first_step.py``: ``optimizer_in_backward_of`` on the first step
 - ``hf_memstack/planning/estimate/trace.py``: ``make_optimizer`` on fake tensors
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("in_backward"`` and ``Step("8bit"`` rungs
+- ``hf_memstack/planning/plan/states_floor.py``: the moments' bytes by ``policy.optimizer.state``
+- ``hf_memstack/planning/plan/next_rung.py``: the finder's advice copies ``rung.optimizer.state``
+- ``hf_memstack/planning/plan/advice.py``: each rung's caveat by ``policy.optimizer.state``
+- ``hf_memstack/planning/estimate/estimator.py``: ``optimizer == "sgd"`` refused with an optimizer rung
 - ``hf_memstack/transforms/precision/master_weights.py``: ``warn_on_plain_steps_over_pure_bf16``
 - ``hf_memstack/transforms/precision/master_reconcile.py``: ``warn_on_plain_steps_over_pure_bf16``
 - ``hf_memstack/__init__.py``: ``make_optimizer`` in the public API; ``OptimizerInBackward`` in ``_MOVED`` (the old import warns)

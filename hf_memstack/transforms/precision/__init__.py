@@ -2,6 +2,8 @@
 trained weights are kept in (``weights:bf16``, pure bf16; fp32 master weights otherwise).
 
 apply.py             resolve_precision for a device, the hardware checks, apply_precision and its guard
+                     (AutocastBypassGuard, restore_autocast), verify_precision (verify's row), and
+                     ACCELERATE_NAMES (the Accelerator's mixed_precision values)
 master_weights.py    check_master_weights / apply_master_weights: the trainable parameters' dtype
 master_reconcile.py  master weights that follow what trains, whichever comes first: prepare or PEFT
 
