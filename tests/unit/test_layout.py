@@ -31,6 +31,16 @@ FEATURE_FOLDERS = [
     "planning/plan",
 ]
 LAZY_PACKAGES = ["planning", "distributed", "measure", *FEATURE_FOLDERS]
+# The MemoryPolicy field each transform folder implements: a module outside the folder that reads it
+# (``policy.quant.mode``, ``rung.optimizer.state``) is a touch point even when it imports nothing from it.
+FEATURE_FIELDS = {
+    "transforms/checkpointing": "checkpointing",
+    "transforms/loss_head": "loss",
+    "transforms/optim": "optimizer",
+    "transforms/precision": "master_weights",
+    "transforms/quant": "quant",
+}
+_SUBFIELDS = "mode|state|step|compiled|chunk_tokens|upcast|targets|block_size|selective_matmuls|every_n|use_reentrant|block_classes"
 _TOUCH = re.compile(r"^- ``(?P<path>[^`]+)``: (?P<what>.+)$", re.M)
 
 
@@ -84,6 +94,27 @@ def test_every_module_that_imports_the_folder_is_a_listed_touch_point(folder: st
     assert importers, f"nothing imports hf_memstack/{folder}: is it still a feature?"
     missing = importers - set(_touch_points(folder))
     assert not missing, f"hf_memstack/{folder}/__init__.py: add these touch points to its docstring: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("folder", sorted(FEATURE_FIELDS))
+def test_every_module_that_reads_the_folders_policy_field_is_a_listed_touch_point(folder: str) -> None:
+    field = FEATURE_FIELDS[folder]
+    # policy.quant / rung.quant.mode, but not a torch optimizer's .state.values() or .step(), nor the
+    # module path hf_memstack.transforms.quant.targets
+    reads = re.compile(rf"\bpolicy\.{field}\b|(?<!transforms)\.{field}\.(?:{_SUBFIELDS})\b(?![.\[(])")
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "recipes").rglob("*.py")]
+    readers = {
+        str(path.relative_to(ROOT))
+        for path in sources
+        if not path.is_relative_to(PACKAGE / folder)
+        and not path.is_relative_to(PACKAGE / "policy")  # the policy itself: its config, tokens and checks
+        and reads.search(path.read_text(encoding="utf-8"))
+    }
+    assert readers, f"nothing reads policy.{field}: is FEATURE_FIELDS right?"
+    missing = readers - set(_touch_points(folder))
+    assert not missing, (
+        f"hf_memstack/{folder}/__init__.py: these read policy.{field}; add them to its touch points: {sorted(missing)}"
+    )
 
 
 @pytest.mark.parametrize("folder", FEATURE_FOLDERS)

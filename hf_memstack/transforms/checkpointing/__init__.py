@@ -6,7 +6,8 @@ apply.py   check_checkpointing / apply_checkpointing: through the model's own Tr
 verify.py  verify's checkpointing row: what runs still checkpoints what was applied (recompute FLOPs)
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
-outside it that imports from here is listed, and each ``name`` below is in the file named):
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("ckpt"`` rows of the token table
 - ``hf_memstack/policy/config.py``: ``CheckpointingConfig``, the policy's fields
@@ -17,6 +18,16 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/integrations/trainer_checks.py``: ``CheckpointingGuard`` under the Trainer
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("selective"``, ``Step("every_4th"``, ``Step("every_3rd"``,
   ``Step("every_2nd"``, ``Step("selective_alternate"``, ``Step("full"`` and ``Step("offload"`` rungs
+- ``hf_memstack/_model_checks.py``: reads ``policy.checkpointing``, ``policy.checkpointing.every_n``
+- ``hf_memstack/distributed/accelerate.py``: reads ``policy.checkpointing``
+- ``hf_memstack/planning/estimate/fsdp_shards.py``: reads ``policy.checkpointing.mode``
+- ``hf_memstack/planning/estimate/trace.py``: reads ``policy.checkpointing``
+- ``hf_memstack/planning/plan/next_rung.py``: reads ``policy.checkpointing``
+- ``hf_memstack/planning/plan/screen.py``: reads ``p.checkpointing.mode``, ``p.checkpointing.every_n``
+- ``hf_memstack/planning/plan/walk.py``: reads ``p.checkpointing.mode``, ``p.checkpointing.selective_matmuls``
+- ``hf_memstack/transforms/blocks.py``: reads ``policy.checkpointing``
+- ``hf_memstack/transforms/quant/targets.py``: reads ``policy.checkpointing``
+- ``hf_memstack/transforms/tiled_mlp.py``: reads ``policy.checkpointing``
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ result.py       LossHeadResult: what apply_loss_head did, on the record
 verify.py       verify's ``loss`` row: the chunked head computes the model's own loss
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
-outside it that imports from here is listed, and each ``name`` below is in the file named):
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("loss:chunked"`` rows of the token table
 - ``hf_memstack/policy/config.py``: ``LossConfig``, the policy's fields
@@ -22,6 +23,11 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/estimate/trace.py``: ``labelled_as_traced``: the label fraction on fake tensors
 - ``hf_memstack/planning/plan/rungs.py``: the ``Step("chunked_loss"`` rung
 - ``hf_memstack/__init__.py``: ``chunked_lm_loss`` and ``LossHeadResult`` in ``_MOVED``: the old top-level import warns, naming this folder
+- ``hf_memstack/integrations/trainer.py``: reads ``record.loss.mode``
+- ``hf_memstack/planning/estimate/estimator.py``: reads ``policy.loss.mode``
+- ``hf_memstack/planning/plan/next_rung.py``: reads ``rung.loss.mode``, ``policy.loss``
+- ``hf_memstack/planning/plan/walk.py``: reads ``a.loss.mode``, ``b.loss.mode``
+- ``hf_memstack/transforms/precision/apply.py``: reads ``record.loss.mode``
 """
 
 from __future__ import annotations

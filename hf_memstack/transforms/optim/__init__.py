@@ -9,7 +9,8 @@ bf16_adamw.py   BF16AdamW: bf16 weights and moments with stochastic rounding (pu
 verify.py       what verify needs: an in-backward optimizer paused during its checks
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
-outside it that imports from here is listed, and each ``name`` below is in the file named):
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("optim:8bit"`` and ``Token("optim:in_backward"`` rows
 - ``hf_memstack/policy/config.py``: ``OptimizerConfig``, the policy's fields
@@ -29,6 +30,10 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/transforms/precision/master_reconcile.py``: ``warn_on_plain_steps_over_pure_bf16``
 - ``hf_memstack/__init__.py``: ``make_optimizer`` in the public API; ``OptimizerInBackward`` in ``_MOVED`` (the old import warns)
 - ``recipes/finetune_support/checks.py``: ``check_optimizer_policy`` on the recipe's flags
+- ``hf_memstack/planning/plan/walk.py``: reads ``p.optimizer.state``, ``p.optimizer.step``
+- ``hf_memstack/record.py``: reads ``policy.optimizer``
+- ``recipes/finetune.py``: reads ``policy.optimizer.state``, ``policy.optimizer.step``
+- ``recipes/trainer.py``: reads ``policy.optimizer.state``, ``policy.optimizer.step``
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ master_weights.py    check_master_weights / apply_master_weights: the trainable 
 master_reconcile.py  master weights that follow what trains, whichever comes first: prepare or PEFT
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
-outside it that imports from here is listed, and each ``name`` below is in the file named):
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("weights:bf16"`` row and the precision words
 - ``hf_memstack/prepare.py``: ``resolve_precision``, ``apply_precision`` and ``apply_master_weights`` in prepare_model's order
@@ -25,6 +26,12 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``recipes/finetune_support/accelerator.py``: ``ACCELERATE_NAMES``: the Accelerator's mixed_precision
 - ``recipes/finetune_support/job.py``: ``ResolvedPrecision``: the Job's precision (an annotation)
 - ``recipes/finetune_support/model.py``: ``ResolvedPrecision``: choose_route's precision (an annotation)
+- ``hf_memstack/integrations/trainer_args.py``: reads ``policy.master_weights``
+- ``hf_memstack/integrations/trainer_checks.py``: reads ``policy.master_weights``
+- ``hf_memstack/planning/estimate/accounting.py``: reads ``policy.master_weights``
+- ``hf_memstack/planning/plan/advice.py``: reads ``policy.master_weights``
+- ``hf_memstack/planning/plan/states_floor.py``: reads ``policy.master_weights``
+- ``recipes/trainer.py``: reads ``policy.master_weights``
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ forward.py  4-bit layers whose class overrides ``nn.Linear.forward`` (Falcon's)
 verify.py   verify's quant row: which parameters are 4-bit after a step
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
-outside it that imports from here is listed, and each ``name`` below is in the file named):
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("quant:nf4"`` rows of the token table
 - ``hf_memstack/policy/config.py``: ``QuantConfig``, the policy's fields
@@ -24,6 +25,12 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/__init__.py``: ``QuantResult`` in ``_MOVED``: the old top-level import warns, naming this folder
 - ``recipes/finetune_support/checkpoint.py``: ``is_4bit``: what a checkpoint saves
 - ``recipes/finetune_support/stops.py``: ``is_4bit``
+- ``hf_memstack/planning/plan/advice.py``: reads ``policy.quant.mode``
+- ``hf_memstack/planning/plan/next_rung.py``: reads ``policy.quant.mode``, ``rung.quant.mode``
+- ``hf_memstack/planning/plan/states_floor.py``: reads ``policy.quant.mode``
+- ``hf_memstack/planning/plan/walk.py``: reads ``p.quant.mode``
+- ``recipes/finetune.py``: reads ``policy.quant.mode``, ``job.policy.quant.mode``
+- ``recipes/finetune_support/checks.py``: reads ``policy.quant.mode``
 """
 
 from __future__ import annotations
