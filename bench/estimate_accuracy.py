@@ -33,7 +33,7 @@ import torch
 from _common import machine
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
-from hf_memstack.planning.estimate.estimator import peft_config_from
+from hf_memstack.planning.estimate import peft_config_from
 
 POLICIES = [
     "fp32",

@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # (b) results: what the core calls return
     from .measure.memory import StepMemory
     from .measure.simulated import SimulatedMemory
     from .measure.verify import VerifyReport
-    from .planning.estimate.estimator import MemoryEstimate
+    from .planning.estimate.result import MemoryEstimate
     from .planning.plan.planner import Plan
     from .record import MemstackRecord
 
@@ -84,7 +84,7 @@ _RESULTS = {
     "StepMemory": ".measure.memory",
     "SimulatedMemory": ".measure.simulated",
     "VerifyReport": ".measure.verify",
-    "MemoryEstimate": ".planning.estimate.estimator",
+    "MemoryEstimate": ".planning.estimate.result",
     "Plan": ".planning.plan.planner",
     "MemstackRecord": ".record",
 }

@@ -301,7 +301,8 @@ def _find(args: argparse.Namespace) -> int:
 
     # Imported here: keeps hf-memstack --help fast (the finder, the estimator and prepare_model need torch).
     from ..batch_size import find_batch_size
-    from ..planning.estimate.estimator import build_model, check_seq_len, infer_task, load_config, peft_config_from
+    from ..planning.estimate.trainable import peft_config_from
+    from ..planning.model.config import build_model, check_seq_len, infer_task, load_config
     from ..planning.model.synthetic_batch import synthetic_batches
     from ..prepare import prepare_model
 
@@ -329,7 +330,7 @@ def _find(args: argparse.Namespace) -> int:
 
 def _print_task_note(args: argparse.Namespace) -> None:
     """Say which head an encoder got when --task was left out (estimate prints it among its notes)."""
-    from ..planning.estimate.estimator import load_config, task_note
+    from ..planning.model.config import load_config, task_note
 
     note = task_note(args.model, load_config(args.model)) if args.task is None and not args.json else None
     if note:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ...measure.memory import StepMemory, step_memory_of
 from ...policy import MemoryPolicy
-from ..model.config import SEQ2SEQ_NOTE, ModelSource, build_model, check_seq_len, infer_task, load_config, task_note
+from ..model.config import SEQ2SEQ_NOTE, ModelSource, check_seq_len, infer_task, load_config, task_note
 from ..model.fake import quant_notes
 from ..model.vision_inputs import images_for
 from .accounting import dtype_note, per_rank, with_kept_logits
@@ -42,31 +42,19 @@ from .checks import (
     check_depth,
     check_label_fraction,
     check_mode,
-    chunked_loss_problem,
     chunked_loss_verdict,
 )
 from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, num_layers, with_depth
 from .fsdp_shards import FsdpShards, fsdp_shards
 from .result import MemoryEstimate
 from .trace import Job, Traced, depth_plan, trace
-from .trainable import DEFAULT_LORA, Trainable, peft_config_from, policy_of, what_trains
+from .trainable import Trainable, peft_config_from, policy_of, what_trains
 from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = [
-    "DEFAULT_LORA",
-    "MemoryEstimate",
-    "build_model",
-    "check_seq_len",
-    "chunked_loss_problem",
-    "estimate_memory",
-    "infer_task",
-    "load_config",
-    "peft_config_from",
-    "task_note",
-]
+__all__ = ["estimate_memory"]
 
 
 def estimate_memory(

@@ -72,10 +72,10 @@ def test_checkpointing_shrinks_the_estimated_activations(pretrained_dirs):
 def test_the_task_comes_from_the_saved_model(pretrained_dirs, load_model):
     """A saved BertForSequenceClassification is estimated as one (not as a BERT language model), and
     loss:chunked is refused for it as prepare_model refuses it."""
-    from hf_memstack.planning.estimate.estimator import infer_task
+    from hf_memstack.planning.estimate import infer_task
 
     saved = pretrained_dirs["bert"]
-    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.estimate import load_config
 
     assert infer_task(str(saved), load_config(saved)) == infer_task(load_model("bert"), None) == "classification"
     assert infer_task(str(pretrained_dirs["llama"]), load_config(pretrained_dirs["llama"])) == "causal-lm"
@@ -105,7 +105,7 @@ def test_a_base_or_masked_lm_encoder_is_estimated_as_a_classifier(tmp_path, head
     import transformers
     from tiny import configs
 
-    from hf_memstack.planning.estimate.estimator import infer_task, load_config
+    from hf_memstack.planning.estimate import infer_task, load_config
 
     config = configs()["llama" if head.startswith("Llama") else "bert"]
     config.is_decoder = head == "BertLMHeadModel"
@@ -185,7 +185,7 @@ def test_the_estimator_refuses_loss_chunked_exactly_where_prepare_model_does(arc
 
 def test_a_config_dict_is_estimated_as_its_config(pretrained_dirs):
     """config.to_dict() used to fail with OSError: File name too long (it was read as a path)."""
-    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.estimate import load_config
 
     config = load_config(pretrained_dirs["llama"])
     as_dict = estimate_memory(config.to_dict(), "bf16+ckpt", batch_size=2, seq_len=16)

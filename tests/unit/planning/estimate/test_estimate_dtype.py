@@ -11,7 +11,7 @@ from tiny import configs, make_batch
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, plan_policy, prepare_model
 from hf_memstack.cli.main import main
-from hf_memstack.planning.estimate.estimator import DEFAULT_LORA
+from hf_memstack.planning.estimate import DEFAULT_LORA
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, prepare_model
-from hf_memstack.planning.estimate.estimator import peft_config_from
+from hf_memstack.planning.estimate import peft_config_from
 
 SEQ, BATCH = 32, 2
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from hf_memstack import estimate_memory, make_optimizer, measure_step, plan_policy, prepare_model
-from hf_memstack.planning.estimate.estimator import peft_config_from
+from hf_memstack.planning.estimate import peft_config_from
 
 SEQ, BATCH, VOCAB = 32, 2, 256
 

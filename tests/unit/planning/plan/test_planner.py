@@ -95,7 +95,7 @@ def test_planner_suggestions_start_from_the_rung_that_came_closest(pretrained_di
     """The 70B-on-48GiB plan (issue 21) missed by 1.28 GiB with quant:nf4, yet suggested FSDP over 4
     devices for the 16-bit weights: the numbers now come from the closest rung, and the shorter
     sequence they suggest fits when estimated."""
-    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.estimate import load_config
     from hf_memstack.planning.plan.advice import suggestions
     from hf_memstack.planning.plan.estimates import Estimates
 
@@ -180,7 +180,7 @@ def test_planner_does_not_suggest_ranks_when_the_activations_alone_exceed_the_bu
     """Sharding divides the model states, not the activations: below the activations alone no
     number of ranks fits (it suggested FSDP over 8192 devices). The figure quoted is the sharded
     rung's own, and the number of ranks advised fits by the estimator's own account (issue 39)."""
-    from hf_memstack.planning.estimate.estimator import load_config
+    from hf_memstack.planning.estimate import load_config
     from hf_memstack.planning.plan.advice import suggestions
     from hf_memstack.planning.plan.estimates import Estimates
 
