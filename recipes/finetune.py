@@ -894,6 +894,7 @@ def _main(args: list[str], run: RunState) -> Report | Stopped:
         train(job)
         if job.state.step < job.total_steps:
             job.log(f"stopped after step {job.state.step} (--stop-after); continue with --resume-from latest")
+            _drain_collectives(job)
             return {"stopped_at": job.state.step, "history": job.state.log_history}
         report = save(job)
         _drain_collectives(job)
@@ -916,11 +917,14 @@ def _main(args: list[str], run: RunState) -> Report | Stopped:
 
 
 def _drain_collectives(job: Job) -> None:
-    """One barrier after the last collective, on the success path only (a failed rank never reaches
-    it). gloo's loop thread drops a finished all_gather's work - whose tensors Python made - after its
-    caller has; were that the last reference while the main thread tears the group down in
-    ``end_training`` holding the GIL, the two would wait on each other forever (seen once: a torchrun
-    run hung after saving). After the barrier the loop thread has run past every earlier work."""
+    """One barrier after the last collective, on both success paths: the finished run and the one
+    stopped by --stop-after after its checkpoint (a failed rank never reaches it). gloo's loop thread
+    drops a finished all_gather's work - whose tensors Python made - after its caller has; were that
+    the last reference while the main thread tears the group down in ``end_training`` holding the
+    GIL, the two would wait on each other forever (seen once: a torchrun run hung after saving). And
+    a rank that tears its group down while the other still talks to it aborts (seen once in CI after
+    --stop-after: "terminate called without an active exception"). After the barrier the loop thread
+    has run past every earlier work."""
     if job.accelerator.num_processes > 1 and torch.distributed.is_initialized():
         torch.distributed.barrier()
 
