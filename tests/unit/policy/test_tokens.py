@@ -138,7 +138,7 @@ def test_a_preset_whose_name_is_a_token_is_refused_beside_tokens_without_a_preci
     ],
 )
 def test_a_string_naming_its_precision_reads_fsdp_as_the_token(spec, expected):
-    # As the planner and the README write them: FSDP only, with the precision and checkpointing named.
+    # As the planner and the docs write them: FSDP only, with the precision and checkpointing named.
     assert MemoryPolicy.from_string(spec).to_string() == expected
 
 
