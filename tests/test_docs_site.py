@@ -142,7 +142,7 @@ def _to_run() -> list[tuple[str, str, str]]:
     _to_run(),
     ids=lambda v: v if isinstance(v, str) and "\n" not in v else "",
 )
-def test_snippet_runs(page, name, code, load_model, word_tokenizer, tmp_path, monkeypatch):
+def test_snippet_runs(page, name, code, load_model, word_tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     scope: dict[str, Any] = {"__name__": "__docs__"}
     if name in SCOPES:
@@ -150,6 +150,9 @@ def test_snippet_runs(page, name, code, load_model, word_tokenizer, tmp_path, mo
     elif name in NEEDS_TMP:
         scope.update(NEEDS_TMP[name](load_model, word_tokenizer, tmp_path))
     exec(compile(code, f"{page}:{name}", "exec"), scope)
+    # A snippet that prints verify's report shows a reader what a correct setup reports: no row may fail.
+    printed = capsys.readouterr().out
+    assert "[FAIL]" not in printed, printed
 
 
 @pytest.mark.slow
