@@ -40,7 +40,7 @@ class MemstackRecord(RecordBase):
     autocast_by: AutocastBy
     """Who applies autocast: ``hf_memstack`` (the forward is wrapped), ``accelerator.prepare`` or ``none`` (fp32)."""
     grad_scaler: torch.amp.GradScaler | None
-    """fp16 without an Accelerator: scale the loss with it (see the README's fp16 loop)."""
+    """fp16 without an Accelerator: scale the loss with it (see the fp16 loop in docs/precision.md)."""
     blocks: Blocks | None
     """The repeated blocks (None when the model has none and the policy needs none)."""
     checkpointing: CheckpointingResult

@@ -1,4 +1,5 @@
-"""The README's snippets, run verbatim, and its test command."""
+"""The README's snippets, run verbatim, and its test command: the README half of the snippet tests
+(tests/test_docs_site.py runs docs/*.md's and builds the site strictly)."""
 
 import re
 from pathlib import Path

@@ -57,7 +57,7 @@ def find_batch_size(
 
     Args:
         model: the prepared model (its policy - precision, checkpointing - is what gets measured;
-            a compiled model's probes run eagerly, see the README). LoRA/PEFT and FSDP2 models work.
+            a compiled model's probes run eagerly, see docs/batch-size.md). LoRA/PEFT and FSDP2 models work.
         make_batch: ``make_batch(n)`` returns a batch of exactly ``n`` samples at the longest
             sequence length the run will see (so a later long batch cannot run out of memory).
         optimizer: stepped in each probe (its state counts); required for ``mode="train"``.

@@ -1,7 +1,7 @@
 """The policy string's grammar, in one table: each token is a spelling and the config fragment it
 sets (``"ckpt:selective:alternate"`` -> ``checkpointing.mode="selective"``,
 ``checkpointing.selective_matmuls="save_alternate"``). Parsing (:func:`parse`), printing
-(:func:`to_string`), the error messages and the README's token list all read :data:`TOKENS`.
+(:func:`to_string`), the error messages and the token list of docs/policies.md all read :data:`TOKENS`.
 
 Adding a token that maps to existing config is one row here. A new config field also needs its
 dataclass field (``config.py``) and its validator (``validate.py``).
@@ -40,7 +40,7 @@ class Token:
     canonical: bool = True
     """``to_string`` writes this spelling for this fragment (False: an accepted alias)."""
     listed: bool = True
-    """Error messages and the README name it (False: an alias accepted quietly)."""
+    """Error messages and docs/policies.md name it (False: an alias accepted quietly)."""
     number: Callable[[str], Fields | None] | None = None
     """For a spelling that takes a number (``ckpt:N``): the argument -> the fragment, or None."""
 
@@ -155,7 +155,7 @@ def _preset_name_problems(original: str, words: list[str], set_by: Mapping[tuple
     """A preset whose name is a token of its own (``fsdp``: the preset ``bf16+ckpt+fsdp``, and the FSDP
     token) joined with other tokens in a string that names no precision: the token's reading trains
     in fp32 without the preset's checkpointing, the preset's in bf16 with it - refused, naming both
-    (a string naming its precision, as the planner and the README write them, is read token by token)."""
+    (a string naming its precision, as the planner and the docs write them, is read token by token)."""
     if len(words) < 2 or ("precision", "") in set_by:
         return []
     problems = []

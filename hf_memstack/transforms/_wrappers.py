@@ -68,7 +68,7 @@ class AutocastForward(_ForwardWrapper):
     Every output, the logits included, even when the model computed its loss: a user's own loss
     term from ``outputs.logits`` (a KL against a teacher, a z-loss) then runs in fp32, and
     ``allclose``/``numpy()`` on the logits work whether or not labels were passed. The copy costs
-    ~1.5% of a step on the README's ladder model (measured); leaving the logits in bf16 when a loss
+    ~1.5% of a step on the ladder model of docs/benchmarks.md (measured); leaving the logits in bf16 when a loss
     was computed was tried and reverted, because such loss terms then silently lost precision.
     The chunked loss (``loss:chunked``) makes no full logits, so it has no such copy."""
 

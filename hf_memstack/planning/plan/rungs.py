@@ -51,7 +51,7 @@ __all__ = [
 
 # Step speed relative to eager fp32 (mixed precision) or to the same rung without the feature.
 # Measured by bench/ladder.py on the ladder model (4-layer Llama h=1024, vocabulary 32k, batch 4,
-# seq 256, 2-core CPUs; see the README): bf16 and full checkpointing on a Xeon; the chunked loss
+# seq 256, 2-core CPUs; see docs/benchmarks.md): bf16 and full checkpointing on a Xeon; the chunked loss
 # (1.07x), selective (0.95x, its alternate variant read 1.00x: within noise of it, kept below it
 # since it recomputes more), in-backward (0.99x) and 8-bit (0.57x: torchao's step on a CPU; on a GPU
 # torchao reports it at par) on an EPYC. Offload and FSDP factors are assumptions; they only order
@@ -73,7 +73,7 @@ MEASURED_SPEED = {
     "pure_bf16": 1.0,
 }
 # pure_bf16 (weights:bf16) is an assumption: the same bf16 matmuls, a step that reads half the bytes.
-# mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, the README).
+# mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, docs/packing.md).
 
 
 class Requirement(Enum):

@@ -8,7 +8,7 @@ head and the cross-entropy chunk by chunk; otherwise (generation, evaluation und
 the model's own forward runs unchanged. ``outputs.logits`` is None when the chunked loss ran.
 
 Two ways to run a chunk, chosen per head (measured on CPU with a 128k vocabulary, 2,048 tokens,
-bf16; see the README): PyTorch 2.13's ``F.linear_cross_entropy`` ran 6.6x slower than the plain
+bf16; see docs/loss-head.md): PyTorch 2.13's ``F.linear_cross_entropy`` ran 6.6x slower than the plain
 head here and returns its loss in bf16, so it is not used. A plain ``nn.Linear`` head (also inside
 PEFT's ``modules_to_save``) takes the *fused* path: each chunk's gradients are computed in the
 forward (as Liger's and PyTorch's kernels do, here in plain PyTorch), so nothing is recomputed

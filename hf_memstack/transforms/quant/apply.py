@@ -3,7 +3,7 @@
 bitsandbytes, and report which tensors are 4-, 16- and 32-bit and whether the adapters on the
 4-bit layers got gradients (``verify_quant``).
 
-The backend was chosen by measurement (``bench/qlora.py``, README): both torchao's ``NF4Tensor``
+The backend was chosen by measurement (``bench/qlora.py``, docs/quant.md): both torchao's ``NF4Tensor``
 and bitsandbytes' ``Linear4bit`` train LoRA on a CPU with our pins, to the same loss, at the same
 bytes (4.13 bits per weight) and within noise of each other's step time. torchao quantizes what
 ``prepare_model`` quantizes because it is plain PyTorch: the weight is swapped on the model's own

@@ -2,7 +2,7 @@
 encoders, encoder-decoders) x the main policies, each loaded the real way (a bf16 checkpoint saved
 with ``save_pretrained``, loaded with Transformers' default ``dtype="auto"``): prepare, verify, one
 optimizer step, and the estimate against the meter. What is refused is listed in ``REFUSED``, the one
-table of expected refusals (the README's matrix is printed from it and this file's results)."""
+table of expected refusals (the matrix of docs/models.md is printed from it and this file's results)."""
 
 from __future__ import annotations
 

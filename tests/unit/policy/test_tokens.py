@@ -1,5 +1,5 @@
-"""The policy string's one table (hf_memstack/policy/tokens.py): the README's token list is the
-table's, every token parses to its row's fragment and prints back as itself (or as its canonical
+"""The policy string's one table (hf_memstack/policy/tokens.py): the token list of docs/policies.md is
+the table's, every token parses to its row's fragment and prints back as itself (or as its canonical
 spelling), and each group's error names that group's spellings."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from hf_memstack.policy import MAX_EVERY_N
 from hf_memstack.policy.config import SUBCONFIGS, MasterWeights
 from hf_memstack.policy.tokens import TOKENS, listed_spellings
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+POLICIES = Path(__file__).resolve().parents[3] / "docs" / "policies.md"
 
 
 def _readme_tokens() -> set[str]:
-    text = README.read_text()
+    text = POLICIES.read_text()
     start = text.index("String tokens, joined with `+` in any order:")
     paragraph = text[start : text.index("`auto` precision picks", start)]
     return set(re.findall(r"`([a-z0-9_:N]+)`", paragraph)) - {"+"}
@@ -29,7 +29,7 @@ def test_from_strings_docstring_names_every_token_of_the_table():
     assert set(listed_spellings()) <= named, set(listed_spellings()) - named
 
 
-def test_the_readmes_token_list_is_the_table():
+def test_the_docs_token_list_is_the_table():
     precisions = {"fp32", "bf16", "fp16", "auto"}
     assert _readme_tokens() == precisions | set(listed_spellings())
 
@@ -138,7 +138,7 @@ def test_a_preset_whose_name_is_a_token_is_refused_beside_tokens_without_a_preci
     ],
 )
 def test_a_string_naming_its_precision_reads_fsdp_as_the_token(spec, expected):
-    # As the planner and the README write them: FSDP only, with the precision and checkpointing named.
+    # As the planner and the docs write them: FSDP only, with the precision and checkpointing named.
     assert MemoryPolicy.from_string(spec).to_string() == expected
 
 

@@ -75,7 +75,7 @@ def test_fp16_loop_with_grad_scaler_on_cpu(load_model):
         model = prepare_model(load_model("llama"), "fp16+ckpt")
     scaler = model.memstack.grad_scaler
     assert isinstance(scaler, torch.amp.GradScaler)
-    # The loop the README documents for fp16 without an Accelerator.
+    # The loop docs/precision.md documents for fp16 without an Accelerator.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = make_batch("llama")
     losses = []
