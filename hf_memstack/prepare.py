@@ -59,6 +59,7 @@ from .transforms.sequence_parallel.apply import (
     apply_sequence_parallel,
     check_sequence_parallel,
 )
+from .transforms.sequence_parallel.group import check_process_group
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 if TYPE_CHECKING:
@@ -165,8 +166,10 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
             f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}"
         )
     require_process_group(policy.fsdp)
-    if policy.fsdp.mode == "none" and policy.sequence_parallel.size == 1:
+    if policy.sequence_parallel.size == 1 and policy.fsdp.mode == "none":
         return _preflight(model, policy, accelerator)
+    if policy.sequence_parallel.size > 1:
+        check_process_group(policy.sequence_parallel.size)
     error, plan = None, None
     try:
         plan = _preflight(model, policy, accelerator)
