@@ -152,9 +152,10 @@ def _coerce_policy(policy: MemoryPolicy | str | PolicyDict | None) -> MemoryPoli
         return copy.deepcopy(MemoryPolicy.coerce(policy))
     except (ValueError, TypeError, FileNotFoundError) as e:
         # A rank whose policy does not parse cannot know whether the others shard: when the
-        # policy asks for FSDP, it still joins their pre-flight all-gather, so they fail too
+        # policy asks for FSDP or sp:N, it still joins their pre-flight all-gather, so they fail too
         # instead of waiting for it.
-        if "fsdp" in repr(policy) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        asks = any(word in repr(policy) for word in ("fsdp", "sp:", "sequence_parallel"))
+        if asks and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             agree_before_sharding(None, None, e)
         raise
 
