@@ -1,6 +1,6 @@
 """The memory policy: which of mixed precision, activation checkpointing (block or op level),
 torch.compile, FSDP, a chunked loss head, 4-bit base weights and a low-memory optimizer to use, as
-a tree of typed dataclasses.
+a tree of typed dataclasses; and over how many ranks to shard each row's sequence (``sp:N``).
 
 A policy can be built four ways, all validated the same way:
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 from ..errors import PolicyError
 from .config import (
     MAX_EVERY_N,
+    MAX_SEQUENCE_PARALLEL,
     CheckpointingConfig,
     CompileConfig,
     FSDPConfig,
@@ -34,6 +35,7 @@ from .config import (
     OptimizerConfig,
     Precision,
     QuantConfig,
+    SequenceParallelConfig,
 )
 from .memory_policy import MemoryPolicy
 from .presets import LADDER
@@ -41,6 +43,7 @@ from .presets import LADDER
 __all__ = [
     "LADDER",
     "MAX_EVERY_N",
+    "MAX_SEQUENCE_PARALLEL",
     "CheckpointingConfig",
     "CompileConfig",
     "FSDPConfig",
@@ -52,4 +55,5 @@ __all__ = [
     "PolicyError",
     "Precision",
     "QuantConfig",
+    "SequenceParallelConfig",
 ]

@@ -1,6 +1,7 @@
 """The policy's dataclass tree: the sub-configs (checkpointing, compile, FSDP, loss head, 4-bit
 base weights, MLP, optimizer) with their fields' documentation, and the allowed values of each
-choice. :class:`~hf_memstack.policy.MemoryPolicy` (memory_policy.py) holds one of each."""
+choice (and sequence parallelism's degree). :class:`~hf_memstack.policy.MemoryPolicy` (memory_policy.py)
+holds one of each."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Literal
 
 __all__ = [
     "MAX_EVERY_N",
+    "MAX_SEQUENCE_PARALLEL",
     "SUBCONFIGS",
     "CheckpointingConfig",
     "CompileConfig",
@@ -17,10 +19,14 @@ __all__ = [
     "MLPConfig",
     "OptimizerConfig",
     "QuantConfig",
+    "SequenceParallelConfig",
 ]
 
 # The largest ckpt:N / every_n: one block in N is checkpointed, and no model has more blocks.
 MAX_EVERY_N = 10_000
+# The largest sp:N: ranks in one sequence-parallel group (each holds 1/N of every row, and N must
+# divide the attention heads; no model has more heads than this).
+MAX_SEQUENCE_PARALLEL = 1024
 
 Precision = Literal["fp32", "bf16", "fp16", "auto"]
 CheckpointingMode = Literal["none", "full", "every_n", "offload", "selective"]
@@ -190,6 +196,17 @@ class QuantConfig:
     not quantized is cast."""
 
 
+@dataclass(kw_only=True, slots=True)
+class SequenceParallelConfig:
+    """Sequence parallelism (Ulysses): each of ``size`` ranks holds ``1/size`` of every row's tokens,
+    and attention runs head-sharded after an all-to-all, so the activations that scale with the
+    sequence divide by ``size``. Needs a process group whose world size ``size`` divides."""
+
+    size: int = 1
+    """Ranks in one sequence-parallel group: 1 (off), or 2 to ``MAX_SEQUENCE_PARALLEL`` (token
+    ``sp:N``); contiguous ranks form a group, and ``size`` must divide the attention heads."""
+
+
 # The MemoryPolicy fields that are sub-configs, and their dataclasses.
 SUBCONFIGS: dict[str, type] = {
     "checkpointing": CheckpointingConfig,
@@ -199,4 +216,5 @@ SUBCONFIGS: dict[str, type] = {
     "quant": QuantConfig,
     "mlp": MLPConfig,
     "optimizer": OptimizerConfig,
+    "sequence_parallel": SequenceParallelConfig,
 }

@@ -23,6 +23,7 @@ from .config import (
     OptimizerConfig,
     Precision,
     QuantConfig,
+    SequenceParallelConfig,
 )
 from .policy_file import read_policy_file
 from .presets import LADDER
@@ -38,6 +39,7 @@ from .validate import (
     validate_mlp,
     validate_optimizer,
     validate_quant,
+    validate_sequence_parallel,
 )
 
 __all__ = ["MemoryPolicy"]
@@ -78,6 +80,10 @@ class MemoryPolicy:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer's state and step (built by :func:`hf_memstack.make_optimizer`); a dict, or a
     string such as ``"8bit"``, ``"in_backward"`` or ``"8bit+in_backward"``, is accepted too."""
+
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    """Sequence parallelism (Ulysses, token ``sp:N``): over how many ranks each row's tokens are
+    sharded; an integer size or a dict is accepted too."""
 
     master_weights: MasterWeights = "fp32"
     """The dtype the trainable parameters are kept and updated in. ``fp32`` (mixed precision's
@@ -175,7 +181,9 @@ class MemoryPolicy:
         * ``optim:8bit`` (8-bit AdamW moments), ``optim:in_backward`` (step each parameter as its
           gradient is ready); both may be given;
         * ``weights:bf16`` (pure bf16: trainable weights kept in bf16, AdamW with stochastic
-          rounding), ``weights:fp32`` (fp32 master weights, the default).
+          rounding), ``weights:fp32`` (fp32 master weights, the default);
+        * ``sp:N`` (sequence parallelism: each row's tokens sharded over N ranks, attention
+          head-sharded after an all-to-all (Ulysses); 2 <= N <= 1024).
 
         A ladder preset name (``fp32``, ``bf16``, ``bf16+compile``, ``bf16+compile+ckpt``, ``fsdp``)
         is such a string. ``fsdp`` is the one whose name is not its tokens: alone it is the preset
@@ -278,6 +286,7 @@ def _problems(policy: MemoryPolicy) -> list[str]:
     validate_quant(policy.quant, problems)
     validate_mlp(policy.mlp, problems)
     validate_optimizer(policy.optimizer, problems)
+    validate_sequence_parallel(policy.sequence_parallel, problems)
     check_choice(problems, "policy.master_weights", policy.master_weights, MasterWeights)
     if policy.master_weights == "bf16" and policy.precision != "bf16":
         problems.append(

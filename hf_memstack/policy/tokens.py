@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast, get_args
 
-from .config import MAX_EVERY_N, SUBCONFIGS, Precision
+from .config import MAX_EVERY_N, MAX_SEQUENCE_PARALLEL, SUBCONFIGS, Precision
 from .presets import LADDER
 
 __all__ = ["TOKENS", "Token", "listed_spellings", "parse", "to_string"]
@@ -43,6 +43,10 @@ class Token:
     """Error messages and docs/policies.md name it (False: an alias accepted quietly)."""
     number: Callable[[str], Fields | None] | None = None
     """For a spelling that takes a number (``ckpt:N``): the argument -> the fragment, or None."""
+    number_field: str = ""
+    """For a spelling that takes a number: the sub-config field ``to_string`` reads it from."""
+    number_max: int = 0
+    """For a spelling that takes a number: the largest it takes (error messages say the range)."""
 
 
 def _every_n(arg: str) -> Fields | None:
@@ -54,11 +58,18 @@ def _every_n(arg: str) -> Fields | None:
     )
 
 
+def _sp_size(arg: str) -> Fields | None:
+    # ASCII digits only, as _every_n.
+    return {"size": int(arg)} if re.fullmatch("[0-9]{1,6}", arg) and 2 <= int(arg) <= MAX_SEQUENCE_PARALLEL else None
+
+
 TOKENS: tuple[Token, ...] = (
     Token("ckpt", "checkpointing", {"mode": "full"}),
     Token("ckpt:full", "checkpointing", {"mode": "full"}, canonical=False, listed=False),
     Token("ckpt:1", "checkpointing", {"mode": "full"}, canonical=False, listed=False),
-    Token("ckpt:N", "checkpointing", {"mode": "every_n"}, number=_every_n),
+    Token(
+        "ckpt:N", "checkpointing", {"mode": "every_n"}, number=_every_n, number_field="every_n", number_max=MAX_EVERY_N
+    ),
     Token("ckpt:offload", "checkpointing", {"mode": "offload"}),
     Token("ckpt:selective", "checkpointing", {"mode": "selective", "selective_matmuls": "save_all"}),
     Token("ckpt:selective:alternate", "checkpointing", {"mode": "selective", "selective_matmuls": "save_alternate"}),
@@ -80,6 +91,8 @@ TOKENS: tuple[Token, ...] = (
     Token("optim:in_backward", "optimizer", {"step": "in_backward"}),
     Token("weights:fp32", "master_weights", "fp32", canonical=False),
     Token("weights:bf16", "master_weights", "bf16"),
+    # Every size but 1 (off) is this token; to_string only reaches it for a size that is not 1.
+    Token("sp:N", "sequence_parallel", {}, number=_sp_size, number_field="size", number_max=MAX_SEQUENCE_PARALLEL),
 )
 """Every token but the precision (``fp32``, ``bf16``, ``fp16``, ``auto``: the string's first word)."""
 
@@ -94,7 +107,9 @@ def listed_spellings(group: str | None = None) -> list[str]:
 
 def _allowed(group: str) -> str:
     return ", ".join(
-        f"'{s}'" + (f" (2 <= N <= {MAX_EVERY_N})" if s == "ckpt:N" else "") for s in listed_spellings(group)
+        f"'{t.spelling}'" + (f" (2 <= N <= {t.number_max})" if t.number is not None else "")
+        for t in TOKENS
+        if t.listed and t.spelling.partition(":")[0] == group
     )
 
 
@@ -235,8 +250,9 @@ def to_string(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> str:
         if value == defaults[name]:
             continue
         held = [t for t in TOKENS if t.field == name and t.canonical and _holds(value, t.fragment)]
-        if any(t.number is not None for t in held):  # ckpt:N
-            parts.append(f"{held[0].spelling.partition(':')[0]}:{value.every_n}")
+        numbered = next((t for t in held if t.number is not None), None)
+        if numbered is not None:  # ckpt:N, sp:N
+            parts.append(f"{numbered.spelling.partition(':')[0]}:{getattr(value, numbered.number_field)}")
         elif name == "optimizer":  # its tokens set different sub-fields
             parts += [t.spelling for t in held]
         elif held:

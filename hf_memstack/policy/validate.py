@@ -9,6 +9,7 @@ from typing import cast, get_args
 
 from .config import (
     MAX_EVERY_N,
+    MAX_SEQUENCE_PARALLEL,
     CheckpointingConfig,
     CheckpointingMode,
     CompileConfig,
@@ -26,6 +27,7 @@ from .config import (
     QuantConfig,
     QuantMode,
     SelectiveMatmuls,
+    SequenceParallelConfig,
 )
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "validate_mlp",
     "validate_optimizer",
     "validate_quant",
+    "validate_sequence_parallel",
 ]
 
 
@@ -205,6 +208,16 @@ def validate_optimizer(op: OptimizerConfig, problems: list[str]) -> None:
     check_choice(problems, "policy.optimizer.step", op.step, OptimizerStep)
 
 
+def validate_sequence_parallel(sp: SequenceParallelConfig, problems: list[str]) -> None:
+    n = sp.size
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCE_PARALLEL:
+        problems.append(
+            f"policy.sequence_parallel.size={n!r} must be an integer from 1 (off) to {MAX_SEQUENCE_PARALLEL}: the "
+            "ranks each row's sequence is sharded over (token 'sp:N'); use a divisor of the world size and of "
+            "the model's attention heads, or 1 to turn sequence parallelism off"
+        )
+
+
 def coerce_subconfig(name: str, cls: type, value: object, problems: list[str]) -> object:
     if isinstance(value, cls):
         return None
@@ -216,6 +229,14 @@ def coerce_subconfig(name: str, cls: type, value: object, problems: list[str]) -
                 "'after_backward' or 'in_backward' (step), joined with '+', e.g. '8bit+in_backward'"
             )
         return parsed
+    if cls is SequenceParallelConfig and isinstance(value, int) and not isinstance(value, bool):
+        return SequenceParallelConfig(size=value)  # sequence_parallel=2, as the token sp:2
+    if isinstance(value, str) and cls is SequenceParallelConfig:
+        problems.append(
+            f"policy.{name}={value!r} is not a sequence-parallel setting; pass the size as an integer "
+            "(sequence_parallel=2), a dict ({'size': 2}) or the policy string's token 'sp:2'"
+        )
+        return None
     if isinstance(value, str):
         return cls(mode=value)
     if isinstance(value, dict):
@@ -229,7 +250,13 @@ def coerce_subconfig(name: str, cls: type, value: object, problems: list[str]) -
         return cls(**value)
     if value is None:
         return cls()
-    as_string = "a string such as '8bit+in_backward'" if cls is OptimizerConfig else "a mode string"
+    as_string = (
+        "a string such as '8bit+in_backward'"
+        if cls is OptimizerConfig
+        else "an integer size"
+        if cls is SequenceParallelConfig
+        else "a mode string"
+    )
     problems.append(
         f"policy.{name}={value!r} has type {type(value).__name__}; pass {cls.__name__}(...), {as_string} or a dict"
     )
