@@ -55,7 +55,8 @@ def check_not_set_by_hand(model: nn.Module) -> None:
         raise ValueError(
             f"{type(model).__name__} already has activation checkpointing on ({len(checkpointed)} module(s), e.g. "
             f"{checkpointed[0]!r}: gradient_checkpointing_enable() was called): checkpointing is set by the policy. Call "
-            "model.gradient_checkpointing_disable() (or load a fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
+            "model.activation_checkpointing_disable() (gradient_checkpointing_disable() on older Transformers; or load a "
+            "fresh model) and put it in the policy, e.g. 'bf16+ckpt'"
         )
     _check_no_compile_wrapper(model)
     compiled = [

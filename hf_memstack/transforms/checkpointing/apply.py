@@ -276,7 +276,8 @@ class CheckpointingGuard:
         return (
             f"{caller} on a model prepared by hf_memstack with policy {self.policy!r}, which already checkpoints "
             f"({self._applied_text()}): the policy's checkpointing is kept and this call changed nothing. Set "
-            "gradient_checkpointing=False in your TrainingArguments/SFTConfig to silence this"
+            "activation_checkpointing=False in your TrainingArguments/SFTConfig to silence this (gradient_checkpointing=False "
+            "on a Transformers without activation_checkpointing)"
         )
 
     def conflict(
@@ -286,7 +287,10 @@ class CheckpointingGuard:
         every_n_layers: int = 1,
         offload: bool = False,
         caller: str,
-        fix: str = "set gradient_checkpointing=False in your TrainingArguments/SFTConfig",
+        fix: str = (
+            "set activation_checkpointing=False in your TrainingArguments/SFTConfig (gradient_checkpointing=False on a "
+            "Transformers without activation_checkpointing)"
+        ),
     ) -> str | None:
         """Why enabling checkpointing this way would replace the policy's (None: it asks for the
         same, or for the default over a policy that checkpoints)."""
