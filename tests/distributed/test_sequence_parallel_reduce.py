@@ -24,6 +24,24 @@ def _batch(seed=1):
     return batch
 
 
+# "packed": rows of samples 5 + 13 + 14 tokens (one spans the two ranks' halves), a packed batch's position ids
+# "dropout": attention_dropout=0.1 (its masks differ between a slice and the whole rows: the line turns it off)
+VERIFIED = [
+    "fp32+sp:2",
+    "fp32+fsdp+sp:2",
+    "fp32+ckpt+loss:chunked+sp:2",
+    "bf16+ckpt+sp:2",
+    "fp32+sp:2 packed",
+    "fp32+sp:2 dropout",
+]
+
+
+def _packed():
+    batch = make_batch("llama", batch_size=ROWS, seq=32, seed=3)
+    batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(13), torch.arange(14)]).expand(ROWS, -1)
+    return batch
+
+
 def _sharded_step(rank, policy, batch):
     """The library's step on this rank's slice: (reported loss, every parameter's full gradient)."""
     from hf_memstack import prepare_model
@@ -85,8 +103,9 @@ def _verify_rows(rank, world):
     from hf_memstack import prepare_model, verify
 
     out = {}
-    for policy in ("fp32+sp:2", "fp32+fsdp+sp:2", "fp32+ckpt+loss:chunked+sp:2"):
-        report = verify(prepare_model(tiny_llama(), policy), _batch())
+    for policy in VERIFIED:
+        model = tiny_llama(attention_dropout=0.1 if "dropout" in policy else 0.0)
+        report = verify(prepare_model(model, policy.split()[0]), _packed() if "packed" in policy else _batch())
         out[policy] = (report.check("sequence parallel").ok, report.ok, str(report))
     # A group whose ranks got different rows: its sharded step mixes them, and the line says so on both ranks.
     report = verify(prepare_model(tiny_llama(), "fp32+sp:2"), _batch(seed=1 + rank))
@@ -145,8 +164,9 @@ def test_the_sequence_mesh_is_dp_by_sp_with_contiguous_groups_and_the_job_timeou
         assert result["meshes"][1] == ((2, 1), [True, True], [rank])
 
 
-@pytest.mark.parametrize("policy", ["fp32+sp:2", "fp32+fsdp+sp:2", "fp32+ckpt+loss:chunked+sp:2"])
+@pytest.mark.parametrize("policy", VERIFIED)
 def test_verify_has_a_sequence_parallel_line_that_passes(ranks, policy):
+    print(f"\n{policy}: {ranks[0]['verify'][policy][2]}")
     for result in ranks:
         line_ok, all_ok, text = result["verify"][policy]
         assert line_ok, text

@@ -12,14 +12,18 @@ ranks print the same line and agree on its verdict.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ...distributed._ranks import world_size
+from ...record import record_of, unwrap_model
 from .reduce import average_gradients, backward_loss, reported_loss, sequence_parallel_size
 
-__all__ = ["shard_for_rank", "verify_sequence_parallel"]
+__all__ = ["dropout_off", "shard_for_rank", "unsharded_attention", "verify_sequence_parallel"]
 
 # fp32: the same sums in another order (the all-to-all splits the heads, the loss is summed over ranks);
 # bf16/fp16: their rounding, as verify's packing line allows.
@@ -41,8 +45,11 @@ def verify_sequence_parallel(
 ) -> tuple[bool, str]:
     """Run the sharded step and the unsharded one on ``batch`` (the group's whole rows); compare.
     Leaves the parameters' gradients at None (verify restores the caller's afterwards)."""
-    sharded_loss, sharded = _step(model, shard_for_rank(model, batch), params, unsharded=False)
-    reference_loss, reference = _step(model, _whole(batch), params, unsharded=True)
+    # Dropout off for both: its masks differ between a rank's slice and the whole rows (a model trained
+    # with attention_dropout=0.1 differed by 1.6e-3 in the loss), and only the arithmetic is compared.
+    with dropout_off(model):
+        sharded_loss, sharded = _step(model, shard_for_rank(model, batch), params, unsharded=False)
+        reference_loss, reference = _step(model, _whole(batch), params, unsharded=True)
     scale = max((float(g.abs().max()) for g in reference if g.numel()), default=0.0)
     dgrad = max((float((a - b).abs().max()) for a, b in zip(sharded, reference) if a.numel()), default=0.0)
     dloss = abs(float(sharded_loss) - float(reference_loss))
@@ -57,7 +64,8 @@ def verify_sequence_parallel(
     detail = (
         f"sp:{n}: the sharded step's loss {float(sharded_loss):.6g} against the unsharded step's "
         f"{float(reference_loss):.6g} (|difference| {dloss:.2e}); its gradients' largest |difference| {dgrad:.2e} "
-        f"against a largest |gradient| {scale:.2e} ({len(params)} tensors, tolerance {tolerance:g} relative)"
+        f"against a largest |gradient| {scale:.2e} ({len(params)} tensors, tolerance {tolerance:g} relative; "
+        "dropout off for both)"
     )
     if not (loss_ok and grads_ok):
         detail += (
@@ -80,8 +88,6 @@ def _step(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward and backward, reduced as training reduces it: the reported loss and each
     parameter's gradient (its local shard under FSDP2)."""
-    from . import unsharded_attention
-
     for p in params:
         p.grad = None
     if unsharded:
@@ -103,6 +109,43 @@ def _step(
     for p in params:
         p.grad = None
     return reported, grads
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Every ``nn.Dropout`` at p=0 and every module's float ``attention_dropout``/``dropout`` (what
+    Transformers' attention modules pass the attention function in training) at 0, restored afterwards."""
+    saved: list[tuple[nn.Module, str, float]] = []
+    for module in model.modules():
+        for attr in ("p",) if isinstance(module, nn.Dropout) else ("attention_dropout", "dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value:
+                saved.append((module, attr, value))
+                setattr(module, attr, 0.0)
+    try:
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+@contextlib.contextmanager
+def unsharded_attention(model: nn.Module) -> Iterator[None]:
+    """The model's attention as it was before ``sp:N`` (``record.sequence_parallel.previous``), for the
+    reference step on the whole rows; switched back to Ulysses afterwards, whatever happened."""
+    from .attention import ULYSSES_ATTENTION
+
+    record = record_of(model)
+    previous = record.sequence_parallel.previous if record is not None else None
+    inner = unwrap_model(model)
+    if previous is None:  # nothing was switched: the model attends unsharded already
+        yield
+        return
+    inner.set_attn_implementation(previous)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        inner.set_attn_implementation(ULYSSES_ATTENTION)  # type: ignore[operator]
 
 
 def _local(grad: torch.Tensor | None) -> torch.Tensor:
