@@ -21,7 +21,9 @@ from torch import nn
 
 from ...distributed._ranks import world_size
 from ...record import record_of, unwrap_model
+from .attention import ULYSSES_ATTENTION
 from .reduce import average_gradients, backward_loss, reported_loss, sequence_parallel_size
+from .shard import shard_batch
 
 __all__ = ["dropout_off", "shard_for_rank", "unsharded_attention", "verify_sequence_parallel"]
 
@@ -33,8 +35,6 @@ _MIXED_TOLERANCE = 5e-2
 
 def shard_for_rank(model: nn.Module, batch: dict[str, object]) -> dict[str, object]:
     """This rank's slice of ``batch`` under the model's ``sp:N`` (its rank in its group of N contiguous ranks)."""
-    from . import shard_batch
-
     n = sequence_parallel_size(model)
     rank = dist.get_rank() if world_size() > 1 else 0
     return dict(shard_batch(batch, sp_rank=rank % n, sp_size=n))
@@ -78,8 +78,6 @@ def verify_sequence_parallel(
 
 def _whole(batch: dict[str, object]) -> dict[str, object]:
     """The whole rows as one rank of one: the same shifted labels, global positions and token count."""
-    from . import shard_batch
-
     return dict(shard_batch(batch, sp_rank=0, sp_size=1))
 
 
@@ -133,8 +131,6 @@ def dropout_off(model: nn.Module) -> Iterator[None]:
 def unsharded_attention(model: nn.Module) -> Iterator[None]:
     """The model's attention as it was before ``sp:N`` (``record.sequence_parallel.previous``), for the
     reference step on the whole rows; switched back to Ulysses afterwards, whatever happened."""
-    from .attention import ULYSSES_ATTENTION
-
     record = record_of(model)
     previous = record.sequence_parallel.previous if record is not None else None
     inner = unwrap_model(model)
