@@ -125,11 +125,19 @@ def _bad_input(rank, world):
 
 def _trainer(rank, world, out_dir):
     from dist_utils import outcome
+    from transformers import TrainingArguments
 
     from hf_memstack import prepare_model
     from hf_memstack.integrations.trainer import training_arguments
+    from hf_memstack.integrations.trainer_checks import check_training_arguments
 
-    return outcome(lambda: training_arguments(prepare_model(tiny_llama(), "fp32+sp:2"), output_dir=out_dir))
+    model = prepare_model(tiny_llama(), "fp32+sp:2")
+    args = TrainingArguments(output_dir=out_dir, use_cpu=True, report_to=[])
+    # training_arguments, and what MemstackCallback / add_memstack_callback run on a Trainer built without it
+    return [
+        outcome(lambda: training_arguments(model, output_dir=out_dir)),
+        outcome(lambda: check_training_arguments(model, args)),
+    ]
 
 
 def _scenarios(rank, world, out_dir):
@@ -191,7 +199,6 @@ def test_one_ranks_bad_batch_ends_both_ranks_with_its_message(ranks):
 
 
 def test_trainer_path_refuses_sp_naming_the_recipe(ranks):
-    for result in ranks:
-        kind, message = result["trainer"]
+    for kind, message in (outcome for result in ranks for outcome in result["trainer"]):
         assert kind == "ValueError"
         assert "sp:2" in message and "recipes/finetune.py" in message and "shard_batch" in message
