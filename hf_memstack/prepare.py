@@ -59,6 +59,7 @@ from .transforms.sequence_parallel.apply import (
     apply_sequence_parallel,
     check_sequence_parallel,
 )
+from .transforms.sequence_parallel.group import check_process_group
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 if TYPE_CHECKING:
@@ -151,9 +152,10 @@ def _coerce_policy(policy: MemoryPolicy | str | PolicyDict | None) -> MemoryPoli
         return copy.deepcopy(MemoryPolicy.coerce(policy))
     except (ValueError, TypeError, FileNotFoundError) as e:
         # A rank whose policy does not parse cannot know whether the others shard: when the
-        # policy asks for FSDP, it still joins their pre-flight all-gather, so they fail too
+        # policy asks for FSDP or sp:N, it still joins their pre-flight all-gather, so they fail too
         # instead of waiting for it.
-        if "fsdp" in repr(policy) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        asks = any(word in repr(policy) for word in ("fsdp", "sp:", "sequence_parallel"))
+        if asks and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             agree_before_sharding(None, None, e)
         raise
 
@@ -165,8 +167,10 @@ def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator
             f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}"
         )
     require_process_group(policy.fsdp)
-    if policy.fsdp.mode == "none" and policy.sequence_parallel.size == 1:
+    if policy.sequence_parallel.size == 1 and policy.fsdp.mode == "none":
         return _preflight(model, policy, accelerator)
+    if policy.sequence_parallel.size > 1:
+        check_process_group(policy.sequence_parallel.size)
     error, plan = None, None
     try:
         plan = _preflight(model, policy, accelerator)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from dist_utils import run_ranks
+from tiny import tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -25,9 +26,13 @@ SHAPE = {
 }
 ROWS = 2
 
+# A per-block compile with packed rows: the exchanges are custom ops with a declared backward (an
+# autograd Function filling a buffer would be inlined, and its gradients silently zero).
+COMPILED = {"compile": {"mode": "regional", "backend": "aot_eager"}, "sequence_parallel": 2}
+
 # case -> (architecture, config overrides, the rows' samples' lengths (None: one sample per row), policy)
-CASES: dict[str, tuple[str, dict[str, Any], list[list[int]] | None, str]] = {
-    "llama_mha": ("llama", {"num_key_value_heads": 4}, None, "fp32+sp:2"),
+CASES: dict[str, tuple[str, dict[str, Any], list[list[int]] | None, Any]] = {
+    "llama_mha": ("llama", {"num_key_value_heads": 4}, None, "fp32+mlp:tiled+sp:2"),
     "llama_mqa": ("llama", {"num_key_value_heads": 1}, None, "fp32+ckpt+loss:chunked+sp:2"),
     "llama_gqa_packed": ("llama", {"num_key_value_heads": 2}, [[5, 13, 14], [20, 12]], "fp32+ckpt+loss:chunked+sp:2"),
     "mistral_window": (
@@ -43,6 +48,8 @@ CASES: dict[str, tuple[str, dict[str, Any], list[list[int]] | None, str]] = {
         "fp32+loss:chunked+sp:2",
     ),
     "llama_odd_length": ("llama", {"num_key_value_heads": 2}, [[29], [10, 19]], "fp32+ckpt+sp:2"),
+    "llama_lora": ("llama", {"num_key_value_heads": 2, "lora": True}, [[5, 13, 14], [20, 12]], "fp32+ckpt+sp:2"),
+    "llama_compiled": ("llama", {"num_key_value_heads": 2}, [[5, 13, 14], [20, 12]], COMPILED),
 }
 
 
@@ -50,6 +57,8 @@ def _model(case: str) -> torch.nn.Module:
     import transformers
 
     arch, overrides, _, _ = CASES[case]
+    overrides = dict(overrides)
+    lora = overrides.pop("lora", False)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
@@ -58,7 +67,13 @@ def _model(case: str) -> torch.nn.Module:
     config = config_class(**SHAPE, **overrides)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return model_class(config).train()
+    model = model_class(config).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # LoRA's B starts at zero: init it too, so every adapter weight gets a gradient
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return model
 
 
 def _batch(case: str) -> dict[str, torch.Tensor]:
@@ -90,8 +105,9 @@ def _sharded(rank: int, world: int) -> dict[str, tuple[float, dict[str, torch.Te
         dist.all_reduce(total)
         grads = {}
         for name, p in model.named_parameters():
-            dist.all_reduce(p.grad)
-            grads[name] = p.grad
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                grads[name] = p.grad
         out[case] = (float(total), grads, describe(model))
     return out
 
@@ -110,7 +126,9 @@ def test_the_sharded_step_equals_the_unsharded_one(case: str, sharded: list[dict
     for rank_results in sharded:
         got_loss, grads, _ = rank_results[case]
         assert got_loss == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-6)
-        for name, p in reference.named_parameters():
+        trained = [(name, p) for name, p in reference.named_parameters() if p.requires_grad]
+        assert sorted(grads) == sorted(name for name, _ in trained)
+        for name, p in trained:
             assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), (case, name)
 
 
@@ -118,3 +136,25 @@ def test_describe_says_ulysses_and_the_heads(sharded: list[dict[str, Any]]) -> N
     text = sharded[1]["llama_mqa"][2]
     assert "sequence parallel: Ulysses over 2 ranks" in text and "slice 1 of 2" in text
     assert "heads 4 -> 2 per rank" in text and "key/value heads 1 (each repeated 2x)" in text
+
+
+def _one_rank_refuses(rank: int, world: int) -> tuple[tuple[str, str], tuple[str, str]]:
+    from dist_utils import outcome
+
+    from hf_memstack import prepare_model
+
+    # rank 1's model has 3 heads, which 2 does not divide: its refusal reaches rank 0 before any group is made
+    heads = {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48} if rank == 1 else {}
+    model = outcome(lambda: prepare_model(tiny_llama(**heads), "fp32+sp:2") and "prepared")
+    # rank 1's policy does not parse: it still joins the others' agreement, which fails them too
+    policy = outcome(lambda: prepare_model(tiny_llama(), "fp32+sp:2+sp:4" if rank == 1 else "fp32+sp:2") and "prepared")
+    return model, policy
+
+
+def test_one_ranks_refusal_ends_every_rank_with_its_message():
+    (model_0, policy_0), (model_1, policy_1) = run_ranks(_one_rank_refuses)
+    assert model_1[0] == "ValueError" and "3 attention heads are not divisible by 2" in model_1[1]
+    assert model_0[0] == "DistributedMismatchError"
+    assert "rank(s) [1]" in model_0[1] and "3 attention heads are not divisible by 2" in model_0[1]
+    assert policy_1[0] == "PolicyError" and "'sp:4' conflicts with 'sp:2'" in policy_1[1]
+    assert policy_0[0] == "DistributedMismatchError" and "'sp:4' conflicts with 'sp:2'" in policy_0[1]

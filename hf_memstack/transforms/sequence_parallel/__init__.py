@@ -16,7 +16,7 @@ outside it that imports from here or reads the policy field this folder implemen
 
 - ``hf_memstack/policy/tokens.py``: the ``Token("sp:N"`` row of the token table
 - ``hf_memstack/policy/config.py``: ``SequenceParallelConfig``, the policy's field
-- ``hf_memstack/prepare.py``: ``check_sequence_parallel`` and ``apply_sequence_parallel`` in prepare_model's order
+- ``hf_memstack/prepare.py``: ``check_process_group``, ``check_sequence_parallel``, ``apply_sequence_parallel``
 - ``hf_memstack/record.py``: ``SequenceParallelResult`` on the record
 - ``hf_memstack/data/boundaries.py``: ``ULYSSES_ATTENTION`` keeps packed samples apart (the packing guard)
 - ``hf_memstack/measure/verify.py``: ``verify_sequence_parallel`` (its line), ``shard_for_rank`` (the other checks' batch)
