@@ -11,6 +11,7 @@ raises on a model that trains wrongly (that is what it is for), only on a model 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -121,7 +122,7 @@ def verify(
             loss is nan, its gradients 0: nothing trains on it), as any loss that is not finite does.
         TypeError: ``input_ids`` that are not integers.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
-        DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
+        DistributedMismatchError: under FSDP/DDP or sp:N, on the other ranks when one rank raised.
     """
     # sp:N's all-to-alls are collectives of every step, whatever wraps the model.
     shared = runs_collectives(model) or sequence_parallel_size(model) > 1
@@ -177,10 +178,11 @@ def _verify_into(
         p.grad = None
     report.checks.append(_check_policy(model, record))
     sequence_check, whole = None, batch
-    if record.policy.sequence_parallel.size > 1 and isinstance(batch, dict):
+    if record.policy.sequence_parallel.size > 1:
         # First, on the whole rows; the checks below observe the step a training loop runs: this rank's slice.
         sequence_check = _check_sequence_parallel(model, batch, loss_fn, record, params)
-        batch = shard_for_rank(model, batch)
+        if isinstance(batch, Mapping):
+            batch = shard_for_rank(model, dict(batch))
     # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
@@ -269,11 +271,18 @@ def _check_packing(model: nn.Module, batch: object, record: MemstackRecord, *, s
 
 def _check_sequence_parallel(
     model: nn.Module,
-    batch: dict[str, object],
+    batch: object,
     loss_fn: LossFn | None,
     record: MemstackRecord,
     params: list[nn.Parameter],
 ) -> Check:
+    if not isinstance(batch, Mapping):
+        return Check(
+            "sequence parallel",
+            False,
+            f"not compared: sp:{record.policy.sequence_parallel.size} shards a batch given as a mapping (input_ids, labels, "
+            f"position_ids), not a {type(batch).__name__}; pass verify the rows as a dict",
+        )
     if loss_fn is not None:
         return Check(
             "sequence parallel",
@@ -281,7 +290,8 @@ def _check_sequence_parallel(
             "not compared: a loss_fn sees one rank's slice of the rows, and only the model's own loss (over "
             "shard_batch's shifted labels and token count) adds up over the sequence group; verify without loss_fn",
         )
-    return Check("sequence parallel", *verify_sequence_parallel(model, batch, params, mixed=record.precision.mixed))
+    rows = dict(batch)
+    return Check("sequence parallel", *verify_sequence_parallel(model, rows, params, mixed=record.precision.mixed))
 
 
 def _check_gradients(

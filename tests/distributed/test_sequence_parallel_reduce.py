@@ -33,6 +33,7 @@ VERIFIED = [
     "bf16+ckpt+sp:2",
     "fp32+sp:2 packed",
     "fp32+sp:2 dropout",
+    "fp32+sp:2 BatchEncoding",
 ]
 
 
@@ -105,7 +106,12 @@ def _verify_rows(rank, world):
     out = {}
     for policy in VERIFIED:
         model = tiny_llama(attention_dropout=0.1 if "dropout" in policy else 0.0)
-        report = verify(prepare_model(model, policy.split()[0]), _packed() if "packed" in policy else _batch())
+        batch = _packed() if "packed" in policy else _batch()
+        if "BatchEncoding" in policy:  # what a tokenizer returns: a mapping that is not a dict
+            from transformers import BatchEncoding
+
+            batch = BatchEncoding(batch)
+        report = verify(prepare_model(model, policy.split()[0]), batch)
         out[policy] = (report.check("sequence parallel").ok, report.ok, str(report))
     # A group whose ranks got different rows: its sharded step mixes them, and the line says so on both ranks.
     report = verify(prepare_model(tiny_llama(), "fp32+sp:2"), _batch(seed=1 + rank))
