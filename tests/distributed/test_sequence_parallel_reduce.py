@@ -43,27 +43,43 @@ def _packed():
     return batch
 
 
+def _model(lora):
+    """The tiny Llama, with LoRA adapters on q/v (their weights drawn after a fixed seed) under ``lora``."""
+    model = tiny_llama()
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _trained(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def _sharded_step(rank, policy, batch):
     """The library's step on this rank's slice: (reported loss, every parameter's full gradient)."""
     from hf_memstack import prepare_model
     from hf_memstack.transforms.sequence_parallel import shard_batch
     from hf_memstack.transforms.sequence_parallel.reduce import average_gradients, backward_loss, reported_loss
 
-    model = prepare_model(tiny_llama(), policy)
+    model = prepare_model(_model("lora" in policy), policy.split()[0])
     n = model.memstack.policy.sequence_parallel.size
     loss = model(**shard_batch(batch, sp_rank=rank % n, sp_size=n)).loss
     backward_loss(loss, model).backward()
     average_gradients(model)
-    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in _trained(model)]
     return float(reported_loss(loss, model)), grads
 
 
-def _against_unsharded(loss, grads, batch):
+def _against_unsharded(loss, grads, batch, lora=False):
     """|loss - the unsharded model's loss|, and the largest gradient difference relative to the largest gradient."""
-    ref = tiny_llama()
+    ref = _model(lora)
     ref_loss = ref(**batch).loss
     ref_loss.backward()
-    ref_grads = [p.grad for p in ref.parameters()]
+    ref_grads = [p.grad for p in _trained(ref)]
+    assert len(ref_grads) == len(grads)
     scale = max(float(g.abs().max()) for g in ref_grads)
     dgrad = max(float((a - b).abs().max()) for a, b in zip(grads, ref_grads))
     return abs(loss - float(ref_loss)), dgrad / scale
@@ -72,9 +88,14 @@ def _against_unsharded(loss, grads, batch):
 def _parity(rank, world):
     results = {}
     batch = _batch()
-    for name, policy in (("plain", "fp32+sp:2"), ("fsdp", "fp32+fsdp+sp:2")):
+    for name, policy in (
+        ("plain", "fp32+sp:2"),
+        ("fsdp", "fp32+fsdp+sp:2"),
+        ("hybrid_shard", "fp32+fsdp:hybrid_shard+sp:2"),
+        ("lora_plain", "fp32+sp:2 lora"),
+    ):
         loss, grads = _sharded_step(rank, policy, batch)
-        results[name] = _against_unsharded(loss, grads, batch) if rank == 0 else None
+        results[name] = _against_unsharded(loss, grads, batch, lora="lora" in policy) if rank == 0 else None
     # (2, 1): sp:1, each rank its own rows (all labelled: the mean of the ranks' means is the whole batch's)
     rows = make_batch("llama", batch_size=2 * ROWS, seq=SEQ, seed=2)
     mine = {k: v[rank * ROWS : (rank + 1) * ROWS] for k, v in rows.items()}
@@ -162,7 +183,7 @@ def ranks(tmp_path_factory):
     return run_ranks(_scenarios, str(tmp_path_factory.mktemp("sp_trainer")), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["plain", "fsdp", "fsdp_dp2"])
+@pytest.mark.parametrize("case", ["plain", "fsdp", "hybrid_shard", "lora_plain", "fsdp_dp2"])
 def test_sharded_step_equals_the_unsharded_step(ranks, case):
     """Loss and every gradient within fp32 noise of the unsharded model's (measured: 0 and ~1e-7 relative)."""
     dloss, dgrad = ranks[0]["parity"][case]
