@@ -877,11 +877,19 @@ def save(job: Job) -> Report:
         losses = loss_summary(history, cfg.train.log_every)
         job.log(
             f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
-            f"{acc.num_processes} process(es); {losses}"
+            f"{_readers(job)}; {losses}"
             + " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             + f"; model and report in {job.run_dir.path}"
         )
     return report
+
+
+def _readers(job: Job) -> str:
+    """Who reads other rows: the processes, or under sp:N the sequence groups of N processes (one batch each)."""
+    groups = job.groups
+    if groups.size == 1:
+        return f"{job.accelerator.num_processes} process(es)"
+    return f"{groups.dp} sequence group(s) of {groups.size} processes (sp:{groups.size}: each its slice of every row)"
 
 
 def main(argv: list[str] | None = None) -> Report | Stopped:
