@@ -89,6 +89,7 @@ from finetune_support.report import finite_json, loss_summary, plot_memory
 from finetune_support.run_dir import OutputPlan, compare_runs, fsync_dir, plan_output, run_record
 from finetune_support.run_lock import release_run_locks
 from finetune_support.safe_paths import remove_entry
+from finetune_support.sequence import check_sequence_parallel, dp_loader, reported, sequence_groups, shard
 from finetune_support.stops import (
     check_finite,
     disk_full,
@@ -157,6 +158,7 @@ def setup(cfg: FinetuneConfig) -> Job:
     _refuse_irregular_model_files(cfg, model_path)
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
     policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
+    check_sequence_parallel(cfg, policy, task, world_env)
     precision, route, fsdp_plugin = _precision_and_route(cfg, policy, model_path, task, device_type)
     accelerator = make_accelerator(cfg, precision, device_type, fsdp_plugin)
     log = printer(accelerator)
@@ -312,10 +314,15 @@ def _build(
     train_dl, val_dl = _loaders(
         cfg, tokenizer, batch_collate, train_ds, val_ds, batch_size, pad_to, pin=device_type == "cuda"
     )
-    scheduler, total_steps = _schedule(cfg, optimizer, train_dl, accelerator.num_processes, grad_accum)
+    groups = sequence_groups(policy, accelerator.num_processes, accelerator.process_index)
+    scheduler, total_steps = _schedule(cfg, optimizer, train_dl, groups.dp, grad_accum)
     # The scheduler goes through Accelerate on every route, so that save_state/load_state carry it;
     # with step_scheduler_with_optimizer=False its step() is exactly one step of the schedule.
-    train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
+    if groups.size > 1:  # sp:N: the ranks of a sequence group read the same rows (sharded by rank // N)
+        train_dl, val_dl = dp_loader(accelerator, train_dl, groups), dp_loader(accelerator, val_dl, groups)
+        scheduler = accelerator.prepare(scheduler)
+    else:
+        train_dl, val_dl, scheduler = accelerator.prepare(train_dl, val_dl, scheduler)
     if plan.resume is not None:
         _check_resumed_layout(cfg, plan, state, resolved, batch_size, grad_accum, len(train_dl))
 
@@ -540,9 +547,13 @@ def evaluate(job: Job) -> dict[str, float]:
     acc, model = job.accelerator, job.model
     model.eval()
     losses, correct, count = [], 0, 0
+    groups = job.groups
     with torch.no_grad():
         for batch in job.val_dl:
-            outputs = model(**batch)
+            outputs = model(**shard(batch, groups))
+            if groups.size > 1:  # each group's sum of its ranks' shares, one value per group
+                losses.append(acc.gather(outputs.loss.detach().float().reshape(1)).view(groups.dp, -1).sum(1))
+                continue
             losses.append(acc.gather_for_metrics(outputs.loss.detach().float().reshape(1)))
             if job.task == "classification":
                 pred, ref = acc.gather_for_metrics((outputs.logits.argmax(-1), batch["labels"]))
@@ -561,12 +572,15 @@ def evaluate(job: Job) -> dict[str, float]:
 def micro_step(job: Job, batch: Batch) -> tuple[torch.Tensor, float | None]:
     """Forward and backward; at the end of an accumulation window, clip, step the optimizer and the
     schedule once. Returns the loss and the learning rate this optimizer step used (None between steps)."""
+    from hf_memstack.transforms.sequence_parallel.reduce import average_gradients, backward_loss
+
     acc, model, optimizer = job.accelerator, job.model, job.optimizer
     lr = None
     with acc.accumulate(model):
-        loss = model(**batch).loss
-        acc.backward(loss)
+        loss = model(**shard(batch, job.groups)).loss
+        acc.backward(backward_loss(loss, model))  # sp:N: N x this rank's share (DDP/FSDP average over W)
         if acc.sync_gradients:
+            average_gradients(model)  # a model nothing wraps on several ranks (DDP and FSDP reduce their own)
             if job.cfg.train.grad_clip > 0:
                 acc.clip_grad_norm_(model.parameters(), job.cfg.train.grad_clip)
             lr = float(optimizer.param_groups[0]["lr"])  # torchao keeps it as a tensor
@@ -583,6 +597,7 @@ def _meter_first_step(policy: MemoryPolicy, device_type: str, route: Route, *, r
     resume with the 8-bit optimizer: its compiled step runs uncompiled under the meter, which rounds
     differently, and the resumed run would no longer equal an uninterrupted one bit for bit."""
     eager = device_type == "cpu" and policy.compile.mode == "none" and route == "none"
+    eager = eager and policy.sequence_parallel.size == 1  # the meter runs one process's step: not a group's slice
     return eager and not (resuming and policy.optimizer.state == "8bit")
 
 
@@ -615,7 +630,7 @@ def train(job: Job) -> None:
     from tqdm.auto import tqdm
 
     acc, cfg, state, model = job.accelerator, job.cfg, job.state, job.model
-    world = acc.num_processes
+    world = job.groups.dp  # the processes that read other rows (sp:N: a group of N reads the same)
     stop_at = min(job.total_steps, cfg.train.stop_after) if cfg.train.stop_after else job.total_steps
     model.train()
     bar = tqdm(total=job.total_steps, initial=state.step, disable=not acc.is_local_main_process, desc="train")
@@ -683,6 +698,7 @@ def real_tokens(batch: Batch) -> int:
 def _log_row(job: Job, window: _Window) -> LogRow:
     # The mean over every process's micro-steps since the last line (one small all-reduce).
     loss = job.accelerator.reduce(torch.stack(window.losses).float().mean(), reduction="mean")
+    loss = reported(loss, job.groups)  # sp:N: each sequence group's sum of its ranks' shares
     elapsed = max(time.perf_counter() - window.start, 1e-9)
     peak = torch.cuda.max_memory_allocated() if job.device_type == "cuda" else job.peak_bytes
     row: LogRow = {
@@ -702,7 +718,9 @@ def unmeasured_peak_reason(job: Job) -> str | None:
     on CPU only the memory meter can, on the first step of an eager, unsharded run."""
     if job.device_type == "cuda" or job.meter_first_step:
         return None
-    if job.policy.compile.mode != "none":
+    if job.policy.sequence_parallel.size > 1:
+        why = "the meter measures one unsharded process, not a rank's slice of a sequence group's rows"
+    elif job.policy.compile.mode != "none":
         why = "under compile the meter would run the compiled step eagerly, measuring another step than the one that trains"
     elif job.route != "none":
         why = "the meter measures one unsharded process, not a rank's shards"
@@ -859,11 +877,19 @@ def save(job: Job) -> Report:
         losses = loss_summary(history, cfg.train.log_every)
         job.log(
             f"done in {seconds:.0f} s: {state.step} steps, batch {job.batch_size} x {job.grad_accum} accumulation x "
-            f"{acc.num_processes} process(es); {losses}"
+            f"{_readers(job)}; {losses}"
             + " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             + f"; model and report in {job.run_dir.path}"
         )
     return report
+
+
+def _readers(job: Job) -> str:
+    """Who reads other rows: the processes, or under sp:N the sequence groups of N processes (one batch each)."""
+    groups = job.groups
+    if groups.size == 1:
+        return f"{job.accelerator.num_processes} process(es)"
+    return f"{groups.dp} sequence group(s) of {groups.size} processes (sp:{groups.size}: each its slice of every row)"
 
 
 def main(argv: list[str] | None = None) -> Report | Stopped:

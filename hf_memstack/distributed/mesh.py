@@ -18,7 +18,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["device_mesh", "group_timeout"]
+__all__ = ["device_mesh", "group_timeout", "sequence_parallel_mesh"]
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -33,6 +33,24 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
         if group is not default and timeout is not None and group_timeout(group, device_type) != timeout:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
     return mesh
+
+
+def sequence_parallel_mesh(device_type: str, sp_size: int) -> DeviceMesh:
+    """The 2-D ``("dp", "sp")`` mesh of ``sp:N``: ``world // N`` data-parallel groups of N contiguous
+    ranks (SP innermost: a sequence group's all-to-alls stay within a node), each group with the
+    default group's timeout. FSDP2 shards over its flattened ``dp x sp`` ranks, which with SP innermost
+    are every rank in rank order: the 1-D mesh ``fsdp`` shards over without SP.
+
+    Raises:
+        ValueError: the world size is not a multiple of ``sp_size``.
+    """
+    world = dist.get_world_size()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(
+            f"sequence_parallel.size={sp_size}: the {world} ranks do not split into groups of {sp_size}; launch a "
+            f"multiple of {sp_size} processes or choose an sp:N that divides {world}"
+        )
+    return device_mesh(device_type, (world // sp_size, sp_size), ("dp", "sp"))
 
 
 def group_timeout(group: dist.ProcessGroup, device_type: str) -> datetime.timedelta | None:

@@ -25,7 +25,7 @@ from ..data import PackedCollator
 from ..record import record_of
 from ..transforms.optim.bf16_adamw import BF16AdamW
 from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
-from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments
+from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments, refuse_sequence_parallel
 
 __all__ = ["training_arguments"]
 
@@ -63,6 +63,7 @@ def training_arguments(
             that an explicit ``gradient_accumulation_steps`` contradicts (they must agree exactly).
     """
     record = _record(model)
+    refuse_sequence_parallel(record, "training_arguments")  # before the batch-size finder measures anything
     # The deprecated name is what most scripts still pass: it means the same field.
     for old, new in (
         ("gradient_checkpointing", _CHECKPOINTING_FIELD),

@@ -11,6 +11,7 @@ raises on a model that trains wrongly (that is what it is for), only on a model 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,8 @@ from ..transforms.loss_head.verify import verify_loss_head
 from ..transforms.optim.verify import optimizer_paused
 from ..transforms.precision.apply import precision_policy_problems, verify_precision
 from ..transforms.quant.verify import verify_quant
+from ..transforms.sequence_parallel.reduce import sequence_parallel_size
+from ..transforms.sequence_parallel.verify import shard_for_rank, verify_sequence_parallel
 from ..transforms.tiled_mlp import verify_tiled_mlp
 from .batch_checks import check_batch, no_labelled_token
 from .observe import Observed, observe_step
@@ -97,6 +100,10 @@ def verify(
         * ``mlp`` (tiled MLP): each tiled MLP ran in tiles in the forward and recomputed them in the backward;
         * ``packing`` (a packed batch: ``position_ids`` restarting inside a row): the per-token
           losses of the packed rows equal those of each sample run alone (its first 8 samples).
+        * ``sequence parallel`` (``sp:N``): the sharded step's loss (summed over the sequence group)
+          and gradients (reduced as training reduces them) equal the same step on the whole rows with
+          the attention unsharded (fp32: 1e-3 relative; bf16/fp16: 5e-2). Every rank of a group passes
+          the same whole rows; the other checks then observe this rank's slice of them.
 
     An optimizer stepping in the backward (``make_optimizer`` with ``optim:in_backward``) is
     paused meanwhile. ``model`` may be the prepared model or a DDP, PEFT or ``torch.compile`` wrapper around it.
@@ -115,9 +122,10 @@ def verify(
             loss is nan, its gradients 0: nothing trains on it), as any loss that is not finite does.
         TypeError: ``input_ids`` that are not integers.
         RuntimeError: with ``raise_on_failure=True``, when a check fails (the report is in the message).
-        DistributedMismatchError: under FSDP/DDP, on the other ranks when one rank raised.
+        DistributedMismatchError: under FSDP/DDP or sp:N, on the other ranks when one rank raised.
     """
-    shared = runs_collectives(model)
+    # sp:N's all-to-alls are collectives of every step, whatever wraps the model.
+    shared = runs_collectives(model) or sequence_parallel_size(model) > 1
     # The checks of the model and the batch that each rank makes alone, agreed before any collective:
     # a rank that raised here while the others went on into the forward would leave them waiting.
     record = on_every_rank("verify: the model and the batch", lambda: _record(model, batch), shared=shared)
@@ -169,6 +177,12 @@ def _verify_into(
     for p in params:
         p.grad = None
     report.checks.append(_check_policy(model, record))
+    sequence_check, whole = None, batch
+    if record.policy.sequence_parallel.size > 1:
+        # First, on the whole rows; the checks below observe the step a training loop runs: this rank's slice.
+        sequence_check = _check_sequence_parallel(model, batch, loss_fn, record, params)
+        if isinstance(batch, Mapping):
+            batch = shard_for_rank(model, dict(batch))
     # Observe the eager computation: under a compiled model, hooks and autocast run inside the graph.
     stance = torch.compiler.set_stance("force_eager") if record.compile.regions else contextlib.nullcontext()
     with stance:
@@ -192,7 +206,7 @@ def _verify_into(
             *verify_precision(record.precision, record.autocast_by, observed.linear_dtypes, observed.loss_dtype),
         ),
         _check_gradients(
-            model, params, record, observed, None if loss_fn is not None else no_labelled_token(model, batch)
+            model, params, record, observed, None if loss_fn is not None else no_labelled_token(model, whole)
         ),
         Check("quant", *verify_quant(model, record.quant))
         if record.quant.layers or record.policy.quant.mode != "none"
@@ -202,6 +216,7 @@ def _verify_into(
         if record.mlp.mode == "tiled"
         else None,
         packing_check,
+        sequence_check,
     ]
     report.checks += [c for c in checks if c is not None]
     if record.compile.regions and observed.backward_error is None:
@@ -247,11 +262,36 @@ def _check_packing(model: nn.Module, batch: object, record: MemstackRecord, *, s
     per-sample forwards would not pair up across ranks; compare on one process)."""
 
     if shared or not isinstance(batch, dict) or not is_packed(batch.get("position_ids"), batch.get("attention_mask")):
-        return None
+        return None  # (under sp:N shared: the sequence parallel line compares the packed rows unsharded)
     # fp32: the same arithmetic in other kernels (masked against causal attention); bf16/fp16: their rounding.
     tolerance = 5e-2 if record.precision.mixed else 5e-3
     comparison = compare_packed_to_separate(model, batch, tolerance=tolerance)
     return Check("packing", comparison.ok, comparison.describe())
+
+
+def _check_sequence_parallel(
+    model: nn.Module,
+    batch: object,
+    loss_fn: LossFn | None,
+    record: MemstackRecord,
+    params: list[nn.Parameter],
+) -> Check:
+    if not isinstance(batch, Mapping):
+        return Check(
+            "sequence parallel",
+            False,
+            f"not compared: sp:{record.policy.sequence_parallel.size} shards a batch given as a mapping (input_ids, labels, "
+            f"position_ids), not a {type(batch).__name__}; pass verify the rows as a dict",
+        )
+    if loss_fn is not None:
+        return Check(
+            "sequence parallel",
+            False,
+            "not compared: a loss_fn sees one rank's slice of the rows, and only the model's own loss (over "
+            "shard_batch's shifted labels and token count) adds up over the sequence group; verify without loss_fn",
+        )
+    rows = dict(batch)
+    return Check("sequence parallel", *verify_sequence_parallel(model, rows, params, mixed=record.precision.mixed))
 
 
 def _check_gradients(

@@ -35,6 +35,7 @@ def choose_batch_size(
     """The micro-batch and the accumulation steps: the flag's, the finder's (--batch-size auto), or,
     resuming an auto run on as many processes, what the finder found when it started."""
     from hf_memstack import find_batch_size
+    from hf_memstack.transforms.sequence_parallel.reduce import sequence_parallel_size
 
     world, log = accelerator.num_processes, accelerator.print
     if (
@@ -71,12 +72,14 @@ def choose_batch_size(
         batch_size = found.batch_size
         grad_accum = found.grad_accum if cfg.memory.global_batch_size else 1
     else:
+        # sp:N (refused with auto): the N ranks of a sequence group read the same rows, so world / N read others.
+        world //= sequence_parallel_size(model)
         batch_size = int(cfg.memory.batch_size)
         grad_accum = grad_accum_steps(cfg.memory.global_batch_size, batch_size, world)
     if cfg.memory.global_batch_size and grad_accum * batch_size * world != cfg.memory.global_batch_size:
         log(
             f"note: global batch {cfg.memory.global_batch_size} is not a multiple of {batch_size} x {world} "
-            "process(es); "
+            "process(es) (or sequence groups); "
             f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
         )
     return batch_size, grad_accum

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from .common import Route, printable
 from .flags import FinetuneConfig
 from .run_dir import RunDir
+from .sequence import SequenceGroups, sequence_groups
 from .stops import resume_command
 
 if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
@@ -112,6 +113,11 @@ class Job:
         return resume_command(
             self.argv, self.cfg, script=script_path(), world=self.accelerator.num_processes, changes=changes
         )
+
+    @property
+    def groups(self) -> SequenceGroups:
+        """This process's sequence group and data-parallel rank (``sp:N``; N=1: every rank its own group)."""
+        return sequence_groups(self.policy, self.accelerator.num_processes, self.accelerator.process_index)
 
     @property
     def trainable_parameters(self) -> int:

@@ -6,7 +6,9 @@ apply.py      check_sequence_parallel / apply_sequence_parallel: the refusals, t
 attention.py  the attention implementation ``hf_memstack_ulysses`` and its mask function
 exchange.py   the all-to-all and the position ids' all-gather as custom ops (fake shapes, backward)
 group.py      the process group: N contiguous ranks, with the default group's timeout
+reduce.py     backward_loss / average_gradients / reported_loss: the loss and gradients summed over the group
 shard.py      shard_batch / SequenceShardCollator: one full batch -> this rank's slice and loss inputs
+verify.py     verify's ``sequence parallel`` line: the sharded step against the same step unsharded
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
 outside it that imports from here or reads the policy field this folder implements is listed, and each
@@ -17,6 +19,11 @@ outside it that imports from here or reads the policy field this folder implemen
 - ``hf_memstack/prepare.py``: ``check_process_group``, ``check_sequence_parallel``, ``apply_sequence_parallel``
 - ``hf_memstack/record.py``: ``SequenceParallelResult`` on the record
 - ``hf_memstack/data/boundaries.py``: ``ULYSSES_ATTENTION`` keeps packed samples apart (the packing guard)
+- ``hf_memstack/measure/verify.py``: ``verify_sequence_parallel`` (its line), ``shard_for_rank`` (the other checks' batch)
+- ``hf_memstack/integrations/trainer_checks.py``: ``refuse_sequence_parallel`` (the Trainer path cannot shard rows)
+- ``recipes/finetune.py``: ``backward_loss`` and ``average_gradients`` in ``micro_step``
+- ``recipes/finetune_support/sequence.py``: ``shard_batch`` on each batch, ``sequence_parallel`` groups
+- ``recipes/finetune_support/batching.py``: ``sequence_parallel_size`` (the data-parallel width)
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ if TYPE_CHECKING:
     )
     from .exchange import SequenceParallelGroup, gather_positions, head_to_seq, register_group, seq_to_head
     from .group import check_process_group, sequence_parallel_group
+    from .reduce import average_gradients, backward_loss, reported_loss, sequence_parallel_size
     from .shard import SequenceShardCollator, shard_batch, shifted_targets
+    from .verify import verify_sequence_parallel
 
 # public name -> the module of this folder that defines it
 _EXPORTS = {
@@ -60,6 +69,11 @@ _EXPORTS = {
     "seq_to_head": ".exchange",
     "check_process_group": ".group",
     "sequence_parallel_group": ".group",
+    "average_gradients": ".reduce",
+    "backward_loss": ".reduce",
+    "reported_loss": ".reduce",
+    "sequence_parallel_size": ".reduce",
+    "verify_sequence_parallel": ".verify",
     "SequenceShardCollator": ".shard",
     "shard_batch": ".shard",
     "shifted_targets": ".shard",
@@ -73,6 +87,8 @@ __all__ = [
     "ULYSSES_ATTENTION",
     "active_group",
     "apply_sequence_parallel",
+    "average_gradients",
+    "backward_loss",
     "check_process_group",
     "check_sequence_parallel",
     "gather_positions",
@@ -80,12 +96,15 @@ __all__ = [
     "kv_replication",
     "register_group",
     "register_ulysses_attention",
+    "reported_loss",
     "seq_to_head",
     "sequence_parallel_group",
+    "sequence_parallel_size",
     "set_active_group",
     "shard_batch",
     "shifted_targets",
     "ulysses_attention_forward",
     "ulysses_mask",
+    "verify_sequence_parallel",
 ]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
