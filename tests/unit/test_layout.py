@@ -244,3 +244,13 @@ def test_the_old_estimate_modules_names_import_from_the_package() -> None:
         peft_config_from,
         task_note,
     )
+
+
+def test_test_file_names_are_unique():
+    """The test folders have no ``__init__.py``: pytest imports each file by its base name, so two
+    ``test_x.py`` in different folders stop the whole run at collection ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if path.name.startswith("test_"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}
