@@ -188,6 +188,7 @@ def estimate_memory(
         label_fraction=float(label_fraction),
         keep_outputs=keep_outputs,
         images=images,
+        sharded=policy.fsdp.mode != "none" and world_size > 1,
     )
     shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
     m, net, counts = _traced_step(config, job, extrapolate, notes, shards)

@@ -33,6 +33,7 @@ from ...policy import MemoryPolicy
 from ...record import record_of
 from ...transforms.fsdp import reshard_after_forward
 from ..model.fake import blocks_or_empty
+from .fsdp_dtypes import copies_of
 
 __all__ = ["FsdpShards", "fsdp_shards"]
 
@@ -59,10 +60,10 @@ class FsdpShards:
     """Whether blocks are resharded after their forward (full_shard) or stay gathered (shard_grad_op)."""
     cpu_offload: bool
     block_cast: int = 0
-    """One block's trainable linear weights as autocast copies them to the compute dtype on one device
-    (0 when they are in it already): FSDP gathers them in that dtype, so a rank makes no such copy."""
+    """One block's parameters as the trace copies them to the compute dtype and its backward keeps them
+    (:mod:`.fsdp_dtypes`; 0 when they are in it already): a rank uses its gathered ones, makes no copy."""
     root_cast: int = 0
-    """The same of the linear layers outside the blocks (the head)."""
+    """The same of the parameters outside the blocks (the head's, the final norm's)."""
     checkpointed: bool = False
     """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
 
@@ -101,22 +102,20 @@ class FsdpShards:
         return 1 + int(phase == _BACKWARD and not first_block)
 
     def _cast_copies(self, phase: int, segment: tuple[str, int] | None) -> int:
-        """The single-device trace's autocast copies of the weights in this part, which no rank holds: in the
-        forward every block's so far (autocast caches them until the forward ends), in the backward those
-        saved for it (none of a checkpointed block's, whose recompute makes its own)."""
+        """The trace's compute-dtype copies of the parameters in this part, which no rank holds: those its
+        backward keeps, of every block so far (none of a checkpointed block's, whose recompute makes its own)."""
         if not (self.block_cast or self.root_cast):
             return 0
         kind, k = segment if segment is not None else ("block", self.layers - 1)
         done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
         if kind == "pre":
-            return (
-                0
-                if phase != _BACKWARD
-                else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
-            )
+            return 0 if phase != _BACKWARD else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
+        kept = 0 if self.checkpointed else self.layers * self.block_cast
         if kind == "post":
-            return 0 if phase == _BACKWARD else self.root_cast + self.layers * self.block_cast
-        return self.block_cast * (1 if phase == _BACKWARD and self.checkpointed else done)
+            return 0 if phase == _BACKWARD else self.root_cast + kept
+        if self.checkpointed:  # the forward keeps none; the backward, the block it recomputes
+            return self.block_cast * int(phase == _BACKWARD)
+        return self.block_cast * done
 
     def saved_copies_per_block(self) -> int:
         """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
@@ -165,21 +164,7 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     root_reduce = gathered(trained) + sum(p.numel() * 4 for p in trained) * (world + 1) // world
     block = max((gathered(list(b.parameters())) for b in blocks), default=0)
 
-    def cast(modules: list[nn.Module]) -> int:
-        # autocast copies a trainable linear layer's weight and bias not in the compute dtype (frozen ones
-        # are copied too but not cached; not counted: a LoRA base is usually loaded in it).
-        if compute is None:
-            return 0
-        return sum(
-            p.numel() * compute.itemsize
-            for m in modules
-            if isinstance(m, nn.Linear)
-            for p in m.parameters(recurse=False)
-            if p.requires_grad and p.is_floating_point() and p.dtype != compute
-        )
-
-    block_modules = [m for m in blocks[0].modules()] if blocks else []
-    inside_modules = {id(m) for b in blocks for m in b.modules()}
+    copies = copies_of(net)  # the compute-dtype copies the trace made in a rank's stead (None: fp32)
     per_block = max((sum(tensor_bytes(p) for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
     depth = layers or len(blocks)
     return FsdpShards(
@@ -191,7 +176,7 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
         layers=depth,
         reshard=reshard_after_forward(policy.fsdp),
         cpu_offload=policy.fsdp.cpu_offload,
-        block_cast=cast(block_modules),
-        root_cast=cast([m for m in net.modules() if id(m) not in inside_modules]),
+        block_cast=copies.block if copies is not None else 0,
+        root_cast=copies.root if copies is not None else 0,
         checkpointed=policy.checkpointing.mode == "full",
     )
