@@ -183,6 +183,10 @@ def _frozen_aware_tracker() -> _Tracker | None:
 
             param_memory = buffer_memory = 0
             for param in module.parameters():
+                if not isinstance(param, nn.Parameter):
+                    # A stand-in swapped in while the module runs (the estimator's trace of an FSDP
+                    # rank: planning/estimate/fsdp_dtypes.py): made in the step, an activation.
+                    continue
                 param_memory += sum(
                     w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
                 )

@@ -5,23 +5,25 @@ every floating parameter in that dtype and casts each FSDP module's floating inp
 forward runs in it: measured on 2 gloo ranks under ``bf16+fsdp`` (a tiny Llama), the embeddings, the
 residual stream, every norm's output and the attention mask are bf16, where one device under autocast
 keeps them fp32 (fp32 weights: the embedding's and norms' outputs, and the sums on them, stay fp32). A
-trace of the single-device job then read the activations 13-19% over the meter (the step's peak +2.4%
-to +9.3%).
+trace of the single-device job read the activations 13-53% over the meter (the step's peak +2.4% to
++9.3%, +29% with ``loss:chunked``, which also copied the head's fp32 weight).
 
-:func:`compute_dtypes` traces the job as a rank runs it: while a module runs, each of its floating
-parameters is replaced by a copy in the compute dtype (autograd carries its gradient back to the
-parameter, as FSDP's reduce-scatter does to the shard), and each block's and the root's floating inputs
-are cast to it. A rank holds no such copy (its gathered parameters are accounted for apart, in
-:mod:`.fsdp_shards`), so the bytes of the copies the backward keeps are measured (:func:`copies_of`) and
-taken off there. The copy is made per module, not per FSDP unit, so that MemTracker never sees it
-among a module's parameters (it reads them as a module's forward first starts)."""
+:func:`compute_dtypes` traces the job as a rank runs it: each floating parameter is replaced by a copy
+in the compute dtype while it is in use (autograd carries its gradient back to the parameter, as FSDP's
+reduce-scatter does to the shard), and each block's and the root's floating inputs are cast to it. The
+root's parameters (embeddings, final norm, head) are swapped in for the whole forward, as FSDP gathers
+them (the chunked loss reads the head's weight without calling its module); a block's, while each of
+its modules runs, so that a checkpointed block's recompute (inside or outside its hooks) gets them too.
+A rank holds no such copy (its gathered parameters are accounted for apart, in :mod:`.fsdp_shards`), so
+the bytes of the copies are measured (:func:`copies_of`) and taken off there."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,23 +34,30 @@ from ..model.fake import blocks_or_empty
 
 __all__ = ["Copies", "compute_dtypes", "copies_of", "forget_copies"]
 
+_Hook = Callable[..., object]
+_Made = list[tuple[StorageWeakRef, int]]
+
 
 @dataclass(slots=True)
 class Copies:
-    """The compute-dtype copies of the parameters that the traced backward keeps (saved for it)."""
+    """The compute-dtype copies of the parameters that the trace made in a rank's stead."""
 
     block: int = 0
-    """One block's (the largest)."""
+    """What one block's backward keeps of them (the largest block's; summed over a checkpointed block's
+    forward, which keeps none, and its recompute)."""
+    block_made: int = 0
+    """All of one block's: alive through its forward."""
     root: int = 0
-    """The parameters' outside the blocks (the head's, the final norm's)."""
-    by_unit: dict[int, int] = field(default_factory=dict)
+    """What the backward keeps of the root's (the head's weight, the final norm's)."""
+    root_made: int = 0
+    """All of the root's: alive through the forward."""
 
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, Copies] = weakref.WeakKeyDictionary()
 
 
 def copies_of(net: nn.Module) -> Copies | None:
-    """What :func:`compute_dtypes` measured of ``net``'s trace (None: it was not traced so)."""
+    """What :func:`compute_dtypes` measured of ``net``'s last trace (None: not traced so)."""
     return _COPIES.get(net)
 
 
@@ -61,30 +70,44 @@ def forget_copies(net: nn.Module) -> None:
 def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """While inside, ``net`` computes as an FSDP rank under ``param_dtype=dtype`` does (see above)."""
     blocks = blocks_or_empty(net)
-    unit_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
+    inside = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
     copies = Copies()
     _COPIES[net] = copies
+    kept: dict[int, int] = {}  # block -> bytes of its copies its backward keeps
+    made: dict[int, int] = {}  # block -> bytes of all its copies
     handles = [u.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True) for u in (*blocks, net)]
-    for m in net.modules():
-        if any(_casts(p, dtype) for p in m._parameters.values()):
-            unit = unit_of.get(id(m), -1)
-            stack: list[tuple[dict[str, nn.Parameter], list[tuple[StorageWeakRef, int]]]] = []
-            handles.append(m.register_forward_pre_hook(_swap_in(dtype, stack)))
-            handles.append(m.register_forward_hook(_swap_out(stack, copies, unit)))
+    for i, block in enumerate(blocks):
+        mine = [m for m in block.modules() if _owned(m, dtype)]
+        handles += _swapping(block, mine, dtype, functools.partial(_add, kept, made, i))
+        # A recompute that bypasses the block's hooks (a checkpoint inside its forward) swaps module by module.
+        for m in mine:
+            handles += _swapping(m, [m], dtype, functools.partial(_add, kept, {}, i))
+    root = [m for m in net.modules() if id(m) not in inside and _owned(m, dtype)]
+
+    def root_done(n: int, all_made: int) -> None:
+        copies.root, copies.root_made = n, all_made
+
+    handles += _swapping(net, root, dtype, root_done)
     try:
         yield
     finally:
         for h in handles:
             h.remove()
-        copies.block = max((b for u, b in copies.by_unit.items() if u >= 0), default=0)
-        copies.root = copies.by_unit.get(-1, 0)
+        copies.block = max(kept.values(), default=0)
+        copies.block_made = max(made.values(), default=0)
 
 
-def _casts(p: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    return p is not None and p.is_floating_point() and p.dtype != dtype
+def _add(kept: dict[int, int], made: dict[int, int], block: int, n: int, all_made: int) -> None:
+    kept[block] = kept.get(block, 0) + n  # each call's: a checkpointed block's forward, then its recompute
+    made[block] = max(made.get(block, 0), all_made)
 
 
-def _cast_inputs(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _owned(module: nn.Module, dtype: torch.dtype) -> list[str]:
+    """The names of ``module``'s own floating parameters not in ``dtype``."""
+    return [n for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype]
+
+
+def _cast_inputs(dtype: torch.dtype) -> _Hook:
     """FSDP2's ``cast_forward_inputs``: a unit's floating tensor arguments in the compute dtype."""
 
     def cast(x: object) -> object:
@@ -96,26 +119,28 @@ def _cast_inputs(dtype: torch.dtype):  # type: ignore[no-untyped-def]
     return hook
 
 
-def _swap_in(dtype: torch.dtype, stack: list):  # type: ignore[no-untyped-def,type-arg]
-    def hook(module: nn.Module, args: object) -> None:
-        originals = {n: p for n, p in module._parameters.items() if p is not None and _casts(p, dtype)}
-        made = []
-        for name, p in originals.items():
+def _swapping(
+    unit: nn.Module, modules: list[nn.Module], dtype: torch.dtype, done: Callable[..., None]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Hooks on ``unit`` that swap ``modules``' parameters for compute-dtype copies while it runs, then
+    call ``done`` with the copies' bytes its backward keeps (and, for the root, all of them)."""
+    stack: list[tuple[list[tuple[nn.Module, str, nn.Parameter]], _Made]] = []
+
+    def pre(module: nn.Module, args: object) -> None:
+        originals = [(m, n, m._parameters[n]) for m in modules for n in _owned(m, dtype)]
+        made: _Made = []
+        for m, name, p in originals:
             copy = p.to(dtype)  # differentiable: the gradient reaches the parameter, as the shard's does
-            module._parameters[name] = copy  # type: ignore[assignment]  # what FSDP2 swaps in too
+            m._parameters[name] = copy  # type: ignore[assignment]  # FSDP2 swaps its gathered ones in too
             made.append((StorageWeakRef(copy.untyped_storage()), copy.numel() * copy.element_size()))
         stack.append((originals, made))
 
-    return hook
-
-
-def _swap_out(stack: list, copies: Copies, unit: int):  # type: ignore[no-untyped-def,type-arg]
-    def hook(module: nn.Module, args: object, output: object) -> None:
+    def post(module: nn.Module, args: object, output: object) -> None:
         originals, made = stack.pop()
-        module._parameters.update(originals)
-        # What outlives the module is what its backward saved. Each call adds (a checkpointed block
-        # keeps none in its forward, then its recompute's): summed over one unit's calls.
+        for m, name, p in originals:
+            m._parameters[name] = p
+        # What outlives the unit's forward is what its backward saved.
         kept = sum(size for ref, size in made if not ref.expired())
-        copies.by_unit[unit] = copies.by_unit.get(unit, 0) + kept
+        done(kept, sum(size for _, size in made))
 
-    return hook
+    return [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]

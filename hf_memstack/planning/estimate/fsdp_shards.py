@@ -64,6 +64,10 @@ class FsdpShards:
     (:mod:`.fsdp_dtypes`; 0 when they are in it already): a rank uses its gathered ones, makes no copy."""
     root_cast: int = 0
     """The same of the parameters outside the blocks (the head's, the final norm's)."""
+    root_made: int = 0
+    """All the root's parameters as the trace copies them (alive through its forward)."""
+    block_made: int = 0
+    """All one block's parameters as the trace copies them (alive through the block's forward)."""
     checkpointed: bool = False
     """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
 
@@ -102,20 +106,19 @@ class FsdpShards:
         return 1 + int(phase == _BACKWARD and not first_block)
 
     def _cast_copies(self, phase: int, segment: tuple[str, int] | None) -> int:
-        """The trace's compute-dtype copies of the parameters in this part, which no rank holds: those its
-        backward keeps, of every block so far (none of a checkpointed block's, whose recompute makes its own)."""
-        if not (self.block_cast or self.root_cast):
-            return 0
+        """The trace's compute-dtype copies of the parameters alive in this part, which no rank holds
+        (:mod:`.fsdp_dtypes`): the root's all through the forward, then those its backward keeps; each
+        block's that its backward keeps, of every block so far (a checkpointed block's: in its recompute)."""
         kind, k = segment if segment is not None else ("block", self.layers - 1)
-        done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
-        if kind == "pre":
-            return 0 if phase != _BACKWARD else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
         kept = 0 if self.checkpointed else self.layers * self.block_cast
-        if kind == "post":
-            return 0 if phase == _BACKWARD else self.root_cast + kept
-        if self.checkpointed:  # the forward keeps none; the backward, the block it recomputes
-            return self.block_cast * int(phase == _BACKWARD)
-        return self.block_cast * done
+        if kind == "pre":  # the forward's embeddings; the backward's head
+            return self.root_made if phase != _BACKWARD else self.root_cast + kept
+        if kind == "post":  # the forward's head; the backward's embeddings (the root's kept copies: used)
+            return self.root_made + kept if phase != _BACKWARD else 0
+        done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
+        if phase != _BACKWARD:  # the root's and this block's, and what the blocks before it keep
+            return self.root_made + self.block_made + (0 if self.checkpointed else (done - 1) * self.block_cast)
+        return self.block_cast * (1 if self.checkpointed else done)  # a checkpointed block's: its recompute's
 
     def saved_copies_per_block(self) -> int:
         """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
@@ -178,5 +181,7 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
         cpu_offload=policy.fsdp.cpu_offload,
         block_cast=copies.block if copies is not None else 0,
         root_cast=copies.root if copies is not None else 0,
+        root_made=copies.root_made if copies is not None else 0,
+        block_made=copies.block_made if copies is not None else 0,
         checkpointed=policy.checkpointing.mode == "full",
     )
