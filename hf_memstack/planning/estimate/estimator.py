@@ -190,7 +190,13 @@ def estimate_memory(
         images=images,
         sharded=policy.fsdp.mode != "none" and world_size > 1,
     )
-    shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
+    shards = functools.partial(
+        fsdp_shards,
+        policy=policy,
+        world=world_size,
+        layers=num_layers(config),
+        chunked_loss=policy.loss.mode == "chunked",
+    )
     m, net, counts = _traced_step(config, job, extrapolate, notes, shards)
     # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
     four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0

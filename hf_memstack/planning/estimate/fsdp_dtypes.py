@@ -75,31 +75,51 @@ def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     _COPIES[net] = copies
     kept: dict[int, int] = {}  # block -> bytes of its copies its backward keeps
     made: dict[int, int] = {}  # block -> bytes of all its copies
+    swaps: list[_Swap] = []
     handles = [u.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True) for u in (*blocks, net)]
     for i, block in enumerate(blocks):
         mine = [m for m in block.modules() if _owned(m, dtype)]
-        handles += _swapping(block, mine, dtype, functools.partial(_add, kept, made, i))
+        unit = [_Swap(block, mine, dtype, functools.partial(_note, kept, made, i))]
         # A recompute that bypasses the block's hooks (a checkpoint inside its forward) swaps module by module.
-        for m in mine:
-            handles += _swapping(m, [m], dtype, functools.partial(_add, kept, {}, i))
+        unit += [_Swap(m, [m], dtype, functools.partial(_note, kept, {}, i)) for m in mine]
+        handles.append(block.register_forward_pre_hook(functools.partial(_restore_after_backward, unit)))
+        swaps += unit
     root = [m for m in net.modules() if id(m) not in inside and _owned(m, dtype)]
-
-    def root_done(n: int, all_made: int) -> None:
-        copies.root, copies.root_made = n, all_made
-
-    handles += _swapping(net, root, dtype, root_done)
+    swaps.append(_Swap(net, root, dtype, functools.partial(_note_root, copies)))
+    handles += [h for s in swaps for h in s.handles]
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for swap in swaps:
+            swap.restore()
         copies.block = max(kept.values(), default=0)
         copies.block_made = max(made.values(), default=0)
 
 
-def _add(kept: dict[int, int], made: dict[int, int], block: int, n: int, all_made: int) -> None:
-    kept[block] = kept.get(block, 0) + n  # each call's: a checkpointed block's forward, then its recompute
+def _note(kept: dict[int, int], made: dict[int, int], block: int, n: int, all_made: int) -> None:
+    kept[block] = max(kept.get(block, 0), n)
     made[block] = max(made.get(block, 0), all_made)
+
+
+def _note_root(copies: Copies, n: int, all_made: int) -> None:
+    copies.root, copies.root_made = n, all_made
+
+
+def _restore_after_backward(unit: list[_Swap], module: nn.Module, args: tuple[object, ...]) -> None:
+    """In the forward, a hook on the block's input: when its gradient is computed, the block's backward is
+    done, and the copies a checkpointed block's recompute swapped in are let go (FSDP reshards then). The
+    recompute stops at the last tensor it must save (PyTorch's early stop), before the block's post-hook."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if torch._C._current_graph_task_id() != -1 or first is None or not first.requires_grad:
+        return  # a recompute, in the backward; or no gradient will come
+
+    def done(grad: torch.Tensor) -> None:
+        for swap in unit:
+            swap.restore()
+
+    first.register_hook(done)
 
 
 def _owned(module: nn.Module, dtype: torch.dtype) -> list[str]:
@@ -119,28 +139,38 @@ def _cast_inputs(dtype: torch.dtype) -> _Hook:
     return hook
 
 
-def _swapping(
-    unit: nn.Module, modules: list[nn.Module], dtype: torch.dtype, done: Callable[..., None]
-) -> list[torch.utils.hooks.RemovableHandle]:
+class _Swap:
     """Hooks on ``unit`` that swap ``modules``' parameters for compute-dtype copies while it runs, then
-    call ``done`` with the copies' bytes its backward keeps (and, for the root, all of them)."""
-    stack: list[tuple[list[tuple[nn.Module, str, nn.Parameter]], _Made]] = []
+    call ``done`` with the bytes of the copies its backward keeps, and of all of them."""
 
-    def pre(module: nn.Module, args: object) -> None:
-        originals = [(m, n, m._parameters[n]) for m in modules for n in _owned(m, dtype)]
+    def __init__(self, unit: nn.Module, modules: list[nn.Module], dtype: torch.dtype, done: Callable[[int, int], None]):
+        self.modules, self.dtype, self.done = modules, dtype, done
+        self.stack: list[tuple[list[tuple[nn.Module, str, nn.Parameter]], _Made]] = []
+        self.handles = [unit.register_forward_pre_hook(self.pre), unit.register_forward_hook(self.post)]
+
+    def pre(self, module: nn.Module, args: object) -> None:
+        originals = [(m, n, m._parameters[n]) for m in self.modules for n in _owned(m, self.dtype)]
         made: _Made = []
         for m, name, p in originals:
-            copy = p.to(dtype)  # differentiable: the gradient reaches the parameter, as the shard's does
+            copy = p.to(self.dtype)  # differentiable: the gradient reaches the parameter, as the shard's does
             m._parameters[name] = copy  # type: ignore[assignment]  # FSDP2 swaps its gathered ones in too
             made.append((StorageWeakRef(copy.untyped_storage()), copy.numel() * copy.element_size()))
-        stack.append((originals, made))
+        self.stack.append((originals, made))
 
-    def post(module: nn.Module, args: object, output: object) -> None:
-        originals, made = stack.pop()
-        for m, name, p in originals:
-            m._parameters[name] = p
+    def post(self, module: nn.Module, args: object, output: object) -> None:
+        if not self.stack:
+            return
+        originals, made = self.stack.pop()
+        self._put_back(originals)
         # What outlives the unit's forward is what its backward saved.
-        kept = sum(size for ref, size in made if not ref.expired())
-        done(kept, sum(size for _, size in made))
+        self.done(sum(size for ref, size in made if not ref.expired()), sum(size for _, size in made))
 
-    return [unit.register_forward_pre_hook(pre), unit.register_forward_hook(post)]
+    def restore(self) -> None:
+        """Put back what a forward stopped early left swapped in."""
+        while self.stack:
+            self._put_back(self.stack.pop()[0])
+
+    @staticmethod
+    def _put_back(originals: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+        for m, name, p in reversed(originals):
+            m._parameters[name] = p

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ...measure.accounting import tensor_bytes
@@ -50,8 +51,8 @@ class FsdpShards:
     block_gathered: int
     """One block's parameters gathered, in the compute dtype."""
     root_reduce: int
-    """The root's gradients being reduce-scattered at the end of the backward: unsharded (compute dtype),
-    the reduce-scatter's input and output (fp32: ``apply_fsdp`` reduces in fp32)."""
+    """The root's gradients being reduce-scattered at the end of the backward: unsharded in fp32 (a 16-bit
+    compute dtype's cast to it: ``apply_fsdp`` reduces in fp32), the reduce-scatter's input and output."""
     grads: int
     """Every trainable parameter's gradient, unsharded, at the model's full depth."""
     layers: int
@@ -68,6 +69,10 @@ class FsdpShards:
     """All the root's parameters as the trace copies them (alive through its forward)."""
     block_made: int = 0
     """All one block's parameters as the trace copies them (alive through the block's forward)."""
+    root_grads: int = 0
+    """Those of the parameters outside the blocks."""
+    head_grad: int = 0
+    """The head's gradient as a chunked loss computes it in the forward (0: none computes it there)."""
     checkpointed: bool = False
     """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
 
@@ -82,7 +87,10 @@ class FsdpShards:
         if phase > _BACKWARD:  # the optimizer step: per parameter, on the local shards only
             out["temp"] = peak["temp"] // w
             return _totalled(out)
-        at_end = _totalled({**out, "grad": states * (self.grads // w), "act": 0, "temp": self.root_reduce})
+        # The backward's end: the blocks' gradients sharded; the root's being reduce-scattered (its shard is
+        # that's output); the head's gradient a chunked loss made in the forward still held, as an activation.
+        blocks_grads = states * ((self.grads - self.root_grads) // w)
+        at_end = _totalled({**out, "grad": blocks_grads, "act": self.head_grad, "temp": self.root_reduce})
         copies = self._cast_copies(phase, segment)
         out["act"] = max(0, peak["act"] - copies)
         out["temp"] = max(0, peak["temp"] - max(0, copies - peak["act"]))
@@ -118,7 +126,8 @@ class FsdpShards:
         done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
         if phase != _BACKWARD:  # the root's and this block's, and what the blocks before it keep
             return self.root_made + self.block_made + (0 if self.checkpointed else (done - 1) * self.block_cast)
-        return self.block_cast * (1 if self.checkpointed else done)  # a checkpointed block's: its recompute's
+        # A checkpointed block's: all its recompute swapped in, held to the end of its backward.
+        return self.block_made if self.checkpointed else done * self.block_cast
 
     def saved_copies_per_block(self) -> int:
         """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
@@ -138,13 +147,32 @@ class FsdpShards:
         return self.saved(PhasePeaks(peaks=tuple(peaks), forward_activations=traced.forward_activations))
 
 
+def _head_grad(net: nn.Module, compute: torch.dtype | None) -> int:
+    """The trainable head's gradient as the chunked loss makes it: the weight's in the compute dtype, the
+    bias's in fp32 (``_FusedLinearCrossEntropy``)."""
+    get = getattr(net, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return 0
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    out = 0
+    if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        out += weight.numel() * (compute.itemsize if compute is not None else weight.element_size())
+    if isinstance(bias, torch.Tensor) and bias.requires_grad:
+        out += bias.numel() * 4
+    return out
+
+
 def _totalled(peak: dict[str, int]) -> dict[str, int]:
     return {**peak, "total": sum(v for k, v in peak.items() if k != "total")}
 
 
-def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | None) -> FsdpShards | None:
+def fsdp_shards(
+    net: nn.Module, policy: MemoryPolicy, world: int, layers: int | None, *, chunked_loss: bool = False
+) -> FsdpShards | None:
     """How ``policy`` shards the traced ``net`` over ``world`` ranks (None: it does not). ``layers``:
-    the model's blocks at its full depth (``net`` may be a shallow copy)."""
+    the model's blocks at its full depth (``net`` may be a shallow copy). ``chunked_loss``: the loss is
+    ``loss:chunked``'s, which computes the head's gradient in the forward."""
     if policy.fsdp.mode == "none" or world < 2:
         return None
     blocks = blocks_or_empty(net)
@@ -163,8 +191,10 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     root_params = [p for p in net.parameters() if id(p) not in inside]
     root = gathered(root_params)
     trained = [p for p in root_params if p.requires_grad]
-    # Unsharded in the compute dtype, then copied into the fp32 reduce-scatter input, whose output is the shard.
-    root_reduce = gathered(trained) + sum(p.numel() * 4 for p in trained) * (world + 1) // world
+    # Unsharded, cast to fp32 (measured under bf16 on 2 gloo ranks: 2.5x the root's fp32 bytes, as under
+    # fp32), then copied into the fp32 reduce-scatter input, whose output is the shard.
+    reduced = sum(p.numel() * 4 for p in trained)
+    root_reduce = reduced + reduced * (world + 1) // world
     block = max((gathered(list(b.parameters())) for b in blocks), default=0)
 
     copies = copies_of(net)  # the compute-dtype copies the trace made in a rank's stead (None: fp32)
@@ -172,6 +202,8 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     depth = layers or len(blocks)
     return FsdpShards(
         grads=sum(tensor_bytes(p) for p in trained) + per_block * depth,
+        root_grads=sum(tensor_bytes(p) for p in trained),
+        head_grad=_head_grad(net, compute) if chunked_loss else 0,
         world=world,
         root_gathered=root,
         block_gathered=block,
