@@ -6,16 +6,17 @@ forward runs in it: measured on 2 gloo ranks under ``bf16+fsdp`` (a tiny Llama),
 residual stream, every norm's output and the attention mask are bf16, where one device under autocast
 keeps them fp32 (fp32 weights: the embedding's and norms' outputs, and the sums on them, stay fp32). A
 trace of the single-device job read the activations 13-53% over the meter (the step's peak +2.4% to
-+9.3%, +29% with ``loss:chunked``, which also copied the head's fp32 weight).
++9.3%; +29% with ``loss:chunked`` and LoRA, whose head weight it also copied).
 
 :func:`compute_dtypes` traces the job as a rank runs it: each floating parameter is replaced by a copy
 in the compute dtype while it is in use (autograd carries its gradient back to the parameter, as FSDP's
 reduce-scatter does to the shard), and each block's and the root's floating inputs are cast to it. The
-root's parameters (embeddings, final norm, head) are swapped in for the whole forward, as FSDP gathers
-them (the chunked loss reads the head's weight without calling its module); a block's, while each of
-its modules runs, so that a checkpointed block's recompute (inside or outside its hooks) gets them too.
-A rank holds no such copy (its gathered parameters are accounted for apart, in :mod:`.fsdp_shards`), so
-the bytes of the copies are measured (:func:`copies_of`) and taken off there."""
+root's parameters (embeddings, final norm, head) are swapped in for the whole forward and a block's for
+the block's, as FSDP gathers them (the chunked loss reads the head's weight without calling its module;
+PEFT reads its adapters' dtype outside theirs); a checkpointed block's recompute gets them from the
+block's hooks, or module by module where the checkpoint runs inside its forward, and they are let go
+when its backward ends. A rank holds no such copy (its gathered parameters are accounted for apart, in
+:mod:`.fsdp_shards`), so the bytes of the copies are measured (:func:`copies_of`) and taken off there."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ class Copies:
     """The compute-dtype copies of the parameters that the trace made in a rank's stead."""
 
     block: int = 0
-    """What one block's backward keeps of them (the largest block's; summed over a checkpointed block's
-    forward, which keeps none, and its recompute)."""
+    """What one block's backward keeps of them after its forward (the largest block's; none of a
+    checkpointed block's: its recompute's are all ``block_made``)."""
     block_made: int = 0
     """All of one block's: alive through its forward."""
     root: int = 0
@@ -81,7 +82,7 @@ def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
         mine = [m for m in block.modules() if _owned(m, dtype)]
         unit = [_Swap(block, mine, dtype, functools.partial(_note, kept, made, i))]
         # A recompute that bypasses the block's hooks (a checkpoint inside its forward) swaps module by module.
-        unit += [_Swap(m, [m], dtype, functools.partial(_note, kept, {}, i)) for m in mine]
+        unit += [_Swap(m, [m], dtype, _unmeasured) for m in mine]
         handles.append(block.register_forward_pre_hook(functools.partial(_restore_after_backward, unit)))
         swaps += unit
     root = [m for m in net.modules() if id(m) not in inside and _owned(m, dtype)]
@@ -103,6 +104,10 @@ def _note(kept: dict[int, int], made: dict[int, int], block: int, n: int, all_ma
     made[block] = max(made.get(block, 0), all_made)
 
 
+def _unmeasured(n: int, all_made: int) -> None:
+    """A module's own swap: only a recompute outside its block's hooks makes it (the block's copies then)."""
+
+
 def _note_root(copies: Copies, n: int, all_made: int) -> None:
     copies.root, copies.root_made = n, all_made
 
@@ -122,9 +127,11 @@ def _restore_after_backward(unit: list[_Swap], module: nn.Module, args: tuple[ob
     first.register_hook(done)
 
 
-def _owned(module: nn.Module, dtype: torch.dtype) -> list[str]:
-    """The names of ``module``'s own floating parameters not in ``dtype``."""
-    return [n for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype]
+def _owned(module: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s own floating parameters not in ``dtype``, by name."""
+    return [
+        (n, p) for n, p in module._parameters.items() if p is not None and p.is_floating_point() and p.dtype != dtype
+    ]
 
 
 def _cast_inputs(dtype: torch.dtype) -> _Hook:
@@ -149,12 +156,15 @@ class _Swap:
         self.handles = [unit.register_forward_pre_hook(self.pre), unit.register_forward_hook(self.post)]
 
     def pre(self, module: nn.Module, args: object) -> None:
-        originals = [(m, n, m._parameters[n]) for m in self.modules for n in _owned(m, self.dtype)]
+        originals = [(m, n, p) for m in self.modules for n, p in _owned(m, self.dtype)]
         made: _Made = []
+        copies: dict[int, torch.Tensor] = {}  # a tied weight (embeddings and head) is gathered once
         for m, name, p in originals:
-            copy = p.to(self.dtype)  # differentiable: the gradient reaches the parameter, as the shard's does
-            m._parameters[name] = copy  # type: ignore[assignment]  # FSDP2 swaps its gathered ones in too
-            made.append((StorageWeakRef(copy.untyped_storage()), copy.numel() * copy.element_size()))
+            if id(p) not in copies:
+                # Differentiable: the gradient reaches the parameter, as the reduce-scatter's does the shard.
+                copies[id(p)] = p.to(self.dtype)
+                made.append((StorageWeakRef(copies[id(p)].untyped_storage()), p.numel() * self.dtype.itemsize))
+            m._parameters[name] = copies[id(p)]  # type: ignore[assignment]  # FSDP2 swaps its gathered ones in too
         self.stack.append((originals, made))
 
     def post(self, module: nn.Module, args: object, output: object) -> None:
