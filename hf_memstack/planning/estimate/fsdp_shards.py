@@ -130,7 +130,7 @@ class FsdpShards:
         return self.block_made if self.checkpointed else done * self.block_cast
 
     def saved_copies_per_block(self) -> int:
-        """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
+        """The compute-dtype copies each block adds to what the traced forward leaves (none checkpointed)."""
         return 0 if self.checkpointed else self.block_cast
 
     def saved(self, traced: PhasePeaks) -> PhasePeaks:
