@@ -9,9 +9,9 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
     python bench/estimate_accuracy.py --orders        # PEFT / a 4-bit load before or after prepare_model vs MemTracker
 
 ``--fsdp``: the FSDP section - the estimate against the meter on 2 gloo ranks (a tiny Llama: 4 blocks,
-vocabulary 4,000; full fine-tune and LoRA, checkpointing, the chunked loss, 128-512 tokens), and the plan
-of a Llama-3-70B config (from config.json alone) at 8 x 80 GiB and 4,096, 8,192 and 32,768 tokens with the
-per-block arithmetic beside it. Written to bench/results/estimate_accuracy_fsdp.json.
+vocabulary 4,000; fp32 and bf16, full fine-tune and LoRA, checkpointing, the chunked loss, batch 1-2 x
+128-512 tokens), and the plan of a Llama-3-70B config (from config.json alone) at 8 x 80 GiB and 4,096,
+8,192 and 32,768 tokens with the per-block arithmetic beside it. Written to bench/results/estimate_accuracy_fsdp.json.
 
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
 12 layers, vocabulary 32,000) saved with ``save_pretrained`` in fp32 and in bf16 and loaded the
@@ -571,13 +571,17 @@ FSDP_SHAPE = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-FSDP_CELLS = [
-    ("fp32+fsdp", "all", 320),
-    ("fp32+ckpt+fsdp", "all", 192),
-    ("fp32+fsdp+loss:chunked", "lora", 128),
-    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512),
-    ("bf16+ckpt+fsdp", "all", 256),
-    ("bf16+fsdp", "all", 192),
+FSDP_CELLS = [  # policy, what trains, sequence length, batch size
+    ("fp32+fsdp", "all", 320, 2),
+    ("fp32+ckpt+fsdp", "all", 192, 2),
+    ("fp32+fsdp+loss:chunked", "lora", 128, 2),
+    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512, 2),
+    ("bf16+fsdp", "all", 192, 2),
+    ("bf16+ckpt+fsdp", "all", 256, 2),
+    ("bf16+fsdp", "all", 128, 2),
+    ("bf16+ckpt+fsdp", "lora", 128, 2),
+    ("bf16+fsdp+loss:chunked", "lora", 128, 2),
+    ("bf16+ckpt+fsdp+loss:chunked", "all", 512, 1),
 ]
 FSDP_FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak_bytes")
 LLAMA_3_70B = {
@@ -600,20 +604,20 @@ def _fsdp_cells(rank: int, world: int) -> list:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = []
-    for policy, trainable, seq in FSDP_CELLS:
+    for policy, trainable, seq, batch in FSDP_CELLS:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**FSDP_SHAPE)).train()
         if trainable == "lora":
             model = get_peft_model(model, peft_config_from("lora"))
         model = prepare_model(model, policy)
-        ids = torch.randint(3, FSDP_SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(rank))
+        ids = torch.randint(3, FSDP_SHAPE["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(rank))
         real = measure_step(
             model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False
         )
         est = None
         if rank == 0:
             e = estimate_memory(
-                LlamaConfig(**FSDP_SHAPE), policy, batch_size=2, seq_len=seq, world_size=world, trainable=trainable
+                LlamaConfig(**FSDP_SHAPE), policy, batch_size=batch, seq_len=seq, world_size=world, trainable=trainable
             )
             est = {k: getattr(e, k) for k in FSDP_FIELDS}
         out.append({"real": {k: getattr(real, k) for k in FSDP_FIELDS}, "est": est})
@@ -654,12 +658,22 @@ def fsdp_section(out: Path) -> None:
     from dist_utils import run_ranks
 
     rows = []
-    for (policy, trainable, seq), cell in zip(FSDP_CELLS, run_ranks(_fsdp_cells, timeout=1200)[0], strict=True):
+    for (policy, trainable, seq, batch), cell in zip(FSDP_CELLS, run_ranks(_fsdp_cells, timeout=1800)[0], strict=True):
         real, est = cell["real"], cell["est"]
         err = {k: (est[k] / real[k] - 1 if real[k] else None) for k in FSDP_FIELDS}
-        rows.append({"policy": policy, "trainable": trainable, "seq": seq, "real": real, "est": est, "error": err})
+        rows.append(
+            {
+                "policy": policy,
+                "trainable": trainable,
+                "seq": seq,
+                "batch": batch,
+                "real": real,
+                "est": est,
+                "error": err,
+            }
+        )
         print(
-            f"{policy:30s} {trainable:4s} seq {seq:3d}: peak {est['peak_bytes'] / 2**20:7.2f} MiB vs "
+            f"{policy:30s} {trainable:4s} {batch} x {seq:3d}: peak {est['peak_bytes'] / 2**20:7.2f} MiB vs "
             f"{real['peak_bytes'] / 2**20:7.2f} ({err['peak_bytes'] * 100:+.1f}%)"
         )
     plans = []

@@ -182,7 +182,7 @@ def _frozen_aware_tracker() -> _Tracker | None:
                 self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
             param_memory = buffer_memory = 0
-            for param in module.parameters():
+            for param in _parameters(module):
                 param_memory += sum(
                     w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
                 )
@@ -228,6 +228,13 @@ def _frozen_aware_tracker() -> _Tracker | None:
     FrozenAwareMemTracker._total_key = _TOTAL_KEY
 
     return FrozenAwareMemTracker()
+
+
+def _parameters(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s parameters, not a plain tensor standing in for one while it runs (the estimator's trace
+    of an FSDP rank, planning/estimate/fsdp_dtypes.py; ``torch.func.functional_call``): made in the step,
+    an activation."""
+    return [p for p in module.parameters() if isinstance(p, nn.Parameter)]
 
 
 class _SegmentPeaks:

@@ -22,15 +22,25 @@ SHAPE = {
     "eos_token_id": 2,
 }
 CELLS = [
-    ("fp32+fsdp", "all", 320),
-    ("fp32+ckpt+fsdp", "all", 192),
-    ("fp32+fsdp+loss:chunked", "lora", 128),
-    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512),
+    ("fp32+fsdp", "all", 320, 2),
+    ("fp32+ckpt+fsdp", "all", 192, 2),
+    ("fp32+fsdp+loss:chunked", "lora", 128, 2),
+    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512, 2),
+]
+# bf16: FSDP2 gathers every parameter in bf16 and casts each unit's inputs to it, so a rank's residual
+# stream, norms and embeddings are bf16 where one device under autocast keeps them fp32.
+BF16_CELLS = [
+    ("bf16+fsdp", "all", 192, 2),
+    ("bf16+ckpt+fsdp", "all", 256, 2),
+    ("bf16+fsdp", "all", 128, 2),
+    ("bf16+ckpt+fsdp", "lora", 128, 2),
+    ("bf16+fsdp+loss:chunked", "lora", 128, 2),
+    ("bf16+ckpt+fsdp+loss:chunked", "all", 512, 1),
 ]
 FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak_bytes", "forward_backward_peak")
 
 
-def _cells(rank, world):
+def _cells(rank, world, cells):
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,13 +48,13 @@ def _cells(rank, world):
     from hf_memstack.planning.estimate.trainable import peft_config_from
 
     out = []
-    for policy, trainable, seq in CELLS:
+    for policy, trainable, seq, batch in cells:
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**SHAPE)).train()
         if trainable == "lora":
             model = get_peft_model(model, peft_config_from("lora"))
         model = prepare_model(model, policy)
-        ids = torch.randint(3, SHAPE["vocab_size"], (2, seq), generator=torch.Generator().manual_seed(rank))
+        ids = torch.randint(3, SHAPE["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(rank))
         real = measure_step(
             model, {"input_ids": ids, "labels": ids.clone()}, make_optimizer(model, lr=1e-4), timed=False
         )
@@ -53,7 +63,7 @@ def _cells(rank, world):
             est = estimate_memory(
                 LlamaConfig(**SHAPE),
                 policy,
-                batch_size=2,
+                batch_size=batch,
                 seq_len=seq,
                 world_size=world,
                 trainable=trainable,
@@ -63,10 +73,9 @@ def _cells(rank, world):
     return out
 
 
-def test_fsdp_estimate_equals_the_meter_on_2_ranks():
-    rows = run_ranks(_cells, timeout=600)[0]
-    for (policy, trainable, seq), (real, est) in zip(CELLS, rows, strict=True):
-        cell = (policy, trainable, seq, real, est)
+def _check(cells, rows):
+    for (policy, trainable, seq, batch), (real, est) in zip(cells, rows, strict=True):
+        cell = (policy, trainable, seq, batch, real, est)
         for key in ("peak_bytes", "forward_backward_peak", "gradients", "optimizer"):
             assert est[key] == pytest.approx(real[key], rel=0.03, abs=64 * 1024), (key, cell)
         if "loss:chunked" in policy:
@@ -78,3 +87,11 @@ def test_fsdp_estimate_equals_the_meter_on_2_ranks():
             assert est["parameters"] == pytest.approx(real["parameters"], rel=0.03), cell
             rest = ("activations", "temporaries")
             assert sum(est[k] for k in rest) == pytest.approx(sum(real[k] for k in rest), rel=0.03), cell
+
+
+def test_fsdp_estimate_equals_the_meter_on_2_ranks():
+    _check(CELLS, run_ranks(_cells, CELLS, timeout=600)[0])
+
+
+def test_bf16_fsdp_estimate_equals_the_meter_on_2_ranks():
+    _check(BF16_CELLS, run_ranks(_cells, BF16_CELLS, timeout=600)[0])

@@ -9,6 +9,7 @@ depth.py          a deep stack traced at two shallow depths and extrapolated
 build_cache.py    the fake model and depth plan, built once per config and job
 accounting.py     the trace as one rank's numbers: eval's kept logits, the dtype note
 fsdp_shards.py    one FSDP rank's bytes from the single-device trace
+fsdp_dtypes.py    an FSDP job traced in the dtypes a rank computes in (FSDP2's param_dtype)
 trainable.py      what trains: everything, LoRA, a PEFT config, or what a PEFT model says
 weights_dtype.py  the dtype from_pretrained would give the weights (``dtype="auto"``)
 eval_logits.py    the outputs ``Trainer.evaluate()`` keeps

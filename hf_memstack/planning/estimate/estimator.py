@@ -188,8 +188,10 @@ def estimate_memory(
         label_fraction=float(label_fraction),
         keep_outputs=keep_outputs,
         images=images,
+        sharded=policy.fsdp.mode != "none" and world_size > 1,
     )
-    shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
+    layers, chunked = num_layers(config), policy.loss.mode == "chunked"
+    shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=layers, chunked_loss=chunked)
     m, net, counts = _traced_step(config, job, extrapolate, notes, shards)
     # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
     four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ...measure.accounting import tensor_bytes
@@ -33,6 +34,7 @@ from ...policy import MemoryPolicy
 from ...record import record_of
 from ...transforms.fsdp import reshard_after_forward
 from ..model.fake import blocks_or_empty
+from .fsdp_dtypes import copies_of
 
 __all__ = ["FsdpShards", "fsdp_shards"]
 
@@ -49,8 +51,8 @@ class FsdpShards:
     block_gathered: int
     """One block's parameters gathered, in the compute dtype."""
     root_reduce: int
-    """The root's gradients being reduce-scattered at the end of the backward: unsharded (compute dtype),
-    the reduce-scatter's input and output (fp32: ``apply_fsdp`` reduces in fp32)."""
+    """The root's gradients being reduce-scattered at the end of the backward: unsharded in fp32 (a 16-bit
+    compute dtype's cast to it: ``apply_fsdp`` reduces in fp32), the reduce-scatter's input and output."""
     grads: int
     """Every trainable parameter's gradient, unsharded, at the model's full depth."""
     layers: int
@@ -59,10 +61,18 @@ class FsdpShards:
     """Whether blocks are resharded after their forward (full_shard) or stay gathered (shard_grad_op)."""
     cpu_offload: bool
     block_cast: int = 0
-    """One block's trainable linear weights as autocast copies them to the compute dtype on one device
-    (0 when they are in it already): FSDP gathers them in that dtype, so a rank makes no such copy."""
+    """One block's parameters as the trace copies them to the compute dtype and its backward keeps them
+    (:mod:`.fsdp_dtypes`; 0 when they are in it already): a rank uses its gathered ones, makes no copy."""
     root_cast: int = 0
-    """The same of the linear layers outside the blocks (the head)."""
+    """The same of the parameters outside the blocks (the head's, the final norm's)."""
+    root_made: int = 0
+    """All the root's parameters as the trace copies them (alive through its forward)."""
+    block_made: int = 0
+    """All one block's parameters as the trace copies them (alive through the block's forward)."""
+    root_grads: int = 0
+    """Those of the parameters outside the blocks."""
+    head_grad: int = 0
+    """The head's gradient as a chunked loss computes it in the forward (0: none computes it there)."""
     checkpointed: bool = False
     """Every block checkpointed: the backward recomputes one block's copies at a time, none are saved."""
 
@@ -77,7 +87,10 @@ class FsdpShards:
         if phase > _BACKWARD:  # the optimizer step: per parameter, on the local shards only
             out["temp"] = peak["temp"] // w
             return _totalled(out)
-        at_end = _totalled({**out, "grad": states * (self.grads // w), "act": 0, "temp": self.root_reduce})
+        # The backward's end: the blocks' gradients sharded; the root's being reduce-scattered (its shard is
+        # that's output); the head's gradient a chunked loss made in the forward still held, as an activation.
+        blocks_grads = states * ((self.grads - self.root_grads) // w)
+        at_end = _totalled({**out, "grad": blocks_grads, "act": self.head_grad, "temp": self.root_reduce})
         copies = self._cast_copies(phase, segment)
         out["act"] = max(0, peak["act"] - copies)
         out["temp"] = max(0, peak["temp"] - max(0, copies - peak["act"]))
@@ -101,25 +114,23 @@ class FsdpShards:
         return 1 + int(phase == _BACKWARD and not first_block)
 
     def _cast_copies(self, phase: int, segment: tuple[str, int] | None) -> int:
-        """The single-device trace's autocast copies of the weights in this part, which no rank holds: in the
-        forward every block's so far (autocast caches them until the forward ends), in the backward those
-        saved for it (none of a checkpointed block's, whose recompute makes its own)."""
-        if not (self.block_cast or self.root_cast):
-            return 0
+        """The trace's compute-dtype copies of the parameters alive in this part, which no rank holds
+        (:mod:`.fsdp_dtypes`): the root's all through the forward, then those its backward keeps; each
+        block's that its backward keeps, of every block so far (a checkpointed block's: in its recompute)."""
         kind, k = segment if segment is not None else ("block", self.layers - 1)
+        kept = 0 if self.checkpointed else self.layers * self.block_cast
+        if kind == "pre":  # the forward's embeddings; the backward's head
+            return self.root_made if phase != _BACKWARD else self.root_cast + kept
+        if kind == "post":  # the forward's head; the backward's embeddings (the root's kept copies: used)
+            return self.root_made + kept if phase != _BACKWARD else 0
         done = k + 1 if kind in ("first", "block") else self.layers - k  # blocks to here, counted from the input
-        if kind == "pre":
-            return (
-                0
-                if phase != _BACKWARD
-                else self.root_cast + (0 if self.checkpointed else self.layers * self.block_cast)
-            )
-        if kind == "post":
-            return 0 if phase == _BACKWARD else self.root_cast + self.layers * self.block_cast
-        return self.block_cast * (1 if phase == _BACKWARD and self.checkpointed else done)
+        if phase != _BACKWARD:  # the root's and this block's, and what the blocks before it keep
+            return self.root_made + self.block_made + (0 if self.checkpointed else (done - 1) * self.block_cast)
+        # A checkpointed block's: all its recompute swapped in, held to the end of its backward.
+        return self.block_made if self.checkpointed else done * self.block_cast
 
     def saved_copies_per_block(self) -> int:
-        """The autocast copies each block adds to what the forward leaves on one device (none checkpointed)."""
+        """The compute-dtype copies each block adds to what the traced forward leaves (none checkpointed)."""
         return 0 if self.checkpointed else self.block_cast
 
     def saved(self, traced: PhasePeaks) -> PhasePeaks:
@@ -136,13 +147,32 @@ class FsdpShards:
         return self.saved(PhasePeaks(peaks=tuple(peaks), forward_activations=traced.forward_activations))
 
 
+def _head_grad(net: nn.Module, compute: torch.dtype | None) -> int:
+    """The trainable head's gradient as the chunked loss makes it: the weight's in the compute dtype, the
+    bias's in fp32 (``_FusedLinearCrossEntropy``)."""
+    get = getattr(net, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return 0
+    weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+    out = 0
+    if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        out += weight.numel() * (compute.itemsize if compute is not None else weight.element_size())
+    if isinstance(bias, torch.Tensor) and bias.requires_grad:
+        out += bias.numel() * 4
+    return out
+
+
 def _totalled(peak: dict[str, int]) -> dict[str, int]:
     return {**peak, "total": sum(v for k, v in peak.items() if k != "total")}
 
 
-def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | None) -> FsdpShards | None:
+def fsdp_shards(
+    net: nn.Module, policy: MemoryPolicy, world: int, layers: int | None, *, chunked_loss: bool = False
+) -> FsdpShards | None:
     """How ``policy`` shards the traced ``net`` over ``world`` ranks (None: it does not). ``layers``:
-    the model's blocks at its full depth (``net`` may be a shallow copy)."""
+    the model's blocks at its full depth (``net`` may be a shallow copy). ``chunked_loss``: the loss is
+    ``loss:chunked``'s, which computes the head's gradient in the forward."""
     if policy.fsdp.mode == "none" or world < 2:
         return None
     blocks = blocks_or_empty(net)
@@ -161,29 +191,19 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
     root_params = [p for p in net.parameters() if id(p) not in inside]
     root = gathered(root_params)
     trained = [p for p in root_params if p.requires_grad]
-    # Unsharded in the compute dtype, then copied into the fp32 reduce-scatter input, whose output is the shard.
-    root_reduce = gathered(trained) + sum(p.numel() * 4 for p in trained) * (world + 1) // world
+    # Unsharded, cast to fp32 (measured under bf16 on 2 gloo ranks: 2.5x the root's fp32 bytes, as under
+    # fp32), then copied into the fp32 reduce-scatter input, whose output is the shard.
+    reduced = sum(p.numel() * 4 for p in trained)
+    root_reduce = reduced + reduced * (world + 1) // world
     block = max((gathered(list(b.parameters())) for b in blocks), default=0)
 
-    def cast(modules: list[nn.Module]) -> int:
-        # autocast copies a trainable linear layer's weight and bias not in the compute dtype (frozen ones
-        # are copied too but not cached; not counted: a LoRA base is usually loaded in it).
-        if compute is None:
-            return 0
-        return sum(
-            p.numel() * compute.itemsize
-            for m in modules
-            if isinstance(m, nn.Linear)
-            for p in m.parameters(recurse=False)
-            if p.requires_grad and p.is_floating_point() and p.dtype != compute
-        )
-
-    block_modules = [m for m in blocks[0].modules()] if blocks else []
-    inside_modules = {id(m) for b in blocks for m in b.modules()}
+    copies = copies_of(net)  # the compute-dtype copies the trace made in a rank's stead (None: fp32)
     per_block = max((sum(tensor_bytes(p) for p in b.parameters() if p.requires_grad) for b in blocks), default=0)
     depth = layers or len(blocks)
     return FsdpShards(
         grads=sum(tensor_bytes(p) for p in trained) + per_block * depth,
+        root_grads=sum(tensor_bytes(p) for p in trained),
+        head_grad=_head_grad(net, compute) if chunked_loss else 0,
         world=world,
         root_gathered=root,
         block_gathered=block,
@@ -191,7 +211,9 @@ def fsdp_shards(net: nn.Module, policy: MemoryPolicy, world: int, layers: int | 
         layers=depth,
         reshard=reshard_after_forward(policy.fsdp),
         cpu_offload=policy.fsdp.cpu_offload,
-        block_cast=cast(block_modules),
-        root_cast=cast([m for m in net.modules() if id(m) not in inside_modules]),
+        block_cast=copies.block if copies is not None else 0,
+        root_cast=copies.root if copies is not None else 0,
+        root_made=copies.root_made if copies is not None else 0,
+        block_made=copies.block_made if copies is not None else 0,
         checkpointed=policy.checkpointing.mode == "full",
     )

@@ -16,6 +16,7 @@ from ...data.boundaries import packing_as_traced
 from ...measure.memory import PhasePeaks, trace_eval_forward
 from ...policy import MemoryPolicy
 from ...prepare import prepare_model
+from ...record import record_of
 from ...transforms.loss_head.chunked import labelled_as_traced
 from ...transforms.optim.optimizer import make_optimizer
 from ...transforms.packed_attention import per_sample_as_traced
@@ -34,6 +35,7 @@ from ..model.vision_inputs import ImageSpec
 from . import build_cache
 from .depth import DepthPlan, FullTrace, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
+from .fsdp_dtypes import compute_dtypes, forget_copies
 from .weights_dtype import WeightsDtype, set_dtypes
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class Job:
     """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
     images: ImageSpec | None = None
     """A vision-language model's images per sample (None: a text model's batch)."""
+    sharded: bool = False
+    """The policy shards with FSDP over several ranks: traced in the dtypes a rank computes in (:mod:`.fsdp_dtypes`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
             packing_as_traced(job.packed),
             per_sample_as_traced(job.packed_per_sample),
             labelled_as_traced(job.label_fraction),
+            _as_a_rank_computes(net, job.sharded),
         ):
             phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {
@@ -146,6 +151,16 @@ def _trace_eval(
         **quant_counts(net),
     }
     return Traced(net=net, phases=phases, counts=counts)
+
+
+def _as_a_rank_computes(net: nn.Module, sharded: bool) -> contextlib.AbstractContextManager[object]:
+    """Under FSDP's mixed precision, the step in the compute dtype a rank gathers and casts to."""
+    record = record_of(net)  # the precision prepare_model resolved ("auto": the target device's)
+    precision = getattr(record, "precision", None)
+    if not sharded or precision is None or not precision.mixed:
+        forget_copies(net)  # a model built once and traced again (build_cache) keeps no earlier reading
+        return contextlib.nullcontext()
+    return compute_dtypes(net, precision.dtype)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/estimate/checks.py``: ``build_model``
 - ``hf_memstack/planning/estimate/trace.py``: ``build_fake_model`` and ``traced_step``
 - ``hf_memstack/planning/estimate/fsdp_shards.py``: ``blocks_or_empty``
+- ``hf_memstack/planning/estimate/fsdp_dtypes.py``: ``blocks_or_empty``
 - ``hf_memstack/planning/plan/planner.py``: ``load_config``, ``meta_model`` and ``images_for``
 - ``hf_memstack/planning/plan/states_floor.py``: ``build_model``
 """

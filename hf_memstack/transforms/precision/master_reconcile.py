@@ -187,8 +187,10 @@ def _refuse_added_after_sharding(root: nn.Module, names_at_prepare: set[str]) ->
 
 
 def _floating(root: nn.Module) -> list[nn.Parameter]:
-    """The floating parameters a reconcile may cast (a tied one once; 4-bit weights are integer storage)."""
-    return [p for p in root.parameters() if p.is_floating_point() and not is_4bit(p)]
+    """The floating parameters a reconcile may cast (a tied one once; 4-bit weights are integer storage).
+    Not a plain tensor standing in for one while its module runs (``torch.func.functional_call``, the
+    estimator's trace of an FSDP rank): casting it in place would change the caller's tensor, not a weight."""
+    return [p for p in root.parameters() if isinstance(p, nn.Parameter) and p.is_floating_point() and not is_4bit(p)]
 
 
 def ledger_of(model: nn.Module) -> MasterWeightsLedger | None:

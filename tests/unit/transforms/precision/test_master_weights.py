@@ -259,3 +259,17 @@ def test_an_optimizer_holding_none_of_what_trains_is_refused(bf16_dir):
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"holds none of the model's \d+ trainable parameters.*get_peft_model"):
         check_optimizer(model, early)
+
+
+def test_a_training_forward_leaves_a_stand_in_tensor_in_its_dtype():
+    # torch.func.functional_call (and the estimator's trace of an FSDP rank) swaps plain tensors in for
+    # parameters while the module runs: the reconcile before a training forward cast the caller's bf16
+    # tensor to fp32 in place, as if it were a parameter PEFT had made trainable.
+    from tiny import tiny_llama
+
+    model = prepare_model(tiny_llama(), "bf16")
+    stand_in = model.model.norm.weight.detach().to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(3, 100, (1, 8))
+    torch.func.functional_call(model, {"model.norm.weight": stand_in}, (), {"input_ids": ids, "labels": ids})
+    assert stand_in.dtype == torch.bfloat16
+    assert model.model.norm.weight.dtype == torch.float32  # the parameter itself: the fp32 master weight
