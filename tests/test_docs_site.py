@@ -119,7 +119,11 @@ SCOPES: dict[str, Callable[..., dict[str, Any]]] = {
     "packing-trainer": _packing_trainer_scope,
 }
 NEEDS_TMP = {"qlora": _qlora_scope}
-LAUNCHED = {"fsdp-torchrun"}  # runs under torchrun, 2 gloo processes (below)
+# Snippets that run under torchrun, 2 gloo processes (below), and what each leaves behind.
+LAUNCHED: dict[str, Callable[[Path, str], bool]] = {
+    "fsdp-torchrun": lambda out, _: (out / "out" / "model" / "config.json").is_file(),
+    "sp-torchrun": lambda _, printed: "step 2: loss" in printed,
+}
 
 
 def _to_run() -> list[tuple[str, str, str]]:
@@ -157,8 +161,9 @@ def test_snippet_runs(page, name, code, load_model, word_tokenizer, tmp_path, mo
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_snippet_runs_under_torchrun(pretrained_dirs, tmp_path):
-    [(page, _, code)] = [s for s in snippets() if s[1] == "fsdp-torchrun"]
+@pytest.mark.parametrize("name", sorted(LAUNCHED))
+def test_launched_snippet_runs_under_torchrun(name, pretrained_dirs, tmp_path):
+    [(page, _, code)] = [s for s in snippets() if s[1] == name]
     script = tmp_path / "train.py"
     script.write_text(f"path = {str(pretrained_dirs['llama'])!r}\n" + code)
     done = subprocess.run(
@@ -176,7 +181,7 @@ def test_fsdp_snippet_runs_under_torchrun(pretrained_dirs, tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "out" / "model" / "config.json").is_file()
+    assert LAUNCHED[name](tmp_path, done.stdout), done.stdout[-3000:]
 
 
 # --- the site --------------------------------------------------------------------------------------
