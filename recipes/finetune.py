@@ -83,6 +83,7 @@ from finetune_support.model import (
     load_model,
     load_model_config,
     load_tokenizer,
+    planner_label_fraction,
     resolve_model_path,
 )
 from finetune_support.report import finite_json, loss_summary, plot_memory
@@ -157,13 +158,16 @@ def setup(cfg: FinetuneConfig) -> Job:
     _check_packing_task(cfg, task)
     _refuse_irregular_model_files(cfg, model_path)
     load_model_config(cfg, model_path)  # the id/directory and --seq-len against the model's limit
-    policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env)
+    labels = planner_label_fraction(cfg, model_path, train_raw, task)  # prompt-masked rows: a smaller head
+    policy, plan_table = choose_policy(cfg, model_path, task, device_type, world_env, labels)
     check_sequence_parallel(cfg, policy, task, world_env)
     precision, route, fsdp_plugin = _precision_and_route(cfg, policy, model_path, task, device_type)
     accelerator = make_accelerator(cfg, precision, device_type, fsdp_plugin)
     log = printer(accelerator)
     for note in plan.notes:
         log(note)
+    if labels is not None:
+        log(f"{labels.summary()}: the planner counts loss:chunked's head over that share of the positions")
     if plan_table:
         log(f"memory plan for {cfg.memory.memory_budget} per device:\n{plan_table}")
 

@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 
 from .. import batch_size as finder  # looked up at call time: a patched finder (tests spy on it) is the one used
 from .._device import device_of
-from ..data import PackedCollator
+from ..data import LabelFraction, PackedCollator, measure_label_fraction
 from ..record import record_of
 from ..transforms.optim.bf16_adamw import BF16AdamW
 from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
@@ -104,7 +104,8 @@ def training_arguments(
         )
         fields["per_device_train_batch_size"] = result.batch_size
         fields.setdefault("per_device_eval_batch_size", result.batch_size)
-        _report_batch_size(result)
+        keep = _signature_columns(model) if fields.get("remove_unused_columns", True) else None
+        _report_batch_size(result, _label_fraction(train_dataset, data_collator, keep))
     per_device = fields.get("per_device_train_batch_size", 8)
     if global_batch_size is not None and accumulation is None:
         fields["gradient_accumulation_steps"] = max(1, math.ceil(global_batch_size / (per_device * world)))
@@ -187,19 +188,35 @@ def _refuse_accumulation(global_batch_size: int, accumulation: int, per_device: 
     )
 
 
-def _report_batch_size(result: BatchSizeResult) -> None:
+def _label_fraction(dataset: object, collator: object, keep: set[str] | None) -> LabelFraction | None:
+    """The share of the training positions that carry a label, over a bounded sample of the rows
+    through the collator, with the columns Trainer keeps: the rows ``loss:chunked`` runs its head
+    over. Said beside the batch size, never in its way: data it cannot measure makes no claim."""
+    try:
+        return measure_label_fraction(
+            dataset, cast("Callable[[list[Any]], Mapping[str, object]]", collator), columns=keep
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        logger.info("hf_memstack: the label fraction was not measured (%s)", e)
+        return None
+
+
+def _report_batch_size(result: BatchSizeResult, labels: LabelFraction | None = None) -> None:
     """Say once, on the main process, what the finder chose: the batch size is the answer the
-    caller asked for, and a logger at INFO level is silent unless logging was configured."""
+    caller asked for, and a logger at INFO level is silent unless logging was configured. With
+    the data's label fraction: a prompt-masked set's chunked head runs over that share only
+    (the finder measured it on its longest rows, with their own labels)."""
     import os
 
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    logger.info("hf_memstack: %s", result.summary())
+    said = result.summary() + (f"\n  {labels.summary()}" if labels is not None else "")
+    logger.info("hf_memstack: %s", said)
     if rank == 0:
         print(
             f"hf_memstack training_arguments: per_device_train_batch_size={result.batch_size} from the batch-size finder: "
-            f"{result.summary()}",
+            f"{said}",
             flush=True,
         )
 

@@ -69,6 +69,7 @@ def choose_batch_size(
         except ValueError as e:
             raise RecipeError(f"batch_size=auto with memory_budget={cfg.memory.memory_budget!r}: {e}") from None
         log(found.summary())
+        _log_label_fraction(cfg, train_ds, batch_collate, log)
         batch_size = found.batch_size
         grad_accum = found.grad_accum if cfg.memory.global_batch_size else 1
     else:
@@ -83,6 +84,24 @@ def choose_batch_size(
             f"{grad_accum} accumulation steps (rounded up) give {grad_accum * batch_size * world}"
         )
     return batch_size, grad_accum
+
+
+def _log_label_fraction(
+    cfg: FinetuneConfig, train_ds: Dataset, batch_collate: Collate, log: Callable[..., None]
+) -> None:
+    """The training rows' label fraction through the loader's collate, beside the finder's answer
+    (its steps ran the chunked head over their rows' labelled positions); said once: under
+    --policy auto the planner's line already gave it. A classifier's rows make no claim."""
+    from hf_memstack.data import measure_label_fraction
+
+    if cfg.memory.policy == "auto" and cfg.memory.memory_budget:
+        return
+    try:
+        labels = measure_label_fraction(train_ds, batch_collate)
+    except ValueError:  # rows with nothing to learn: tokenize refused them already
+        return
+    if labels is not None:
+        log(labels.summary())
 
 
 def finder_batches(train_ds: Dataset, batch_collate: Collate, device: torch.device) -> Callable[[int], Batch]:

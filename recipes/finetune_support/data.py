@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
 
+    from hf_memstack.data import LabelFraction
+
     from .common import Batch, Collate, Sample
 
     # A batched ``Dataset.map`` function: a batch of rows, column by column, to the new columns.
@@ -186,6 +188,30 @@ def tokenize(
     if cfg.data.packing == "on":
         train_ds, val_ds = pack_rows(train_ds, cfg), pack_rows(val_ds, cfg)
     return train_ds, val_ds, 0
+
+
+def training_label_fraction(
+    train: Dataset, task: str, tokenizer: PreTrainedTokenizerBase, cfg: FinetuneConfig, rows: int = 512
+) -> LabelFraction | None:
+    """The share of the training positions whose label carries loss (the rows ``loss:chunked`` runs
+    its head over): at most ``rows`` raw rows spread over the split, tokenized (and packed) as
+    training tokenizes them, for the planner. None for a classifier (one label a row, no head over
+    tokens), and for rows with nothing to learn, which :func:`tokenize` refuses with its own message."""
+    from hf_memstack.data import measure_label_fraction
+
+    if task != "causal-lm" or len(train) == 0 or cfg.data.seq_len < 2:
+        return None
+    n = min(len(train), rows)
+    sample = train.select(sorted({i * len(train) // n for i in range(n)}))
+    encoded = sample.map(
+        _lm_encoder(cfg, tokenizer), batched=True, remove_columns=sample.column_names, keep_in_memory=True
+    )
+    if cfg.data.packing == "on":
+        encoded = pack_rows(encoded, cfg)
+    try:
+        return measure_label_fraction(encoded, max_rows=rows)
+    except ValueError:
+        return None
 
 
 def _lm_encoder(cfg: FinetuneConfig, tokenizer: PreTrainedTokenizerBase) -> Encoder:

@@ -14,8 +14,10 @@ from .flags import FinetuneConfig
 from .stops import nonfinite, nonfinite_in_files
 
 if TYPE_CHECKING:  # annotations only: nothing here is imported at run time
+    from datasets import Dataset
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from hf_memstack.data import LabelFraction
     from hf_memstack.policy import MemoryPolicy
     from hf_memstack.transforms.precision.apply import ResolvedPrecision
 
@@ -216,11 +218,27 @@ def _custom_code(source: str, config_name: str) -> str | None:
     )
 
 
+def planner_label_fraction(cfg: FinetuneConfig, model_path: str, train: Dataset, task: str) -> LabelFraction | None:
+    """The training rows' label fraction for --policy auto's planner (its chunked-head rungs count
+    the head over the labelled positions only); None when the planner does not run or the task has
+    no per-token labels (a classifier), and the planner keeps its default, every position."""
+    from .data import training_label_fraction
+
+    if cfg.memory.policy != "auto" or not cfg.memory.memory_budget or task != "causal-lm":
+        return None
+    return training_label_fraction(train, task, load_tokenizer(cfg, model_path), cfg)
+
+
 def choose_policy(
-    cfg: FinetuneConfig, model_path: str, task: str, device_type: str, world: int
+    cfg: FinetuneConfig,
+    model_path: str,
+    task: str,
+    device_type: str,
+    world: int,
+    labels: LabelFraction | None = None,
 ) -> tuple[MemoryPolicy, str]:
     """--policy as given; or, for 'auto' with --memory-budget, the planner's cheapest rung that fits
-    (returned with the planner's table)."""
+    (returned with the planner's table), its head counted over ``labels``' share of the positions."""
     from hf_memstack import MemoryPolicy, plan_policy
 
     if cfg.memory.policy != "auto" or not cfg.memory.memory_budget:
@@ -254,6 +272,7 @@ def choose_policy(
             step_in_backward=in_backward,
             dtype="fp32",
             trainable=trainable,
+            label_fraction=labels.fraction if labels is not None else 1.0,
         )
     except (ValueError, TypeError, RuntimeError, OSError) as e:
         raise RecipeError(
