@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 from torch import nn
 
 from .policy import MemoryPolicy
@@ -17,6 +18,7 @@ from .transforms.optim.in_backward import optimizer_in_backward_of
 from .transforms.quant.apply import QuantPlan
 
 __all__ = [
+    "TrainingInEvalModeCheck",
     "base_before_adapters",
     "check_not_prepared",
     "check_not_set_by_hand",
@@ -176,3 +178,34 @@ def _per_block_tokens(policy: MemoryPolicy) -> list[tuple[str, str]]:
         for head, (active, field, verb) in on.items()
         if active
     ]
+
+
+class TrainingInEvalModeCheck:
+    """A forward pre-hook: warns once when a forward that records gradients runs in eval mode,
+    where checkpointing is off (and dropout too). Checked at that forward, not when the policy is
+    applied: from_pretrained returns models in eval mode and Trainer (like the recipe) calls
+    model.train() before its first step, so only a loop that really trains in eval mode hears it.
+    A module-level class (not a closure), so prepared models still deep-copy and pickle."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.warned = False
+
+    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        # Inside a compiled graph the check would be traced (and break the graph): skipped there,
+        # first, so that the graph guards on nothing of it.
+        # Every module, not only this one: a PEFT wrapper around a model from from_pretrained trains, its model not.
+        if (
+            torch.compiler.is_compiling()
+            or self.warned
+            or not torch.is_grad_enabled()
+            or all(m.training for m in module.modules())
+        ):
+            return
+        self.warned = True
+        warnings.warn(
+            f"{self.name} is running a forward with gradients in eval mode: checkpointing (and dropout) only run in training "
+            "mode, so this step keeps every activation; call model.train() before training (from_pretrained returns models "
+            "in eval mode; transformers.Trainer and the recipe call it for you)",
+            stacklevel=4,
+        )

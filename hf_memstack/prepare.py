@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -15,6 +14,7 @@ from torch import nn
 
 from ._device import device_of, shard_device
 from ._model_checks import (
+    TrainingInEvalModeCheck,
     base_before_adapters,
     check_not_prepared,
     check_not_set_by_hand,
@@ -53,6 +53,13 @@ from .transforms.precision.master_weights import (
     mark_pure_bf16,
 )
 from .transforms.quant.apply import QuantPlan, apply_quant, check_quant
+from .transforms.sequence_parallel.apply import (
+    SequenceParallelPlan,
+    SequenceParallelResult,
+    apply_sequence_parallel,
+    check_sequence_parallel,
+)
+from .transforms.sequence_parallel.group import check_process_group
 from .transforms.tiled_mlp import _TilePlan, apply_tiled_mlp, check_tiled_mlp
 
 if TYPE_CHECKING:
@@ -85,6 +92,8 @@ class _Plan:
     """Which MLPs run over tiles of tokens (None: none)."""
     master: MasterWeightsPlan | None = None
     """Which trainable parameters are cast to the master weights' dtype."""
+    sequence_parallel: SequenceParallelPlan | None = None
+    """Ulysses over N ranks (``sp:N``; None: off)."""
 
 
 def prepare_model(
@@ -151,14 +160,16 @@ def _coerce_policy(policy: MemoryPolicy | str | PolicyDict | None) -> MemoryPoli
 
 
 def _preflight_on_every_rank(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator | None) -> _Plan:
-    """The checks, agreed across ranks under FSDP: one rank's failure fails every rank."""
+    """The checks, agreed across ranks under FSDP or sp:N (whose groups are made together): one rank's failure fails every rank."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model must be a torch.nn.Module (e.g. from AutoModel*.from_pretrained), got {type(model).__name__}"
         )
     require_process_group(policy.fsdp)
-    if policy.fsdp.mode == "none":
+    if policy.sequence_parallel.size == 1 and policy.fsdp.mode == "none":
         return _preflight(model, policy, accelerator)
+    if policy.sequence_parallel.size > 1:
+        check_process_group(policy.sequence_parallel.size)
     error, plan = None, None
     try:
         plan = _preflight(model, policy, accelerator)
@@ -203,6 +214,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator 
     loss_head = check_loss_head(model, policy.loss)
     tiles = check_tiled_mlp(model, policy.mlp, blocks)
     check_optimizer_policy(policy.optimizer)
+    sequence_parallel = check_sequence_parallel(model, policy.sequence_parallel)
     quant = check_quant(
         model,
         policy.quant,
@@ -234,6 +246,7 @@ def _preflight(model: nn.Module, policy: MemoryPolicy, accelerator: Accelerator 
         quant=quant,
         tiles=tiles,
         master=master,
+        sequence_parallel=sequence_parallel,
     )
 
 
@@ -257,7 +270,7 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
     checkpointing = apply_checkpointing(model, policy.checkpointing, blocks=plan.blocks)
     install_checkpointing_guard(model, policy.checkpointing, checkpointing, policy.to_string())
     if policy.checkpointing.mode != "none":
-        model.register_forward_pre_hook(_TrainingInEvalModeCheck(type(model).__name__))
+        model.register_forward_pre_hook(TrainingInEvalModeCheck(type(model).__name__))
     # 1b. the MLPs over tiles of tokens, inside the (checkpointed) blocks: before compile traces
     #     them and FSDP shards them; a tile's checkpoint nests inside the block's.
     mlp = apply_tiled_mlp(plan.tiles)
@@ -265,16 +278,8 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
     #    it (the head's matmul runs in the compute dtype), traced by a whole-model compile, and run
     #    within FSDP's root forward (the head's weight gathered, as for the model's own head).
     loss = apply_loss_head(plan.loss_head)
-    # 2b. the packed-batch guard on the root forward, outside the loss head and inside autocast: it
-    #     sees the batch as the caller passes it (the mask, use_cache) before anything runs on it.
-    packing_guard = install_packing_guard(unwrap_model(model), probe=policy.fsdp.mode == "none")
-    # 2c. SDPA attention per sample on packed rows (the same numbers, sum(L_i^2) instead of
-    #     (sum L_i)^2): a model that can take packed rows, switched before compile traces it.
-    attention = (
-        apply_packed_attention(unwrap_model(model), compiled=policy.compile.mode != "none")
-        if packing_guard
-        else PackedAttentionResult()
-    )
+    # 2b/2c. the packed-batch guard and the attention (see _attention)
+    packing_guard, attention, sequence_parallel = _attention(model, plan)
     # 3. precision: autocast goes around the root forward before compile, so a whole-model compile
     #    traces it instead of running outside the autocast region.
     if plan.autocast_here:
@@ -296,9 +301,29 @@ def _apply(model: nn.Module, plan: _Plan, accelerator: Accelerator | None, start
         loss=loss,
         packing_guard=packing_guard,
         attention=attention,
+        sequence_parallel=sequence_parallel,
         compile=compile_stats,
         fsdp=fsdp,
     )
+
+
+def _attention(model: nn.Module, plan: _Plan) -> tuple[bool, PackedAttentionResult, SequenceParallelResult]:
+    """_apply's steps 2b and 2c."""
+    policy, sp = plan.policy, plan.sequence_parallel
+    # 2b. the packed-batch guard on the root forward, outside the loss head and inside autocast: it
+    #     sees the batch as the caller passes it (the mask, use_cache) before anything runs on it.
+    #     Its probe (a forward on one rank) would wait on the other ranks under FSDP or sp:N.
+    packing_guard = install_packing_guard(unwrap_model(model), probe=policy.fsdp.mode == "none" and sp is None)
+    # 2c. the attention, switched before compile traces it: Ulysses under sp:N (the heads exchanged
+    #     across the group; it attends per sample itself), else SDPA per sample on packed rows (the
+    #     same numbers, sum(L_i^2) instead of (sum L_i)^2) for a model that can take them.
+    sequence_parallel = apply_sequence_parallel(model, sp)
+    attention = (
+        apply_packed_attention(unwrap_model(model), compiled=policy.compile.mode != "none")
+        if packing_guard and sp is None
+        else PackedAttentionResult()
+    )
+    return packing_guard, attention, sequence_parallel
 
 
 def _disable_kv_cache(model: nn.Module) -> bool:
@@ -358,37 +383,6 @@ def _shards(policy: MemoryPolicy) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size() if policy.fsdp.mode != "none" and dist.is_available() and dist.is_initialized() else 1
-
-
-class _TrainingInEvalModeCheck:
-    """A forward pre-hook: warns once when a forward that records gradients runs in eval mode,
-    where checkpointing is off (and dropout too). Checked at that forward, not when the policy is
-    applied: from_pretrained returns models in eval mode and Trainer (like the recipe) calls
-    model.train() before its first step, so only a loop that really trains in eval mode hears it.
-    A module-level class (not a closure), so prepared models still deep-copy and pickle."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.warned = False
-
-    def __call__(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        # Inside a compiled graph the check would be traced (and break the graph): skipped there,
-        # first, so that the graph guards on nothing of it.
-        # Every module, not only this one: a PEFT wrapper around a model from from_pretrained trains, its model not.
-        if (
-            torch.compiler.is_compiling()
-            or self.warned
-            or not torch.is_grad_enabled()
-            or all(m.training for m in module.modules())
-        ):
-            return
-        self.warned = True
-        warnings.warn(
-            f"{self.name} is running a forward with gradients in eval mode: checkpointing (and dropout) only run in training "
-            "mode, so this step keeps every activation; call model.train() before training (from_pretrained returns models "
-            "in eval mode; transformers.Trainer and the recipe call it for you)",
-            stacklevel=4,
-        )
 
 
 def describe(model: nn.Module) -> str:

@@ -22,6 +22,7 @@ from .transforms.packed_attention import PackedAttentionResult
 from .transforms.precision.apply import ResolvedPrecision
 from .transforms.precision.master_weights import MasterWeightsResult
 from .transforms.quant.apply import QuantResult
+from .transforms.sequence_parallel.apply import SequenceParallelResult
 from .transforms.tiled_mlp import TiledMLPResult
 
 __all__ = ["MemstackRecord", "record_of", "unwrap_model"]
@@ -68,6 +69,8 @@ class MemstackRecord(RecordBase):
     """Which linear layers hold 4-bit weights (quantized here or loaded so)."""
     master_weights: MasterWeightsResult = field(default_factory=lambda: MasterWeightsResult(mode="fp32"))
     """The dtype the trainable parameters are kept in, and how many were cast to it."""
+    sequence_parallel: SequenceParallelResult = field(default_factory=SequenceParallelResult)
+    """Whether and over how many ranks each row's tokens are sharded (``sp:N``, Ulysses attention)."""
 
     def describe(self) -> str:
         """A few lines saying what was applied, and how."""
@@ -103,6 +106,8 @@ class MemstackRecord(RecordBase):
         lines.append(f"  master weights: {self.master_weights.describe()}")
         if self.attention.applied:
             lines.append(f"  attention: {self.attention.describe()}")
+        if self.sequence_parallel.applied:
+            lines.append(f"  sequence parallel: {self.sequence_parallel.describe()}")
         if self.mlp.mode != "default":
             lines.append(f"  mlp: {self.mlp.describe()}")
         op = self.policy.optimizer

@@ -26,6 +26,7 @@ from torch import nn
 from .._device import device_of, module_mode, preserved_rng
 from ..record import unwrap_model
 from ..transforms.packed_attention import PACKED_SDPA
+from ..transforms.sequence_parallel.attention import ULYSSES_ATTENTION
 
 __all__ = [
     "PackedComparison",
@@ -39,8 +40,16 @@ __all__ = [
 
 # Attention implementations that Transformers 5.x points at packed position_ids: the mask
 # functions of masking_utils (SDPA, eager, flex), flash-attention's variable-length kernels, and
-# prepare_model's per-sample SDPA.
-_BOUNDARY_AWARE = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", PACKED_SDPA)
+# prepare_model's per-sample SDPA and Ulysses attention (sp:N: each sample from the whole rows' positions).
+_BOUNDARY_AWARE = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    PACKED_SDPA,
+    ULYSSES_ATTENTION,
+)
 
 
 def is_packed(position_ids: object, attention_mask: object = None) -> bool:

@@ -7,6 +7,7 @@ precision/          autocast (``bf16``, ``fp16``) and the trained weights' dtype
 loss_head/          the chunked loss over labelled tokens: ``loss:chunked``
 optim/              the optimizer rungs: ``optim:8bit``, ``optim:in_backward``, BF16AdamW
 quant/              4-bit base weights: ``quant:nf4``
+sequence_parallel/  Ulysses sequence parallelism: ``sp:N`` (attention, exchanges, group, batch sharding)
 tiled_mlp.py        each block's MLP over tiles of tokens: ``mlp:tiled``
 compile.py          ``compile``, ``compile:regional``
 fsdp.py             FSDP2's ``fully_shard``: ``fsdp``, ``fsdp:shard_grad_op``, ``fsdp:hybrid_shard``,

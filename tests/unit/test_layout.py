@@ -26,6 +26,7 @@ FEATURE_FOLDERS = [
     "transforms/optim",
     "transforms/precision",
     "transforms/quant",
+    "transforms/sequence_parallel",
     "planning/estimate",
     "planning/model",
     "planning/plan",
@@ -39,8 +40,9 @@ FEATURE_FIELDS = {
     "transforms/optim": "optimizer",
     "transforms/precision": "master_weights",
     "transforms/quant": "quant",
+    "transforms/sequence_parallel": "sequence_parallel",
 }
-_SUBFIELDS = "mode|state|step|compiled|chunk_tokens|upcast|targets|block_size|selective_matmuls|every_n|use_reentrant|block_classes"
+_SUBFIELDS = "mode|state|step|compiled|chunk_tokens|upcast|targets|block_size|selective_matmuls|every_n|use_reentrant|block_classes|size"
 _TOUCH = re.compile(r"^- ``(?P<path>[^`]+)``: (?P<what>.+)$", re.M)
 
 

@@ -1,0 +1,91 @@
+"""Ulysses sequence parallelism (``sp:N``): each of N ranks holds ``1/N`` of every row's tokens, and
+each attention layer exchanges q/k/v (all-to-all) so that every rank attends with ``H/N`` heads over
+the whole rows; everything else (norms, MLPs, the chunked loss) runs on the rank's own tokens.
+
+apply.py      check_sequence_parallel / apply_sequence_parallel: the refusals, the group, the switch
+attention.py  the attention implementation ``hf_memstack_ulysses`` and its mask function
+exchange.py   the all-to-all and the position ids' all-gather as custom ops (fake shapes, backward)
+group.py      the process group: N contiguous ranks, with the default group's timeout
+shard.py      shard_batch / SequenceShardCollator: one full batch -> this rank's slice and loss inputs
+
+Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
+outside it that imports from here or reads the policy field this folder implements is listed, and each
+``name`` below is in the file named):
+
+- ``hf_memstack/policy/tokens.py``: the ``Token("sp:N"`` row of the token table
+- ``hf_memstack/policy/config.py``: ``SequenceParallelConfig``, the policy's field
+- ``hf_memstack/prepare.py``: ``check_process_group``, ``check_sequence_parallel``, ``apply_sequence_parallel``
+- ``hf_memstack/record.py``: ``SequenceParallelResult`` on the record
+- ``hf_memstack/data/boundaries.py``: ``ULYSSES_ATTENTION`` keeps packed samples apart (the packing guard)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .apply import SequenceParallelPlan, SequenceParallelResult, apply_sequence_parallel, check_sequence_parallel
+    from .attention import (
+        ULYSSES_ATTENTION,
+        active_group,
+        kv_replication,
+        register_ulysses_attention,
+        set_active_group,
+        ulysses_attention_forward,
+        ulysses_mask,
+    )
+    from .exchange import SequenceParallelGroup, gather_positions, head_to_seq, register_group, seq_to_head
+    from .group import check_process_group, sequence_parallel_group
+    from .shard import SequenceShardCollator, shard_batch, shifted_targets
+
+# public name -> the module of this folder that defines it
+_EXPORTS = {
+    "SequenceParallelPlan": ".apply",
+    "SequenceParallelResult": ".apply",
+    "apply_sequence_parallel": ".apply",
+    "check_sequence_parallel": ".apply",
+    "ULYSSES_ATTENTION": ".attention",
+    "active_group": ".attention",
+    "kv_replication": ".attention",
+    "register_ulysses_attention": ".attention",
+    "set_active_group": ".attention",
+    "ulysses_attention_forward": ".attention",
+    "ulysses_mask": ".attention",
+    "SequenceParallelGroup": ".exchange",
+    "gather_positions": ".exchange",
+    "head_to_seq": ".exchange",
+    "register_group": ".exchange",
+    "seq_to_head": ".exchange",
+    "check_process_group": ".group",
+    "sequence_parallel_group": ".group",
+    "SequenceShardCollator": ".shard",
+    "shard_batch": ".shard",
+    "shifted_targets": ".shard",
+}
+
+__all__ = [
+    "SequenceParallelGroup",
+    "SequenceParallelPlan",
+    "SequenceParallelResult",
+    "SequenceShardCollator",
+    "ULYSSES_ATTENTION",
+    "active_group",
+    "apply_sequence_parallel",
+    "check_process_group",
+    "check_sequence_parallel",
+    "gather_positions",
+    "head_to_seq",
+    "kv_replication",
+    "register_group",
+    "register_ulysses_attention",
+    "seq_to_head",
+    "sequence_parallel_group",
+    "set_active_group",
+    "shard_batch",
+    "shifted_targets",
+    "ulysses_attention_forward",
+    "ulysses_mask",
+]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
