@@ -1,0 +1,94 @@
+"""estimate_memory under sequence parallelism (sp:N): one rank's reading is the step at ceil(S/N) tokens
+plus one block's all-to-all buffers and, with fewer kv heads than N divide, the repeated k/v; the
+model states as without it (or sharded over every rank under FSDP); and the refusals, with the fix."""
+
+import pytest
+from transformers import LlamaConfig
+
+from hf_memstack import estimate_memory
+
+B, FP32 = 2, 4
+
+
+def _config(heads=4, kv=2, layers=2):
+    return LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=128,
+        max_position_embeddings=1024,
+    )
+
+
+def _exchange(n, s, heads, kv, d, r):
+    """One block's all-to-all, from the shape: the caller's local q/k/v (and the repeated k/v when
+    r > 1), a send copy and a receive buffer of q, and the gathered position ids and their copy."""
+    held = heads + 2 * kv + (2 * kv * r if r > 1 else 0)
+    return B * s * d * (held + 2 * heads) * FP32 + 2 * n * B * s * 8
+
+
+MODEL_STATES = ("parameters", "gradients", "optimizer", "trainable_parameters", "total_parameters")
+
+
+@pytest.mark.parametrize("seq", [64, 63])
+def test_one_sp_rank_is_the_step_at_its_tokens_plus_one_blocks_exchange(seq):
+    cfg = _config()
+    sp = estimate_memory(cfg, "fp32+sp:2", batch_size=B, seq_len=seq, device="cpu")
+    half = estimate_memory(cfg, "fp32", batch_size=B, seq_len=32, device="cpu")  # ceil(63 / 2) = 32: tail padded
+    a2a = _exchange(2, 32, heads=4, kv=2, d=16, r=1)
+    assert (sp.sequence_parallel, sp.sp_tokens_per_rank, sp.seq_len, sp.world_size) == (2, 32, seq, 2)
+    assert sp.sp_all_to_all_bytes == a2a and sp.sp_kv_repeat_bytes == 0  # 2 kv heads: each rank gets one
+    for k in MODEL_STATES + ("activations",):
+        assert getattr(sp, k) == getattr(half, k), k
+    assert sp.temporaries == half.temporaries + a2a
+    assert sp.peak_bytes == half.peak_bytes + a2a and sp.forward_backward_peak == half.forward_backward_peak + a2a
+    assert "sp:2" in sp.summary() and "32 tokens per rank" in sp.summary()
+    assert any(n.startswith("sp:2: each rank holds 32 of the") for n in sp.notes)
+    # The whole row on one device holds more than one rank of it.
+    assert estimate_memory(cfg, "fp32", batch_size=B, seq_len=seq, device="cpu").peak_bytes > sp.peak_bytes
+
+
+@pytest.mark.parametrize(("policy", "saved_blocks"), [("fp32", 2), ("fp32+ckpt", 0)])
+def test_fewer_kv_heads_than_ranks_count_the_repeated_keys_and_values(policy, saved_blocks):
+    cfg = _config(heads=4, kv=1)  # MQA under sp:2: each kv head repeated twice before the exchange
+    sp = estimate_memory(cfg, f"{policy}+sp:2", batch_size=B, seq_len=64, device="cpu")
+    half = estimate_memory(cfg, policy, batch_size=B, seq_len=32, device="cpu")
+    repeated = 2 * B * 32 * 16 * 1 * (2 - 1) * FP32  # k and v, one more copy each, per block
+    kv = repeated * saved_blocks  # kept for the backward by every block not checkpointed
+    a2a = _exchange(2, 32, heads=4, kv=1, d=16, r=2) + (repeated if saved_blocks == 0 else 0)
+    assert (sp.sp_kv_repeat_bytes, sp.sp_all_to_all_bytes) == (kv, a2a)
+    assert sp.activations == half.activations + kv
+    assert sp.peak_bytes == half.peak_bytes + kv + a2a
+
+
+def test_sp_with_fsdp_shards_the_model_states_over_every_rank():
+    cfg = _config()
+    sp = estimate_memory(cfg, "fp32+fsdp+sp:2", batch_size=B, seq_len=64, world_size=4, device="cpu")
+    half = estimate_memory(cfg, "fp32+fsdp", batch_size=B, seq_len=32, world_size=4, device="cpu")
+    for k in MODEL_STATES + ("activations",):
+        assert getattr(sp, k) == getattr(half, k), k
+    assert sp.peak_bytes == half.peak_bytes + sp.sp_all_to_all_bytes and sp.world_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"policy": "fp32+sp:3"}, ("sp:3", "num_attention_heads", "4", "sp:2")),  # H % N
+        ({"policy": "fp32+sp:2", "world_size": 3}, ("world_size=3", "groups of 2", "sp:3")),
+        ({"policy": "fp32+sp:4", "world_size": 2}, ("world_size=2", "groups of 4", "sp:2")),  # N > world size
+        ({"policy": "fp32+sp:2", "packed": True}, ("packed=True", "packed=False")),
+        ({"policy": "fp32+sp:2", "mode": "eval"}, ("mode='eval'", "unsharded", "without sp:2")),
+        ({"policy": "fp32+sp:2", "task": "classification"}, ("task='classification'", "drop sp:N")),
+    ],
+)
+def test_what_sp_cannot_shard_is_refused_with_the_fix(kwargs, words):
+    with pytest.raises(ValueError) as err:
+        estimate_memory(_config(), batch_size=B, seq_len=64, device="cpu", **kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_sp_1_is_no_token():
+    with pytest.raises(ValueError, match="sp:"):
+        estimate_memory(_config(), "fp32+sp:1", batch_size=B, seq_len=64, device="cpu")
