@@ -191,6 +191,7 @@ def estimate_memory(
         label_fraction=float(label_fraction),
         keep_outputs=keep_outputs,
         images=images,
+        sp_size=sp.size if sp is not None else 1,
     )
     shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=num_layers(config))
     m, net, counts = _traced_step(config, job, extrapolate, notes, shards)

@@ -1,46 +1,66 @@
-"""One sequence-parallel rank's bytes (``sp:N``, Ulysses): the step traced at ``S/N`` tokens, plus what
-the all-to-all adds, by arithmetic.
+"""One sequence-parallel rank's bytes (``sp:N``, Ulysses): the step traced as one rank runs it.
 
-Under ``sp:N`` each rank holds ``ceil(S/N)`` tokens of every row (the collator pads the tail with a
-pseudo-sample), and attention runs head-sharded after an all-to-all. What that means for one rank's
-bytes, and how the estimator counts each part:
+Under ``sp:N`` each rank holds ``ceil(S/N)`` tokens of every row (``shard_batch`` pads the tail with a
+pseudo-sample), and attention runs head-sharded after an all-to-all. The estimator traces one rank:
+the step at ``s = ceil(S/N)`` tokens, with the model's attention switched to the real
+``hf_memstack_ulysses`` function over a shapes-only group of N (:func:`ulysses_on_fake_tensors`), whose
+exchanges' fake implementations return what one rank receives. So every buffer the real step makes is
+traced, and the reading equals the meter's on each rank (``tests/distributed/test_sp_estimate.py``).
+What that holds, by part (the arithmetic the fields report):
 
 - Everything that scales with the sequence outside attention (embeddings' output, projections, the
-  MLP, norms, checkpoint boundaries ``b·s·D``, the logits and the loss head ``b·s·V``) is the rank's
-  own ``s = ceil(S/N)`` tokens: the step is traced at ``s`` tokens.
+  MLP, norms, checkpoint boundaries ``b·s·D``, the logits and the loss head ``b·s·V``): ``s`` tokens.
 - Attention after the all-to-all holds the whole row for ``H/N`` heads: ``b·(H/N)·S·d``, the bytes of
-  ``b·H·s·d`` - what the trace at ``s`` tokens holds for q, the output and SDPA's logsumexp. Keys and
-  values are exchanged after repeating each kv head ``r = N/gcd(KV, N)`` times when ``KV`` is not a
-  multiple of ``N`` (``r = 1`` otherwise): ``r`` times the traced k/v bytes, saved for the backward
-  in every block that is not checkpointed (``kv_repeat_bytes``).
+  ``b·H·s·d``. Keys and values are exchanged after repeating each kv head ``r = N/gcd(KV, N)`` times
+  when ``N`` does not divide ``KV`` (``r = 1`` otherwise): ``r`` times the k/v bytes, kept for the
+  backward in every block that is not checkpointed (``kv_repeat_bytes``).
 - The all-to-all's transient buffers: while one block's attention runs, the caller still holds the
   local q/k/v (``b·s·d·(H + 2·KV)``, and the repeated k/v ``2·b·s·d·KV·r`` when ``r > 1``) beside the
-  exchanged ones (the trace's), and each exchange makes a send copy and a receive buffer (at most
-  ``2·b·s·d·H``, q's or the output's); the gathered position ids and their row-order copy
-  (``2·N·b·s`` int64). One block's at a time (forward, recompute or backward), never accumulated:
-  added to the peak as ``all_to_all_bytes``, an upper bound where the peak falls outside attention.
+  exchanged ones, and each exchange makes a send copy and a receive buffer (at most ``2·b·s·d·H``, q's
+  or the output's); the gathered position ids and their row-order copy (``2·N·b·s`` int64). One
+  block's at a time (forward, recompute or backward), never accumulated (``all_to_all_bytes``): in the
+  peak when the peak falls in attention.
 - Weights, gradients and optimizer state do not depend on the sequence: unchanged, or sharded over
   every rank under FSDP (which shards over the data x sequence ranks together).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from ..._unwrap import unwrap_model
 from ...policy import MemoryPolicy
 from ...sizes import format_bytes
+from ...transforms.sequence_parallel.attention import (
+    ULYSSES_ATTENTION,
+    active_group,
+    register_ulysses_attention,
+    set_active_group,
+)
+from ...transforms.sequence_parallel.exchange import register_group
 from .depth import text_config
 from .result import MemoryEstimate
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["SequenceShards", "heads_of", "sequence_shards", "sp_world", "with_sequence_shards"]
+__all__ = [
+    "SequenceShards",
+    "heads_of",
+    "sequence_shards",
+    "sharded_batch",
+    "sp_world",
+    "ulysses_on_fake_tensors",
+    "with_sequence_shards",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,43 +203,59 @@ def _saved_blocks(policy: MemoryPolicy, layers: int) -> int:
 
 
 def with_sequence_shards(est: MemoryEstimate, shards: SequenceShards | None, policy: MemoryPolicy) -> MemoryEstimate:
-    """The estimate traced at ``shards.tokens`` tokens, as one rank of the sp:N group reads it: the
-    repeated k/v in the activations, one block's exchange in the temporaries, the row's length restored
-    (``est`` itself without sp:N)."""
+    """The estimate of one rank (traced at ``shards.tokens`` tokens through the real Ulysses attention, its
+    exchanges and repeated k/v included) with the row's length and the sp fields (``est`` itself without sp:N)."""
     if shards is None:
         return est
-    kv = shards.kv_repeat_bytes(_saved_blocks(policy, shards.layers))
-    # The recomputed (or the last) block's repeated k/v and its exchange, alive together: temporaries.
-    a2a = shards.all_to_all_bytes() + shards.kv_repeat_bytes(1 if kv == 0 else 0)
+    saved = _saved_blocks(policy, shards.layers)
+    a2a, kv = shards.all_to_all_bytes(), shards.kv_repeat_bytes(saved)
+    repeat = f", k/v x{shards.kv_repeat} (kv heads repeated)" if shards.kv_repeat > 1 else ""
+    kept = f"; the repeated k/v kept in {saved} blocks, {format_bytes(kv)}, in activations" if kv else ""
     note = (
-        f"sp:{shards.size}: each rank holds {shards.tokens} of the {shards.seq_len} tokens of every row (traced at "
-        f"{shards.tokens}; attention holds the whole row for {shards.heads // shards.size} of {shards.heads} heads, "
-        f"the same bytes{f', k/v x{shards.kv_repeat} (kv heads repeated)' if shards.kv_repeat > 1 else ''}); "
-        f"added: the all-to-all of one block (send + receive of q/k/v, gathered positions) {format_bytes(a2a)}"
-        + (
-            f", the repeated k/v saved in {_saved_blocks(policy, shards.layers)} blocks {format_bytes(kv)}"
-            if kv
-            else ""
-        )
-        + "; weights, gradients and optimizer state do not depend on the sequence"
+        f"sp:{shards.size}: one rank of {shards.size}, traced at its {shards.tokens} of the {shards.seq_len} tokens of "
+        f"every row through Ulysses attention on fake exchanges: whole rows for {shards.heads // shards.size} of "
+        f"{shards.heads} heads (the same bytes{repeat}); one block's all-to-all buffers, about "
+        f"{format_bytes(a2a)}, in the peak where it falls in attention{kept}; weights, gradients and optimizer "
+        "state do not depend on the sequence (FSDP shards them over every rank)"
     )
-    fb_peak = est.forward_backward_peak + kv + a2a
-    activations, temporaries, peak, phase = est.activations, est.temporaries, est.peak_bytes, est.peak_phase
-    if phase == "forward+backward":
-        activations, temporaries, peak = activations + kv, temporaries + a2a, fb_peak
-    elif fb_peak > peak:  # the optimizer step's peak holds no activations; the forward+backward now passes it
-        temporaries, peak, phase = temporaries + fb_peak - peak, fb_peak, "forward+backward"
     return dataclasses.replace(
         est,
-        activations=activations,
-        temporaries=temporaries,
-        peak_bytes=peak,
-        peak_phase=phase,
         seq_len=shards.seq_len,
-        forward_backward_peak=fb_peak,
         sequence_parallel=shards.size,
         sp_tokens_per_rank=shards.tokens,
         sp_all_to_all_bytes=a2a,
         sp_kv_repeat_bytes=kv,
         notes=(*est.notes, note),
     )
+
+
+@contextlib.contextmanager
+def ulysses_on_fake_tensors(net: nn.Module, size: int) -> Iterator[None]:
+    """The traced model's attention switched to the real Ulysses function (``hf_memstack_ulysses``) over a
+    shapes-only group of ``size`` ranks, whose exchanges' fake implementations give the shapes one rank
+    holds; the process's own group (a real run's) set back after. Nothing for size 1."""
+    if size == 1:
+        yield
+        return
+    try:
+        previous = active_group()
+    except RuntimeError:  # none set in this process
+        previous = None
+    register_ulysses_attention()
+    set_active_group(register_group(None, size=size))
+    unwrap_model(net).set_attn_implementation(ULYSSES_ATTENTION)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        if previous is not None:
+            set_active_group(previous)
+
+
+def sharded_batch(batch: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+    """A rank's batch as ``shard_batch`` makes it: the rows' global positions, the shifted targets, the count."""
+    if size == 1:
+        return batch
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    count = torch.tensor(ids.numel())
+    return {**batch, "position_ids": positions, "shift_labels": batch["labels"], "num_items_in_batch": count}

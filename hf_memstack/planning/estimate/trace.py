@@ -34,6 +34,7 @@ from ..model.vision_inputs import ImageSpec
 from . import build_cache
 from .depth import DepthPlan, FullTrace, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
+from .sequence_shards import sharded_batch, ulysses_on_fake_tensors
 from .weights_dtype import WeightsDtype, set_dtypes
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Job:
     """The loop keeps the model's outputs through the backward (``outputs.loss.backward()``), as traced."""
     images: ImageSpec | None = None
     """A vision-language model's images per sample (None: a text model's batch)."""
+    sp_size: int = 1
+    """sp:N: one rank of N traced (``seq_len`` its tokens), its attention the real Ulysses over a shapes-only group."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +106,12 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
         batch = fake_batch(
             config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
         )
+        batch = sharded_batch(batch, job.sp_size)
         with (
             packing_as_traced(job.packed),
             per_sample_as_traced(job.packed_per_sample),
             labelled_as_traced(job.label_fraction),
+            ulysses_on_fake_tensors(net, job.sp_size),
         ):
             phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {

@@ -1,6 +1,8 @@
-"""estimate_memory under sequence parallelism (sp:N): one rank's reading is the step at ceil(S/N) tokens
-plus one block's all-to-all buffers and, with fewer kv heads than N divide, the repeated k/v; the
-model states as without it (or sharded over every rank under FSDP); and the refusals, with the fix."""
+"""estimate_memory under sequence parallelism (sp:N): one rank traced at ceil(S/N) tokens through the real
+Ulysses attention on fake exchanges - the model states as without it (or sharded over every rank under
+FSDP), the activations between one rank's tokens without the exchange and the whole rows; the fields
+that say where sp is; the process's own sequence-parallel group left as it was; and the refusals, with
+the fix. The readings against the meter on each of 2 ranks: tests/distributed/test_sp_estimate.py."""
 
 import pytest
 from transformers import LlamaConfig
@@ -33,43 +35,49 @@ MODEL_STATES = ("parameters", "gradients", "optimizer", "trainable_parameters", 
 
 
 @pytest.mark.parametrize("seq", [64, 63])
-def test_one_sp_rank_is_the_step_at_its_tokens_plus_one_blocks_exchange(seq):
+def test_one_sp_rank_holds_its_tokens_and_the_exchange(seq):
     cfg = _config()
-    sp = estimate_memory(cfg, "fp32+sp:2", batch_size=B, seq_len=seq, device="cpu")
     half = estimate_memory(cfg, "fp32", batch_size=B, seq_len=32, device="cpu")  # ceil(63 / 2) = 32: tail padded
-    a2a = _exchange(2, 32, heads=4, kv=2, d=16, r=1)
+    sp = estimate_memory(cfg, "fp32+sp:2", batch_size=B, seq_len=seq, device="cpu")
+    whole = estimate_memory(cfg, "fp32", batch_size=B, seq_len=seq, device="cpu")
     assert (sp.sequence_parallel, sp.sp_tokens_per_rank, sp.seq_len, sp.world_size) == (2, 32, seq, 2)
-    assert sp.sp_all_to_all_bytes == a2a and sp.sp_kv_repeat_bytes == 0  # 2 kv heads: each rank gets one
-    for k in MODEL_STATES + ("activations",):
+    assert sp.sp_all_to_all_bytes == _exchange(2, 32, heads=4, kv=2, d=16, r=1) and sp.sp_kv_repeat_bytes == 0
+    for k in MODEL_STATES:
         assert getattr(sp, k) == getattr(half, k), k
-    assert sp.temporaries == half.temporaries + a2a
-    assert sp.peak_bytes == half.peak_bytes + a2a and sp.forward_backward_peak == half.forward_backward_peak + a2a
+    # The exchange's buffers on top of one rank's tokens; less than the whole rows on one device.
+    assert half.peak_bytes < sp.peak_bytes < whole.peak_bytes
+    assert half.activations <= sp.activations < whole.activations
     assert "sp:2" in sp.summary() and "32 tokens per rank" in sp.summary()
-    assert any(n.startswith("sp:2: each rank holds 32 of the") for n in sp.notes)
-    # The whole row on one device holds more than one rank of it.
-    assert estimate_memory(cfg, "fp32", batch_size=B, seq_len=seq, device="cpu").peak_bytes > sp.peak_bytes
+    assert any(n.startswith("sp:2: one rank of 2, traced at its 32 of the") for n in sp.notes)
+    # The traces without sp are not touched by one with it (the attention is switched on a copy).
+    assert estimate_memory(cfg, "fp32", batch_size=B, seq_len=32, device="cpu") == half
 
 
 @pytest.mark.parametrize(("policy", "saved_blocks"), [("fp32", 2), ("fp32+ckpt", 0)])
-def test_fewer_kv_heads_than_ranks_count_the_repeated_keys_and_values(policy, saved_blocks):
-    cfg = _config(heads=4, kv=1)  # MQA under sp:2: each kv head repeated twice before the exchange
-    sp = estimate_memory(cfg, f"{policy}+sp:2", batch_size=B, seq_len=64, device="cpu")
-    half = estimate_memory(cfg, policy, batch_size=B, seq_len=32, device="cpu")
+def test_fewer_kv_heads_than_ranks_report_the_repeated_keys_and_values(policy, saved_blocks):
+    sp = estimate_memory(_config(heads=4, kv=1), f"{policy}+sp:2", batch_size=B, seq_len=64, device="cpu")
     repeated = 2 * B * 32 * 16 * 1 * (2 - 1) * FP32  # k and v, one more copy each, per block
-    kv = repeated * saved_blocks  # kept for the backward by every block not checkpointed
-    a2a = _exchange(2, 32, heads=4, kv=1, d=16, r=2) + (repeated if saved_blocks == 0 else 0)
-    assert (sp.sp_kv_repeat_bytes, sp.sp_all_to_all_bytes) == (kv, a2a)
-    assert sp.activations == half.activations + kv
-    assert sp.peak_bytes == half.peak_bytes + kv + a2a
+    assert sp.sp_kv_repeat_bytes == repeated * saved_blocks  # kept by every block not checkpointed
+    assert sp.sp_all_to_all_bytes == _exchange(2, 32, heads=4, kv=1, d=16, r=2)
+    assert any("k/v x2 (kv heads repeated)" in n for n in sp.notes)
 
 
 def test_sp_with_fsdp_shards_the_model_states_over_every_rank():
     cfg = _config()
     sp = estimate_memory(cfg, "fp32+fsdp+sp:2", batch_size=B, seq_len=64, world_size=4, device="cpu")
     half = estimate_memory(cfg, "fp32+fsdp", batch_size=B, seq_len=32, world_size=4, device="cpu")
-    for k in MODEL_STATES + ("activations",):
+    for k in MODEL_STATES:
         assert getattr(sp, k) == getattr(half, k), k
-    assert sp.peak_bytes == half.peak_bytes + sp.sp_all_to_all_bytes and sp.world_size == 4
+    assert sp.peak_bytes > half.peak_bytes and sp.world_size == 4
+
+
+def test_the_processs_own_sequence_parallel_group_is_left_as_it_was():
+    from hf_memstack.transforms.sequence_parallel import active_group, register_group, set_active_group
+
+    mine = register_group(None, size=4)  # stands for the group a real sp:4 run set in this process
+    set_active_group(mine)
+    estimate_memory(_config(), "fp32+sp:2", batch_size=B, seq_len=64, device="cpu")
+    assert active_group() is mine
 
 
 @pytest.mark.parametrize(
