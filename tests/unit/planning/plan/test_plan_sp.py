@@ -73,3 +73,13 @@ def test_no_sp_rung_on_one_device_for_heads_no_degree_divides_or_when_the_activa
     assert not any("+sp:" in r.policy for r in _plan(_config(heads=3), "1KiB", world=2).rows)
     roomy = _plan(cfg, "8GiB", world=2)
     assert roomy.fits and roomy.policy.sequence_parallel.size == 1
+
+
+def test_when_the_sequence_needs_more_ranks_the_advice_names_the_wider_degree():
+    cfg, seq = _config(), 2 * SEQ
+    wide = estimate_memory(cfg, "bf16+ckpt+loss:chunked+mlp:tiled+sp:4", batch_size=1, seq_len=seq, world_size=4)
+    # Just over 4 ranks' reading: 2 ranks (sp:2, FSDP, pure bf16...) do not fit it, 4 would.
+    plan = _plan(cfg, int(wide.peak_bytes * 1.05), world=2, seq=seq)
+    assert not plan.fits, plan.table()
+    said = [s for s in plan.suggestions if s.startswith("more ranks: sequence parallelism over 4 devices")]
+    assert said and "--world-size 4" in said[0] and "+sp:4" in said[0], plan.suggestions
