@@ -159,7 +159,7 @@ def sequence_shards(
     if heads % n:
         allowed = [k for k in range(2, heads + 1) if heads % k == 0]
         raise ValueError(
-            f"{where}: sp:{n} gives each rank {n}-th of the attention heads, and the model has {heads} "
+            f"{where}: sp:{n} splits the attention heads over {n} ranks, and the model has {heads} "
             f"(num_attention_heads), which {n} does not divide; use sp:N with N dividing {heads} "
             f"({', '.join(f'sp:{k}' for k in allowed[:6])}{', ...' if len(allowed) > 6 else ''})"
         )

@@ -138,10 +138,11 @@ def more_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> 
 
 
 def _more_sequence_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> str | None:
-    """More ranks that shard the sequence (sp:N over them, N dividing the heads) for activations no FSDP
-    sharding divides, at batch 1: the fewest of 2, 4 and 8 times ``world_size`` that fits, or None."""
+    """More ranks that shard the sequence further (sp:N over them, N dividing the heads) for activations
+    no FSDP sharding divides, at batch 1: the fewest of 2, 4 and 8 times ``world_size`` that fits; None
+    where the ladder offered no sequence parallelism (``sharded`` has none: one device, short rows)."""
     policy = MemoryPolicy.coerce(sharded)
-    if est.job.get("task") != "causal-lm" or est.job.get("packed"):
+    if policy.sequence_parallel.size == 1:
         return None
     for ranks in (world_size * 2, world_size * 4, world_size * 8):
         if ranks not in sp_degrees(est.config, ranks):

@@ -100,3 +100,14 @@ def test_what_sp_cannot_shard_is_refused_with_the_fix(kwargs, words):
 def test_sp_1_is_no_token():
     with pytest.raises(ValueError, match="sp:"):
         estimate_memory(_config(), "fp32+sp:1", batch_size=B, seq_len=64, device="cpu")
+
+
+def test_the_cli_estimates_an_sp_policy_per_rank(tmp_path, capsys):
+    from hf_memstack.cli.main import main
+
+    _config().save_pretrained(tmp_path)
+    assert main(["estimate", str(tmp_path), "--policy", "fp32,fp32+sp:2", "--batch-size", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| fp32+sp:2 |" in out and "note: sp:2: one rank of 2, traced at its 32 of the 64 tokens" in out
+    assert main(["estimate", str(tmp_path), "--policy", "fp32+sp:3", "--batch-size", "2", "--seq-len", "64"]) != 0
+    assert "num_attention_heads" in capsys.readouterr().err
