@@ -10,6 +10,7 @@ build_cache.py    the fake model and depth plan, built once per config and job
 accounting.py     the trace as one rank's numbers: eval's kept logits, the dtype note
 fsdp_shards.py    one FSDP rank's bytes from the single-device trace
 fsdp_dtypes.py    an FSDP job traced in the dtypes a rank computes in (FSDP2's param_dtype)
+sequence_shards.py  one sequence-parallel (sp:N) rank traced at S/N tokens through Ulysses on fake exchanges
 trainable.py      what trains: everything, LoRA, a PEFT config, or what a PEFT model says
 weights_dtype.py  the dtype from_pretrained would give the weights (``dtype="auto"``)
 eval_logits.py    the outputs ``Trainer.evaluate()`` keeps
@@ -30,6 +31,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/plan/result.py``: ``MemoryEstimate``
 - ``hf_memstack/planning/plan/walk.py``: ``MemoryEstimate``
 - ``hf_memstack/planning/plan/states_floor.py``: ``build_cache``
+- ``hf_memstack/planning/plan/sequence_rungs.py``: ``heads_of``: the degrees sp:N can take
 """
 
 from __future__ import annotations

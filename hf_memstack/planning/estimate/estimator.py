@@ -47,6 +47,7 @@ from .checks import (
 from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, num_layers, with_depth
 from .fsdp_shards import FsdpShards, fsdp_shards
 from .result import MemoryEstimate
+from .sequence_shards import sequence_shards, sp_world, with_sequence_shards
 from .trace import Job, Traced, depth_plan, trace
 from .trainable import Trainable, peft_config_from, policy_of, what_trains
 from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve_weights_dtype, short_name
@@ -162,6 +163,7 @@ def estimate_memory(
     inferred_note = task_note(model, config) if task is None else None
     task = task or infer_task(model, config)
     policy = MemoryPolicy.coerce(policy_of(given, policy))
+    world_size = sp_world(policy, world_size)  # sp:N with world_size=1 (not given): its N ranks
     notes = _policy_notes(policy, optimizer, world_size, inferred_note)
     four_bit = _four_bit_of(given, notes)
     traced = _traced_policy(policy, four_bit)
@@ -171,6 +173,7 @@ def estimate_memory(
     notes += [SEQ2SEQ_NOTE] if task == "seq2seq-lm" else []
     check_depth(config)
     notes += _chunked_loss_notes(policy, config, task, trust_remote_code)
+    sp = sequence_shards(config, policy, batch_size, seq_len, task, mode, packed, weights.dtype)  # sp:N's shard
     job = Job(
         task=task,
         peft_config=peft_config,
@@ -179,7 +182,7 @@ def estimate_memory(
         policy=traced,
         optimizer=optimizer,
         batch_size=batch_size,
-        seq_len=seq_len,
+        seq_len=sp.tokens if sp is not None else seq_len,  # one sp rank's tokens
         packed=packed and task == "causal-lm" and images is None,
         mode=mode,
         # A compiled run's attention cannot read the samples' lengths: its rows run whole.
@@ -189,6 +192,7 @@ def estimate_memory(
         keep_outputs=keep_outputs,
         images=images,
         sharded=policy.fsdp.mode != "none" and world_size > 1,
+        sp_size=sp.size if sp is not None else 1,
     )
     layers, chunked = num_layers(config), policy.loss.mode == "chunked"
     shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=layers, chunked_loss=chunked)
@@ -205,7 +209,7 @@ def estimate_memory(
         est = _plus_parameters(est, four_bit_delta)
     if mode == "eval":
         est = with_kept_logits(est, counts, eval_samples or batch_size)
-    est = _with_trace_counts(est, counts, keep_outputs)
+    est = with_sequence_shards(_with_trace_counts(est, counts, keep_outputs), sp, policy)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
 
 
@@ -272,8 +276,14 @@ def _four_bit_of(given: object, notes: list[str]) -> FourBitLayers | None:
 
 
 def _traced_policy(policy: MemoryPolicy, four_bit: FourBitLayers | None) -> MemoryPolicy:
-    """The policy as traced: no compile, no FSDP (accounted for after); a model's 4-bit layers 4-bit."""
-    fields = {**policy.to_dict(), "compile": {"mode": "none"}, "fsdp": {"mode": "none"}}
+    """The policy as traced: no compile, no FSDP, no sp:N (accounted for after); a model's 4-bit layers 4-bit."""
+    # Sequence parallelism too: traced as one rank's tokens, its exchange added after (sequence_shards.py).
+    fields = {
+        **policy.to_dict(),
+        "compile": {"mode": "none"},
+        "fsdp": {"mode": "none"},
+        "sequence_parallel": {"size": 1},
+    }
     if four_bit is not None:
         fields["quant"] = {**fields.get("quant", {}), "mode": "nf4", "targets": list(four_bit.targets)}
     return MemoryPolicy.from_dict(fields)
@@ -296,7 +306,7 @@ def _policy_notes(policy: MemoryPolicy, optimizer: str, world_size: int, inferre
             "optim:in_backward) is an AdamW; use optimizer='adamw' or drop the optim: tokens"
         )
     notes = (
-        [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel)"]
+        [f"world_size={world_size} without FSDP: every rank holds the whole model (data parallel, or sp:N)"]
         if (policy.fsdp.mode == "none" and world_size > 1)
         else []
     )

@@ -91,6 +91,18 @@ class MemoryEstimate:
     when the forward ends, so in ``activations``, through the backward and the optimizer step; and the
     previous step's through the forward, until ``outputs`` is rebound. 0 when they are dropped."""
 
+    sequence_parallel: int = 1
+    """Ranks each row's tokens are sharded over (``sp:N``; 1: none). Under it the step is one rank's: traced at
+    ``sp_tokens_per_rank`` tokens (:mod:`hf_memstack.planning.estimate.sequence_shards`), ``seq_len`` the row's."""
+    sp_tokens_per_rank: int = 0
+    """Under ``sp:N``: each rank's tokens of a row, ``ceil(seq_len / N)`` (0 without it)."""
+    sp_all_to_all_bytes: int = 0
+    """Under ``sp:N``: one block's all-to-all buffers (send copy and receive buffer of q and the repeated k/v,
+    the gathered position ids), in ``temporaries`` and the peak; never more than one block's at a time."""
+    sp_kv_repeat_bytes: int = 0
+    """Under ``sp:N`` with fewer kv heads than N divide: the repeated keys and values the blocks that are not
+    checkpointed keep for the backward, beyond the traced ones, in ``activations`` and the peak."""
+
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -107,7 +119,12 @@ class MemoryEstimate:
                 f"({format_bytes(self.eval_logits_host_bytes)} as numpy in host memory)"
             )
         kept = f"; the loop keeps its outputs ({format_bytes(self.kept_outputs_bytes)})" if self.keep_outputs else ""
+        sp = (
+            f", {self.sp_tokens_per_rank} tokens per rank (sp:{self.sequence_parallel})"
+            if self.sequence_parallel > 1
+            else ""
+        )
         return (
             f"{self.model} [{self.policy}] {self.weights_dtype} weights, batch {self.batch_size} x seq {self.seq_len}, "
-            f"{self.world_size} rank(s): peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats}){kept}"
+            f"{self.world_size} rank(s){sp}: peak {format_bytes(self.peak_bytes)} in the {self.peak_phase} phase ({cats}){kept}"
         )

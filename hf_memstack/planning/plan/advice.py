@@ -9,6 +9,7 @@ from ...policy import MemoryPolicy
 from ...sizes import format_bytes
 from ..estimate.result import MemoryEstimate
 from .estimates import Estimates
+from .sequence_rungs import sp_degrees
 
 __all__ = ["more_ranks", "optimizer_notes", "suggestions"]
 
@@ -109,7 +110,7 @@ def more_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> 
     per_rank = probe.parameters + probe.gradients + probe.optimizer
     rest = probe.peak_bytes - per_rank  # activations and scratch: each rank holds its own
     if rest > usable:
-        return (
+        return _more_sequence_ranks(est, sharded, world_size, usable) or (
             f"the activations of {sharded} alone ({format_bytes(rest)} at batch 1) exceed the budget: more ranks "
             "do not shard them"
         )
@@ -134,6 +135,26 @@ def more_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> 
         f"more ranks: FSDP over {last.world_size} devices with {sharded} is still estimated at "
         f"{format_bytes(last.peak_bytes)} per rank at batch 1, over the {format_bytes(usable)} usable"
     )
+
+
+def _more_sequence_ranks(est: Estimates, sharded: str, world_size: int, usable: float) -> str | None:
+    """More ranks that shard the sequence further (sp:N over them, N dividing the heads) for activations
+    no FSDP sharding divides, at batch 1: the fewest of 2, 4 and 8 times ``world_size`` that fits; None
+    where the ladder offered no sequence parallelism (``sharded`` has none: one device, short rows)."""
+    policy = MemoryPolicy.coerce(sharded)
+    if policy.sequence_parallel.size == 1:
+        return None
+    for ranks in (world_size * 2, world_size * 4, world_size * 8):
+        if ranks not in sp_degrees(est.config, ranks):
+            continue
+        wider = MemoryPolicy.from_dict({**policy.to_dict(), "sequence_parallel": {"size": ranks}}).to_string()
+        last = _at_ranks(est, wider, ranks)
+        if last.peak_bytes <= usable:
+            return (
+                f"more ranks: sequence parallelism over {ranks} devices (--world-size {ranks}) with {wider}: "
+                f"{last.sp_tokens_per_rank} tokens per rank, an estimated peak of {format_bytes(last.peak_bytes)} at batch 1"
+            )
+    return None
 
 
 def _at_ranks(est: Estimates, policy: str, ranks: int) -> MemoryEstimate:

@@ -24,6 +24,7 @@ from .estimates import Estimates
 from .result import Plan, PlanRow
 from .rungs import Requirement, RungContext, rungs_for
 from .screen import num_blocks
+from .sequence_rungs import sp_context
 from .walk import walk_rungs
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ def plan_policy(
 ) -> Plan:
     """The cheapest rung of the ladder whose estimated peak fits ``budget`` with ``margin``: plain
     mixed precision, then the chunked loss head (causal LMs), selective then block checkpointing,
-    4-bit base weights (LoRA runs, where torchao is installed), the optimizer rungs (stepped in the
+    sequence parallelism (several ranks, activations over one device), 4-bit base weights (LoRA runs,
+    where torchao is installed), the optimizer rungs (stepped in the
     backward, 8-bit moments where torchao is installed, both), offload, FSDP (see
     :data:`hf_memstack.planning.plan.rungs.STEPS`).
 
@@ -64,7 +66,9 @@ def plan_policy(
         seq_len: tokens per sample.
         batch_size: per-device batch, or ``"max"``: the largest batch each rung fits (the first rung
             that fits at least one sample is chosen, at its largest batch, whose own estimate fits).
-        world_size: devices; FSDP rungs are considered when > 1.
+        world_size: devices; FSDP rungs are considered when > 1, and sequence parallelism (``sp:N``, N
+            dividing it and the attention heads) where the activations at ``seq_len`` do not fit one
+            device with every activation rung (:mod:`hf_memstack.planning.plan.sequence_rungs`).
         margin: fraction of the budget kept free (allocator fragmentation, the CUDA context).
         task: ``causal-lm``, ``seq2seq-lm`` or ``classification``; default: from the model (see :func:`estimate_memory`).
         device: where it will train (``cuda``/``cpu``; default: this machine) - picks bf16, fp16 or fp32
@@ -122,6 +126,9 @@ def plan_policy(
         images=images.note() if images is not None else "",
     )
     context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
+    context = sp_context(
+        context, config, est, task=task, packed=packed, world_size=world_size, batch_size=batch_size, usable=usable
+    )
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
     if plan.fits:
         return plan

@@ -47,6 +47,7 @@ __all__ = [
     "memory_rungs",
     "rungs_for",
     "savings_speed",
+    "sharding_speed",
 ]
 
 # Step speed relative to eager fp32 (mixed precision) or to the same rung without the feature.
@@ -71,9 +72,12 @@ MEASURED_SPEED = {
     "quant": 0.8,
     "mlp_tiled": 0.9,
     "pure_bf16": 1.0,
+    "sp": 0.9,
 }
 # pure_bf16 (weights:bf16) is an assumption: the same bf16 matmuls, a step that reads half the bytes.
 # mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, docs/packing.md).
+# sp (sequence parallelism) is an assumption, per doubling of its degree: four all-to-alls a block
+# each way; it only orders the degrees (the smallest that fits first) against the rungs after them.
 
 
 class Requirement(Enum):
@@ -96,6 +100,11 @@ class Requirement(Enum):
     bytes per trainable parameter, 6 with 8-bit moments); a LoRA run has too few for it to matter."""
     SEVERAL_DEVICES = "several_devices"
     """More than one device: FSDP has something to shard over."""
+    SEQUENCE_OVER_ONE_DEVICE = "sequence_over_one_device"
+    """Stated by the planner: the activations at the wanted sequence length do not fit one device with
+    every activation rung, even with the model states sharded over every rank, and some degree N >= 2
+    divides both the world size and the attention heads (:attr:`RungContext.sp_degrees`): sequence
+    parallelism (``sp:N``) is then offered, one rung per degree."""
     NOT_FP16 = "not_fp16"
     """Derived: the precision is not fp16, whose GradScaler needs every gradient before the step
     (to unscale, and skip it on overflow): no stepping in the backward there."""
@@ -126,6 +135,9 @@ class RungContext:
     """The model's repeated blocks (ckpt:N rungs need more than N)."""
     satisfied: frozenset[Requirement] = frozenset()
     """The stated facts (see :class:`Requirement`); derived ones are worked out from the fields above."""
+    sp_degrees: tuple[int, ...] = ()
+    """The sequence-parallel degrees the job can take (each divides the world size and the heads),
+    ascending: a ``degrees`` row of :data:`STEPS` is one rung per degree."""
 
     def facts(self) -> frozenset[Requirement]:
         """Every requirement that holds: the stated ones and those the precision and depth give."""
@@ -154,6 +166,10 @@ class Step:
     carries: tuple[str, ...] = ()
     """Earlier rows whose tokens (not their speed: its own factor is measured over the whole) it
     adds where they were offered: offloading keeps the optimizer rungs' savings."""
+    degrees: bool = False
+    """Sequence parallelism: one rung per degree N of :attr:`RungContext.sp_degrees`, smallest first,
+    each adding ``sp:N`` and its speed factor once per doubling of N; only the largest is ``kept``
+    (the rungs after it shard the sequence as far as the job can)."""
 
 
 _R = Requirement
@@ -172,6 +188,16 @@ STEPS: tuple[Step, ...] = (
     # Full checkpointing's work and one more MLP forward: the slowest activation rung, still
     # before the 4-bit and optimizer rungs (it changes no arithmetic).
     Step("tiled_mlp", ("mlp:tiled",), ("mlp_tiled",), frozenset({_R.TOKENS_OVER_ONE_TILE}), kept=True),
+    # Sequence parallelism after every activation rung of one device (it needs several and their
+    # all-to-alls, and changes no arithmetic), before the 4-bit and optimizer rungs and FSDP, which
+    # keep its largest degree.
+    Step(
+        "sequence_parallel",
+        (),
+        requires=frozenset({_R.SEVERAL_DEVICES, _R.SEQUENCE_OVER_ONE_DEVICE}),
+        kept=True,
+        degrees=True,
+    ),
     Step("nf4", ("quant:nf4",), ("quant",), frozenset({_R.LORA_WITH_TORCHAO}), kept=True),
     Step("in_backward", ("optim:in_backward",), ("in_backward",), _OPTIM_IN_BACKWARD),
     Step("pure_bf16", ("weights:bf16",), ("pure_bf16",), frozenset({_R.FULL_FINETUNE, _R.BF16}), kept=True),
@@ -217,15 +243,18 @@ def rungs_for(context: RungContext) -> list[Rung]:
     for step in STEPS:
         if not step.requires <= facts:
             continue
-        own = speed
-        for key in step.speed:
-            own *= s[key] if step.per_blocks == 1 else 1 - (1 - s[key]) / step.per_blocks
-        carried = [t for name in step.carries for t in offered.get(name, ())]
-        policy = _written(context.precision, (*kept, *carried, *step.tokens))
-        rungs.append(Rung(policy=policy, relative_speed=own, requires=step.requires, step=step.name))
-        offered[step.name] = step.tokens
-        if step.kept:
-            speed, kept = own, [*kept, *step.tokens]
+        degrees = context.sp_degrees if step.degrees else (0,)
+        for n in degrees:
+            own = speed * (s["sp"] ** math.log2(n) if n else 1.0)
+            for key in step.speed:
+                own *= s[key] if step.per_blocks == 1 else 1 - (1 - s[key]) / step.per_blocks
+            carried = [t for name in step.carries for t in offered.get(name, ())]
+            added = (*step.tokens, *((f"sp:{n}",) if n else ()))
+            policy = _written(context.precision, (*kept, *carried, *added))
+            rungs.append(Rung(policy=policy, relative_speed=own, requires=step.requires, step=step.name))
+            offered[step.name] = added
+            if step.kept and n == degrees[-1]:
+                speed, kept = own, [*kept, *added]
     return rungs
 
 
@@ -278,12 +307,29 @@ def savings_speed(policy: MemoryPolicy) -> float:
     return math.prod(MEASURED_SPEED[k] for k in keys)
 
 
+def sharding_speed(policy: MemoryPolicy) -> float:
+    """The speed factor of a policy's sharding: FSDP's (with or without offload) and sp:N's (per doubling of N)."""
+    fsdp = policy.fsdp
+    shard = 1.0 if fsdp.mode == "none" else MEASURED_SPEED["fsdp_offload" if fsdp.cpu_offload else "fsdp"]
+    return shard * MEASURED_SPEED["sp"] ** math.log2(policy.sequence_parallel.size)
+
+
 _BY_SPELLING = {t.spelling: t for t in TOKENS if t.number is None}
 # The order a rung's string is written in, as the planner's table has always shown it: the chunked
 # loss next to the precision ('bf16+loss:chunked+ckpt'), then to_string's order of the fields but
 # FSDP after the optimizer; within a field, the token table's order (optim:8bit+optim:in_backward).
 # The rung writes its own spellings ('fsdp', where to_string writes 'fsdp:full_shard').
-_WRITTEN = ("loss", "checkpointing", "compile", "quant", "mlp", "optimizer", "fsdp", "master_weights")
+_WRITTEN = (
+    "loss",
+    "checkpointing",
+    "compile",
+    "quant",
+    "mlp",
+    "optimizer",
+    "sequence_parallel",
+    "fsdp",
+    "master_weights",
+)
 
 
 def _token(spelling: str) -> Token:

@@ -12,7 +12,7 @@ from ..estimate.result import MemoryEstimate
 from .advice import optimizer_notes
 from .estimates import Estimates, max_batch
 from .result import Plan, PlanRow
-from .rungs import MEASURED_SPEED, Rung, savings_speed
+from .rungs import Rung, savings_speed, sharding_speed
 from .screen import SCREEN, SCREEN_BELOW, every_n_between
 
 __all__ = ["walk_rungs"]
@@ -102,7 +102,8 @@ def _faster_with_its_states(
     # Sharding saves states too: a target sharded without offload lends its sharding to the faster
     # rungs (ckpt:4+fsdp where the walk reached ckpt+fsdp); an offloading one lends none (it is the
     # slowest rung), and the plain FSDP rung before it is a candidate of its own.
-    lent = ("quant", "optimizer", "master_weights") + (
+    # sp:N lends its degree too (ckpt+sp:2 fits: ckpt:4+sp:2 may), to a rung without one (sp:2 with 4-bit weights may fit).
+    lent = ("quant", "optimizer", "master_weights", "sequence_parallel") + (
         ("fsdp",) if target.fsdp.mode != "none" and not target.fsdp.cpu_offload else ()
     )
     tried_before = {row.policy for row in plan.rows}  # traced, or over by its states or its bounds already: did not fit
@@ -114,7 +115,8 @@ def _faster_with_its_states(
         if p.checkpointing.mode == "offload" or p.fsdp.cpu_offload:
             continue
         try:
-            merged = MemoryPolicy.from_dict({**p.to_dict(), **{k: target.to_dict()[k] for k in lent}})
+            own = {"sequence_parallel"} if p.sequence_parallel.size > 1 else set()
+            merged = MemoryPolicy.from_dict({**p.to_dict(), **{k: target.to_dict()[k] for k in lent if k not in own}})
         except ValueError:  # a combination the policy refuses is no candidate
             continue
         if merged == p or merged.to_string() in tried_before:
@@ -175,10 +177,8 @@ def _screened_4bit_row(
 
 
 def _states_speed(policy: MemoryPolicy) -> float:
-    """The speed factor of a policy's state savings, its sharding included (``MEASURED_SPEED``)."""
-    fsdp = policy.fsdp
-    shard = 1.0 if fsdp.mode == "none" else MEASURED_SPEED["fsdp_offload" if fsdp.cpu_offload else "fsdp"]
-    return savings_speed(policy) * shard
+    """The speed factor of a policy's state savings, its sharding (FSDP's, sp:N's) included (``MEASURED_SPEED``)."""
+    return savings_speed(policy) * sharding_speed(policy)
 
 
 def _search(

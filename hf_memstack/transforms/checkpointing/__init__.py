@@ -21,6 +21,7 @@ outside it that imports from here or reads the policy field this folder implemen
 - ``hf_memstack/_model_checks.py``: reads ``policy.checkpointing``, ``policy.checkpointing.every_n``
 - ``hf_memstack/distributed/accelerate.py``: reads ``policy.checkpointing``
 - ``hf_memstack/planning/estimate/fsdp_shards.py``: reads ``policy.checkpointing.mode``
+- ``hf_memstack/planning/estimate/sequence_shards.py``: reads ``policy.checkpointing`` (the blocks that keep the repeated k/v)
 - ``hf_memstack/planning/estimate/trace.py``: reads ``policy.checkpointing``
 - ``hf_memstack/planning/plan/next_rung.py``: reads ``policy.checkpointing``
 - ``hf_memstack/planning/plan/screen.py``: reads ``p.checkpointing.mode``, ``p.checkpointing.every_n``
