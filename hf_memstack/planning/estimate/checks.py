@@ -147,3 +147,20 @@ def _check_chunked_loss(config: PretrainedConfig, task: str, trust_remote_code: 
     except ValueError as e:
         return f"{e} (estimate_memory refuses what prepare_model refuses)", None
     return None, None
+
+
+def check_loop(mode: str, eval_samples: int | None, label_fraction: float, keep_outputs: object) -> None:
+    """The arguments that say what the step runs: train or eval, labelled share, outputs kept."""
+    check_mode(mode, eval_samples)
+    check_label_fraction(label_fraction)
+    _check_keep_outputs(keep_outputs, mode)
+
+
+def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
+    if not isinstance(keep_outputs, bool):
+        raise TypeError(f"keep_outputs={keep_outputs!r} must be True or False (whether the loop keeps `outputs`)")
+    if keep_outputs and mode != "train":
+        raise ValueError(
+            f"keep_outputs=True with mode={mode!r}: it counts a training loop holding its outputs through the "
+            "backward; evaluation counts the logits Trainer keeps (eval_logits_bytes): drop keep_outputs"
+        )

@@ -40,8 +40,7 @@ from .accounting import dtype_note, per_rank, with_kept_logits
 from .checks import (
     check_arguments,
     check_depth,
-    check_label_fraction,
-    check_mode,
+    check_loop,
     chunked_loss_verdict,
 )
 from .depth import FULL_TRACE_ASKED, DepthPlan, FullTrace, extrapolate_line, extrapolate_phases, num_layers, with_depth
@@ -54,6 +53,8 @@ from .weights_dtype import FourBitLayers, WeightsDtype, four_bit_layers, resolve
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from ..model.vision_inputs import ImageSpec
 
 __all__ = ["estimate_memory"]
 
@@ -152,7 +153,7 @@ def estimate_memory(
     check_arguments(
         batch_size=batch_size, seq_len=seq_len, world_size=world_size, optimizer=optimizer, task=task, dtype=dtype
     )
-    _check_loop(mode, eval_samples, label_fraction, keep_outputs)
+    check_loop(mode, eval_samples, label_fraction, keep_outputs)
     foreach = _steps_foreach(device)
     given = model
     model, trainable = what_trains(model, trainable)
@@ -169,8 +170,7 @@ def estimate_memory(
     traced = _traced_policy(policy, four_bit)
     check_seq_len(config, seq_len, batch_size)
     images = images_for(config, image_size, images_per_sample, seq_len, task)
-    notes += [images.note()] if images is not None else []
-    notes += [SEQ2SEQ_NOTE] if task == "seq2seq-lm" else []
+    notes += _input_notes(images, task)
     check_depth(config)
     notes += _chunked_loss_notes(policy, config, task, trust_remote_code)
     sp = sequence_shards(config, policy, batch_size, seq_len, task, mode, packed, weights.dtype)  # sp:N's shard
@@ -198,8 +198,7 @@ def estimate_memory(
     shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=layers, chunked_loss=chunked)
     m, net, counts = _traced_step(config, job, extrapolate, notes, shards)
     # The model's own 4-bit layers at their own bytes (bitsandbytes' layout differs from the traced NF4's).
-    four_bit_delta = four_bit.weights_bytes - counts.get("quant_bytes", 0) if four_bit is not None else 0
-    counts = {**counts, "quant_bytes": four_bit.weights_bytes} if four_bit is not None else counts
+    four_bit_delta, counts = _four_bit_counts(four_bit, counts)
     notes += quant_notes(counts, peft_config is not None)
     total_params, trainable_params = counts["total"], counts["trainable"]
     est = per_rank(
@@ -211,6 +210,19 @@ def estimate_memory(
         est = with_kept_logits(est, counts, eval_samples or batch_size)
     est = with_sequence_shards(_with_trace_counts(est, counts, keep_outputs), sp, policy)
     return _with_weights_dtype(est, weights, net, policy, training=mode == "train")
+
+
+def _input_notes(images: ImageSpec | None, task: str) -> list[str]:
+    """What the notes say about the inputs: a VLM's images, an encoder-decoder's labels."""
+    return ([images.note()] if images is not None else []) + ([SEQ2SEQ_NOTE] if task == "seq2seq-lm" else [])
+
+
+def _four_bit_counts(four_bit: FourBitLayers | None, counts: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """The model's own 4-bit layers at their own bytes: how much they differ from the traced NF4's, and
+    the counts with their bytes."""
+    if four_bit is None:
+        return 0, counts
+    return four_bit.weights_bytes - counts.get("quant_bytes", 0), {**counts, "quant_bytes": four_bit.weights_bytes}
 
 
 def _chunked_loss_notes(
@@ -244,23 +256,6 @@ def _with_trace_counts(est: MemoryEstimate, counts: dict[str, int], keep_outputs
         keep_outputs=keep_outputs,
         kept_outputs_bytes=counts.get("kept_outputs", 0),
     )
-
-
-def _check_loop(mode: str, eval_samples: int | None, label_fraction: float, keep_outputs: object) -> None:
-    """The arguments that say what the step runs: train or eval, labelled share, outputs kept."""
-    check_mode(mode, eval_samples)
-    check_label_fraction(label_fraction)
-    _check_keep_outputs(keep_outputs, mode)
-
-
-def _check_keep_outputs(keep_outputs: object, mode: str) -> None:
-    if not isinstance(keep_outputs, bool):
-        raise TypeError(f"keep_outputs={keep_outputs!r} must be True or False (whether the loop keeps `outputs`)")
-    if keep_outputs and mode != "train":
-        raise ValueError(
-            f"keep_outputs=True with mode={mode!r}: it counts a training loop holding its outputs through the "
-            "backward; evaluation counts the logits Trainer keeps (eval_logits_bytes): drop keep_outputs"
-        )
 
 
 def _four_bit_of(given: object, notes: list[str]) -> FourBitLayers | None:
