@@ -235,6 +235,16 @@ def test_the_group_batch_message_names_each_ranks_shape_and_the_fix():
     assert "shard_batch(batch, sp_rank=rank % 2, sp_size=2)" in message and "rank // 2" in message
 
 
+def test_the_trainer_refusal_names_every_function_an_own_loop_needs(fake_world):
+    from hf_memstack.integrations.trainer_checks import refuse_sequence_parallel
+    from hf_memstack.record import record_of
+
+    record = record_of(prepare_model(tiny_llama(), "fp32+sp:2"))
+    assert record is not None
+    with pytest.raises(ValueError, match=r"shard_batch, backward_loss, reported_loss and .*average_gradients"):
+        refuse_sequence_parallel(record, "Trainer")
+
+
 def test_the_mask_function_passes_no_mask_and_an_all_ones_one():
     assert ulysses_mask(attention_mask=None) is None
     assert ulysses_mask(attention_mask=torch.ones(2, 8, dtype=torch.bool)) is None
