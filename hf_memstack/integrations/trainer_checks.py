@@ -95,7 +95,7 @@ def refuse_sequence_parallel(record: MemstackRecord, where: str) -> None:
             "Trainer path does not support: its data loader gives each process other whole rows, not each rank its "
             "slice of the same rows. Train with recipes/finetune.py --policy ... under torchrun (it shards the rows "
             "and reduces the loss), or with your own loop: hf_memstack.transforms.sequence_parallel's shard_batch, "
-            f"backward_loss and reported_loss; or prepare the model without sp:{n} for Trainer"
+            f"backward_loss, reported_loss and (for a model no DDP/FSDP wrapper reduces) average_gradients; or prepare the model without sp:{n} for Trainer"
         )
 
 

@@ -92,7 +92,8 @@ class MemoryArgs:
         default="auto",
         metadata={
             "help": "memory policy: a preset/feature string (bf16+compile+ckpt), a YAML file, or auto "
-            "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision)"
+            "(with --memory-budget: the planner's cheapest policy that fits; else the device's mixed precision); "
+            "+sp:N (under torchrun) shards each row's tokens over N ranks (docs/sequence-parallel.md)"
         },
     )
     batch_size: str = field(

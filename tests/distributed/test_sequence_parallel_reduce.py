@@ -214,6 +214,8 @@ def test_verify_sequence_parallel_line_fails_when_a_group_got_different_rows(ran
     assert not ok0 and not ok1
     assert detail0 == detail1  # the same numbers and verdict on every rank
     assert "got the same rows" in detail0
+    # and the model-side causes the numbers cannot tell apart from it (prepare_model refuses them under sp:N)
+    assert "bidirectional" in detail0 and "router loss" in detail0 and "sequence-dependent RoPE" in detail0
 
 
 def test_one_ranks_bad_batch_ends_both_ranks_with_its_message(ranks):

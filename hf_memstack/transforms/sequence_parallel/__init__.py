@@ -5,6 +5,7 @@ the whole rows; everything else (norms, MLPs, the chunked loss) runs on the rank
 apply.py      check_sequence_parallel / apply_sequence_parallel: the refusals, the group, the switch
 attention.py  the attention implementation ``hf_memstack_ulysses`` and its mask function
 exchange.py   the all-to-all and the position ids' all-gather as custom ops (fake shapes, backward)
+guard.py      the check at the top of each forward: the group's ranks got one shape, no router loss
 group.py      the process group: N contiguous ranks, with the default group's timeout
 reduce.py     backward_loss / average_gradients / reported_loss: the loss and gradients summed over the group
 shard.py      shard_batch / SequenceShardCollator: one full batch -> this rank's slice and loss inputs

@@ -16,6 +16,7 @@ from ...policy import SequenceParallelConfig
 from .attention import ULYSSES_ATTENTION, kv_replication, register_ulysses_attention, set_active_group
 from .exchange import register_group
 from .group import check_process_group, sequence_parallel_group
+from .guard import install_forward_guard
 
 __all__ = ["SequenceParallelPlan", "SequenceParallelResult", "apply_sequence_parallel", "check_sequence_parallel"]
 
@@ -83,6 +84,7 @@ def check_sequence_parallel(model: nn.Module, cfg: SequenceParallelConfig) -> Se
             f"{type(inner).__name__} has no Transformers config: drop sp:{n}"
         )
     _refuse_architecture(config, n)
+    _refuse_inexact(inner, config, n)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         raise ValueError(f"sp:{n}: {type(config).__name__} names no num_attention_heads to shard; drop sp:{n}")
@@ -121,6 +123,56 @@ def _refuse_architecture(config: Any, n: int) -> None:
         )
 
 
+# RoPE types whose scaling is picked from the longest position the forward sees (Transformers'
+# ``dynamic_rope_update``): each rank sees its own slice's, so the ranks would rotate by other angles.
+_SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _refuse_inexact(model: nn.Module, config: Any, n: int) -> None:
+    """Models that run under the head exchange but would train on another loss than their own:
+    bidirectional attention (made causal), a router loss over each slice, RoPE scaled by each slice."""
+    flags = [
+        (type(m).__name__, m.is_causal) for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    bidirectional = sorted({name for name, causal in flags if not causal})
+    if bidirectional or not flags:
+        found = f"{', '.join(bidirectional)} has is_causal=False" if bidirectional else "no module has is_causal=True"
+        raise ValueError(
+            f"sp:{n}: {type(model).__name__}'s attention is not causal ({found}); Ulysses attends causally, so "
+            f"a bidirectional model (an encoder, a masked LM) would train on another loss: sp:{n} shards causal "
+            f"LMs only; drop sp:{n}"
+        )
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"sp:{n}: {type(config).__name__}.output_router_logits is True: the router's load-balancing loss is a "
+            f"product of means over the whole rows' tokens, and each rank would compute it over its own slice; set "
+            f"config.output_router_logits=False (no auxiliary loss) to train with sp:{n}, or drop sp:{n}"
+        )
+    for where, rope in _rope_types(config):
+        if rope in _SEQUENCE_DEPENDENT_ROPE:
+            raise ValueError(
+                f"sp:{n}: {where} has rope_type {rope!r}, which scales the rotary angles by the longest position a "
+                "forward sees - each rank would pick it from its own slice; use a static rope type ('linear', "
+                f"'yarn', 'llama3' or the default), or drop sp:{n}"
+            )
+
+
+def _rope_types(config: Any) -> list[tuple[str, str]]:
+    """Every ``rope_type`` in ``rope_parameters`` (Transformers 5; one dict, or one per layer kind) and
+    ``rope_scaling`` (the older name), as (where, type)."""
+    found = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        value = getattr(config, attr, None)
+        if not isinstance(value, dict):
+            continue
+        nested = [(f"{attr}[{k!r}]", v) for k, v in value.items() if isinstance(v, dict)]
+        for where, params in [(attr, value), *nested]:
+            rope = params.get("rope_type", params.get("type"))
+            if isinstance(rope, str):
+                found.append((f"{type(config).__name__}.{where}", rope))
+    return found
+
+
 def _refuse_unswitchable(model: nn.Module, config: Any, n: int) -> None:
     compatible = getattr(model, "is_backend_compatible", None)
     can_set = getattr(model, "_can_set_attn_implementation", None)
@@ -152,6 +204,7 @@ def apply_sequence_parallel(
     set_active_group(sp)
     inner = unwrap_model(model)
     inner.set_attn_implementation(ULYSSES_ATTENTION)  # type: ignore[operator]
+    install_forward_guard(inner)  # once per forward: the group's ranks got the same shape, no router loss
     return SequenceParallelResult(
         size=sp.size,
         rank=sp.rank,

@@ -17,7 +17,8 @@ MLPs and the loss never see another rank's tokens.
   ``N / gcd(KV, N)`` times before the exchange; N dividing the query heads is then enough.
 * **Refused at run time**, naming the fix: a padding mask (Transformers hands the mask function
   registered here the local 2-D mask), a 4-D mask of the caller's own, a KV cache (keys longer
-  than the queries), a position bias, missing position ids.
+  than the queries), a position bias, missing position ids, an attention module with
+  ``is_causal=False``.
 """
 
 from __future__ import annotations
@@ -102,6 +103,11 @@ def ulysses_attention_forward(
     """Transformers' attention signature: ``query`` ``[b, H, s, d]``, ``key``/``value`` ``[b, KV, s, d]``
     (this rank's tokens); returns ``[b, s, H, d]`` (see the module docstring)."""
     sp = active_group()
+    if getattr(module, "is_causal", True) is False:  # switched to bidirectional after prepare_model
+        raise ValueError(
+            f"sequence parallelism: {type(module).__name__}.is_causal is False (bidirectional attention); "
+            f"{ULYSSES_ATTENTION!r} attends causally and sp:N shards causal LMs only: drop sp:N for this model"
+        )
     _refuse(query, key, attention_mask, kwargs)
     positions = kwargs.pop("position_ids")
     window = kwargs.pop("sliding_window", None)

@@ -70,8 +70,10 @@ def verify_sequence_parallel(
     if not (loss_ok and grads_ok):
         detail += (
             ". The sharded step computes another loss than the model: check that every rank of a sequence group "
-            "got the same rows, that the loop shards them with shard_batch and backpropagates backward_loss(loss, "
-            "model), and that nothing replaced the attention implementation after prepare_model"
+            "got the same rows (rows of the same shape are not caught before this line), that the loop shards them "
+            "with shard_batch and backpropagates backward_loss(loss, model), and that nothing changed the model "
+            "after prepare_model (its attention implementation; a config made bidirectional, given a router loss or "
+            "a sequence-dependent RoPE, which prepare_model refuses under sp:N)"
         )
     return loss_ok and grads_ok, detail
 

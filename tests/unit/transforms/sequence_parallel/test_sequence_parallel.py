@@ -109,6 +109,41 @@ def _eager_only() -> torch.nn.Module:
     return EagerOnlyLlama(config)
 
 
+def _bert_mlm() -> torch.nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128))
+
+
+def _gemma3_bidirectional() -> torch.nn.Module:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(**_SMALL, head_dim=16, use_bidirectional_attention=True))
+
+
+def _mixtral_router_loss() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**_SMALL, num_local_experts=4, output_router_logits=True))
+
+
+def _llama_dynamic_rope() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    return LlamaForCausalLM(LlamaConfig(**_SMALL, max_position_embeddings=16, rope_parameters=rope))
+
+
+def _phi3_longrope() -> torch.nn.Module:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    config = Phi3Config(
+        **_SMALL, pad_token_id=0, max_position_embeddings=64, original_max_position_embeddings=16, rope_parameters=rope
+    )
+    return Phi3ForCausalLM(config)
+
+
 _SMALL = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -128,8 +163,25 @@ _SMALL = {
         (_qwen3_next, r"layers of kind linear_attention \(layer_types\)"),
         (_eager_only, r"cannot be switched to 'hf_memstack_ulysses'.*attn_implementation='sdpa'"),
         (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), r"has no Transformers config: drop sp:2"),
+        (_bert_mlm, r"BertForMaskedLM's attention is not causal \(BertSelfAttention has is_causal=False\).*causal LMs"),
+        (_gemma3_bidirectional, r"not causal \(Gemma3Attention has is_causal=False\).*drop sp:2"),
+        (_mixtral_router_loss, r"MixtralConfig.output_router_logits is True.*output_router_logits=False"),
+        (_llama_dynamic_rope, r"LlamaConfig.rope_parameters has rope_type 'dynamic'.*static rope type"),
+        (_phi3_longrope, r"Phi3Config.rope_parameters has rope_type 'longrope'.*'linear', 'yarn', 'llama3'"),
     ],
-    ids=["t5", "bloom", "gemma2", "qwen3_next", "eager_only", "plain_module"],
+    ids=[
+        "t5",
+        "bloom",
+        "gemma2",
+        "qwen3_next",
+        "eager_only",
+        "plain_module",
+        "bert_mlm",
+        "gemma3_bidirectional",
+        "mixtral_router_loss",
+        "llama_dynamic_rope",
+        "phi3_longrope",
+    ],  # fmt: skip
 )
 def test_models_ulysses_cannot_shard_are_refused_untouched(fake_world, build, match):
     _refused(build(), "fp32+sp:2", ValueError, match)
@@ -160,6 +212,37 @@ def test_a_padded_batch_and_a_kv_cache_are_refused_at_run_time(fake_world):
     cache = model(input_ids=ids, position_ids=torch.arange(8)[None], use_cache=True).past_key_values
     with pytest.raises(ValueError, match=r"1 queries and 9 keys.*use_cache=False"):
         model(input_ids=ids[:, :1], position_ids=torch.tensor([[8]]), past_key_values=cache, use_cache=True)
+
+
+def test_bidirectional_attention_and_a_router_loss_are_refused_at_run_time(fake_world):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    model = prepare_model(MixtralForCausalLM(MixtralConfig(**_SMALL, num_local_experts=4)), "fp32+sp:2")
+    ids = torch.randint(3, 100, (2, 8))
+    batch = {"input_ids": ids, "position_ids": torch.arange(8)[None], "labels": ids, "use_cache": False}
+    with pytest.raises(ValueError, match=r"called with output_router_logits=True.*output_router_logits=False"):
+        model(**batch, output_router_logits=True)
+    model.model.layers[1].self_attn.is_causal = False  # made bidirectional after prepare_model
+    with pytest.raises(ValueError, match=r"MixtralAttention.is_causal is False.*causal LMs only"):
+        model(**batch)
+
+
+def test_the_group_batch_message_names_each_ranks_shape_and_the_fix():
+    from hf_memstack.transforms.sequence_parallel.guard import group_batch_message
+
+    message = group_batch_message([(2, 16), (3, 16)], 2)
+    assert "rank 0 2 rows x 16 tokens, rank 1 3 rows x 16 tokens" in message
+    assert "shard_batch(batch, sp_rank=rank % 2, sp_size=2)" in message and "rank // 2" in message
+
+
+def test_the_trainer_refusal_names_every_function_an_own_loop_needs(fake_world):
+    from hf_memstack.integrations.trainer_checks import refuse_sequence_parallel
+    from hf_memstack.record import record_of
+
+    record = record_of(prepare_model(tiny_llama(), "fp32+sp:2"))
+    assert record is not None
+    with pytest.raises(ValueError, match=r"shard_batch, backward_loss, reported_loss and .*average_gradients"):
+        refuse_sequence_parallel(record, "Trainer")
 
 
 def test_the_mask_function_passes_no_mask_and_an_all_ones_one():
