@@ -72,6 +72,7 @@ def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """While inside, ``net`` computes as an FSDP rank under ``param_dtype=dtype`` does (see above)."""
     blocks = blocks_or_empty(net)
     inside = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
+    skip = _reparametrized(net)
     copies = Copies()
     _COPIES[net] = copies
     kept: dict[int, int] = {}  # block -> bytes of its copies its backward keeps
@@ -79,13 +80,13 @@ def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     swaps: list[_Swap] = []
     handles = [u.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True) for u in (*blocks, net)]
     for i, block in enumerate(blocks):
-        mine = [m for m in block.modules() if _owned(m, dtype)]
+        mine = [m for m in block.modules() if id(m) not in skip and _owned(m, dtype)]
         unit = [_Swap(block, mine, dtype, functools.partial(_note, kept, made, i))]
         # A recompute that bypasses the block's hooks (a checkpoint inside its forward) swaps module by module.
         unit += [_Swap(m, [m], dtype, _unmeasured) for m in mine]
         handles.append(block.register_forward_pre_hook(functools.partial(_restore_after_backward, unit)))
         swaps += unit
-    root = [m for m in net.modules() if id(m) not in inside and _owned(m, dtype)]
+    root = [m for m in net.modules() if id(m) not in inside and id(m) not in skip and _owned(m, dtype)]
     swaps.append(_Swap(net, root, dtype, functools.partial(_note_root, copies)))
     handles += [h for s in swaps for h in s.handles]
     try:
@@ -125,6 +126,15 @@ def _restore_after_backward(unit: list[_Swap], module: nn.Module, args: tuple[ob
             swap.restore()
 
     first.register_hook(done)
+
+
+def _reparametrized(net: nn.Module) -> set[int]:
+    """The modules whose parameters PEFT's ``ParamWrapper`` (LoRA on a parameter: MoE experts and routers)
+    reparametrizes in its forward with torch's ``parametrize``, which refuses a parameter swapped for a
+    tensor (seen under checkpointing's recompute on Mixtral). They keep their own dtype in the trace: it
+    reads their compute-dtype copy as the autocast trace did, a little over a rank."""
+    bases = [getattr(m, "base_layer", None) for m in net.modules() if type(m).__name__ == "ParamWrapper"]
+    return {id(sub) for base in bases if isinstance(base, nn.Module) for sub in base.modules()}
 
 
 def _owned(module: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Parameter]]:
