@@ -10,7 +10,8 @@ on fake tensors) and the peak measured on a real step, and the error. The same s
 
 ``--fsdp``: the FSDP section - the estimate against the meter on 2 gloo ranks (a tiny Llama: 4 blocks,
 vocabulary 4,000; fp32 and bf16, full fine-tune and LoRA, checkpointing, the chunked loss, batch 1-2 x
-128-512 tokens), and the plan of a Llama-3-70B config (from config.json alone) at 8 x 80 GiB and 4,096,
+128-512 tokens; under bf16 also a tiny Mixtral and Qwen3-MoE, 4 experts, 2 per token, full and LoRA
+on the experts and routers, with and without checkpointing; each rank's row), and the plan of a Llama-3-70B config (from config.json alone) at 8 x 80 GiB and 4,096,
 8,192 and 32,768 tokens with the per-block arithmetic beside it. Written to bench/results/estimate_accuracy_fsdp.json.
 
 ``--checkpoints``: the rows users ask about - a Llama-style model of 125M parameters (hidden 768,
@@ -571,18 +572,31 @@ FSDP_SHAPE = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-FSDP_CELLS = [  # policy, what trains, sequence length, batch size
-    ("fp32+fsdp", "all", 320, 2),
-    ("fp32+ckpt+fsdp", "all", 192, 2),
-    ("fp32+fsdp+loss:chunked", "lora", 128, 2),
-    ("fp32+ckpt+fsdp+loss:chunked", "lora", 512, 2),
-    ("bf16+fsdp", "all", 192, 2),
-    ("bf16+ckpt+fsdp", "all", 256, 2),
-    ("bf16+fsdp", "all", 128, 2),
-    ("bf16+ckpt+fsdp", "lora", 128, 2),
-    ("bf16+fsdp+loss:chunked", "lora", 128, 2),
-    ("bf16+ckpt+fsdp+loss:chunked", "all", 512, 1),
+FSDP_CELLS = [  # model, policy, what trains, sequence length, batch size
+    ("llama", "fp32+fsdp", "all", 320, 2),
+    ("llama", "fp32+ckpt+fsdp", "all", 192, 2),
+    ("llama", "fp32+fsdp+loss:chunked", "lora", 128, 2),
+    ("llama", "fp32+ckpt+fsdp+loss:chunked", "lora", 512, 2),
+    ("llama", "bf16+fsdp", "all", 192, 2),
+    ("llama", "bf16+ckpt+fsdp", "all", 256, 2),
+    ("llama", "bf16+fsdp", "all", 128, 2),
+    ("llama", "bf16+ckpt+fsdp", "lora", 128, 2),
+    ("llama", "bf16+fsdp+loss:chunked", "lora", 128, 2),
+    ("llama", "bf16+ckpt+fsdp+loss:chunked", "all", 512, 1),
+    # LoRA (all-linear) on these puts PEFT's ParamWrapper on the experts' grouped weights and the router.
+    *(
+        (arch, policy, trainable, seq, 2)
+        for arch in ("mixtral", "qwen3_moe")
+        for policy, trainable, seq in (
+            ("bf16+fsdp", "all", 128),
+            ("bf16+ckpt+fsdp", "all", 256),
+            ("bf16+fsdp", "lora", 128),
+            ("bf16+ckpt+fsdp", "lora", 256),
+        )
+    ),
 ]
+# The mixtures of experts: the Llama's depth, heads and vocabulary, 128 wide, 4 experts of 256, 2 per token.
+FSDP_MOE = {"hidden_size": 128, "intermediate_size": 256, "num_experts_per_tok": 2}
 FSDP_FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak_bytes")
 LLAMA_3_70B = {
     "model_type": "llama",
@@ -598,15 +612,26 @@ LLAMA_3_70B = {
 }
 
 
-def _fsdp_cells(rank: int, world: int) -> list:
+def _fsdp_config(arch: str):
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+
+    moe = {**FSDP_SHAPE, **FSDP_MOE}
+    if arch == "mixtral":
+        return MixtralConfig(**moe, num_local_experts=4)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, num_experts=4, moe_intermediate_size=256, head_dim=32)
+    return LlamaConfig(**FSDP_SHAPE)
+
+
+def _fsdp_cells(rank: int, world: int, cells: list) -> list:
     """Each cell measured on this rank (MemTracker through measure_step) and, on rank 0, estimated."""
     from peft import get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     out = []
-    for policy, trainable, seq, batch in FSDP_CELLS:
+    for arch, policy, trainable, seq, batch in cells:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**FSDP_SHAPE)).train()
+        model = AutoModelForCausalLM.from_config(_fsdp_config(arch)).train()
         if trainable == "lora":
             model = get_peft_model(model, peft_config_from("lora"))
         model = prepare_model(model, policy)
@@ -617,7 +642,7 @@ def _fsdp_cells(rank: int, world: int) -> list:
         est = None
         if rank == 0:
             e = estimate_memory(
-                LlamaConfig(**FSDP_SHAPE), policy, batch_size=batch, seq_len=seq, world_size=world, trainable=trainable
+                _fsdp_config(arch), policy, batch_size=batch, seq_len=seq, world_size=world, trainable=trainable
             )
             est = {k: getattr(e, k) for k in FSDP_FIELDS}
         out.append({"real": {k: getattr(real, k) for k in FSDP_FIELDS}, "est": est})
@@ -651,31 +676,37 @@ def _plan_70b(seq: int, tmp: Path) -> dict:
     }
 
 
-def fsdp_section(out: Path) -> None:
+def fsdp_section(out: Path, cells: list | None = None) -> None:
+    """The FSDP rows (``cells``: those of FSDP_CELLS, all by default), each rank's against the estimate."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from dist_utils import run_ranks
 
+    cells = FSDP_CELLS if cells is None else cells
+    ranks = run_ranks(_fsdp_cells, cells, timeout=1800)
     rows = []
-    for (policy, trainable, seq, batch), cell in zip(FSDP_CELLS, run_ranks(_fsdp_cells, timeout=1800)[0], strict=True):
-        real, est = cell["real"], cell["est"]
-        err = {k: (est[k] / real[k] - 1 if real[k] else None) for k in FSDP_FIELDS}
-        rows.append(
-            {
-                "policy": policy,
-                "trainable": trainable,
-                "seq": seq,
-                "batch": batch,
-                "real": real,
-                "est": est,
-                "error": err,
-            }
-        )
-        print(
-            f"{policy:30s} {trainable:4s} {batch} x {seq:3d}: peak {est['peak_bytes'] / 2**20:7.2f} MiB vs "
-            f"{real['peak_bytes'] / 2**20:7.2f} ({err['peak_bytes'] * 100:+.1f}%)"
-        )
+    for rank, measured in enumerate(ranks):
+        for (arch, policy, trainable, seq, batch), cell, first in zip(cells, measured, ranks[0], strict=True):
+            real, est = cell["real"], first["est"]  # estimated on rank 0: every rank's step is alike
+            err = {k: (est[k] / real[k] - 1 if real[k] else None) for k in FSDP_FIELDS}
+            rows.append(
+                {
+                    "model": arch,
+                    "policy": policy,
+                    "trainable": trainable,
+                    "seq": seq,
+                    "batch": batch,
+                    "rank": rank,
+                    "real": real,
+                    "est": est,
+                    "error": err,
+                }
+            )
+            print(
+                f"{arch:9s} {policy:30s} {trainable:4s} {batch} x {seq:3d} rank {rank}: peak "
+                f"{est['peak_bytes'] / 2**20:7.2f} MiB vs {real['peak_bytes'] / 2**20:7.2f} ({err['peak_bytes'] * 100:+.2f}%)"
+            )
     plans = []
     for seq in (4096, 8192, 32768):
         with tempfile.TemporaryDirectory() as tmp:

@@ -15,8 +15,11 @@ root's parameters (embeddings, final norm, head) are swapped in for the whole fo
 the block's, as FSDP gathers them (the chunked loss reads the head's weight without calling its module;
 PEFT reads its adapters' dtype outside theirs); a checkpointed block's recompute gets them from the
 block's hooks, or module by module where the checkpoint runs inside its forward, and they are let go
-when its backward ends. A rank holds no such copy (its gathered parameters are accounted for apart, in
-:mod:`.fsdp_shards`), so the bytes of the copies are measured (:func:`copies_of`) and taken off there."""
+when its backward ends. PEFT's ``ParamWrapper`` (LoRA on a mixture of experts' grouped weights and
+routers) reparametrizes the copy in its forward as it does the gathered parameter on a rank: the
+experts' weights with their adapters folded in are bf16 there too. A rank holds no such copy (its
+gathered parameters are accounted for apart, in :mod:`.fsdp_shards`), so the bytes of the copies are
+measured (:func:`copies_of`) and taken off there."""
 
 from __future__ import annotations
 
@@ -72,21 +75,21 @@ def compute_dtypes(net: nn.Module, dtype: torch.dtype) -> Iterator[None]:
     """While inside, ``net`` computes as an FSDP rank under ``param_dtype=dtype`` does (see above)."""
     blocks = blocks_or_empty(net)
     inside = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
-    skip = _reparametrized(net)
     copies = Copies()
     _COPIES[net] = copies
     kept: dict[int, int] = {}  # block -> bytes of its copies its backward keeps
     made: dict[int, int] = {}  # block -> bytes of all its copies
     swaps: list[_Swap] = []
     handles = [u.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True) for u in (*blocks, net)]
+    wrapped = _wrapped(net)
     for i, block in enumerate(blocks):
-        mine = [m for m in block.modules() if id(m) not in skip and _owned(m, dtype)]
+        mine = [m for m in block.modules() if _owned(m, dtype)]
         unit = [_Swap(block, mine, dtype, functools.partial(_note, kept, made, i))]
         # A recompute that bypasses the block's hooks (a checkpoint inside its forward) swaps module by module.
-        unit += [_Swap(m, [m], dtype, _unmeasured) for m in mine]
+        unit += [_Swap(wrapped.get(id(m), m), [m], dtype, _unmeasured) for m in mine]
         handles.append(block.register_forward_pre_hook(functools.partial(_restore_after_backward, unit)))
         swaps += unit
-    root = [m for m in net.modules() if id(m) not in inside and id(m) not in skip and _owned(m, dtype)]
+    root = [m for m in net.modules() if id(m) not in inside and _owned(m, dtype)]
     swaps.append(_Swap(net, root, dtype, functools.partial(_note_root, copies)))
     handles += [h for s in swaps for h in s.handles]
     try:
@@ -128,13 +131,23 @@ def _restore_after_backward(unit: list[_Swap], module: nn.Module, args: tuple[ob
     first.register_hook(done)
 
 
-def _reparametrized(net: nn.Module) -> set[int]:
-    """The modules whose parameters PEFT's ``ParamWrapper`` (LoRA on a parameter: MoE experts and routers)
-    reparametrizes in its forward with torch's ``parametrize``, which refuses a parameter swapped for a
-    tensor (seen under checkpointing's recompute on Mixtral). They keep their own dtype in the trace: it
-    reads their compute-dtype copy as the autocast trace did, a little over a rank."""
-    bases = [getattr(m, "base_layer", None) for m in net.modules() if type(m).__name__ == "ParamWrapper"]
-    return {id(sub) for base in bases if isinstance(base, nn.Module) for sub in base.modules()}
+def _wrapped(net: nn.Module) -> dict[int, nn.Module]:
+    """The modules whose parameters PEFT's ``ParamWrapper`` (LoRA on a parameter: MoE experts' grouped
+    weights, routers) reparametrizes with torch's ``parametrize`` in its forward, each to the outermost
+    wrapper around it (they nest, one a parameter). A module's own swap must come before that wrapper
+    takes its parameter (as FSDP2's gathered one is in place before it): at the wrapper, not at the module."""
+    out: dict[int, nn.Module] = {}
+    for module in net.modules():  # outer wrappers before the ones they wrap
+        if type(module).__name__ != "ParamWrapper" or id(module) in out:
+            continue
+        inner = module
+        while type(inner).__name__ == "ParamWrapper" and isinstance(
+            base := getattr(inner, "base_layer", None), nn.Module
+        ):
+            out[id(inner)] = module
+            inner = base
+        out.update((id(sub), module) for sub in inner.modules())
+    return out
 
 
 def _owned(module: nn.Module, dtype: torch.dtype) -> list[tuple[str, nn.Parameter]]:
@@ -193,4 +206,7 @@ class _Swap:
     @staticmethod
     def _put_back(originals: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
         for m, name, p in reversed(originals):
+            # torch's parametrize (PEFT's ParamWrapper: LoRA on MoE experts' and routers' weights) lets go of
+            # what it was given by registering it back, a plain tensor as a buffer: the copy, not to be kept.
+            m._buffers.pop(name, None)
             m._parameters[name] = p
