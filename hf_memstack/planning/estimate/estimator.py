@@ -112,6 +112,8 @@ def estimate_memory(
         packed: each row of ``seq_len`` tokens holds several samples (``position_ids`` restarting, as
             :class:`hf_memstack.data.PackedCollator` makes them). SDPA and eager attention then build a
             dense ``[batch, 1, seq_len, seq_len]`` mask, which is counted; unpacked batches build none.
+            Under ``sp:N`` each sample of the whole rows runs alone after the all-to-all, one across the
+            shard boundary included (:mod:`hf_memstack.planning.estimate.sequence_shards`).
         extrapolate: trace a few of the model's blocks and extrapolate the identical rest (seconds at
             any depth, equal to the full trace: see :mod:`hf_memstack.planning.estimate.depth`); a stack whose blocks
             differ is traced in full, as is every one with ``extrapolate=False``.
@@ -192,7 +194,7 @@ def estimate_memory(
         keep_outputs=keep_outputs,
         images=images,
         sharded=policy.fsdp.mode != "none" and world_size > 1,
-        sp_size=sp.size if sp is not None else 1,
+        sp=sp,
     )
     layers, chunked = num_layers(config), policy.loss.mode == "chunked"
     shards = functools.partial(fsdp_shards, policy=policy, world=world_size, layers=layers, chunked_loss=chunked)

@@ -22,6 +22,17 @@ What that holds, by part (the arithmetic the fields report):
   peak when the peak falls in attention.
 - Weights, gradients and optimizer state do not depend on the sequence: unchanged, or sharded over
   every rank under FSDP (which shards over the data x sequence ranks together).
+- Packed rows (``packed=True``) and rows N does not divide (a padded tail, a pseudo-sample of its own):
+  after the all-to-all each sample of the whole rows is its own SDPA call (``sum(L_i^2)``), from the
+  gathered positions. The fake rows are traced as such (:meth:`SequenceShards.traced_rows`), so the
+  trace holds what a rank's per-sample run holds beyond an unpacked row's: the samples' outputs and
+  their concatenation (``b·(H/N)·S·d``, the bytes of ``b·H·s·d``, transient) and, in the backward,
+  the full-size gradient each sample's slice of q, k and v gives back, gathered beside the next
+  sample's own; no ``[S, S]`` mask (the positions-derived tensors are ``[b, S]`` integers). Outside
+  attention a packed row holds what an unpacked one does. That backward depends on the samples'
+  lengths (traced with the real layout, the trace equals the meter to the byte; a long sample after
+  short ones holds the most), so the rows are traced at a layout near the worst measured. Under
+  ``compile`` the rows run whole with one ``[b, 1, S, S]`` boolean mask, traced so.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from ...transforms.sequence_parallel.attention import (
     ULYSSES_ATTENTION,
     active_group,
     register_ulysses_attention,
+    rows_as_traced,
     set_active_group,
 )
 from ...transforms.sequence_parallel.exchange import register_group
@@ -80,6 +92,32 @@ class SequenceShards:
     layers: int
     itemsize: int
     """Bytes per value of the attention's inputs (the compute dtype)."""
+    packed: bool = False
+    """Rows of several samples (``position_ids`` restarting)."""
+    per_sample: bool = True
+    """The attention runs each sample alone (eager); False under compile, whose graphs mask rows whole."""
+
+    def traced_rows(self) -> tuple[tuple[int, ...], ...]:
+        """The whole rows' samples as the trace runs them (:func:`rows_as_traced`), tail included: an
+        unpacked row one sample (and its padded tail's); a packed row a long sample across every shard
+        boundary, then two one-token samples, alike in every row - the layout that held the most of
+        those measured (a long sample's gradients arrive beside the full-size ones its row's short
+        samples have already given back), as a rank's peak over a run is its worst batch's; ``()``
+        (masked whole) where a compiled run reads no samples."""
+        total, pad = self.seq_len, self.size * self.tokens - self.seq_len
+        tail = (pad,) if pad else ()
+        if not self.per_sample and (pad or (self.packed and total > 1)):
+            return ()
+        if not self.packed or total < 3:
+            return ((total, *tail),)
+        return ((total - 2, 1, 1, *tail),)
+
+    def per_sample_bytes(self) -> int:
+        """The samples' outputs concatenated after their SDPA calls: one more copy of the attention's
+        output (``b·(H/N)·S·d``), transient (0 where the rows run whole)."""
+        rows = self.traced_rows()
+        several = any(len(row) > 1 for row in rows)
+        return self.batch * self.tokens * self.heads * self.head_dim * self.itemsize if several else 0
 
     @property
     def kv_repeat(self) -> int:
@@ -144,7 +182,7 @@ def sequence_shards(
     if n == 1:
         return None
     where = f"policy {policy.to_string()!r}"
-    _check_job(where, n, mode, packed)
+    _check_job(where, n, mode)
     if task != "causal-lm":
         raise ValueError(
             f"{where} with task={task!r}: sequence parallelism shards a causal LM's rows (each rank's "
@@ -165,6 +203,9 @@ def sequence_shards(
         )
     layers = getattr(text_config(config), "num_hidden_layers", 0) or 0
     return SequenceShards(
+        packed=packed,
+        # A compiled run's attention reads no samples: its rows run whole, masked.
+        per_sample=policy.compile.mode == "none",
         size=n,
         seq_len=seq_len,
         tokens=-(-seq_len // n),
@@ -178,17 +219,11 @@ def sequence_shards(
     )
 
 
-def _check_job(where: str, n: int, mode: str, packed: bool) -> None:
+def _check_job(where: str, n: int, mode: str) -> None:
     if mode != "train":
         raise ValueError(
             f"{where} with mode={mode!r}: evaluation runs unsharded (each rank its own whole rows); "
             f"estimate it without sp:{n}"
-        )
-    if packed:
-        raise ValueError(
-            f"{where} with packed=True: packed rows under sp:{n} are not estimated yet (per-sample attention "
-            "after the all-to-all spans shard boundaries); estimate unpacked rows of the same length (packed=False), "
-            "which hold the same bytes per token outside attention"
         )
 
 
@@ -215,8 +250,8 @@ def with_sequence_shards(est: MemoryEstimate, shards: SequenceShards | None, pol
         f"sp:{shards.size}: one rank of {shards.size}, traced at its {shards.tokens} of the {shards.seq_len} tokens of "
         f"every row through Ulysses attention on fake exchanges: whole rows for {shards.heads // shards.size} of "
         f"{shards.heads} heads (the same bytes{repeat}); one block's all-to-all buffers, about "
-        f"{format_bytes(a2a)}, in the peak where it falls in attention{kept}; weights, gradients and optimizer "
-        "state do not depend on the sequence (FSDP shards them over every rank)"
+        f"{format_bytes(a2a)}, in the peak where it falls in attention{kept}{_packed_note(shards)}; weights, "
+        "gradients and optimizer state do not depend on the sequence (FSDP shards them over every rank)"
     )
     return dataclasses.replace(
         est,
@@ -229,12 +264,32 @@ def with_sequence_shards(est: MemoryEstimate, shards: SequenceShards | None, pol
     )
 
 
+def _packed_note(shards: SequenceShards) -> str:
+    """What the note says of packed rows (and of a padded tail): how their samples were traced."""
+    rows = shards.traced_rows()
+    if not rows:
+        which = "packed rows" if shards.packed else "rows with a padded tail"
+        return f"; {which} run whole under compile, with one [b, 1, S, S] boolean mask (traced so)"
+    if not any(len(row) > 1 for row in rows):
+        return ""
+    layout = "+".join(map(str, rows[0]))
+    if not shards.packed:
+        return f"; the padded tail a sample of its own ({layout} tokens), each its own SDPA call after the all-to-all"
+    return (
+        f"; packed rows traced as {layout} token samples (a long one across the shard boundaries, then short ones: "
+        "near the most their per-sample attention's backward held of the layouts measured), each its own SDPA call "
+        f"after the all-to-all: their outputs concatenated, about {format_bytes(shards.per_sample_bytes())} more "
+        "while one block's attention runs"
+    )
+
+
 @contextlib.contextmanager
-def ulysses_on_fake_tensors(net: nn.Module, size: int) -> Iterator[None]:
+def ulysses_on_fake_tensors(net: nn.Module, shards: SequenceShards | None) -> Iterator[None]:
     """The traced model's attention switched to the real Ulysses function (``hf_memstack_ulysses``) over a
-    shapes-only group of ``size`` ranks, whose exchanges' fake implementations give the shapes one rank
-    holds; the process's own group (a real run's) set back after. Nothing for size 1."""
-    if size == 1:
+    shapes-only group of ``shards.size`` ranks, whose exchanges' fake implementations give the shapes one
+    rank holds, its rows' samples as :meth:`SequenceShards.traced_rows` lays them out; the process's own
+    group (a real run's) set back after. Nothing without sp:N (None)."""
+    if shards is None:
         yield
         return
     try:
@@ -242,20 +297,23 @@ def ulysses_on_fake_tensors(net: nn.Module, size: int) -> Iterator[None]:
     except RuntimeError:  # none set in this process
         previous = None
     register_ulysses_attention()
-    set_active_group(register_group(None, size=size))
+    set_active_group(register_group(None, size=shards.size))
     unwrap_model(net).set_attn_implementation(ULYSSES_ATTENTION)  # type: ignore[operator]
     try:
-        yield
+        with rows_as_traced(shards.traced_rows()):
+            yield
     finally:
         if previous is not None:
             set_active_group(previous)
 
 
-def sharded_batch(batch: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
-    """A rank's batch as ``shard_batch`` makes it: the rows' global positions, the shifted targets, the count."""
-    if size == 1:
+def sharded_batch(batch: dict[str, torch.Tensor], shards: SequenceShards | None) -> dict[str, torch.Tensor]:
+    """A rank's batch as ``shard_batch`` makes it: the rows' global positions (a packed batch's own, which
+    on fake tensors are shapes only: the attention reads :meth:`SequenceShards.traced_rows`), the shifted
+    targets, the count."""
+    if shards is None:
         return batch
     ids = batch["input_ids"]
-    positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+    positions = batch.get("position_ids", torch.arange(ids.shape[1]).expand_as(ids)).contiguous()
     count = torch.tensor(ids.numel())
     return {**batch, "position_ids": positions, "shift_labels": batch["labels"], "num_items_in_batch": count}

@@ -36,7 +36,7 @@ from . import build_cache
 from .depth import DepthPlan, FullTrace, _peft_picks_blocks, plan_depths
 from .eval_logits import kept_outputs
 from .fsdp_dtypes import compute_dtypes, forget_copies
-from .sequence_shards import sharded_batch, ulysses_on_fake_tensors
+from .sequence_shards import SequenceShards, sharded_batch, ulysses_on_fake_tensors
 from .weights_dtype import WeightsDtype, set_dtypes
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Job:
     """A vision-language model's images per sample (None: a text model's batch)."""
     sharded: bool = False
     """The policy shards with FSDP over several ranks: traced in the dtypes a rank computes in (:mod:`.fsdp_dtypes`)."""
-    sp_size: int = 1
+    sp: SequenceShards | None = None
     """sp:N: one rank of N traced (``seq_len`` its tokens), its attention the real Ulysses over a shapes-only group."""
 
 
@@ -110,13 +110,13 @@ def trace(config: PretrainedConfig, job: Job) -> Traced:
         batch = fake_batch(
             config, job.task, job.batch_size, job.seq_len, packed=job.packed, images=job.images, mode=mode
         )
-        batch = sharded_batch(batch, job.sp_size)
+        batch = sharded_batch(batch, job.sp)
         with (
             packing_as_traced(job.packed),
             per_sample_as_traced(job.packed_per_sample),
             labelled_as_traced(job.label_fraction),
             _as_a_rank_computes(net, job.sharded),
-            ulysses_on_fake_tensors(net, job.sp_size),
+            ulysses_on_fake_tensors(net, job.sp),
         ):
             phases = traced_step(net, batch, opt, config, job.task, keep_outputs=job.keep_outputs)
     counts = {

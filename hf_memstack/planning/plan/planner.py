@@ -126,9 +126,7 @@ def plan_policy(
         images=images.note() if images is not None else "",
     )
     context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
-    context = sp_context(
-        context, config, est, task=task, packed=packed, world_size=world_size, batch_size=batch_size, usable=usable
-    )
+    context = sp_context(context, config, est, task=task, world_size=world_size, batch_size=batch_size, usable=usable)
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
     if plan.fits:
         return plan

@@ -78,6 +78,11 @@ MEASURED_SPEED = {
 # mlp_tiled: one more MLP forward on top of full checkpointing (bench/tiled_mlp.py, docs/packing.md).
 # sp (sequence parallelism) is an assumption, per doubling of its degree: four all-to-alls a block
 # each way; it only orders the degrees (the smallest that fits first) against the rungs after them.
+# Measured on CPU (bench/results/sequence_parallel.json: 2 gloo ranks on 2 cores, a tiny Llama under
+# bf16+ckpt+loss:chunked, one global batch of 2 rows of 2,016 tokens): sp:2 at 0.94x sp:1's tokens/s
+# (median of 9 paired runs, 0.81-1.19). It stays assumed: there the exchange is gloo's through shared
+# memory beside slow CPU matmuls; on GPUs the all-to-all runs over NVLink (or the network, across
+# nodes) beside far faster kernels, so its share of the step is another number - to measure there.
 
 
 class Requirement(Enum):

@@ -2,7 +2,7 @@
 
 Sequence parallelism divides what scales with the sequence by N at the cost of four all-to-alls a
 block each way. The planner offers it only where the activation rungs of one device cannot: several
-ranks, a causal LM with unpacked rows (what the estimator models), and the heaviest activation rung
+ranks, a causal LM (packed rows or not: the estimator traces both), and the heaviest activation rung
 of one device (every block checkpointed, the tiled MLP, the chunked loss) over the budget even with
 the model states sharded over every rank - then no rung without it fits, and FSDP alone would not
 help. The degrees: every N >= 2 that divides the world size (groups of contiguous ranks) and the
@@ -38,14 +38,13 @@ def sp_context(
     est: Estimates,
     *,
     task: str,
-    packed: bool,
     world_size: int,
     batch_size: int | Literal["max"],
     usable: float,
 ) -> RungContext:
     """``context`` with sequence parallelism's fact and degrees stated where the job needs it (one
     estimate of the heaviest activation rung, which the walk reuses)."""
-    degrees = sp_degrees(config, world_size) if task == "causal-lm" and not packed else ()
+    degrees = sp_degrees(config, world_size) if task == "causal-lm" else ()
     heaviest = [r for r in rungs_for(context) if r.step in ("full", "tiled_mlp")]
     if not degrees or not heaviest:
         return context

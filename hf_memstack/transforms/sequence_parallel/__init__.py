@@ -26,8 +26,8 @@ outside it that imports from here or reads the policy field this folder implemen
 - ``recipes/finetune_support/sequence.py``: ``shard_batch`` on each batch, ``sequence_parallel`` groups
 - ``recipes/finetune_support/batching.py``: ``sequence_parallel_size`` (the data-parallel width)
 - ``hf_memstack/planning/estimate/sequence_shards.py``: ``ULYSSES_ATTENTION``, ``register_ulysses_attention``,
-  ``active_group``, ``set_active_group`` and ``register_group``: one rank traced through Ulysses on fake
-  exchanges (a shapes-only group); reads ``policy.sequence_parallel``
+  ``active_group``, ``set_active_group``, ``register_group`` and ``rows_as_traced``: one rank traced through
+  Ulysses on fake exchanges (a shapes-only group), its rows' samples laid out; reads ``policy.sequence_parallel``
 - ``hf_memstack/planning/plan/advice.py``: reads ``policy.sequence_parallel`` (more ranks for the sequence)
 - ``hf_memstack/planning/plan/rungs.py``: reads ``policy.sequence_parallel`` (the sharding's speed factor)
 - ``hf_memstack/planning/plan/walk.py``: reads ``p.sequence_parallel`` (a rung's own degree is not lent over)

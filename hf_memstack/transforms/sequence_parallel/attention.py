@@ -12,7 +12,8 @@ MLPs and the loss never see another rank's tokens.
   each sample attends to itself, causally, within the layer's ``sliding_window`` if it has one
   (``q - k < window``, Transformers' window). Run eagerly, each sample is its own SDPA call
   (``sum(L_i^2)``, as ``hf_memstack_sdpa``); under ``torch.compile`` a packed row or a window shorter
-  than the row runs with one ``[b, 1, S, S]`` boolean mask (one graph for every packing).
+  than the row runs with one ``[b, 1, S, S]`` boolean mask (one graph for every packing). On the
+  estimator's fake tensors (no positions to read) the rows are the samples :func:`rows_as_traced` gives.
 * **GQA/MQA**: when N does not divide the key/value heads, each is repeated
   ``N / gcd(KV, N)`` times before the exchange; N dividing the query heads is then enough.
 * **Refused at run time**, naming the fix: a padding mask (Transformers hands the mask function
@@ -23,7 +24,10 @@ MLPs and the loss never see another rank's tokens.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -37,6 +41,7 @@ __all__ = [
     "active_group",
     "kv_replication",
     "register_ulysses_attention",
+    "rows_as_traced",
     "set_active_group",
     "ulysses_attention_forward",
     "ulysses_mask",
@@ -163,10 +168,11 @@ def _inner(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     total = q.shape[2]
-    # Fake tensors (the estimator) have no positions to read: rows of one sample. A compiled graph
+    # Fake tensors (the estimator) have no positions to read: their rows as traced. A compiled graph
     # reads one bool (a graph per answer, not per packing) and masks densely.
-    samples = None if _is_fake(whole) or torch.compiler.is_compiling() else _samples(whole)
-    plain = all(len(row) == 1 for row in samples) if samples is not None else _is_fake(whole) or _plain(whole)
+    fake = _is_fake(whole)
+    samples = _traced_samples(whole) if fake else None if torch.compiler.is_compiling() else _samples(whole)
+    plain = all(len(row) == 1 for row in samples) if samples is not None else not fake and _plain(whole)
     if plain and (window is None or window >= total):
         return sdpa_attention_forward(shim, q, k, v, None, dropout, scaling, is_causal=True, **kwargs)[0]
     if samples is None:
@@ -189,6 +195,39 @@ def _inner(
             parts.append(out)  # [rows, length, H/N, d]
         outs.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+_TRACED_ROWS: contextvars.ContextVar[tuple[tuple[int, ...], ...] | None] = contextvars.ContextVar(
+    "hf_memstack_ulysses_traced_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def rows_as_traced(rows: tuple[tuple[int, ...], ...] | None) -> Iterator[None]:
+    """Within: on fake tensors (the estimator's, whose position ids have no values) row ``i`` of the
+    whole rows holds samples of the lengths ``rows[i % len(rows)]`` (each summing to the row's tokens,
+    the padded tail included) and runs as a real row of them does: per sample, or whole when it is
+    one sample. ``()``: rows of several samples that are not read (a compiled run's): masked densely.
+    ``None`` (and outside): every fake row one sample."""
+    token = _TRACED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _TRACED_ROWS.reset(token)
+
+
+def _traced_samples(whole: torch.Tensor) -> list[list[int]] | None:
+    """The fake rows' samples as :func:`rows_as_traced` says (None: masked densely)."""
+    rows, total = whole.shape
+    layout = _TRACED_ROWS.get()
+    if layout is None:
+        return [[total]] * rows
+    out = [list(layout[i % len(layout)]) for i in range(rows)] if layout else None
+    if out is not None and any(sum(row) != total for row in out):
+        raise RuntimeError(
+            f"rows_as_traced({layout}): the traced rows hold {total} tokens each, not these lengths' sums"
+        )
+    return out
 
 
 @torch.compiler.disable

@@ -86,7 +86,6 @@ def test_the_processs_own_sequence_parallel_group_is_left_as_it_was():
         ({"policy": "fp32+sp:3"}, ("sp:3", "num_attention_heads", "4", "sp:2")),  # H % N
         ({"policy": "fp32+sp:2", "world_size": 3}, ("world_size=3", "groups of 2", "sp:3")),
         ({"policy": "fp32+sp:4", "world_size": 2}, ("world_size=2", "groups of 4", "sp:2")),  # N > world size
-        ({"policy": "fp32+sp:2", "packed": True}, ("packed=True", "packed=False")),
         ({"policy": "fp32+sp:2", "mode": "eval"}, ("mode='eval'", "unsharded", "without sp:2")),
         ({"policy": "fp32+sp:2", "task": "classification"}, ("task='classification'", "drop sp:N")),
     ],
