@@ -27,11 +27,10 @@ SHAPE = {
     "eos_token_id": 2,
 }
 ATTENTION_HEAVY = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 8, "head_dim": 64}
-# (policy, what trains, the config's changes to SHAPE, tokens per row)
+# (policy, what trains, the config's changes to SHAPE, tokens per row). Two cells keep the suite's time:
+# fp32+ckpt (MQA) and LoRA fp32+loss:chunked were measured too, equal and -0.93% (as unpacked).
 CELLS = [
     ("bf16+sp:2", "all", {"num_key_value_heads": 2}, 256),
-    ("fp32+ckpt+sp:2", "all", {"num_key_value_heads": 1}, 512),
-    ("fp32+loss:chunked+sp:2", "lora", {"num_key_value_heads": 4}, 384),
     ("fp32+loss:chunked+sp:2", "all", {**ATTENTION_HEAVY, "num_key_value_heads": 8}, 512),
 ]
 FIELDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "peak_bytes", "forward_backward_peak")
