@@ -123,6 +123,7 @@ NEEDS_TMP = {"qlora": _qlora_scope}
 LAUNCHED: dict[str, Callable[[Path, str], bool]] = {
     "fsdp-torchrun": lambda out, _: (out / "out" / "model" / "config.json").is_file(),
     "sp-torchrun": lambda _, printed: "step 2: loss" in printed,
+    "sp-trainer": lambda _, printed: "train_loss" in printed,
 }
 
 

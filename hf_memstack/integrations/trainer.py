@@ -44,11 +44,14 @@ from ..sizes import parse_bytes
 from ..transforms._wrappers import fused_lm_head_installed
 from ..transforms.precision.apply import AutocastBypassGuard, restore_autocast, trl_replaces_chunked_loss
 from ..transforms.precision.master_reconcile import reconcile_master_weights
+from ..transforms.sequence_parallel.reduce import sequence_parallel_size
+from ..transforms.sequence_parallel.verify import shard_for_rank
 from .trainer_args import training_arguments
 from .trainer_checks import _given_model, _record, check_optimizer, check_training_arguments
 from .trainer_eval import check_eval_logits
 from .trainer_first_step import FirstStepReport, _first_batch, _verify_and_measure
 from .trainer_loss import loss_target, tell_reference_model
+from .trainer_sequence import install_sequence_parallel, refuse_uninstalled
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -71,7 +74,9 @@ class MemstackCallback(TrainerCallback):
 
     * when the Trainer is built: puts itself first among the callbacks, so that the reporting
       callbacks (TensorBoard, W&B, trackio) log its figures; refuses arguments that contradict
-      the policy (:func:`check_training_arguments`) and warns about those that repeat it;
+      the policy (:func:`check_training_arguments`) and warns about those that repeat it; for an
+      ``sp:N`` model, installs the sequence-parallel hooks on that Trainer (found as the dispatcher of
+      ``on_init_end``; :mod:`.trainer_sequence`), or refuses naming ``add_memstack_callback(trainer)``;
     * before the first step: puts the policy's autocast back around a forward that replaced the
       prepared one (TRL's fused LM head: :func:`hf_memstack.transforms.precision.apply.restore_autocast`), then
       runs :func:`hf_memstack.measure.verify` on the first training batch through the forward that
@@ -116,8 +121,15 @@ class MemstackCallback(TrainerCallback):
         **kwargs: object,
     ) -> None:
         _put_first(self)
-        for note in check_training_arguments(_given_model(model), args):
+        model = _given_model(model)
+        for note in check_training_arguments(model, args):
             warnings.warn(note, stacklevel=2)
+        if sequence_parallel_size(model) > 1:  # sp:N: the loader must be re-keyed before train() builds it
+            trainer = _dispatching_trainer()
+            if trainer is None:
+                refuse_uninstalled(trainer, model)
+            else:
+                install_sequence_parallel(trainer)
 
     def on_train_begin(
         self,
@@ -147,6 +159,7 @@ class MemstackCallback(TrainerCallback):
         if fused and record.loss.mode == "chunked":
             _tell_chunked_once(model, record)
         trainer = _dispatching_trainer()
+        refuse_uninstalled(trainer, model)  # sp:N whose loader was built without the hooks
         tell_reference_model(trainer, record)
         self.first_step = (
             self._first_step(trainer, model, train_dataloader, fused)
@@ -171,6 +184,8 @@ class MemstackCallback(TrainerCallback):
                 logger.info("hf_memstack: verify and the memory meter on the first batch are skipped: %s", target)
                 return FirstStepReport(verify=None, memory=None, skipped=target)
             module, batch = target
+            if not self.run_verify and isinstance(batch, dict) and sequence_parallel_size(model) > 1:
+                batch = shard_for_rank(model, dict(batch))  # the meter alone measures this rank's slice
             if fused and module is model and isinstance(batch, dict):
                 batch = {**batch, "fused_lm_head": True, "use_cache": False}  # the forward TRL's compute_loss runs
             start = time.perf_counter()
@@ -278,11 +293,14 @@ class MemstackCallback(TrainerCallback):
 def add_memstack_callback(trainer: Trainer, callback: MemstackCallback | None = None) -> MemstackCallback:
     """Put a :class:`MemstackCallback` first among ``trainer``'s callbacks (the one it has, when
     ``callback`` is None and it has one), so that the reporting callbacks (TensorBoard, W&B,
-    trackio) log its memory figures too. Returns the callback."""
+    trackio) log its memory figures too. For an ``sp:N`` model, install the sequence-parallel hooks
+    (:func:`.trainer_sequence.install_sequence_parallel`: each group's ranks read the same rows, each
+    its slice). Returns the callback."""
     callbacks = trainer.callback_handler.callbacks
     if callback is None:
         callback = next((c for c in callbacks if isinstance(c, MemstackCallback)), None) or MemstackCallback()
     check_training_arguments(_given_model(trainer.model), trainer.args)
+    install_sequence_parallel(trainer)  # sp:N: the group's ranks read the same rows, each its slice
     if callback in callbacks:
         callbacks.remove(callback)
     callbacks.insert(0, callback)

@@ -22,10 +22,10 @@ from transformers import TrainingArguments
 from .. import batch_size as finder  # looked up at call time: a patched finder (tests spy on it) is the one used
 from .._device import device_of
 from ..data import LabelFraction, PackedCollator, measure_label_fraction
-from ..record import record_of
+from ..record import MemstackRecord, record_of
 from ..transforms.optim.bf16_adamw import BF16AdamW
 from ._columns import MapDataset, _longest_first, _signature_columns, _trainer_columns
-from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments, refuse_sequence_parallel
+from .trainer_checks import _CHECKPOINTING_FIELD, _record, check_training_arguments
 
 __all__ = ["training_arguments"]
 
@@ -63,7 +63,7 @@ def training_arguments(
             that an explicit ``gradient_accumulation_steps`` contradicts (they must agree exactly).
     """
     record = _record(model)
-    refuse_sequence_parallel(record, "training_arguments")  # before the batch-size finder measures anything
+    sp = _sequence_group_size(record, budget, kwargs)
     # The deprecated name is what most scripts still pass: it means the same field.
     for old, new in (
         ("gradient_checkpointing", _CHECKPOINTING_FIELD),
@@ -88,7 +88,7 @@ def training_arguments(
         raise ValueError(
             f"global_batch_size={global_batch_size!r} must be a positive integer (samples per optimizer step)"
         )
-    world = _world_size()
+    world = max(1, _world_size() // sp)  # under sp:N a group of N processes reads one batch
     accumulation = kwargs.get("gradient_accumulation_steps")
     if global_batch_size is not None and accumulation is not None and global_batch_size % (accumulation * world):
         # Refused before the finder measures anything: no per-device size can make them agree.
@@ -119,6 +119,18 @@ def training_arguments(
     for note in check_training_arguments(model, args):
         warnings.warn(note, stacklevel=2)
     return args
+
+
+def _sequence_group_size(record: MemstackRecord, budget: object, kwargs: Mapping[str, Any]) -> int:
+    """N of ``sp:N`` (a group of N processes reads one batch); the batch-size finder refused under it,
+    before it measures anything: it measures whole rows on one process, not a group's slices."""
+    sp = int(record.policy.sequence_parallel.size)
+    if sp > 1 and budget is not None and "per_device_train_batch_size" not in kwargs:
+        raise ValueError(
+            f"training_arguments(budget={budget!r}) with sp:{sp}: the batch-size finder measures whole rows on one "
+            f"process, not a sequence group's slices; pass per_device_train_batch_size=N (rows per group of {sp} ranks)"
+        )
+    return sp
 
 
 def _keep_packed_rows(

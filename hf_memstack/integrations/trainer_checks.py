@@ -18,8 +18,9 @@ from ..record import MemstackRecord, record_of
 from ..transforms.checkpointing.apply import CheckpointingGuard
 from ..transforms.optim.bf16_adamw import rounds_stochastically
 from ..transforms.optim.in_backward import OptimizerInBackward
+from .trainer_sequence import sequence_parallel_problems
 
-__all__ = ["check_optimizer", "check_training_arguments", "refuse_sequence_parallel"]
+__all__ = ["check_optimizer", "check_training_arguments"]
 
 # transformers >= 5.20 names it activation_checkpointing (gradient_checkpointing is a deprecated alias).
 _CHECKPOINTING_FIELD = (
@@ -47,8 +48,7 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
     """
     record = _record(model)
     cls = type(args).__name__
-    refuse_sequence_parallel(record, cls)
-    problems: list[str] = []
+    problems: list[str] = sequence_parallel_problems(record, args)  # sp:N: what its arithmetic cannot honour
     repeats: list[str] = []
     _check_checkpointing_args(model, args, record, problems)
     _check_precision_args(args, record, problems)
@@ -77,26 +77,6 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
             f"{record.policy.to_string()!r}:\n  - " + "\n  - ".join(problems)
         )
     return repeats
-
-
-def refuse_sequence_parallel(record: MemstackRecord, where: str) -> None:
-    """Trainer cannot run an ``sp:N`` model: its loader gives each process other whole rows, while the
-    N ranks of a sequence group must each get their slice of the same rows (``shard_batch``), with
-    the loss backpropagated N times (``backward_loss``) and logged summed over the group. Run silently,
-    every rank would attend over N rows glued together and train on a wrong loss.
-
-    Raises:
-        ValueError: naming the policy and what to use instead.
-    """
-    n = record.policy.sequence_parallel.size
-    if n > 1:
-        raise ValueError(
-            f"{where}: the model's policy {record.policy.to_string()!r} has sp:{n} (sequence parallelism), which the "
-            "Trainer path does not support: its data loader gives each process other whole rows, not each rank its "
-            "slice of the same rows. Train with recipes/finetune.py --policy ... under torchrun (it shards the rows "
-            "and reduces the loss), or with your own loop: hf_memstack.transforms.sequence_parallel's shard_batch, "
-            f"backward_loss, reported_loss and (for a model no DDP/FSDP wrapper reduces) average_gradients; or prepare the model without sp:{n} for Trainer"
-        )
 
 
 def _record(model: nn.Module | None) -> MemstackRecord:

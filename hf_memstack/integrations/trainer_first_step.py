@@ -133,6 +133,7 @@ def _first_batch(dataloader: object, model: nn.Module | None) -> object:
         or 1
     )
     device = device_of(model)
+    collate = getattr(collate, "whole", collate)  # sp:N: the group's whole rows (verify shards them itself)
     with preserved_rng(device):  # a collator may draw random numbers (masking)
         batch = collate([dataset[i] for i in range(min(size, len(dataset)))])
     return (

@@ -5,10 +5,11 @@ the whole rows; everything else (norms, MLPs, the chunked loss) runs on the rank
 apply.py      check_sequence_parallel / apply_sequence_parallel: the refusals, the group, the switch
 attention.py  the attention implementation ``hf_memstack_ulysses`` and its mask function
 exchange.py   the all-to-all and the position ids' all-gather as custom ops (fake shapes, backward)
-guard.py      the check at the top of each forward: the group's ranks got one shape, no router loss
+guard.py      the check at the top of each forward: the group's ranks got one shape, no router loss, no
+              Trainer without the hooks
 group.py      the process group: N contiguous ranks, with the default group's timeout
 reduce.py     backward_loss / average_gradients / reported_loss: the loss and gradients summed over the group
-shard.py      shard_batch / SequenceShardCollator: one full batch -> this rank's slice and loss inputs
+shard.py      shard_batch / SequenceShardCollator / drop_right_padding: one full batch -> this rank's slice
 verify.py     verify's ``sequence parallel`` line: the sharded step against the same step unsharded
 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
@@ -21,7 +22,11 @@ outside it that imports from here or reads the policy field this folder implemen
 - ``hf_memstack/record.py``: ``SequenceParallelResult`` on the record
 - ``hf_memstack/data/boundaries.py``: ``ULYSSES_ATTENTION`` keeps packed samples apart (the packing guard)
 - ``hf_memstack/measure/verify.py``: ``verify_sequence_parallel`` (its line), ``shard_for_rank`` (the other checks' batch)
-- ``hf_memstack/integrations/trainer_checks.py``: ``refuse_sequence_parallel`` (the Trainer path cannot shard rows)
+- ``hf_memstack/integrations/trainer_sequence.py``: ``TRAINER_MARK``, ``sequence_parallel_size``, ``drop_right_padding``
+  and ``shard_batch``: the Trainer's loader re-keyed by sequence group, each rank's slice; reads
+  ``policy.sequence_parallel`` (what the Trainer's arguments cannot honour)
+- ``hf_memstack/integrations/trainer.py``: ``sequence_parallel_size`` and ``shard_for_rank`` (the callback's first-batch pass)
+- ``hf_memstack/integrations/trainer_args.py``: reads ``policy.sequence_parallel`` (no batch-size finder; a group reads one batch)
 - ``recipes/finetune.py``: ``backward_loss`` and ``average_gradients`` in ``micro_step``
 - ``recipes/finetune_support/sequence.py``: ``shard_batch`` on each batch, ``sequence_parallel`` groups
 - ``recipes/finetune_support/batching.py``: ``sequence_parallel_size`` (the data-parallel width)
@@ -53,7 +58,7 @@ if TYPE_CHECKING:
     from .exchange import SequenceParallelGroup, gather_positions, head_to_seq, register_group, seq_to_head
     from .group import check_process_group, sequence_parallel_group
     from .reduce import average_gradients, backward_loss, reported_loss, sequence_parallel_size
-    from .shard import SequenceShardCollator, shard_batch, shifted_targets
+    from .shard import SequenceShardCollator, drop_right_padding, shard_batch, shifted_targets
     from .verify import verify_sequence_parallel
 
 # public name -> the module of this folder that defines it
@@ -82,6 +87,7 @@ _EXPORTS = {
     "sequence_parallel_size": ".reduce",
     "verify_sequence_parallel": ".verify",
     "SequenceShardCollator": ".shard",
+    "drop_right_padding": ".shard",
     "shard_batch": ".shard",
     "shifted_targets": ".shard",
 }
@@ -98,6 +104,7 @@ __all__ = [
     "backward_loss",
     "check_process_group",
     "check_sequence_parallel",
+    "drop_right_padding",
     "gather_positions",
     "head_to_seq",
     "kv_replication",

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SequenceShardCollator", "shard_batch"]
+__all__ = ["SequenceShardCollator", "drop_right_padding", "shard_batch"]
 
 IGNORE_INDEX = -100
 
@@ -65,6 +65,23 @@ def shifted_targets(labels: torch.Tensor, positions: torch.Tensor) -> torch.Tens
     restarts = positions.diff(dim=-1) != 1  # [rows, S - 1]: token i + 1 starts a sample
     targets[:, :-1][restarts] = IGNORE_INDEX
     return targets
+
+
+def drop_right_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` without its ``attention_mask`` when that mask only pads rows on the right and every
+    padded position is unlabelled (-100): under causal attention no real token attends to a later pad,
+    and no target is a pad, so the loss and gradients are those of the masked batch (the mask the
+    exchange cannot carry). Any other mask (left padding, a labelled pad) is kept, for
+    :func:`shard_batch` to refuse."""
+    mask = batch.get("attention_mask")
+    if not torch.is_tensor(mask) or bool(mask.all()):
+        return {k: v for k, v in batch.items() if k != "attention_mask"} if torch.is_tensor(mask) else dict(batch)
+    right = bool((mask.cummin(dim=-1).values == mask).all())
+    labels = batch.get("labels")
+    unlabelled = labels is None or (
+        torch.is_tensor(labels) and labels.shape == mask.shape and bool((labels[mask == 0] == IGNORE_INDEX).all())
+    )
+    return {k: v for k, v in batch.items() if k != "attention_mask"} if right and unlabelled else dict(batch)
 
 
 _KNOWN = ("input_ids", "labels", "position_ids", "attention_mask")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from tiny import assert_untouched, configs, snapshot, tiny_llama
+from tiny import assert_untouched, configs, make_batch, snapshot, tiny_llama
 
 from hf_memstack import describe, prepare_model
 from hf_memstack.transforms.sequence_parallel import (
@@ -20,6 +20,7 @@ from hf_memstack.transforms.sequence_parallel import (
     register_group,
     seq_to_head,
     set_active_group,
+    shard_batch,
     ulysses_mask,
 )
 
@@ -235,14 +236,29 @@ def test_the_group_batch_message_names_each_ranks_shape_and_the_fix():
     assert "shard_batch(batch, sp_rank=rank % 2, sp_size=2)" in message and "rank // 2" in message
 
 
-def test_the_trainer_refusal_names_every_function_an_own_loop_needs(fake_world):
-    from hf_memstack.integrations.trainer_checks import refuse_sequence_parallel
-    from hf_memstack.record import record_of
+def test_a_trainer_without_the_hooks_is_refused_at_the_forward_naming_the_fix(fake_world):
+    """A Trainer (or subclass) running the forward of an sp:N model that add_memstack_callback did not
+    hook would give each rank other whole rows: the guard finds it above the forward and refuses."""
+    from transformers import Trainer
 
-    record = record_of(prepare_model(tiny_llama(), "fp32+sp:2"))
-    assert record is not None
-    with pytest.raises(ValueError, match=r"shard_batch, backward_loss, reported_loss and .*average_gradients"):
-        refuse_sequence_parallel(record, "Trainer")
+    from hf_memstack.transforms.sequence_parallel.guard import TRAINER_MARK
+
+    class Runner(Trainer):
+        def __init__(self):  # only its frame matters: no Trainer set-up
+            pass
+
+        def run(self, model, batch):
+            return model(**batch)
+
+    model = prepare_model(tiny_llama(), "fp32+sp:2")
+    batch = shard_batch(make_batch("llama", seq=16), sp_rank=0, sp_size=2)
+    with pytest.raises(
+        ValueError, match=r"sp:2: Runner is training .* without hf_memstack's hooks.*add_memstack_callback\(trainer\)"
+    ):
+        Runner().run(model, batch)
+    hooked = Runner()
+    setattr(hooked, TRAINER_MARK, 2)
+    assert hooked.run(model, batch).loss.shape == ()
 
 
 def test_the_mask_function_passes_no_mask_and_an_all_ones_one():
