@@ -3,7 +3,7 @@ labelled -100, the loss on the response), Transformers' own loss against ``loss:
 gathers the labelled positions and runs the output head over those only - as interleaved recipe runs
 in one invocation, with the ratios.
 
-    python bench/recipe_labels.py               # about 4-5 minutes on 2 cores (see below)
+    python bench/recipe_labels.py               # about 4-6 minutes on 2 cores (see below)
     python bench/recipe_labels.py --prompt-share 0.5 --rounds 5
     python bench/recipe_labels.py --rounds 1 --steps 1 --out /tmp/smoke.json   # a smoke test (no timing)
 
@@ -20,10 +20,11 @@ tokens/s is the median of its steps after the first (which holds the warm-up and
 memory meter's step). PRECISION is bf16 where the CPU computes it natively (avx512_bf16 / AMX), else
 fp32 (``--precision`` to force one); the machine line says which.
 
-Time: ``--rounds 3 --steps 5`` (the default) is 6 recipe runs; each pays ~15-25 s of start-up (imports,
-tokenizing, the model's save at the end) and 5 steps of ~2 x 1,024 tokens at hidden 512 and vocabulary
-32k. In a smoke run of 1 step a run on a loaded 2-core machine (see the report) that came to about
-4-5 minutes in all; in emulated bf16 (``--precision bf16`` on a CPU without it) several times that.
+Time: ``--rounds 3 --steps 5`` (the default) is 6 recipe runs. A 1-step smoke run of the default job on
+2 shared, loaded cores (an AMD EPYC with native bf16) took 31-33 s a run: ~20 s of start-up (imports,
+tokenizing, the end's evaluation and save) and a first step of ~1,800 tokens at 164-181 tokens/s (the
+memory meter's step). At that pace the default is about 6 minutes; on 2 quiet cores about 4-5. In
+emulated bf16 (``--precision bf16`` on a CPU without it) several times that.
 
 Printed: per round the two runs' tokens/s and their ratio, then the median ratio (``chunked / plain``:
 above 1 means loss:chunked trains more tokens a second) beside the planner's factor for this model and
