@@ -272,6 +272,10 @@ def choose_policy(
             step_in_backward=in_backward,
             dtype="fp32",
             trainable=trainable,
+            # --packing on's rows hold several samples (position_ids restarting): SDPA and eager
+            # attention then build a dense [batch, 1, seq, seq] mask, which an unpacked plan leaves out.
+            # (--packing wrapped cuts blocks of one text a row: no restarting positions, no mask.)
+            packed=cfg.data.packing == "on" and task == "causal-lm",
             label_fraction=labels.fraction if labels is not None else 1.0,
         )
     except (ValueError, TypeError, RuntimeError, OSError) as e:

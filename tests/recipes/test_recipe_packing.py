@@ -111,3 +111,30 @@ def test_packing_labelled_rows_is_refused_when_task_auto_picks_classification(re
         "drop --packing, or pass --task causal-lm",
     )
     assert snapshot(data) == before and not (tmp_path / "out").exists()
+
+
+def test_policy_auto_plans_packed_rows_as_packed(recipe, tiny_lm, tmp_path, capsys, monkeypatch):
+    """--packing on with --policy auto: the planner is told the rows are packed (their dense attention
+    mask counted), and the plan the recipe logs is that one, not the unpacked plan it logged before."""
+    import hf_memstack
+
+    calls: list[tuple[tuple, dict]] = []
+    real = hf_memstack.plan_policy
+
+    def spy(*args, **kwargs):  # the real planner plans; what it was asked is kept
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_memstack, "plan_policy", spy)
+    data = _varied(tiny_lm, tmp_path)
+    args = lm_args(data, tmp_path / "run", "--packing", "on", "--max-steps", "1", "--memory-budget", "1GiB")
+    args = [str(a) for a in args]
+    args[args.index("--policy") + 1] = "auto"
+    job = recipe.setup(recipe.parse_config(args))  # the plan is made and logged here; no step needed
+    job.accelerator.end_training()
+    logged = capsys.readouterr().out
+    ((given, asked),) = calls
+    assert asked.get("packed") is True
+    packed, unpacked = (real(*given, **{**asked, "packed": p}).table() for p in (True, False))
+    assert packed != unpacked  # the mask is counted: the peaks differ
+    assert f"memory plan for 1GiB per device:\n{packed}" in logged

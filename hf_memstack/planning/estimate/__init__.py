@@ -31,6 +31,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 - ``hf_memstack/planning/plan/result.py``: ``MemoryEstimate``
 - ``hf_memstack/planning/plan/walk.py``: ``MemoryEstimate``
 - ``hf_memstack/planning/plan/states_floor.py``: ``build_cache``
+- ``hf_memstack/planning/plan/head_speed.py``: ``num_layers`` and ``text_config``: the head's share of a step
 - ``hf_memstack/planning/plan/sequence_rungs.py``: ``heads_of``: the degrees sp:N can take
 """
 

@@ -21,6 +21,7 @@ from ..model.fake import meta_model
 from ..model.vision_inputs import images_for
 from .advice import suggestions
 from .estimates import Estimates
+from .head_speed import chunked_loss_speed, head_share, speed_note
 from .result import Plan, PlanRow
 from .rungs import Requirement, RungContext, rungs_for
 from .screen import num_blocks
@@ -81,7 +82,9 @@ def plan_policy(
         dtype: the weights' dtype, as for :func:`estimate_memory` (default ``"auto"``: what
             ``from_pretrained`` gives); every rung is estimated at it.
         packed: rows of ``seq_len`` tokens packed with several samples (see :func:`estimate_memory`).
-        label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0).
+        label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0);
+            the chunked loss rungs' relative speed is scaled by it too (their head runs over those
+            positions only: :mod:`hf_memstack.planning.plan.head_speed`), and the table says so.
         keep_outputs: the training loop keeps the model's outputs through the backward
             (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
             :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
@@ -126,6 +129,7 @@ def plan_policy(
         images=images.note() if images is not None else "",
     )
     context = _ladder(config, task, precision, seq_len, batch_size, world_size, trainable, step_in_backward, weights)
+    context, plan.head_speed = _labelled_head(context, config, task, seq_len, weights, label_fraction)
     context = sp_context(context, config, est, task=task, world_size=world_size, batch_size=batch_size, usable=usable)
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
     if plan.fits:
@@ -201,6 +205,23 @@ def _ladder(
     }
     satisfied = frozenset(r for r, holds in facts.items() if holds)
     return RungContext(precision, num_blocks(config), satisfied)
+
+
+def _labelled_head(
+    context: RungContext,
+    config: PretrainedConfig,
+    task: str,
+    seq_len: int,
+    weights: WeightsDtype,
+    label_fraction: float,
+) -> tuple[RungContext, str]:
+    """``context`` with the chunked loss rungs' speed at ``label_fraction`` (their head runs over the
+    labelled positions only: :mod:`hf_memstack.planning.plan.head_speed`), and the plan's line on it."""
+    if Requirement.CAUSAL_LM not in context.satisfied:
+        return context, ""
+    share = head_share(config, task=task, dtype=weights.dtype, seq_len=seq_len)
+    speed = chunked_loss_speed(share, label_fraction)
+    return dataclasses.replace(context, chunked_loss_speed=speed), speed_note(share, label_fraction)
 
 
 def _meta_blocks(config: PretrainedConfig, task: str, trainable: Trainable, weights: WeightsDtype) -> Blocks | None:

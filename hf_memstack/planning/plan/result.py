@@ -67,6 +67,8 @@ class Plan:
     """The budget minus the margin: what a rung's estimated peak must fit in (``fits``)."""
     images: str = ""
     """A vision-language model: the images each sample was planned with (sizes, tokens, where from)."""
+    head_speed: str = ""
+    """With a label fraction below 1: the chunked head's speed over the labelled positions ('' else)."""
 
     @property
     def fits(self) -> bool:
@@ -100,6 +102,7 @@ class Plan:
             f"\nweights counted in {self.weights_dtype} ({self.weights_dtype_source}); --dtype / dtype= to plan another load"
         )
         lines += [self.images] if self.images else []
+        lines += [self.head_speed] if self.head_speed else []
         budget = format_bytes(self.budget) + (
             f", {format_bytes(self.usable_bytes)} usable after the margin" if self.usable_bytes < self.budget else ""
         )
@@ -127,5 +130,6 @@ class Plan:
             "weights_dtype": self.weights_dtype,
             "weights_dtype_source": self.weights_dtype_source,
             "images": self.images,
+            "head_speed": self.head_speed,
             "estimate": self.estimate.as_dict() if self.estimate else None,
         }

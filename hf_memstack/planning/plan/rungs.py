@@ -143,6 +143,9 @@ class RungContext:
     sp_degrees: tuple[int, ...] = ()
     """The sequence-parallel degrees the job can take (each divides the world size and the heads),
     ascending: a ``degrees`` row of :data:`STEPS` is one rung per degree."""
+    chunked_loss_speed: float = MEASURED_SPEED["loss_chunked"]
+    """The chunked loss rung's factor: measured at every position labelled; the planner's is scaled
+    to the job's label fraction (:mod:`hf_memstack.planning.plan.head_speed`)."""
 
     def facts(self) -> frozenset[Requirement]:
         """Every requirement that holds: the stated ones and those the precision and depth give."""
@@ -240,7 +243,7 @@ def rungs_for(context: RungContext) -> list[Rung]:
     every row of :data:`STEPS` whose requirements hold in ``context``. fp32 is the correctness rung
     and compile changes speed rather than memory: neither is a memory rung."""
     facts = context.facts()
-    s = MEASURED_SPEED
+    s = {**MEASURED_SPEED, "loss_chunked": context.chunked_loss_speed}
     speed = s["bf16"] if context.precision != "fp32" else 1.0  # of what is kept
     kept: list[str] = []
     offered: dict[str, tuple[str, ...]] = {}

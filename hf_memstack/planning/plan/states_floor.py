@@ -27,7 +27,7 @@ from ..model.config import build_model
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["states_floor"]
+__all__ = ["parameter_count", "states_floor"]
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
@@ -63,6 +63,11 @@ def states_floor(
             moments += 2 * numel * (1 if policy.optimizer.state == "8bit" else kept.itemsize)
     shards = world_size if policy.fsdp.mode != "none" and world_size > 1 else 1
     return (weights + moments) // shards
+
+
+def parameter_count(config: PretrainedConfig, *, task: str, dtype: torch.dtype) -> int:
+    """The model's floating parameters (a tied one once), from the same meta build as :func:`states_floor`."""
+    return sum(_counts(config, task, dtype)[0].values())
 
 
 def _trained_dtype(dtype: torch.dtype, master_weights: str, mixed: bool) -> torch.dtype:
