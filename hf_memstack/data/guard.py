@@ -50,11 +50,25 @@ def settle_packing_guard(model: nn.Module, batch: object) -> None:
     """Run the guard's checks of a packed ``batch`` now, before a measured step: its one-time probe
     of the attention runs two extra forwards, which a memory meter would count (and PyTorch's
     MemTracker refuses a module called twice in one tracked step). Nothing for other batches."""
-    guard = getattr(unwrap_model(model), "forward", None)  # where prepare_model installed it
-    if isinstance(guard, PackedBatchGuard) and isinstance(batch, dict) and batch.get("position_ids") is not None:
+    guard = _installed_guard(unwrap_model(model))
+    if guard is not None and isinstance(batch, Mapping) and batch.get("position_ids") is not None:
         positions = batch["position_ids"]
         if not _is_fake(positions):
             guard._check(dict(batch))
+
+
+def _installed_guard(model: nn.Module) -> PackedBatchGuard | None:
+    """The guard prepare_model put on ``model.forward``, under whatever wraps it since: Accelerate's
+    mixed precision wraps the forward in autocast (``functools.wraps``, so ``__wrapped__`` leads back)."""
+    forward = getattr(model, "forward", None)
+    for _ in range(8):  # a handful of wrappers at most; never loop on a cycle
+        if isinstance(forward, PackedBatchGuard):
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return None
+        forward = getattr(forward, "__func__", forward)
+    return None
 
 
 class PackedBatchGuard(_ForwardWrapper):

@@ -83,6 +83,16 @@ def test_the_recipe_trains_packed_and_reports_it(recipe, tiny_lm, tmp_path, caps
     assert "padding, against" in out
 
 
+def test_bf16_packed_rows_run_their_first_step_under_the_meter(recipe, tiny_lm, tmp_path, capsys):
+    """Found by a helper: under bf16 Accelerate wraps the forward in autocast, the packed-batch guard's
+    one-time probe was not found under it and ran inside the metered first step, where PyTorch's
+    MemTracker refused the model called twice ("multiple iterative calls")."""
+    data = _varied(tiny_lm, tmp_path)
+    report = run(recipe, lm_args(data, tmp_path / "run", "--packing", "on", "--max-steps", "2", "--policy", "bf16"))
+    assert report["steps"] == 2
+    assert "memory meter, first step" in capsys.readouterr().out
+
+
 def test_packing_labelled_rows_is_refused_when_task_auto_picks_classification(recipe, tiny_lm, tmp_path, capsys):
     """Trial finding (issue 22): --packing on a file with labels (--task auto) crashed with
     "Column 'seq_lengths' doesn't exist"; check_config only knew an explicit --task classification."""
