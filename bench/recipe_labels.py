@@ -12,8 +12,7 @@ folder with a word-level tokenizer of 32k words: nothing is downloaded), samples
 (one a row, padded to the batch's longest) whose first 75% are the prompt, batch 2, the
 recipe's own flags (``--prompt-field``/``--response-field``: the recipe's prompt/response mode
 masks the prompt; no chat template on this tokenizer, so the prompt is its text and a newline).
-Unpacked: ``--packing on`` under bf16 fails in the recipe's first-step memory meter on a CPU (PyTorch's
-MemTracker: "multiple iterative calls"), an open bug at the time of writing.
+Unpacked, one sample a row, so the labelled share is the prompt split's.
 Each round runs the recipe once with ``PRECISION`` and once with ``PRECISION+loss:chunked`` (the
 order alternating between rounds), each for ``--steps`` optimizer steps logged every step; a run's
 tokens/s is the median of its steps after the first (which holds the warm-up and, on a CPU, the
