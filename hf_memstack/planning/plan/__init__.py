@@ -7,7 +7,8 @@ screen.py        reading a ``ckpt:N`` rung between two traced ones without traci
 estimates.py     each policy and batch size traced once; a rung's largest batch
 states_floor.py  a lower bound of the model states' bytes, to skip rungs that cannot fit
 rungs.py         the memory rungs (and the speeds measured for them)
-head_speed.py    the chunked loss rung's speed at a label fraction (the head over the labelled positions)
+head_speed.py    the chunked loss rung's speed at a label fraction (the head over the labelled positions),
+                 and adding it to a plan that fits without it when it is faster
 sequence_rungs.py  when sequence parallelism (sp:N) is offered, and its degrees
 next_rung.py     the next rung the batch-size finder names when a policy does not fit
 result.py        Plan and PlanRow: the answer, its table and its dict

@@ -24,21 +24,42 @@ frozen weights' gradients in the head and the backbone alike (``4 h V`` and ``4 
 moves. ``s`` is at most :data:`MOST_HEAD_SHARE`. The ladder's rungs run eagerly: a model compiled
 whole (``compile``) runs every position through its head (a graph takes no data-dependent row count),
 and gains nothing from the fraction.
+
+The chunked head is lighter than the model's own loss and, at a label fraction below 1, faster: a
+plan whose policy fits without it (the ladder's first rung, plain mixed precision) takes it anyway
+when it is faster by :data:`FASTER_BY` or more (:func:`add_chunked_for_speed`) - where the ladder
+would offer it (a causal LM whose head the chunked loss takes) and the loop drops the outputs (the
+chunked head returns no logits). At every position (``f = 1``) the plan is the walk's, as it always was.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from ...policy import MemoryPolicy
 from ..estimate.depth import num_layers, text_config
-from .rungs import MEASURED_SPEED
+from .estimates import max_batch
+from .result import PlanRow
+from .rungs import MEASURED_SPEED, Requirement, RungContext
 from .states_floor import parameter_count
+from .walk import choose
 
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-__all__ = ["BACKBONE_COST", "MOST_HEAD_SHARE", "chunked_loss_speed", "head_share", "speed_note"]
+    from .estimates import Estimates
+    from .result import Plan
+
+__all__ = [
+    "BACKBONE_COST",
+    "FASTER_BY",
+    "MOST_HEAD_SHARE",
+    "add_chunked_for_speed",
+    "chunked_loss_speed",
+    "head_share",
+    "speed_note",
+]
 
 BACKBONE_COST = 1.9
 """What a backbone FLOP costs in head FLOPs (measured on the ladder model: see the module's docstring);
@@ -50,6 +71,14 @@ MOST_HEAD_SHARE = 0.9
 whose head is nearly all its FLOPs (a tiny hidden size under a large vocabulary) is not promised a
 step of less than a tenth of its time, whatever the fraction - the factor is bounded by
 ``MEASURED_SPEED["loss_chunked"] / (1 - MOST_HEAD_SHARE)``."""
+
+
+FASTER_BY = 1.15
+"""The least predicted speed-up for which a plan that fits without the chunked head takes it. The
+CPU timings behind the factors differ by 5-8% within noise (selective checkpointing's two variants
+read 0.95x and 1.00x on the ladder; the chunked head alone 0.82-0.89x of Transformers' loss over
+interleaved runs, issue 41), so the measured 1.07x at every position is no promise, and the head's
+factor is measured on one model: a gain is taken when it is about twice that spread."""
 
 
 def head_share(config: PretrainedConfig, *, task: str, dtype: torch.dtype, seq_len: int) -> float:
@@ -85,4 +114,56 @@ def speed_note(share: float, label_fraction: float) -> str:
         f"{chunked_loss_speed(share, label_fraction):.2f}x the model's own loss, against "
         f"{MEASURED_SPEED['loss_chunked']:.2f}x at every position; compiled, prefer compile:regional "
         "(a model compiled whole runs every position through its head)"
+    )
+
+
+def add_chunked_for_speed(
+    plan: Plan,
+    est: Estimates,
+    context: RungContext,
+    *,
+    label_fraction: float,
+    keep_outputs: bool,
+    batch_size: int | Literal["max"],
+    usable: float,
+) -> None:
+    """Make ``plan`` (one that fits) the same policy with ``loss:chunked`` when the chunked head is
+    faster by :data:`FASTER_BY` or more at ``label_fraction`` (below 1), the ladder offers it
+    (``context``: a causal LM whose head it takes) and the loop does not keep the outputs (it returns
+    no logits); it is estimated, and chosen only if it fits (it holds less: no logits, no fp32 copy).
+    Its row joins the table, and :attr:`Plan.chunked_for_speed` says why."""
+    factor = context.chunked_loss_speed
+    chosen = plan.policy
+    if (
+        chosen is None
+        or chosen.loss.mode != "default"
+        or label_fraction >= 1
+        or keep_outputs
+        or factor < FASTER_BY
+        or Requirement.CAUSAL_LM not in context.satisfied
+    ):
+        return
+    faster = MemoryPolicy.from_dict({**chosen.to_dict(), "loss": {"mode": "chunked"}}).to_string()
+    was = next((r for r in plan.rows if MemoryPolicy.coerce(r.policy) == chosen), None)
+    speed = (was.relative_speed if was is not None else 1.0) * factor
+    if batch_size == "max":
+        fitted, estimate = max_batch(est, faster, usable)
+    else:
+        estimate = est(faster, int(batch_size))
+        fitted = int(batch_size) if estimate.peak_bytes <= usable else 0
+    maximum = fitted if batch_size == "max" else None
+    plan.rows.append(PlanRow(faster, estimate.peak_bytes, fitted >= 1, speed, maximum))
+    if fitted < 1 or fitted < plan.batch_size:
+        return  # lighter than the policy that fit, so not expected: the walk's answer stands
+    before = chosen.to_string()
+    choose(plan, faster, fitted, estimate)
+    plan.chunked_for_speed = (
+        f"loss:chunked added for speed: the head runs over the labelled {label_fraction:.0%} of the positions, "
+        f"x{factor:.2f} predicted over {before} (which fits too); a loop that reads the logits keeps the "
+        "outputs (keep_outputs=True, --keep-outputs) and is planned without it"
+    )
+    # A model compiled whole runs every position through its head: regional compilation keeps the gain.
+    plan.suggestions[0] = (
+        f"add compile:regional ('{faster}+compile:regional') for speed: it needs no more memory, and "
+        "keeps the head over the labelled positions (compile, the whole model, runs it over every position)"
     )

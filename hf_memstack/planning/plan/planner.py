@@ -21,7 +21,7 @@ from ..model.fake import meta_model
 from ..model.vision_inputs import images_for
 from .advice import suggestions
 from .estimates import Estimates
-from .head_speed import chunked_loss_speed, head_share, speed_note
+from .head_speed import add_chunked_for_speed, chunked_loss_speed, head_share, speed_note
 from .result import Plan, PlanRow
 from .rungs import Requirement, RungContext, rungs_for
 from .screen import num_blocks
@@ -85,6 +85,9 @@ def plan_policy(
         label_fraction: the share of positions with a label, as for :func:`estimate_memory` (default 1.0);
             the chunked loss rungs' relative speed is scaled by it too (their head runs over those
             positions only: :mod:`hf_memstack.planning.plan.head_speed`), and the table says so.
+            Below 1, a causal LM whose plan fits without ``loss:chunked`` gets it added when its
+            head is predicted faster by ``head_speed.FASTER_BY`` or more (unless ``keep_outputs``):
+            ``Plan.chunked_for_speed`` says why.
         keep_outputs: the training loop keeps the model's outputs through the backward
             (``outputs = model(**batch); outputs.loss.backward()``): every rung counts them, as
             :func:`estimate_memory` does (default False: Trainer's and the recipe's loop, which drop them).
@@ -133,6 +136,15 @@ def plan_policy(
     context = sp_context(context, config, est, task=task, world_size=world_size, batch_size=batch_size, usable=usable)
     shortfalls = walk_rungs(plan, est, rungs_for(context), batch_size, usable)
     if plan.fits:
+        add_chunked_for_speed(
+            plan,
+            est,
+            context,
+            label_fraction=label_fraction,
+            keep_outputs=keep_outputs,
+            batch_size=batch_size,
+            usable=usable,
+        )
         return plan
     plan.shortfall_bytes = max(0, min(shortfalls))
     closest = min(plan.rows, key=lambda r: r.peak_bytes).policy if plan.rows else f"{precision}+ckpt"

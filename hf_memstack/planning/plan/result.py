@@ -69,6 +69,9 @@ class Plan:
     """A vision-language model: the images each sample was planned with (sizes, tokens, where from)."""
     head_speed: str = ""
     """With a label fraction below 1: the chunked head's speed over the labelled positions ('' else)."""
+    chunked_for_speed: str = ""
+    """Why ``loss:chunked`` was added to a policy that fits without it: its head over the labelled
+    positions is faster (:func:`hf_memstack.planning.plan.head_speed.add_chunked_for_speed`; '' else)."""
 
     @property
     def fits(self) -> bool:
@@ -108,6 +111,7 @@ class Plan:
         )
         if self.policy is not None:  # self.fits, spelled out so the type checker sees the policy
             lines.append(f"choose: {self.policy.to_string()} at batch size {self.batch_size} (budget {budget})")
+            lines += [f"  - {self.chunked_for_speed}"] if self.chunked_for_speed else []
             lines += [f"  - {s}" for s in self.suggestions]
         else:
             lines.append(
@@ -131,5 +135,6 @@ class Plan:
             "weights_dtype_source": self.weights_dtype_source,
             "images": self.images,
             "head_speed": self.head_speed,
+            "chunked_for_speed": self.chunked_for_speed,
             "estimate": self.estimate.as_dict() if self.estimate else None,
         }

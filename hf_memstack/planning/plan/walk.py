@@ -15,7 +15,7 @@ from .result import Plan, PlanRow
 from .rungs import Rung, savings_speed, sharding_speed
 from .screen import SCREEN, SCREEN_BELOW, every_n_between
 
-__all__ = ["walk_rungs"]
+__all__ = ["choose", "walk_rungs"]
 
 
 def walk_rungs(
@@ -34,7 +34,7 @@ def walk_rungs(
             # last of them) - tracing it first would spend an estimate on the slowest candidate.
             found = _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, traced_states, traced=False)
             if found is not None:
-                _choose(plan, *found)
+                choose(plan, *found)
                 break
             shortfalls += [int(r.peak_bytes - usable) for r in plan.rows[len(shortfalls) :]]
             all_over_by_states = False
@@ -50,7 +50,7 @@ def walk_rungs(
         shortfalls.append(int(row.peak_bytes - usable))
         all_over_by_states = all_over_by_states and not (row.traced or row.interpolated)
         if fitted >= 1 and estimate is not None:
-            _choose(
+            choose(
                 plan,
                 *(
                     _faster_with_its_states(plan, est, rungs[:i], rung, batch_size, usable, traced_states, traced=True)
@@ -61,7 +61,7 @@ def walk_rungs(
     return shortfalls
 
 
-def _choose(plan: Plan, policy: str, fitted: int, estimate: MemoryEstimate) -> None:
+def choose(plan: Plan, policy: str, fitted: int, estimate: MemoryEstimate) -> None:
     plan.policy, plan.batch_size, plan.estimate = MemoryPolicy.coerce(policy), fitted, estimate
     plan.suggestions = [
         f"add compile ('{plan.policy.to_string()}+compile') for speed: it needs no more memory",

@@ -27,6 +27,7 @@ outside it that imports from here or reads the policy field this folder implemen
 - ``hf_memstack/planning/estimate/estimator.py``: reads ``policy.loss.mode``
 - ``hf_memstack/planning/plan/next_rung.py``: reads ``rung.loss.mode``, ``policy.loss``
 - ``hf_memstack/planning/plan/walk.py``: reads ``a.loss.mode``, ``b.loss.mode``
+- ``hf_memstack/planning/plan/head_speed.py``: reads ``chosen.loss.mode``: the chunked head added for speed
 - ``hf_memstack/transforms/precision/apply.py``: reads ``record.loss.mode``
 """
 
