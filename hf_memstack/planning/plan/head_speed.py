@@ -160,7 +160,7 @@ def add_chunked_for_speed(
     plan.chunked_for_speed = (
         f"loss:chunked added for speed: the head runs over the labelled {label_fraction:.0%} of the positions, "
         f"x{factor:.2f} predicted over {before} (which fits too); a loop that reads the logits keeps the "
-        "outputs (keep_outputs=True, --keep-outputs) and is planned without it"
+        "outputs (plan_policy(keep_outputs=True), hf-memstack plan --keep-outputs) and is planned without it"
     )
     # A model compiled whole runs every position through its head: regional compilation keeps the gain.
     plan.suggestions[0] = (
