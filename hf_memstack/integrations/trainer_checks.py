@@ -68,8 +68,16 @@ def check_training_arguments(model: nn.Module, args: TrainingArguments) -> list[
     if getattr(args, "fsdp", None):
         problems.append(
             f"{cls}.fsdp={args.fsdp!r}: Trainer's FSDP would shard a model hf_memstack already "
-            "checkpointed (and maybe sharded) without knowing where its checkpoints are; set fsdp='' and put "
-            "fsdp in the policy, launched with torchrun or the recipe (recipes/finetune.py)"
+            "checkpointed (and maybe sharded) without knowing where its checkpoints are; set fsdp='' and train "
+            "with fsdp in the policy through the recipe (recipes/finetune.py) or your own loop, under torchrun"
+        )
+    if record.policy.fsdp.mode != "none":
+        # Found by a new-user trial: Accelerate wraps the model in DDP, which fails on the DTensors
+        # fully_shard made ("aten.cat.default got mixed torch.Tensor and DTensor").
+        problems.append(
+            f"the policy shards the model (fsdp:{record.policy.fsdp.mode}), and Trainer (through Accelerate) would "
+            "wrap it in DDP, which cannot hold FSDP2's sharded parameters; train it with "
+            "the recipe (recipes/finetune.py) or your own loop under torchrun, or prepare the model without fsdp"
         )
     if problems:
         raise ValueError(

@@ -193,6 +193,11 @@ def group_loader(loader: DataLoader, *, n: int, world: int, rank: int, pad_token
         )
     # The ranks of a group (rank // n) read the same batches; the groups split the data.
     sampler.num_processes, sampler.process_index = world // n, rank // n
+    # Accelerate completes a short last batch from the first rows (even_batches) so that DDP's processes
+    # step together; with one sequence group there is nothing to keep even, and the unsharded run on one
+    # process (no BatchSamplerShard) trains the short batch as it is - padding it would train other rows.
+    if world // n == 1:
+        sampler.even_batches = False
     # Accelerate's DataLoaderShard iterates the DataLoader it wraps (base_dataloader): its collator is the one used.
     base = getattr(loader, "base_dataloader", loader)
     if not isinstance(base.collate_fn, GroupShardCollator):
@@ -203,6 +208,12 @@ def group_loader(loader: DataLoader, *, n: int, world: int, rank: int, pad_token
 def _refuse_trainer(trainer: Trainer, n: int) -> None:
     cls = type(trainer).__name__
     problems: list[str] = []
+    if type(trainer).__module__.split(".")[0] == "trl" and not _is_sft_trainer(trainer):
+        problems.append(
+            f"{cls} is not sequence-parallel here: only TRL's SFTTrainer is (preference and RL trainers score "
+            f"completions row by row, with masks and columns a sequence slice does not carry); train {cls} with a "
+            f"policy without sp:{n}, or SFT with SFTTrainer"
+        )
     if getattr(trainer, "compute_loss_func", None) is not None:
         problems.append(
             f"{cls}(compute_loss_func=...): under sp:{n} its labels would be each rank's slice, already shifted; drop it"
@@ -214,3 +225,11 @@ def _refuse_trainer(trainer: Trainer, n: int) -> None:
         )
     if problems:
         raise ValueError(f"sp:{n} under {cls}:\n  - " + "\n  - ".join(problems))
+
+
+def _is_sft_trainer(trainer: object) -> bool:
+    try:
+        from trl import SFTTrainer
+    except ImportError:  # pragma: no cover - a trl trainer without trl cannot exist
+        return False
+    return isinstance(trainer, SFTTrainer)

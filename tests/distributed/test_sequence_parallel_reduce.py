@@ -2,7 +2,7 @@
 reported_loss) equals the unsharded step on rank 0 - without FSDP, and with FSDP2 on the ranks of the
 ("dp", "sp") mesh: (1, 2) (sp:2) and (2, 1) (sp:1, two data-parallel ranks); verify's "sequence parallel"
 line passes on such a step and fails when a group's ranks got different rows; one rank's bad batch ends
-both ranks with its message; the Trainer path refuses sp:N, naming what to use. One launch runs every
+both ranks with its message; Trainer arguments sp:N cannot honour are refused. One launch runs every
 scenario; each test checks one."""
 
 import datetime
@@ -155,15 +155,16 @@ def _trainer(rank, world, out_dir):
     from transformers import TrainingArguments
 
     from hf_memstack import prepare_model
-    from hf_memstack.integrations.trainer import training_arguments
     from hf_memstack.integrations.trainer_checks import check_training_arguments
 
     model = prepare_model(tiny_llama(), "fp32+sp:2")
-    args = TrainingArguments(output_dir=out_dir, use_cpu=True, report_to=[])
-    # training_arguments, and what MemstackCallback / add_memstack_callback run on a Trainer built without it
+    plain = TrainingArguments(output_dir=out_dir, use_cpu=True, report_to=[])
+    evaluating = TrainingArguments(output_dir=out_dir, use_cpu=True, report_to=[], eval_strategy="steps", eval_steps=1)
+    # The Trainer path trains sp:N (tests/distributed/test_sequence_parallel_trainer.py); what its
+    # arithmetic cannot honour is refused before training.
     return [
-        outcome(lambda: training_arguments(model, output_dir=out_dir)),
-        outcome(lambda: check_training_arguments(model, args)),
+        outcome(lambda: check_training_arguments(model, plain)),
+        outcome(lambda: check_training_arguments(model, evaluating)),
     ]
 
 
@@ -227,7 +228,8 @@ def test_one_ranks_bad_batch_ends_both_ranks_with_its_message(ranks):
     assert max(seconds0, seconds1) < PROMPT
 
 
-def test_trainer_path_refuses_sp_naming_the_recipe(ranks):
-    for kind, message in (outcome for result in ranks for outcome in result["trainer"]):
-        assert kind == "ValueError"
-        assert "sp:2" in message and "recipes/finetune.py" in message and "shard_batch" in message
+def test_trainer_arguments_under_sp_are_checked_on_every_rank(ranks):
+    for result in ranks:
+        (plain_kind, _), (eval_kind, message) = result["trainer"]
+        assert plain_kind == "ok"
+        assert eval_kind == "ValueError" and "eval_strategy='steps'" in message and "without sp:2" in message

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 from dist_utils import run_ranks
-from tiny import tiny_llama
+from tiny import llama_config, tiny_llama
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -23,14 +23,18 @@ CASES = {
     "padded-accumulated": ("ragged", "pad", 2, 2, "callback", False),
     "packed": ("ragged", "flatten", 3, 1, "add", False),
     "lora": ("fixed", "default", 2, 1, "add", True),
+    # 5 rows, 2 a batch: the third step's batch holds one row (Accelerate padded it with the first rows)
+    "uneven": ("ragged:5", "pad", 2, 1, "add", False),
 }
 
 
 def _rows(kind: str) -> list[dict[str, torch.Tensor]]:
-    """12 rows of 19 tokens (odd: shard_batch pads the tail), or of 9-22; each with its first tokens unlabelled."""
+    """12 rows (``kind:count``: count) of 19 tokens (odd: shard_batch pads the tail), or of 9-22; each
+    with its first tokens unlabelled."""
+    kind, _, count = kind.partition(":")
     g = torch.Generator().manual_seed(1)
     rows = []
-    for _ in range(12):
+    for _ in range(int(count or 12)):
         n = 19 if kind == "fixed" else int(torch.randint(9, 23, (1,), generator=g))
         ids = torch.randint(3, 128, (n,), generator=g)
         labels = ids.clone()
@@ -168,7 +172,7 @@ def _sft(sharded: bool) -> dict[str, object]:
         args=config,
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=_tokenizer(),
-        callbacks=[MemstackCallback(verify=False, measure=False)] if sharded else None,
+        callbacks=[MemstackCallback(raise_on_failure=True)] if sharded else None,  # verify and the meter too
     )
     return _run(trainer, model)
 
@@ -204,7 +208,53 @@ def _refusals(rank: int) -> dict[str, str]:
         out["evaluate"] = "evaluated"
     except ValueError as e:
         out["evaluate"] = str(e)
+    out.update(_refused_models_and_trainers())
     return out
+
+
+def _refused_models_and_trainers() -> dict[str, str]:
+    """Found by a new-user trial: a classifier under sp:N stopped in shard_batch with a message about
+    label widths; TRL's DPOTrainer with a message to drop its completion_mask; an fsdp policy under
+    Trainer crashed in DDP on FSDP2's DTensors."""
+    import datasets
+    import trl
+    from transformers import LlamaForSequenceClassification, Trainer
+
+    from hf_memstack import prepare_model
+    from hf_memstack.integrations.trainer import MemstackCallback
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "accepted"
+
+    classifier = LlamaForSequenceClassification(llama_config(num_labels=2, pad_token_id=0))
+    rows = [{"prompt": "w3 w4 w5", "chosen": " w6 w7", "rejected": " w8 w9"} for _ in range(4)]
+    dpo_args = trl.DPOConfig(
+        output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, bf16=False, max_steps=1, gradient_checkpointing=False
+    )
+    return {
+        "classifier": outcome(lambda: prepare_model(classifier, "fp32+sp:2")),
+        "dpo": outcome(
+            lambda: trl.DPOTrainer(
+                model=prepare_model(tiny_llama(pad_token_id=0), "fp32+sp:2"),
+                args=dpo_args,
+                train_dataset=datasets.Dataset.from_list(rows),
+                processing_class=_tokenizer(),
+                callbacks=[MemstackCallback()],
+            )
+        ),
+        "fsdp": outcome(
+            lambda: Trainer(
+                model=prepare_model(tiny_llama(), "fp32+fsdp"),
+                args=_args(2, 1),
+                train_dataset=_rows("fixed"),
+                callbacks=[MemstackCallback()],
+            )
+        ),
+    }
 
 
 def _ranks(rank: int, world: int) -> dict[str, object]:
@@ -257,3 +307,10 @@ def test_evaluation_under_sp_is_refused_naming_the_fix(ranks):
     for rank in (0, 1):
         assert "evaluation is not sequence-parallel" in ranks[rank]["evaluate"]
         assert "prepared without sp:2" in ranks[rank]["evaluate"]
+
+
+def test_what_sp_cannot_train_is_refused_naming_the_fix(ranks):
+    for rank in (0, 1):
+        assert "has no LM head" in ranks[rank]["classifier"] and "ForCausalLM" in ranks[rank]["classifier"]
+        assert "only TRL's SFTTrainer is" in ranks[rank]["dpo"] and "without sp:2" in ranks[rank]["dpo"]
+        assert "cannot hold FSDP2's sharded parameters" in ranks[rank]["fsdp"]

@@ -84,6 +84,7 @@ def check_sequence_parallel(model: nn.Module, cfg: SequenceParallelConfig) -> Se
             f"{type(inner).__name__} has no Transformers config: drop sp:{n}"
         )
     _refuse_architecture(config, n)
+    _refuse_headless(inner, n)
     _refuse_inexact(inner, config, n)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
@@ -94,6 +95,18 @@ def check_sequence_parallel(model: nn.Module, cfg: SequenceParallelConfig) -> Se
     return SequenceParallelPlan(
         size=n, heads=heads, kv_heads=kv_heads, kv_replication=replication, previous=config._attn_implementation
     )
+
+
+def _refuse_headless(inner: nn.Module, n: int) -> None:
+    """sp:N trains a causal LM's next-token loss over slices of its rows; a model without an LM head
+    (a sequence classifier pools one token of the whole row; a bare backbone) has no such loss."""
+    get = getattr(inner, "get_output_embeddings", None)
+    if not callable(get) or get() is None:
+        raise ValueError(
+            f"sp:{n} shards a causal LM's rows (its next-token loss is summed over each rank's slice); "
+            f"{type(inner).__name__} has no LM head (a classifier pools its row's last token, which one rank holds): "
+            f"load it as ...ForCausalLM, or drop sp:{n}"
+        )
 
 
 def _refuse_architecture(config: Any, n: int) -> None:

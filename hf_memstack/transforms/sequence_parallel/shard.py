@@ -26,14 +26,13 @@ __all__ = ["SequenceShardCollator", "drop_right_padding", "shard_batch"]
 IGNORE_INDEX = -100
 
 
-def shard_batch(
-    batch: Mapping[str, Any], *, sp_rank: int, sp_size: int, pad_token_id: int = 0
-) -> dict[str, torch.Tensor]:
+def shard_batch(batch: Mapping[str, Any], *, sp_rank: int, sp_size: int, pad_token_id: int = 0) -> dict[str, Any]:
     """This rank's slice of ``batch`` (``input_ids`` ``[rows, S]``, optional ``labels`` and packing's
     ``position_ids``; an ``attention_mask`` only if all ones): ``input_ids``, ``position_ids``,
     ``labels`` and ``shift_labels`` (both the shifted targets, contiguous: Transformers' loss views
     them flat), ``num_items_in_batch`` (the whole batch's labelled targets) - and no ``attention_mask``.
-    Other keys are refused (they would not be sliced)."""
+    Flags without a sequence (a bool, number, string or None: TRL's ``use_cache=False``) pass unchanged;
+    other keys are refused (they would not be sliced)."""
     _check_arguments(batch, sp_rank, sp_size)
     ids = batch["input_ids"]
     rows, width = ids.shape
@@ -51,7 +50,8 @@ def shard_batch(
             targets = torch.cat([targets, targets.new_full((rows, pad), IGNORE_INDEX)], dim=1)
     share = ids.shape[1] // sp_size
     mine = slice(sp_rank * share, (sp_rank + 1) * share)
-    out = {"input_ids": ids[:, mine].contiguous(), "position_ids": positions[:, mine].contiguous()}
+    out = {k: v for k, v in batch.items() if _is_flag(v)}
+    out.update(input_ids=ids[:, mine].contiguous(), position_ids=positions[:, mine].contiguous())
     if targets is not None:
         local = targets[:, mine].contiguous()
         out.update(labels=local, shift_labels=local, num_items_in_batch=(targets != IGNORE_INDEX).sum())
@@ -87,6 +87,11 @@ def drop_right_padding(batch: Mapping[str, Any]) -> dict[str, Any]:
 _KNOWN = ("input_ids", "labels", "position_ids", "attention_mask")
 
 
+def _is_flag(value: object) -> bool:
+    """A value with no sequence to slice: the same on every rank of a group, passed through as it is."""
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _check_arguments(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> None:
     if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
         raise ValueError(f"shard_batch: sp_size={sp_size!r} must be a positive integer (the sp:N of the policy)")
@@ -107,7 +112,7 @@ def _check_arguments(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> No
             "shard_batch: the batch is padded (attention_mask has zeros); sequence parallelism cannot carry a padding "
             "mask: pack the rows (hf_memstack.data.PackedCollator) - shard_batch pads a row's tail as a sample of its own"
         )
-    unknown = sorted(k for k in batch if k not in _KNOWN)
+    unknown = sorted(k for k, v in batch.items() if k not in _KNOWN and not _is_flag(v))
     if unknown:
         raise ValueError(
             f"shard_batch: keys {unknown} would not be sliced by sequence; pass only {', '.join(_KNOWN)} (drop the others "

@@ -277,6 +277,9 @@ def test_kv_replication_repeats_key_value_heads_until_n_divides_them(heads, kv_h
 def test_the_exchanges_shapes_on_fake_tensors_and_a_whole_step_traces():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from hf_memstack.transforms.sequence_parallel.attention import register_ulysses_attention
+
+    register_ulysses_attention()  # as apply_sequence_parallel does (alone, no other test has registered it)
     group = register_group(None, size=2)
     set_active_group(group)
     with FakeTensorMode():
