@@ -1,7 +1,7 @@
 """``hf-memstack estimate --policy a,b``: several policies are alternatives, each estimated or refused
 on its own - one this model or job cannot take (``quant:nf4`` over a mixture-of-experts router)
 leaves the others' answers standing. Also the options estimate and plan share (--device, --dtype, a
-vision-language model's --image-size and --images-per-sample)."""
+vision-language model's --image-size and --images-per-sample, --packed)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ __all__ = [
     "image_options",
     "keep_outputs_option",
     "label_fraction_option",
+    "packed_option",
     "refusal_lines",
     "verdict",
 ]
@@ -99,6 +100,15 @@ def keep_outputs_option(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the training loop keeps the model's outputs through the backward (outputs = model(**batch); "
         "outputs.loss.backward()): count them (fp32 logits under bf16/fp16); default: dropped, as Trainer and the recipe do",
+    )
+
+
+def packed_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="rows packed with several samples each, position_ids restarting, as --packing on / "
+        "DataCollatorWithFlattening make them (estimate_memory's and plan_policy's packed=True)",
     )
 
 

@@ -53,6 +53,7 @@ from .estimate import (
     image_options,
     keep_outputs_option,
     label_fraction_option,
+    packed_option,
     refusal_lines,
     verdict,
 )
@@ -121,6 +122,7 @@ def _add_estimate(sub: _Subparsers) -> None:
     image_options(e)
     keep_outputs_option(e)
     label_fraction_option(e)
+    packed_option(e)
 
 
 def _add_plan(sub: _Subparsers) -> None:
@@ -145,6 +147,7 @@ def _add_plan(sub: _Subparsers) -> None:
     image_options(pl)
     keep_outputs_option(pl)
     label_fraction_option(pl)
+    packed_option(pl)
 
 
 def _add_find_batch_size(sub: _Subparsers) -> None:
@@ -250,6 +253,7 @@ def _estimate(args: argparse.Namespace) -> int:
         "device": args.device,
         "label_fraction": args.label_fraction,
         "keep_outputs": args.keep_outputs,
+        "packed": args.packed,
         **_images(args),
     }
     rows = estimate_each([p.strip() for p in args.policy.split(",")], lambda p: estimate_memory(args.model, p, **job))
@@ -279,6 +283,7 @@ def _plan(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "device": args.device,
         "keep_outputs": args.keep_outputs,
+        "packed": args.packed,
         **_images(args),
         "label_fraction": args.label_fraction,
     }
