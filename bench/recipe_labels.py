@@ -3,7 +3,7 @@ labelled -100, the loss on the response), Transformers' own loss against ``loss:
 gathers the labelled positions and runs the output head over those only - as interleaved recipe runs
 in one invocation, with the ratios.
 
-    python bench/recipe_labels.py               # about 4-6 minutes on 2 cores (see below)
+    python bench/recipe_labels.py               # 1 min 42 s on 2 quiet cores (an AMX Xeon)
     python bench/recipe_labels.py --prompt-share 0.5 --rounds 5
     python bench/recipe_labels.py --rounds 1 --steps 1 --out /tmp/smoke.json   # a smoke test (no timing)
 
