@@ -40,21 +40,29 @@ LLAMA_SHAPES: dict[str, dict[str, int]] = {
 }
 
 
+def reference_config(layers: int, hidden: int, vocab: int = 32000, **overrides: Any) -> Any:
+    """The benches' Llama shape: heads of 64, a key/value head per 256 of width, an MLP of 8/3 the width."""
+    from transformers import LlamaConfig
+
+    shape: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": int(hidden * 8 / 3) // 64 * 64,
+        "num_hidden_layers": layers,
+        "num_attention_heads": max(1, hidden // 64),
+        "num_key_value_heads": max(1, hidden // 256),
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return LlamaConfig(**{**shape, **overrides})
+
+
 def reference_model(layers: int, hidden: int, vocab: int = 32000, seed: int = 0) -> torch.nn.Module:
     """A Llama-shaped causal LM built from a config (random weights, fp32), in train mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256),
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = reference_config(layers, hidden, vocab)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).train()
 

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import FINETUNE, ROOT, machine
+from _common import FINETUNE, ROOT, machine, reference_config
 
 RESULTS = ROOT / "bench" / "results" / "recipe_labels.json"
 
@@ -55,23 +55,14 @@ def build_model(folder: Path, hidden: int, layers: int, vocab: int, seq: int) ->
     """A Llama of this shape (random weights, seed 0) and a word-level tokenizer of ``vocab`` words."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
     words = ["[UNK]", "[PAD]", "[EOS]", *(f"w{i}" for i in range(3, vocab))]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=int(hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256),
-        vocab_size=vocab,
-        max_position_embeddings=seq,
-        pad_token_id=1,
-        eos_token_id=2,
-        bos_token_id=2,
+    config = reference_config(
+        layers, hidden, vocab, max_position_embeddings=seq, pad_token_id=1, eos_token_id=2, bos_token_id=2
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
