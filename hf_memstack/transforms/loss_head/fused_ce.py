@@ -5,6 +5,7 @@ so no logits are saved and nothing is recomputed in the backward."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -51,7 +52,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # The head's gradient accumulates in the compute dtype, chunk after chunk, inside the
             # matmul (addmm_: fp32 within a chunk, one rounding per chunk); an fp32 accumulator was
             # measured no more accurate next to bf16's own rounding and up to 1.7x slower on CPU.
-            grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
+            # Not zeroed: the first chunk writes it (beta=0), which saves a pass over the head's size.
+            grad_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
             grad_b = (
                 torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                 if wants_b and bias is not None
@@ -62,6 +64,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             # cannot compile there, and the peak is the same) and inside a compiled model (its graph has it).
             eager = is_in_torch_dispatch_mode() or torch.compiler.is_compiling()
             step = _compiled_chunk_step if compiled and not eager else _chunk_step
+            # The eager chunks reuse one step's scratch (not inside a compiled graph, which plans its own).
+            # The compiled chunks use it only where the transposed gradient is copied (see _add_grads).
+            eager_step = step is _chunk_step
+            scratch = (
+                _Scratch.for_chunks(min(chunk, h.shape[0]), w, fp32_logits=eager_step)
+                if not torch.compiler.is_compiling() and (eager_step or _copies_transposed(w))
+                else None
+            )
             for start in range(0, h.shape[0], chunk):
                 rows = slice(start, start + chunk)
                 total += step(
@@ -77,6 +87,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_b,
                     rows,
                     wants_h or wants_w or wants_b,
+                    scratch,
                 )
         # Saved: the input's and the head's gradients, in the compute dtype - the head's takes the
         # bytes of the weight copy that the unchunked path saves for its backward.
@@ -95,6 +106,35 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None, None, None, None
 
 
+@dataclass
+class _Scratch:
+    """One step's buffers for the eager chunks, reused chunk after chunk: a fresh ``[chunk, vocab]``
+    tensor per chunk costs its page faults every time on a CPU (glibc maps buffers over 32 MiB anew
+    per allocation), about a quarter of the head's time at vocab 128k. Their bytes are those one chunk
+    held at its peak before (its fp32 logits and their compute-dtype copy)."""
+
+    logits: torch.Tensor
+    """``[chunk, vocab]`` fp32: the logits, their softmax and gradient in place; then the bytes of the
+    transposed compute-dtype gradient (see :func:`_add_grads`)."""
+    low: torch.Tensor | None
+    """``[chunk, vocab]`` in the compute dtype: the raw logits, then their gradient (None in fp32)."""
+
+    @staticmethod
+    def for_chunks(rows: int, w: torch.Tensor, *, fp32_logits: bool = True) -> _Scratch:
+        """``fp32_logits=False`` for the compiled chunks, whose fused function keeps no fp32 logits:
+        ``logits`` is then in the compute dtype, only for the transposed gradient."""
+        shape = (rows, w.shape[0])
+        low = None if w.dtype == torch.float32 else torch.empty(shape, dtype=w.dtype, device=w.device)
+        logits_dtype = torch.float32 if fp32_logits else w.dtype
+        return _Scratch(torch.empty(shape, dtype=logits_dtype, device=w.device), low)
+
+    def transposed(self, g_low: torch.Tensor) -> torch.Tensor:
+        """``g_low.t()`` made contiguous, in the fp32 logits' bytes (done with by then)."""
+        n, vocab = g_low.shape
+        out = self.logits.view(g_low.dtype).view(-1)[: n * vocab].view(vocab, n)
+        return out.copy_(g_low.t())
+
+
 def _chunk_step(
     h: torch.Tensor,
     w: torch.Tensor,
@@ -108,9 +148,10 @@ def _chunk_step(
     grad_b: torch.Tensor | None,
     rows: slice,
     wants_grad: bool,
+    scratch: _Scratch | None = None,
 ) -> torch.Tensor:
     """One chunk: its summed loss; its gradients written into ``grad_h[rows]`` and added to ``grad_w``/``grad_b``."""
-    z, squash = _chunk_logits(h, w, b, multiplier, softcap)
+    z, squash = _chunk_logits(h, w, b, multiplier, softcap, scratch)
     valid = (y != ignore_index).to(z.dtype).unsqueeze(1)
     safe = torch.where(y != ignore_index, y, 0).unsqueeze(1)
     # log-sum-exp by hand, so that one exp pass gives both the loss and the softmax (the gradient).
@@ -129,13 +170,14 @@ def _chunk_step(
         g.mul_(1 - squash * squash)
     if multiplier != 1.0:
         g.mul_(multiplier)
-    g_low = g.to(w.dtype)
-    if grad_h is not None:
-        grad_h[rows] = g_low @ w
-    if grad_w is not None:
-        grad_w.addmm_(g_low.t(), h)
+    if scratch is not None and scratch.low is not None:
+        g_low = scratch.low[: g.shape[0]].copy_(g)
+    else:
+        g_low = g.to(w.dtype)
     if grad_b is not None:
         grad_b += g.sum(0)
+    del z, g, squash  # the fp32 chunk is done with: its bytes are free before the head's gradient needs any
+    _add_grads(g_low, w, h, grad_h, grad_w, rows, scratch)
     return loss
 
 
@@ -152,20 +194,50 @@ def _compiled_chunk_step(
     grad_b: torch.Tensor | None,
     rows: slice,
     wants_grad: bool,
+    scratch: _Scratch | None = None,
 ) -> torch.Tensor:
-    """:func:`_chunk_step` with the work between the matmuls compiled (one fused function)."""
-    raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    """:func:`_chunk_step` with the work between the matmuls compiled (one fused function; the
+    compiled function allocates its gradient output; the raw logits and the transposed gradient
+    go into ``scratch``)."""
+    if scratch is None or scratch.low is None:
+        raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    else:
+        raw = scratch.low[: h.shape[0]]
+        torch.addmm(b, h, w.t(), out=raw) if b is not None else torch.mm(h, w.t(), out=raw)
     loss, g_low, g_bias = _compiled_softmax_xent()(
         raw, y, multiplier, softcap, ignore_index, wants_grad, grad_b is not None
     )
+    del raw  # as in the eager step: the chunk's logits are free before the head's gradient
     if g_low is not None:
-        if grad_h is not None:
-            grad_h[rows] = g_low @ w
-        if grad_w is not None:
-            grad_w.addmm_(g_low.t(), h)
         if grad_b is not None and g_bias is not None:  # g_bias is computed exactly when grad_b is given
             grad_b += g_bias
+        _add_grads(g_low, w, h, grad_h, grad_w, rows, scratch)
     return loss
+
+
+def _add_grads(
+    g_low: torch.Tensor,
+    w: torch.Tensor,
+    h: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    rows: slice,
+    scratch: _Scratch | None = None,
+) -> None:
+    """A chunk's logit gradient ``g_low`` ``[chunk, vocab]`` through the head's matmul: written into
+    ``grad_h[rows]``, added into ``grad_w`` (written by the first chunk, ``rows.start == 0``)."""
+    if grad_h is not None:
+        grad_h[rows] = g_low @ w
+    if grad_w is None:
+        return
+    left = g_low.t()
+    if _copies_transposed(left):
+        # oneDNN's reduced-precision matmul is about 2x slower with a transposed left operand of
+        # few columns (a chunk's tokens): on an AMX Xeon at vocab 128k, 1.38 s against 0.72 s per
+        # 2,048 tokens with the copy counted. MKL's fp32 path and the GPU's have no such cost. The
+        # copy takes the bytes of the chunk's fp32 logits, done with by now.
+        left = scratch.transposed(g_low) if scratch is not None else left.contiguous()
+    grad_w.addmm_(left, h, beta=0 if rows.start == 0 else 1)
 
 
 _XentResult = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -218,14 +290,36 @@ def _compiled_softmax_xent() -> Callable[..., _XentResult]:
 
 
 def _chunk_logits(
-    h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, multiplier: float, softcap: float | None
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    multiplier: float,
+    softcap: float | None,
+    scratch: _Scratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's fp32 logits after the head's transform, and ``tanh`` of the soft-cap (None without one)."""
-    raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()  # the matmul in the compute dtype
-    z = raw.float()
+    """One chunk's fp32 logits after the head's transform (in ``scratch`` when given), and ``tanh``
+    of the soft-cap (None without one)."""
+    if scratch is None:
+        raw = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()  # the matmul in the compute dtype
+        z = raw.float()
+    else:
+        n = h.shape[0]
+        z = scratch.logits[:n]
+        raw = z if scratch.low is None else scratch.low[:n]
+        if b is not None:
+            torch.addmm(b, h, w.t(), out=raw)
+        else:
+            torch.mm(h, w.t(), out=raw)
+        if raw is not z:
+            z.copy_(raw)
     if multiplier != 1.0:
         z.mul_(multiplier)
     if softcap is None:
         return z, None
     squash = torch.tanh(z / softcap)
     return squash * softcap, squash
+
+
+def _copies_transposed(t: torch.Tensor) -> bool:
+    """Whether the head's gradient matmul gets its left operand as a contiguous copy (see _add_grads)."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16)

@@ -142,7 +142,8 @@ class _HeadShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and any(
+        # Every overload: the chunks write their matmuls into reused buffers (mm.out, addmm_).
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_) and any(
             torch.is_tensor(a) and self.shape[0] in a.shape and a.dim() == 2 for a in args
         ):
             self.matmul_dtypes.add(out.dtype)

@@ -32,7 +32,8 @@ class _HeadRows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == _HEAD_VOCAB:
+        # Any overload: the eager chunks write their logits into a reused buffer (mm.out).
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == _HEAD_VOCAB:
             self.rows += out.shape[0]
         return out
 
