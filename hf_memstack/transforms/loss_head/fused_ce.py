@@ -115,18 +115,20 @@ class _Scratch:
 
     logits: torch.Tensor
     """``[chunk, vocab]`` fp32: the logits, their softmax and gradient in place; then the bytes of the
-    transposed compute-dtype gradient (see :func:`_add_grads`)."""
+    transposed compute-dtype gradient (see :func:`_add_grads`). The compiled chunks': ``low``."""
     low: torch.Tensor | None
     """``[chunk, vocab]`` in the compute dtype: the raw logits, then their gradient (None in fp32)."""
 
     @staticmethod
     def for_chunks(rows: int, w: torch.Tensor, *, fp32_logits: bool = True) -> _Scratch:
-        """``fp32_logits=False`` for the compiled chunks, whose fused function keeps no fp32 logits:
-        ``logits`` is then in the compute dtype, only for the transposed gradient."""
+        """``fp32_logits=False`` for the compiled chunks (a reduced compute dtype), whose fused function
+        keeps no fp32 logits and returns the gradient in its own buffer: one buffer then holds the
+        raw logits, then the transposed gradient (``logits`` is ``low``)."""
         shape = (rows, w.shape[0])
         low = None if w.dtype == torch.float32 else torch.empty(shape, dtype=w.dtype, device=w.device)
-        logits_dtype = torch.float32 if fp32_logits else w.dtype
-        return _Scratch(torch.empty(shape, dtype=logits_dtype, device=w.device), low)
+        if not fp32_logits and low is not None:
+            return _Scratch(low, low)
+        return _Scratch(torch.empty(shape, dtype=torch.float32, device=w.device), low)
 
     def transposed(self, g_low: torch.Tensor) -> torch.Tensor:
         """``g_low.t()`` made contiguous, in the fp32 logits' bytes (done with by then)."""
