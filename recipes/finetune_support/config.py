@@ -30,11 +30,11 @@ def parse_config(argv: list[str] | None = None, *, description: str | None = Non
     """
     from transformers import HfArgumentParser
 
-    from hf_memstack.cli.main import _negative_sizes_joined
+    from hf_memstack.cli.parser import negative_sizes_joined
 
     # '--memory-budget -1GiB' joined as '--memory-budget=-1GiB': argparse would read the size as a flag
     # ("expected one argument"); joined, the size check says what is wrong with it.
-    argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv), ("--memory-budget", "--memory_budget"))
+    argv = negative_sizes_joined(list(sys.argv[1:] if argv is None else argv), ("--memory-budget", "--memory_budget"))
     argv = _bare_packing_flag(argv)
 
     class Parser(HfArgumentParser):
