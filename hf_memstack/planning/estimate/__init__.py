@@ -20,7 +20,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 
 - ``hf_memstack/__init__.py``: ``estimate_memory`` and ``MemoryEstimate`` in the public API
 - ``hf_memstack/planning/__init__.py``: ``estimate_memory``
-- ``hf_memstack/cli/main.py``: ``estimate_memory`` behind ``hf-memstack estimate``
+- ``hf_memstack/cli/main.py``: ``estimate_memory`` behind ``_estimate`` (the `hf-memstack estimate` command)
 - ``hf_memstack/integrations/trainer_eval.py``: ``kept_outputs``: what evaluation keeps
 - ``hf_memstack/planning/model/config.py``: ``apply_peft`` and ``cast_like_from_pretrained``
 - ``hf_memstack/planning/model/fake.py``: ``build_cache``, ``apply_peft`` and ``set_dtypes``

@@ -12,7 +12,7 @@ synthetic_batch.py  the random batches ``hf-memstack find-batch-size`` measures 
 Touch points outside this folder (``tests/unit/test_layout.py`` keeps the list true: every module
 outside it that imports from here is listed, and each ``name`` below is in the file named):
 
-- ``hf_memstack/cli/main.py``: ``synthetic_batches`` and ``load_config`` for ``hf-memstack find-batch-size``
+- ``hf_memstack/cli/main.py``: ``synthetic_batches`` and ``load_config`` for ``_find`` (the `hf-memstack find-batch-size` command)
 - ``hf_memstack/planning/estimate/__init__.py``: ``build_model`` and ``load_config`` (the old ``planning/estimate.py``'s names)
 - ``hf_memstack/planning/estimate/estimator.py``: ``load_config``, ``infer_task`` and ``images_for``
 - ``hf_memstack/planning/estimate/checks.py``: ``build_model``

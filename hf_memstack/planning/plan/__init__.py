@@ -19,7 +19,7 @@ outside it that imports from here is listed, and each ``name`` below is in the f
 
 - ``hf_memstack/__init__.py``: ``plan_policy`` and ``Plan`` in the public API
 - ``hf_memstack/planning/__init__.py``: ``plan_policy``
-- ``hf_memstack/cli/main.py``: ``plan_policy`` behind ``hf-memstack plan``
+- ``hf_memstack/cli/main.py``: ``plan_policy`` behind ``_plan`` (the `hf-memstack plan` command)
 - ``hf_memstack/batch_size/preflight.py``: ``next_rung``: what the finder says when nothing fits
 """
 
