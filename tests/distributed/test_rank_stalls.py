@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 GROUP_TIMEOUT = 5.0
 # Rank 1's stall outlasts the group's timeout and the roll call's few seconds together (5 + 3 s:
-# rank 0 gives up at about 8 s, 6 s before rank 1 wakes). Was 20 s: 6 s more of waiting per launch.
-STALL = 14.0
+# rank 0 gave up at 8.1-8.3 s, 8 s before rank 1 wakes; 13 s is allowed, for a loaded machine). Was 20 s.
+STALL = 16.0
 # Rank 0 ends at least this long before rank 1 wakes: it gave up on its own, not when rank 1 arrived.
 EARLY = 3.0
 _make = batches("llama", seq=16)
