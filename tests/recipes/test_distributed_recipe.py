@@ -26,7 +26,10 @@ def _reference_lrs(name: str, lr: float, warmup: int, total: int) -> list[float]
     return lrs
 
 
-@pytest.mark.parametrize("scheduler", ["linear", "cosine"])
+# One scheduler: the recipe hands --lr-scheduler's name to transformers' get_scheduler and steps
+# whatever it builds the same way, so a second name (cosine, was) ran the same recipe code again
+# under a second 2-process launch.
+@pytest.mark.parametrize("scheduler", ["linear"])
 def test_lr_schedule_is_the_same_on_two_processes(recipe, tiny_lm, tmp_path, scheduler):
     """Was: on 2 processes Accelerate's prepared scheduler stepped twice per optimizer step:
     --max-steps 8 --warmup-ratio 0 logged 1.5e-4, 1e-4, 5e-5, then 0 for steps 4-8."""
@@ -93,11 +96,12 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tiny_lm, tmp_path):
     --dist-timeout, fails, and torchrun then ends rank 1."""
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = _with_hook(tiny_lm, out, "hang@step-2@rank1", "--max-steps", "8", "--dist-timeout", "20", timeout=400)
+    # 10 s: the ranks are in step at every collective before the hang (was 20 s: 10 s of waiting more, per run).
+    proc = _with_hook(tiny_lm, out, "hang@step-2@rank1", "--max-steps", "8", "--dist-timeout", "10", timeout=400)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
-    assert elapsed < 300, elapsed  # 20 s of timeout plus the start-up of two processes on a busy 2-core machine
+    assert elapsed < 300, elapsed  # 10 s of timeout plus the start-up of two processes on a busy 2-core machine
 
 
 def test_a_setup_error_on_one_rank_ends_every_rank_with_it(tiny_lm, tmp_path):
