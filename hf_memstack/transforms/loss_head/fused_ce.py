@@ -234,10 +234,11 @@ def _add_grads(
         return
     left = g_low.t()
     if _copies_transposed(left):
-        # oneDNN's reduced-precision matmul is about 2x slower with a transposed left operand of
-        # few columns (a chunk's tokens): on an AMX Xeon at vocab 128k, 1.38 s against 0.72 s per
-        # 2,048 tokens with the copy counted. MKL's fp32 path and the GPU's have no such cost. The
-        # copy takes the bytes of the chunk's fp32 logits, done with by now.
+        # oneDNN's bf16 matmul is about 2x slower with a transposed left operand of few columns (a
+        # chunk's tokens): on an AMX Xeon at vocab 128k, 1.38 s against 0.72 s per 2,048 tokens with
+        # the copy counted (fp16 is assumed alike). MKL's fp32 path showed no such cost, and a GPU's
+        # BLAS takes either layout, so neither copies. The copy takes the bytes of the chunk's fp32
+        # logits, done with by now.
         left = scratch.transposed(g_low) if scratch is not None else left.contiguous()
     grad_w.addmm_(left, h, beta=0 if rows.start == 0 else 1)
 
