@@ -137,6 +137,7 @@ def _chunked_lm_loss(
     logit_multiplier: float,
     compiled: bool = False,
 ) -> torch.Tensor:
+    _check_target_layout(hidden, labels, shift_labels)
     unlabelled = 0  # positions that carry no loss whatever the labels: each row's last, when shifted here
     if shift_labels is None:
         if labels is None:  # a TypeError, as F.pad(None) raised before this check
@@ -170,6 +171,27 @@ def _chunked_lm_loss(
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def _check_target_layout(hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> None:
+    """Targets of another shape than the positions the model ran would be matched to the wrong
+    positions after flattening (Transformers' own loss stops on the count): refused, as are targets
+    that are not integer token ids."""
+    positions = list(hidden.shape[:-1])
+    for name, t in (("labels", labels), ("shift_labels", shift_labels)):
+        if not torch.is_tensor(t):
+            continue
+        if list(t.shape) != positions:
+            raise ValueError(
+                f"loss:chunked: {name} has shape {list(t.shape)}, but the model ran {positions} positions (batch, "
+                f"sequence). Give {name} the shape of input_ids, {positions}: labels are shifted inside the loss "
+                "(as Transformers does); targets you shifted yourself go in shift_labels, padded at the end with -100"
+            )
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(
+                f"loss:chunked: {name} has dtype {t.dtype}; it holds token ids, an integer dtype "
+                f"(torch.long, as the tokenizer gives). Convert it with {name}.long()"
+            )
 
 
 def _labelled_rows(

@@ -49,11 +49,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             b = bias.to(dtype) if bias is not None else None
             h = hidden.to(dtype)
             grad_h = torch.empty_like(h) if wants_h else None
-            # The head's gradient accumulates in the compute dtype, chunk after chunk, inside the
-            # matmul (addmm_: fp32 within a chunk, one rounding per chunk); an fp32 accumulator was
-            # measured no more accurate next to bf16's own rounding and up to 1.7x slower on CPU.
+            # The head's gradient accumulates chunk after chunk inside the matmul (addmm_: fp32
+            # within a chunk, one rounding per chunk). In bf16, in bf16: an fp32 accumulator cannot
+            # take a bf16 matmul on a CPU, and an fp32 matmul was 3.5x slower at vocab 128k; the
+            # rounding error grows with the number of chunks (docs/loss-head.md). In fp16, in fp32:
+            # the sum over a step's tokens, unscaled, overflows fp16's 65504 where the model's own
+            # (its loss-scaled mean) does not, and GradScaler would skip every step.
             # Not zeroed: the first chunk writes it (beta=0), which saves a pass over the head's size.
-            grad_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if wants_w else None
+            accumulate = torch.float32 if dtype == torch.float16 else dtype
+            grad_w = torch.empty(weight.shape, dtype=accumulate, device=weight.device) if wants_w else None
             grad_b = (
                 torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                 if wants_b and bias is not None
@@ -89,8 +93,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     wants_h or wants_w or wants_b,
                     scratch,
                 )
-        # Saved: the input's and the head's gradients, in the compute dtype - the head's takes the
-        # bytes of the weight copy that the unchunked path saves for its backward.
+        # Saved: the input's and the head's gradients, in the compute dtype (the head's in fp32 under
+        # fp16) - the head's takes the bytes of the weight copy that the unchunked path saves.
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -130,10 +134,14 @@ class _Scratch:
             return _Scratch(low, low)
         return _Scratch(torch.empty(shape, dtype=torch.float32, device=w.device), low)
 
-    def transposed(self, g_low: torch.Tensor) -> torch.Tensor:
-        """``g_low.t()`` made contiguous, in the fp32 logits' bytes (done with by then)."""
+    def transposed(self, g_low: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``g_low.t()`` made contiguous (in ``dtype``, by default its own), in the logits' bytes (done
+        with by then) where they hold it, else in a new tensor."""
         n, vocab = g_low.shape
-        out = self.logits.view(g_low.dtype).view(-1)[: n * vocab].view(vocab, n)
+        dtype = dtype or g_low.dtype
+        if self.logits.numel() * self.logits.element_size() < n * vocab * dtype.itemsize:
+            return g_low.t().to(dtype, memory_format=torch.contiguous_format)
+        out = self.logits.view(dtype).view(-1)[: n * vocab].view(vocab, n)
         return out.copy_(g_low.t())
 
 
@@ -233,7 +241,10 @@ def _add_grads(
     if grad_w is None:
         return
     left = g_low.t()
-    if _copies_transposed(left):
+    if grad_w.dtype != left.dtype:  # fp16: an fp32 accumulator (see the forward) and an fp32 matmul
+        left = scratch.transposed(g_low, grad_w.dtype) if scratch is not None else left.to(grad_w.dtype)
+        h = h.to(grad_w.dtype)
+    elif _copies_transposed(left):
         # oneDNN's bf16 matmul is about 2x slower with a transposed left operand of few columns (a
         # chunk's tokens): on an AMX Xeon at vocab 128k, 1.38 s against 0.72 s per 2,048 tokens with
         # the copy counted (fp16 is assumed alike). MKL's fp32 path showed no such cost, and a GPU's

@@ -370,6 +370,46 @@ def test_ids_outside_the_vocabulary_are_named(load_model, field, position, value
     assert all(p.grad is None for p in model.parameters())  # refused before anything ran
 
 
+@pytest.mark.parametrize(
+    "labels_of, fragments",
+    [
+        # Shifted by the user (one position short): flattened, they were matched to the wrong positions.
+        (lambda ids: ids[:, 1:], ("labels has shape [3, 15]", "[3, 16] positions", "shift_labels")),
+        (lambda ids: ids[:1], ("labels has shape [1, 16]", "[3, 16] positions")),
+        (lambda ids: ids.float(), ("labels has dtype torch.float32", "labels.long()")),
+    ],
+    ids=["pre-shifted", "one-row", "float"],
+)
+def test_labels_that_do_not_match_the_positions_are_refused(load_model, labels_of, fragments):
+    """Transformers' own loss stops on these (a count or dtype mismatch); flattened into the chunks,
+    labels of another shape used to train silently on misaligned targets."""
+    model = prepare_model(load_model("llama"), _chunked())
+    batch = _masked_batch()
+    batch["labels"] = labels_of(batch["input_ids"])
+    with pytest.raises(ValueError) as e:
+        model(**batch).loss.backward()
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+    assert all(p.grad is None for p in model.parameters())  # refused before any gradient
+
+
+def test_fp16_head_gradient_does_not_overflow_where_the_models_own_does_not():
+    """fp16: the head's gradient summed over a step's tokens, unscaled, passes fp16's 65504 on a batch
+    of repeated tokens over large hidden states, where the true (mean) gradient is small: it must
+    accumulate in fp32, or GradScaler skips every step. Reference: the unprepared model in fp32."""
+    model = _causal_lm("llama", vocab=97)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(40.0)  # final hidden states of magnitude ~40
+    ids = torch.full((4, 512), 5)
+    ids[:, :8] = torch.randint(0, 97, (4, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}  # 2,000 labelled repeats of one token
+    _, want = _step(copy.deepcopy(model), batch)
+    prepared = prepare_model(model, MemoryPolicy(precision="fp16", loss={"mode": "chunked", "chunk_tokens": 64}))
+    _, got = _step(prepared, batch)
+    head = got["lm_head.weight"]
+    assert torch.isfinite(head).all(), "the head's fp16 gradient overflowed"
+    assert torch.allclose(head, want["lm_head.weight"], rtol=2e-2, atol=2e-2 * want["lm_head.weight"].abs().max())
+
+
 def test_chunked_lm_loss_names_a_label_outside_the_head():
     from hf_memstack.transforms.loss_head import chunked_lm_loss
 
