@@ -954,9 +954,14 @@ def _drain_collectives(job: Job) -> None:
     GIL, the two would wait on each other forever (seen once: a torchrun run hung after saving). And
     a rank that tears its group down while the other still talks to it aborts (seen once in CI after
     --stop-after: "terminate called without an active exception"). After the barrier the loop thread
-    has run past every earlier work."""
+    has run past every earlier work - but it still holds the barrier's own work, which holds the
+    earlier ones: seen again in CI, the main thread in ~ProcessGroupGloo (the DDP reducer's last
+    reference, dropped at exit) joining the loop thread, which waited for the GIL in
+    ~AsyncBarrierWork -> ~AsyncAllgatherWork. The pause releases the GIL so the loop thread drops
+    that work before anything can tear the group down."""
     if job.accelerator.num_processes > 1 and torch.distributed.is_initialized():
         torch.distributed.barrier()
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":
